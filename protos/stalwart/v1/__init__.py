@@ -1,0 +1,1 @@
+"""Generated protocol code for stalwart.v1 (run `make protos` after editing a .proto)."""

@@ -1,0 +1,62 @@
+"""The `stalwart` command: a thin dispatcher to subcommands.
+
+Each subcommand lives in its own module and is imported only when chosen, so
+`stalwart daemon` never pays for importing torch. A subcommand module exposes
+``configure(parser)`` to add its arguments and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from stalwart import __version__
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "daemon": ("stalwart.daemon.cli", "run the per-node daemon"),
+    "status": ("stalwart.daemon.status_cli", "show daemons, ranks, plan and storage"),
+    "demo": ("stalwart.client.demo", "run a local cluster: train, inject failures, recover"),
+    "train": ("stalwart.client.train_cli", "train the GPT with DP x PP x TP as local processes"),
+    "plan": ("stalwart.core.plan_cli", "partition layers into stages, advise a parallel strategy"),
+    "bench": ("stalwart.bench.cli", "run a benchmark and write its figures as JSON"),
+    "export": ("stalwart.client.interop", "write a committed step as a PyTorch checkpoint"),
+    "import": ("stalwart.client.interop", "read a PyTorch checkpoint into the snapshot store"),
+}
+
+
+def _top_level_help() -> str:
+    width = max(len(n) for n in COMMANDS)
+    lines = [f"stalwart {__version__}", "", "usage: stalwart COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run `stalwart COMMAND --help` for the options of one command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_top_level_help())
+        return 0
+    if argv[0] == "--version":
+        print(__version__)
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"stalwart: unknown command {name!r}\n\n{_top_level_help()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"stalwart {name}", description=COMMANDS[name][1])
+    module.configure(parser, name) if _takes_name(module) else module.configure(parser)
+    args = parser.parse_args(rest)
+    return int(module.run(args) or 0)
+
+
+def _takes_name(module: object) -> bool:
+    """`export` and `import` share a module; it is told which one was asked."""
+    return getattr(module, "CONFIGURE_TAKES_NAME", False)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
