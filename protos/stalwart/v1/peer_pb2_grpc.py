@@ -26,8 +26,9 @@ if _version_not_supported:
     )
 
 
-class PeerServiceStub:
-    """Missing associated documentation comment in .proto file."""
+class ShardServiceStub:
+    """Shard storage on a peer daemon.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -36,20 +37,167 @@ class PeerServiceStub:
             channel: A grpc.Channel.
         """
         self.PutShard = channel.stream_unary(
-                '/stalwart.v1.PeerService/PutShard',
+                '/stalwart.v1.ShardService/PutShard',
                 request_serializer=stalwart_dot_v1_dot_peer__pb2.ShardPiece.SerializeToString,
                 response_deserializer=stalwart_dot_v1_dot_peer__pb2.PutShardReply.FromString,
                 _registered_method=True)
         self.GetShard = channel.unary_stream(
-                '/stalwart.v1.PeerService/GetShard',
+                '/stalwart.v1.ShardService/GetShard',
                 request_serializer=stalwart_dot_v1_dot_peer__pb2.GetShardRequest.SerializeToString,
                 response_deserializer=stalwart_dot_v1_dot_peer__pb2.ShardPiece.FromString,
                 _registered_method=True)
         self.DeleteShards = channel.unary_unary(
-                '/stalwart.v1.PeerService/DeleteShards',
+                '/stalwart.v1.ShardService/DeleteShards',
                 request_serializer=stalwart_dot_v1_dot_peer__pb2.DeleteShardsRequest.SerializeToString,
                 response_deserializer=stalwart_dot_v1_dot_peer__pb2.DeleteShardsReply.FromString,
                 _registered_method=True)
+
+
+class ShardServiceServicer:
+    """Shard storage on a peer daemon.
+    """
+
+    def PutShard(self, request_iterator, context):
+        """Stream one shard in ~1 MiB pieces; the first piece carries the header.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetShard(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteShards(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ShardServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'PutShard': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutShard,
+                    request_deserializer=stalwart_dot_v1_dot_peer__pb2.ShardPiece.FromString,
+                    response_serializer=stalwart_dot_v1_dot_peer__pb2.PutShardReply.SerializeToString,
+            ),
+            'GetShard': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetShard,
+                    request_deserializer=stalwart_dot_v1_dot_peer__pb2.GetShardRequest.FromString,
+                    response_serializer=stalwart_dot_v1_dot_peer__pb2.ShardPiece.SerializeToString,
+            ),
+            'DeleteShards': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteShards,
+                    request_deserializer=stalwart_dot_v1_dot_peer__pb2.DeleteShardsRequest.FromString,
+                    response_serializer=stalwart_dot_v1_dot_peer__pb2.DeleteShardsReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'stalwart.v1.ShardService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('stalwart.v1.ShardService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ShardService:
+    """Shard storage on a peer daemon.
+    """
+
+    @staticmethod
+    def PutShard(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/stalwart.v1.ShardService/PutShard',
+            stalwart_dot_v1_dot_peer__pb2.ShardPiece.SerializeToString,
+            stalwart_dot_v1_dot_peer__pb2.PutShardReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/stalwart.v1.ShardService/GetShard',
+            stalwart_dot_v1_dot_peer__pb2.GetShardRequest.SerializeToString,
+            stalwart_dot_v1_dot_peer__pb2.ShardPiece.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stalwart.v1.ShardService/DeleteShards',
+            stalwart_dot_v1_dot_peer__pb2.DeleteShardsRequest.SerializeToString,
+            stalwart_dot_v1_dot_peer__pb2.DeleteShardsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class PeerServiceStub:
+    """Membership, commit and plans between daemons.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
         self.Gossip = channel.unary_unary(
                 '/stalwart.v1.PeerService/Gossip',
                 request_serializer=stalwart_dot_v1_dot_peer__pb2.PeerInfo.SerializeToString,
@@ -78,26 +226,8 @@ class PeerServiceStub:
 
 
 class PeerServiceServicer:
-    """Missing associated documentation comment in .proto file."""
-
-    def PutShard(self, request_iterator, context):
-        """Stream one shard in ~1 MiB pieces; the first piece carries the header.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GetShard(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def DeleteShards(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+    """Membership, commit and plans between daemons.
+    """
 
     def Gossip(self, request, context):
         """Membership: daemons announce themselves and learn the others.
@@ -135,21 +265,6 @@ class PeerServiceServicer:
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'PutShard': grpc.stream_unary_rpc_method_handler(
-                    servicer.PutShard,
-                    request_deserializer=stalwart_dot_v1_dot_peer__pb2.ShardPiece.FromString,
-                    response_serializer=stalwart_dot_v1_dot_peer__pb2.PutShardReply.SerializeToString,
-            ),
-            'GetShard': grpc.unary_stream_rpc_method_handler(
-                    servicer.GetShard,
-                    request_deserializer=stalwart_dot_v1_dot_peer__pb2.GetShardRequest.FromString,
-                    response_serializer=stalwart_dot_v1_dot_peer__pb2.ShardPiece.SerializeToString,
-            ),
-            'DeleteShards': grpc.unary_unary_rpc_method_handler(
-                    servicer.DeleteShards,
-                    request_deserializer=stalwart_dot_v1_dot_peer__pb2.DeleteShardsRequest.FromString,
-                    response_serializer=stalwart_dot_v1_dot_peer__pb2.DeleteShardsReply.SerializeToString,
-            ),
             'Gossip': grpc.unary_unary_rpc_method_handler(
                     servicer.Gossip,
                     request_deserializer=stalwart_dot_v1_dot_peer__pb2.PeerInfo.FromString,
@@ -184,88 +299,8 @@ def add_PeerServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class PeerService:
-    """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def PutShard(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
-            target,
-            '/stalwart.v1.PeerService/PutShard',
-            stalwart_dot_v1_dot_peer__pb2.ShardPiece.SerializeToString,
-            stalwart_dot_v1_dot_peer__pb2.PutShardReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetShard(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/stalwart.v1.PeerService/GetShard',
-            stalwart_dot_v1_dot_peer__pb2.GetShardRequest.SerializeToString,
-            stalwart_dot_v1_dot_peer__pb2.ShardPiece.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def DeleteShards(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/stalwart.v1.PeerService/DeleteShards',
-            stalwart_dot_v1_dot_peer__pb2.DeleteShardsRequest.SerializeToString,
-            stalwart_dot_v1_dot_peer__pb2.DeleteShardsReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
+    """Membership, commit and plans between daemons.
+    """
 
     @staticmethod
     def Gossip(request,

@@ -1,0 +1,1 @@
+"""Fixtures: daemon (see the module that fills this in)."""

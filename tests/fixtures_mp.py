@@ -1,0 +1,1 @@
+"""Fixtures: mp (see the module that fills this in)."""

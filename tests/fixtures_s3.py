@@ -1,0 +1,1 @@
+"""Fixtures: s3 (see the module that fills this in)."""
