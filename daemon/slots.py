@@ -1,0 +1,193 @@
+"""Daemon-owned shared-memory slots that ranks copy their state into.
+
+A slot is a memfd (anonymous, never on a filesystem, so no process that only
+attached can delete it), sized once, pre-faulted so the rank's first copy does
+not pay for page faults, and reused for every later capture. Ranks receive the
+file descriptor over a Unix socket (SCM_RIGHTS); the daemon keeps its own
+mapping, so a captured state outlives the rank that wrote it.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import socket
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+PREFAULT_BLOCK = 64 << 20  # bytes touched per write while pre-faulting
+MAX_REQUEST = 256          # bytes: "<slot_id> <token>\n"
+
+
+class SlotError(Exception):
+    """A slot request that cannot be served (unknown id, budget exceeded)."""
+
+
+@dataclass
+class Slot:
+    slot_id: str
+    rank_id: str
+    size: int  # bytes
+    fd: int
+    view: mmap.mmap
+    busy: bool = False  # True from Capture until the daemon has consumed it
+    released: threading.Event = field(default_factory=threading.Event)
+
+    def close(self) -> None:
+        self.view.close()
+        os.close(self.fd)
+
+
+def _prefault(view: mmap.mmap) -> None:
+    """Touch every page now so the first capture copies at memory speed."""
+    zeros = bytes(min(PREFAULT_BLOCK, len(view)))
+    for start in range(0, len(view), PREFAULT_BLOCK):
+        end = min(start + PREFAULT_BLOCK, len(view))
+        view[start:end] = zeros[: end - start]
+
+
+class SlotPool:
+    """Slots by id, within a byte budget for all ranks of this node."""
+
+    def __init__(self, budget_bytes: int, token: str = "") -> None:
+        self.budget_bytes = budget_bytes
+        self.token = token
+        self._slots: dict[str, Slot] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(s.size for s in self._slots.values())
+
+    def open(self, rank_id: str, nbytes: int, count: int = 2) -> list[Slot]:
+        """Return `count` slots of at least nbytes for rank_id, reusing what fits.
+
+        Two slots per rank let the daemon encode step s while the rank copies
+        step s+1.
+        """
+        if nbytes <= 0:
+            raise SlotError(f"slot size must be positive, got {nbytes} bytes")
+        size = mmap.PAGESIZE * -(-nbytes // mmap.PAGESIZE)
+        with self._lock:
+            mine = [s for s in self._slots.values() if s.rank_id == rank_id]
+            if len(mine) == count and all(s.size >= size for s in mine):
+                return mine
+            others = sum(s.size for s in self._slots.values() if s.rank_id != rank_id)
+            if others + count * size > self.budget_bytes:
+                raise SlotError(
+                    f"shared-memory budget exceeded: rank {rank_id} needs {count} x {size} bytes "
+                    f"but only {self.budget_bytes - others} of {self.budget_bytes} are free; "
+                    "raise [snapshot] ram_bytes or the memory of /dev/shm")
+            for s in mine:
+                del self._slots[s.slot_id]
+                s.close()
+        fresh = [self._create(rank_id, size) for _ in range(count)]
+        with self._lock:
+            for s in fresh:
+                self._slots[s.slot_id] = s
+        return fresh
+
+    def _create(self, rank_id: str, size: int) -> Slot:
+        fd = os.memfd_create(f"stalwart-{rank_id}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            view = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            os.close(fd)
+            raise
+        _prefault(view)
+        slot = Slot(slot_id=secrets.token_hex(8), rank_id=rank_id, size=size, fd=fd, view=view)
+        slot.released.set()
+        return slot
+
+    def get(self, slot_id: str) -> Slot:
+        with self._lock:
+            slot = self._slots.get(slot_id)
+        if slot is None:
+            raise SlotError(f"unknown slot {slot_id!r}; ask for a new one with OpenSlot")
+        return slot
+
+    def drop_rank(self, rank_id: str) -> None:
+        """Free a departed rank's slots (its last capture must be consumed first)."""
+        with self._lock:
+            gone = [s for s in self._slots.values() if s.rank_id == rank_id]
+            for s in gone:
+                del self._slots[s.slot_id]
+        for s in gone:
+            s.close()
+
+    def close(self) -> None:
+        with self._lock:
+            slots, self._slots = list(self._slots.values()), {}
+        for s in slots:
+            s.close()
+
+
+class FdServer:
+    """Hands a slot's fd to a local process that names the slot (and the token)."""
+
+    def __init__(self, pool: SlotPool, path: Path) -> None:
+        self.pool = pool
+        self.path = path
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        self.path.unlink(missing_ok=True)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(self.path))
+        os.chmod(self.path, 0o600)
+        sock.listen(64)
+        sock.settimeout(0.2)  # lets the loop notice stop() promptly
+        self._sock = sock
+        self._thread = threading.Thread(target=self._serve, name="stalwart-fd-server",
+                                        daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        assert self._sock is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5.0)
+                try:
+                    self._answer(conn)
+                except (OSError, ValueError) as exc:
+                    log.warning("fd request failed: %s", exc)
+
+    def _answer(self, conn: socket.socket) -> None:
+        request = conn.recv(MAX_REQUEST).decode("ascii", "replace").split()
+        if len(request) not in (1, 2):
+            conn.sendall(b"ERR malformed request; send '<slot_id> [token]'\n")
+            return
+        slot_id, token = request[0], (request[1] if len(request) == 2 else "")
+        if self.pool.token and not secrets.compare_digest(token, self.pool.token):
+            conn.sendall(b"ERR wrong or missing job token\n")
+            return
+        try:
+            slot = self.pool.get(slot_id)
+        except SlotError as exc:
+            conn.sendall(f"ERR {exc}\n".encode())
+            return
+        socket.send_fds(conn, [f"OK {slot.size}\n".encode()], [slot.fd])
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._sock is not None:
+            self._sock.close()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        self.path.unlink(missing_ok=True)
+
