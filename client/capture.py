@@ -1,0 +1,162 @@
+"""The capture hook: copy a rank's state into a daemon slot off the critical path.
+
+`capture(step, ...)` is called right after `optimizer.step()`. It only records
+what to copy and returns; a copier thread fills one of two daemon-owned slots
+while the next forward/backward runs, and a sender thread hands the filled slot
+to the daemon (phase one of the commit). The training thread blocks only in
+`before_update()` — called before the next `optimizer.step()` — and only if the
+copy of the previous step is still running, because the optimizer is about to
+overwrite the memory being copied.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from stalwart.client.shm import MappedSlot
+from stalwart.client.state_layout import StateTensor, describe, pack_into
+from stalwart.v1 import common_pb2
+
+
+class CaptureTransport(Protocol):
+    """What the capturer needs from the daemon (gRPC in production)."""
+
+    def open_slots(self, nbytes: int) -> list[tuple[str, str]]:
+        """Return [(slot_id, fd_socket_path)] of slots holding at least nbytes."""
+
+    def send_capture(self, step: int, slot_id: str, metas: list[common_pb2.TensorMeta],
+                     extra: bytes) -> None:
+        """Tell the daemon the slot holds `step`; return once it has consumed the slot."""
+
+
+@dataclass
+class CaptureStats:
+    stalls_s: list[float] = field(default_factory=list)  # training-thread blocking per step
+    copies_s: list[float] = field(default_factory=list)  # background copy time per capture
+    bytes_per_capture: int = 0
+
+
+class _SlotState:
+    def __init__(self, mapped: MappedSlot) -> None:
+        self.mapped = mapped
+        self.buffer = torch.frombuffer(mapped.view, dtype=torch.uint8)
+        self.free = threading.Event()
+        self.free.set()
+        self.pinned = False
+
+
+class Capturer:
+    """Double-buffered, asynchronous capture of one rank's state."""
+
+    def __init__(self, transport: CaptureTransport, token: str = "") -> None:
+        self.transport = transport
+        self.token = token
+        self.stats = CaptureStats()
+        self._slots: list[_SlotState] = []
+        self._size = 0
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="stalwart-copy")
+        self._sender = ThreadPoolExecutor(1, thread_name_prefix="stalwart-send")
+        self._copied: Future[None] | None = None
+        self._sent: list[Future[None]] = []
+        self._stream = None  # CUDA side stream, created on first CUDA capture
+
+    def _ensure_slots(self, nbytes: int) -> None:
+        if self._slots and self._size >= nbytes:
+            return
+        self.drain()
+        for s in self._slots:
+            s.mapped.close()
+        self._slots = [_SlotState(MappedSlot.attach(path, slot_id, self.token))
+                       for slot_id, path in self.transport.open_slots(nbytes)]
+        self._size = min(s.mapped.size for s in self._slots)
+
+    def capture(self, step: int, tensors: Sequence[StateTensor], extra: dict) -> None:
+        """Schedule a snapshot of `tensors` (and the small JSON-able `extra`) for step."""
+        started = time.perf_counter()
+        self.before_update()
+        for f in [f for f in self._sent if f.done()]:
+            self._sent.remove(f)
+            f.result()  # surface a failed hand-over at the next capture
+        metas, nbytes = describe(tensors)
+        self._ensure_slots(nbytes)
+        self.stats.bytes_per_capture = nbytes
+        slot = self._slots[step % len(self._slots)]
+        payload = json.dumps(extra, sort_keys=True).encode()
+        on_cuda = any(t.tensor.is_cuda for t in tensors)
+        if on_cuda:
+            self._prepare_cuda(slot)
+        snapshot = list(tensors)
+        self._copied = self._copier.submit(self._copy_then_send, step, slot, snapshot, metas,
+                                           payload, on_cuda)
+        self.stats.stalls_s.append(time.perf_counter() - started)
+
+    def _prepare_cuda(self, slot: _SlotState) -> None:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        if not slot.pinned:
+            # Page-lock the shared mapping so device-to-host copies run by DMA.
+            torch.cuda.cudart().cudaHostRegister(slot.buffer.data_ptr(), slot.buffer.numel(), 0)
+            slot.pinned = True
+        # The side stream must see the optimizer's writes before copying them.
+        self._stream.wait_stream(torch.cuda.current_stream())
+
+    def _copy_then_send(self, step: int, slot: _SlotState, tensors: list[StateTensor],
+                        metas: list[common_pb2.TensorMeta], extra: bytes, on_cuda: bool) -> None:
+        if not slot.free.wait(timeout=600):
+            raise TimeoutError(f"daemon did not consume slot {slot.mapped.slot_id} in 600 s")
+        slot.free.clear()
+        t0 = time.perf_counter()
+        if on_cuda:
+            with torch.cuda.stream(self._stream):
+                pack_into(slot.buffer, tensors, metas, non_blocking=True)
+            self._stream.synchronize()
+        else:
+            pack_into(slot.buffer, tensors, metas)
+        self.stats.copies_s.append(time.perf_counter() - t0)
+        self._sent.append(self._sender.submit(self._send, step, slot, metas, extra))
+
+    def _send(self, step: int, slot: _SlotState, metas: list[common_pb2.TensorMeta],
+              extra: bytes) -> None:
+        try:
+            self.transport.send_capture(step, slot.mapped.slot_id, metas, extra)
+        finally:
+            slot.free.set()
+
+    def before_update(self) -> float:
+        """Block until the last copy is done; returns seconds blocked. Call before step()."""
+        if self._copied is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self._copied.result()  # re-raises a copy failure in the training thread
+        self._copied = None
+        waited = time.perf_counter() - t0
+        if self.stats.stalls_s:
+            self.stats.stalls_s[-1] += waited
+        return waited
+
+    def drain(self) -> None:
+        """Wait until every scheduled capture has reached the daemon (raises its errors)."""
+        self.before_update()
+        sent, self._sent = self._sent, []
+        for f in sent:
+            f.result()
+
+    def close(self) -> None:
+        try:
+            self.drain()
+        finally:
+            self._copier.shutdown(wait=True)
+            self._sender.shutdown(wait=True)
+            for s in self._slots:
+                if s.pinned:
+                    torch.cuda.cudart().cudaHostUnregister(s.buffer.data_ptr())
+                s.mapped.close()
+            self._slots = []

@@ -1,0 +1,95 @@
+"""Flatten a rank's training state into one byte buffer described by TensorMeta.
+
+Tensors are laid out back to back at 64-byte aligned offsets so that every
+dtype view is aligned; the same description lets the daemon delta-encode by
+element size and lets restore find each tensor again by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from stalwart.v1 import common_pb2
+
+ALIGN = 64  # bytes
+
+_DTYPES: dict[torch.dtype, int] = {
+    torch.float32: common_pb2.FLOAT32,
+    torch.float16: common_pb2.FLOAT16,
+    torch.bfloat16: common_pb2.BFLOAT16,
+    torch.float64: common_pb2.FLOAT64,
+    torch.int64: common_pb2.INT64,
+    torch.int32: common_pb2.INT32,
+    torch.int16: common_pb2.INT16,
+    torch.int8: common_pb2.INT8,
+    torch.uint8: common_pb2.UINT8,
+    torch.bool: common_pb2.BOOL,
+}
+_TORCH: dict[int, torch.dtype] = {v: k for k, v in _DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One tensor of a rank's state, with where it sits in the global model."""
+
+    name: str
+    tensor: torch.Tensor
+    layer: int = -1
+    global_shape: tuple[int, ...] | None = None  # None: not a TP shard
+    offsets: tuple[int, ...] | None = None
+
+
+def dtype_to_proto(dtype: torch.dtype) -> int:
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise TypeError(f"cannot snapshot tensors of dtype {dtype}") from None
+
+
+def proto_to_dtype(code: int) -> torch.dtype:
+    try:
+        return _TORCH[code]
+    except KeyError:
+        raise ValueError(f"unknown dtype code {code} in a manifest") from None
+
+
+def describe(tensors: Sequence[StateTensor]) -> tuple[list[common_pb2.TensorMeta], int]:
+    """Assign aligned offsets; return the metadata and the total size in bytes."""
+    metas, offset, seen = [], 0, set()
+    for st in tensors:
+        if st.name in seen:
+            raise ValueError(f"state tensor name {st.name!r} appears twice")
+        seen.add(st.name)
+        t = st.tensor
+        nbytes = t.numel() * t.element_size()
+        metas.append(common_pb2.TensorMeta(
+            name=st.name, dtype=dtype_to_proto(t.dtype), shape=list(t.shape),
+            global_shape=list(st.global_shape or t.shape),
+            offsets=list(st.offsets or [0] * t.dim()),
+            layer=st.layer, nbytes=nbytes, offset=offset))
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return metas, offset
+
+
+def byte_view(buffer: torch.Tensor, meta: common_pb2.TensorMeta) -> torch.Tensor:
+    """The region of a uint8 buffer that holds one tensor, viewed with its dtype and shape."""
+    region = buffer[meta.offset: meta.offset + meta.nbytes]
+    return region.view(proto_to_dtype(meta.dtype)).view(tuple(meta.shape))
+
+
+def pack_into(buffer: torch.Tensor, tensors: Iterable[StateTensor],
+              metas: Sequence[common_pb2.TensorMeta], non_blocking: bool = False) -> None:
+    """Copy every tensor into its region of `buffer` (a uint8 CPU tensor)."""
+    for st, meta in zip(tensors, metas, strict=True):
+        byte_view(buffer, meta).copy_(st.tensor.detach(), non_blocking=non_blocking)
+
+
+def unpack(data: bytes | bytearray | memoryview,
+           metas: Sequence[common_pb2.TensorMeta]) -> dict[str, torch.Tensor]:
+    """Tensors by name, copied out of a state buffer (bitwise as captured)."""
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else \
+        torch.empty(0, dtype=torch.uint8)
+    return {m.name: byte_view(buf, m).clone() for m in metas}

@@ -1,0 +1,101 @@
+"""Capture copies a rank's state into daemon slots off the training thread, bit for bit."""
+
+import json
+import threading
+
+import pytest
+import torch
+
+from stalwart.client.capture import Capturer
+from stalwart.client.state_layout import StateTensor, describe, unpack
+from stalwart.daemon.slots import FdServer, SlotPool
+
+
+class LoopbackTransport:
+    """The daemon's side of OpenSlot/Capture, in-process, over a real fd socket."""
+
+    def __init__(self, pool: SlotPool, server: FdServer):
+        self.pool, self.server = pool, server
+        self.received: dict[int, tuple[bytes, list, dict]] = {}
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def open_slots(self, nbytes):
+        return [(s.slot_id, str(self.server.path)) for s in self.pool.open("rank-0", nbytes)]
+
+    def send_capture(self, step, slot_id, metas, extra):
+        assert self.gate.wait(timeout=30)
+        slot = self.pool.get(slot_id)
+        total = max(m.offset + m.nbytes for m in metas)
+        self.received[step] = (bytes(slot.view[:total]), list(metas), json.loads(extra))
+
+
+@pytest.fixture
+def transport(tmp_path):
+    pool = SlotPool(budget_bytes=64 << 20)
+    server = FdServer(pool, tmp_path / "fd.sock")
+    server.start()
+    yield LoopbackTransport(pool, server)
+    server.stop()
+    pool.close()
+
+
+def _state(seed: int) -> list[StateTensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        StateTensor("w", torch.randn(64, 33, generator=g), layer=0),
+        StateTensor("b16", torch.randn(17, generator=g).to(torch.bfloat16), layer=1),
+        StateTensor("step", torch.tensor([seed], dtype=torch.int64)),
+        StateTensor("mask", torch.rand(9, generator=g) > 0.5),
+    ]
+
+
+def test_captured_bytes_restore_every_tensor_bitwise(transport):
+    cap = Capturer(transport)
+    for step in range(3):
+        cap.capture(step, _state(step), {"data_position": step * 10})
+    cap.close()
+    for step in range(3):
+        data, metas, extra = transport.received[step]
+        restored = unpack(data, metas)
+        for st in _state(step):
+            got = restored[st.name]
+            assert got.dtype == st.tensor.dtype and got.shape == st.tensor.shape
+            assert torch.equal(got.view(torch.uint8), st.tensor.view(torch.uint8))
+        assert extra == {"data_position": step * 10}
+
+
+def test_update_after_before_update_does_not_leak_into_the_snapshot(transport):
+    cap = Capturer(transport)
+    params = torch.ones(1000)
+    cap.capture(7, [StateTensor("p", params)], {})
+    cap.before_update()
+    params.add_(1.0)  # the optimizer's next update
+    cap.close()
+    data, metas, _ = transport.received[7]
+    assert torch.equal(unpack(data, metas)["p"], torch.ones(1000))
+
+
+def test_a_slow_daemon_blocks_only_when_both_slots_are_in_use(transport):
+    cap = Capturer(transport)
+    transport.gate.clear()  # the daemon stops consuming slots
+    cap.capture(0, _state(0), {})
+    cap.before_update()
+    cap.capture(1, _state(1), {})
+    cap.before_update()  # second slot still free: no block
+    cap.capture(2, _state(2), {})  # slot 0 is still held by the daemon
+    assert not cap._copied.done()
+    transport.gate.set()
+    cap.close()
+    assert sorted(transport.received) == [0, 1, 2]
+
+
+def test_duplicate_names_are_refused():
+    with pytest.raises(ValueError, match="appears twice"):
+        describe([StateTensor("a", torch.zeros(1)), StateTensor("a", torch.zeros(2))])
+
+
+def test_offsets_are_aligned_for_every_dtype():
+    metas, total = describe(_state(0))
+    assert all(m.offset % 64 == 0 for m in metas)
+    assert total >= sum(m.nbytes for m in metas)
