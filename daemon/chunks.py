@@ -1,0 +1,156 @@
+"""Split a rank's logical state buffer into chunks and encode each as a base or a delta.
+
+Chunks are ~chunk_bytes, cut at tensor boundaries where a tensor fits and at element
+boundaries inside larger tensors, so every chunk's byte planes line up. A chunk is the
+unit the erasure coder and the tiers see; its ChunkRecord says how to decode it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from stalwart.core.manifest import element_size
+from stalwart.daemon import delta
+from stalwart.daemon.checksum import crc32c
+from stalwart.daemon.delta import Region
+from stalwart.v1 import common_pb2, manifest_pb2
+
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ChunkSpan:
+    """Where one chunk lies in the logical buffer; regions are chunk-relative."""
+
+    index: int
+    offset: int
+    size: int
+    regions: tuple[Region, ...]
+
+
+@dataclass
+class EncodedRank:
+    """One rank's encoded chunks, payloads in record order, and what the decoder sees.
+
+    `decoded` is the buffer a reader will reconstruct: the input itself on the lossless
+    path, the quantised reconstruction on the lossy one. Deltas of the next step apply
+    to it.
+    """
+
+    chunks: list[manifest_pb2.ChunkRecord]
+    payloads: list[bytes]
+    decoded: np.ndarray = field(repr=False)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(len(p) for p in self.payloads)
+
+
+def _tensor_regions(tensors: Sequence[common_pb2.TensorMeta]) -> list[Region]:
+    regions = [Region(t.offset, t.nbytes, t.dtype) for t in tensors if t.nbytes > 0]
+    for t in tensors:
+        element_size(t.dtype)  # unknown dtypes fail here, by name, not deep in a codec
+    return sorted(regions, key=lambda r: r.start)
+
+
+def plan_chunks(tensors: Sequence[common_pb2.TensorMeta], total_bytes: int,
+                chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[ChunkSpan]:
+    """Deterministic chunking of a `total_bytes` buffer holding `tensors` (bytes)."""
+    if chunk_bytes < 8:
+        raise ValueError(f"chunk_bytes={chunk_bytes} is below one 8-byte element")
+    regions = delta.tile(_tensor_regions(tensors), total_bytes)
+    cuts = [0]
+    fill = 0  # bytes in the open chunk
+    for r in regions:
+        if fill + r.size <= chunk_bytes:
+            fill += r.size
+            continue
+        pos, left = r.start, r.size
+        if r.size <= chunk_bytes and fill > 0:
+            cuts.append(pos)  # a tensor that fits a chunk of its own is not split
+            fill = r.size
+            continue
+        e = r.elem_size
+        while fill + left > chunk_bytes:
+            take = (chunk_bytes - fill) // e * e
+            pos, left = pos + take, left - take
+            if pos != cuts[-1]:
+                cuts.append(pos)
+            fill = 0
+        fill = left
+    cuts.append(total_bytes)
+    cuts = sorted(set(cuts))
+    return [ChunkSpan(i, lo, hi - lo, tuple(chunk_regions(tensors, lo, hi - lo)))
+            for i, (lo, hi) in enumerate(zip(cuts, cuts[1:], strict=False))]
+
+
+def chunk_regions(tensors: Sequence[common_pb2.TensorMeta], offset: int,
+                  size: int) -> list[Region]:
+    """Typed regions of the chunk [offset, offset + size), relative to its start."""
+    out = []
+    for t in tensors:
+        lo, hi = max(t.offset, offset), min(t.offset + t.nbytes, offset + size)
+        if lo < hi:
+            out.append(Region(lo - offset, hi - lo, t.dtype))
+    return sorted(out, key=lambda r: r.start)
+
+
+def chunk_id(step: int, rank: int, index: int) -> str:
+    return f"s{step}-r{rank}-c{index}"
+
+
+def encode_rank(step: int, rank: int, data, tensors: Sequence[common_pb2.TensorMeta], *,
+                chunk_bytes: int = DEFAULT_CHUNK_BYTES, reference=None,
+                reference_step: int | None = None, lossy: bool = False,
+                level: int = delta.DEFAULT_LEVEL,
+                executor: Executor | None = None) -> EncodedRank:
+    """Encode a rank's buffer: a base when `reference` is None, else a delta against it.
+
+    `reference` is the decoded buffer of `reference_step` (same size, same layout).
+    `lossy=True` selects the opt-in QUANT_DELTA codec for deltas.
+    """
+    buf = np.frombuffer(data, dtype=np.uint8)
+    if reference is not None:
+        ref = np.frombuffer(reference, dtype=np.uint8)
+        if ref.size != buf.size or reference_step is None or reference_step >= step:
+            raise ValueError(f"step {step} rank {rank}: reference of step {reference_step} "
+                             f"({ref.size} bytes) does not fit a {buf.size}-byte buffer")
+    spans = plan_chunks(tensors, buf.size, chunk_bytes)
+    decoded = buf if not (lossy and reference is not None) else buf.copy()
+
+    def one(span: ChunkSpan) -> tuple[manifest_pb2.ChunkRecord, bytes]:
+        piece = buf[span.offset:span.offset + span.size]
+        regions = list(span.regions)
+        if reference is None:
+            codec, base_step = manifest_pb2.ZSTD, step
+            payload = delta.encode_full(piece, regions, level=level)
+        else:
+            base_step = reference_step
+            ref_piece = ref[span.offset:span.offset + span.size]
+            if lossy:
+                codec = manifest_pb2.QUANT_DELTA
+                payload, recon = delta.encode_quant(piece, ref_piece, regions, level=level)
+                decoded[span.offset:span.offset + span.size] = recon
+                piece = recon
+            else:
+                codec = manifest_pb2.XOR_DELTA_ZSTD
+                payload = delta.encode_xor(piece, ref_piece, regions, level=level)
+        record = manifest_pb2.ChunkRecord(
+            chunk_id=chunk_id(step, rank, span.index), offset=span.offset, size=span.size,
+            stored_size=len(payload), crc32c=crc32c(piece), stored_crc32c=crc32c(payload),
+            codec=codec, base_step=base_step)
+        return record, payload
+
+    results = list(executor.map(one, spans)) if executor else [one(s) for s in spans]
+    return EncodedRank([r for r, _ in results], [p for _, p in results], decoded)
+
+
+def decode_chunk(record: manifest_pb2.ChunkRecord, payload,
+                 tensors: Sequence[common_pb2.TensorMeta], reference=None) -> np.ndarray:
+    """Decoded bytes of one chunk; `reference` is the base step's bytes of the same range."""
+    regions = chunk_regions(tensors, record.offset, record.size)
+    return delta.decode(record.codec, payload, regions, record.size, reference)

@@ -1,0 +1,268 @@
+"""Chunk codecs: raw bytes in, bytes out, numpy only (the daemon never imports torch).
+
+Lossless: a full base (byte-plane shuffle + zstd) and a delta (XOR of bit patterns
+against a reference, shuffle, zstd) that decode bitwise exact, NaN payloads and -0.0
+included. Lossy (opt-in, never the default): int8-quantised float32 deltas against
+the decoder's own reconstruction, so quantisation errors never accumulate.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import zstandard
+
+from stalwart.core.manifest import DTYPE_SIZE
+from stalwart.v1 import common_pb2, manifest_pb2
+
+DEFAULT_LEVEL = 1
+QUANT_BLOCK = 1024  # float32 elements sharing one scale in the lossy codec
+
+
+@dataclass(frozen=True)
+class Region:
+    """A run of same-typed bytes inside a chunk: [start, start + size) in bytes."""
+
+    start: int
+    size: int
+    dtype: int = common_pb2.UINT8
+
+    @property
+    def elem_size(self) -> int:
+        return DTYPE_SIZE.get(self.dtype, 1)
+
+
+class CodecError(ValueError):
+    """A payload does not decode into the size and regions its record promises."""
+
+
+_local = threading.local()
+
+
+def _compressor(level: int, threads: int) -> zstandard.ZstdCompressor:
+    # Compressors are not thread-safe; one per thread and setting avoids re-creation.
+    cache = _local.__dict__.setdefault("compressors", {})
+    key = (level, threads)
+    if key not in cache:
+        cache[key] = zstandard.ZstdCompressor(level=level, threads=threads)
+    return cache[key]
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_local, "decompressor"):
+        _local.decompressor = zstandard.ZstdDecompressor()
+    return _local.decompressor
+
+
+def _u8(data) -> np.ndarray:
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def tile(regions: list[Region], size: int) -> list[Region]:
+    """`regions` sorted, with any uncovered bytes of [0, size) added as uint8 regions."""
+    out: list[Region] = []
+    cursor = 0
+    for r in sorted(regions, key=lambda r: r.start):
+        if r.start < cursor or r.start + r.size > size:
+            raise CodecError(f"region {r} overlaps another or lies outside {size} bytes")
+        if r.start > cursor:
+            out.append(Region(cursor, r.start - cursor))
+        out.append(r)
+        cursor = r.start + r.size
+    if cursor < size:
+        out.append(Region(cursor, size - cursor))
+    return out
+
+
+def _planes(data, regions: list[Region], forward: bool) -> np.ndarray:
+    src = _u8(data)
+    out = np.empty_like(src)
+    for r in tile(regions, src.size):
+        e, n = r.elem_size, r.size // r.elem_size
+        lo, mid, hi = r.start, r.start + n * e, r.start + r.size
+        if e > 1 and n > 0:
+            if forward:
+                out[lo:mid].reshape(e, n)[...] = src[lo:mid].reshape(n, e).T
+            else:
+                out[lo:mid].reshape(n, e)[...] = src[lo:mid].reshape(e, n).T
+        else:
+            mid = lo
+        out[mid:hi] = src[mid:hi]
+    return out
+
+
+def shuffle(data, regions: list[Region]) -> np.ndarray:
+    """Byte planes of each region side by side (byte 0 of every element, then byte 1...)."""
+    return _planes(data, regions, forward=True)
+
+
+def unshuffle(data, regions: list[Region]) -> np.ndarray:
+    """Inverse of `shuffle`."""
+    return _planes(data, regions, forward=False)
+
+
+def xor(a, b) -> np.ndarray:
+    """Bitwise XOR of two equal-length buffers (uint8 result)."""
+    x, y = _u8(a), _u8(b)
+    if x.size != y.size:
+        raise CodecError(f"delta of {x.size} bytes against a reference of {y.size} bytes")
+    out = np.empty_like(x)
+    whole = x.size - x.size % 8  # 8-byte words are several times faster than bytes
+    np.bitwise_xor(x[:whole].view(np.uint64), y[:whole].view(np.uint64),
+                   out=out[:whole].view(np.uint64))
+    np.bitwise_xor(x[whole:], y[whole:], out=out[whole:])
+    return out
+
+
+def _zstd(data: np.ndarray, level: int, threads: int) -> bytes:
+    return _compressor(level, threads).compress(data)
+
+
+def _unzstd(payload, size: int) -> np.ndarray:
+    raw = _decompressor().decompress(payload, max_output_size=size)
+    if len(raw) != size:
+        raise CodecError(f"payload decompressed to {len(raw)} bytes, record says {size}")
+    return _u8(raw)
+
+
+def encode_full(data, regions: list[Region], *, level: int = DEFAULT_LEVEL,
+                threads: int = 0) -> bytes:
+    """A self-contained base chunk: shuffle + zstd."""
+    return _zstd(shuffle(data, regions), level, threads)
+
+
+def decode_full(payload, regions: list[Region], size: int) -> np.ndarray:
+    return unshuffle(_unzstd(payload, size), regions)
+
+
+def encode_xor(data, reference, regions: list[Region], *, level: int = DEFAULT_LEVEL,
+               threads: int = 0) -> bytes:
+    """A lossless delta chunk: XOR against `reference`, shuffle, zstd."""
+    return _zstd(shuffle(xor(data, reference), regions), level, threads)
+
+
+def decode_xor(payload, reference, regions: list[Region], size: int) -> np.ndarray:
+    return xor(unshuffle(_unzstd(payload, size), regions), reference)
+
+
+def encode(codec: int, data, regions: list[Region], reference=None, *,
+           level: int = DEFAULT_LEVEL, threads: int = 0) -> bytes:
+    """Encode one chunk with a lossless ChunkCodec (see `encode_quant` for the lossy one)."""
+    if codec == manifest_pb2.RAW:
+        return bytes(_u8(data))
+    if codec == manifest_pb2.ZSTD:
+        return encode_full(data, regions, level=level, threads=threads)
+    if codec == manifest_pb2.XOR_DELTA_ZSTD:
+        return encode_xor(data, reference, regions, level=level, threads=threads)
+    raise CodecError(f"codec {codec} cannot be encoded losslessly by encode()")
+
+
+def decode(codec: int, payload, regions: list[Region], size: int,
+           reference=None) -> np.ndarray:
+    """Decode one chunk of `size` bytes; deltas need the reference's bytes of the same range."""
+    if codec == manifest_pb2.RAW:
+        raw = _u8(payload)
+        if raw.size != size:
+            raise CodecError(f"raw chunk holds {raw.size} bytes, record says {size}")
+        return raw
+    if codec == manifest_pb2.ZSTD:
+        return decode_full(payload, regions, size)
+    if codec == manifest_pb2.XOR_DELTA_ZSTD:
+        return decode_xor(payload, reference, regions, size)
+    if codec == manifest_pb2.QUANT_DELTA:
+        return decode_quant(payload, reference, regions, size)
+    raise CodecError(f"unknown chunk codec {codec}; a newer stalwart wrote this step")
+
+
+# --- lossy, opt-in --------------------------------------------------------------------
+
+_EXACT, _QUANT = 0, 1
+
+
+def _quant_region(cur: np.ndarray, ref: np.ndarray) -> tuple[list[bytes], np.ndarray]:
+    """Quantise cur - ref per block; returns payload parts and the reconstruction."""
+    n = cur.size
+    nblocks = -(-n // QUANT_BLOCK)
+    pad = nblocks * QUANT_BLOCK - n
+    delta = np.pad(cur - ref, (0, pad)).reshape(nblocks, QUANT_BLOCK)
+    scale = (np.abs(delta).max(axis=1) / np.float32(127)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1))
+    q = np.clip(np.rint(delta / safe[:, None]), -127, 127).astype(np.int8)
+    recon = _dequant(ref, q, scale, n)
+    # Signs are kept exact (a second moment must stay >= 0): wrong-signed elements are
+    # stored verbatim as (index, value) exceptions.
+    bad = np.flatnonzero(np.signbit(recon) != np.signbit(cur)).astype(np.uint32)
+    recon[bad] = cur[bad]
+    parts = [np.uint32(bad.size).tobytes(), scale.tobytes(), q.tobytes(), bad.tobytes(),
+             cur[bad].tobytes()]
+    return parts, recon
+
+
+def _dequant(ref: np.ndarray, q: np.ndarray, scale: np.ndarray, n: int) -> np.ndarray:
+    step = (q.astype(np.float32) * scale[:, None]).reshape(-1)[:n]
+    return (ref + step).astype(np.float32)
+
+
+def encode_quant(data, reference, regions: list[Region], *,
+                 level: int = DEFAULT_LEVEL) -> tuple[bytes, np.ndarray]:
+    """LOSSY: int8 deltas of float32 regions against `reference`, which must be the
+    decoder's reconstruction of the previous step (error feedback). Other regions and
+    non-finite float32 regions are XOR-coded exactly. Returns (payload, reconstruction);
+    keep the reconstruction as the next call's reference."""
+    cur_all, ref_all = _u8(data), _u8(reference)
+    recon_all = cur_all.copy()
+    parts: list[bytes] = []
+    flags = bytearray()
+    regions = tile(regions, cur_all.size)
+    for r in regions:
+        cur = cur_all[r.start:r.start + r.size]
+        ref = ref_all[r.start:r.start + r.size]
+        if r.dtype == common_pb2.FLOAT32 and r.size % 4 == 0:
+            cf, rf = cur.view(np.float32), ref.view(np.float32)
+            if np.isfinite(cf).all() and np.isfinite(rf).all():
+                region_parts, recon = _quant_region(cf, rf)
+                flags.append(_QUANT)
+                parts.extend(region_parts)
+                recon_all[r.start:r.start + r.size] = recon.view(np.uint8)
+                continue
+        flags.append(_EXACT)
+        parts.append(xor(cur, ref).tobytes())
+    body = bytes(flags) + b"".join(parts)
+    return _compressor(level, 0).compress(body), recon_all
+
+
+def decode_quant(payload, reference, regions: list[Region], size: int) -> np.ndarray:
+    """LOSSY: rebuild the reconstruction `encode_quant` returned, bit for bit."""
+    body = _decompressor().decompressobj().decompress(payload)
+    ref_all = _u8(reference)
+    if ref_all.size != size:
+        raise CodecError(f"lossy delta of {size} bytes against a reference of {ref_all.size}")
+    out = np.empty_like(ref_all)
+    regions = tile(regions, size)
+    pos = len(regions)
+    for flag, r in zip(body[:len(regions)], regions, strict=True):
+        ref = ref_all[r.start:r.start + r.size]
+        if flag == _EXACT:
+            out[r.start:r.start + r.size] = xor(_u8(body[pos:pos + r.size]), ref)
+            pos += r.size
+            continue
+        n = r.size // 4
+        nblocks = -(-n // QUANT_BLOCK)
+        nbad = int(np.frombuffer(body, np.uint32, 1, pos)[0])
+        pos += 4
+        scale = np.frombuffer(body, np.float32, nblocks, pos)
+        pos += 4 * nblocks
+        q = np.frombuffer(body, np.int8, nblocks * QUANT_BLOCK, pos).reshape(nblocks, -1)
+        pos += nblocks * QUANT_BLOCK
+        bad = np.frombuffer(body, np.uint32, nbad, pos)
+        pos += 4 * nbad
+        exact = np.frombuffer(body, np.float32, nbad, pos)
+        pos += 4 * nbad
+        recon = _dequant(ref.view(np.float32), q, scale, n)
+        recon[bad] = exact
+        out[r.start:r.start + r.size] = recon.view(np.uint8)
+    if pos != len(body):
+        raise CodecError(f"lossy payload has {len(body) - pos} unexpected trailing bytes")
+    return out
