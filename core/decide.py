@@ -1,0 +1,355 @@
+"""The coordinator's decisions as pure functions: failures in, next plan out.
+
+Given the newest plan and typed failures, `decide` puts registered spares into
+the failed ranks' roles (layout unchanged) or stops cleanly at the last
+committed step; shrinking plugs in through `shrink_planner`. Generations fence
+everything: `check_generation` refuses messages from an older generation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from stalwart.core.failures import Failure, FailureKind
+from stalwart.v1 import common_pb2
+
+__all__ = [
+    "Coord", "Layout", "Member", "PlanState", "PlanDecision", "StopDecision", "NoChange",
+    "Decision", "ShrinkPlanner", "StaleGenerationError", "check_generation", "decide",
+]
+
+
+class StaleGenerationError(RuntimeError):
+    """A message or process group belongs to a generation the job has left behind."""
+
+
+def check_generation(msg_gen: int, current_gen: int, *, what: str = "message") -> bool:
+    """Refuse `what` from an older generation; return True when it comes from a newer one.
+
+    A newer generation means this side has not installed the latest plan yet and
+    should fetch it (WatchPlan / InstallPlan) rather than refuse the sender.
+    """
+    if msg_gen < current_gen:
+        raise StaleGenerationError(
+            f"{what} from generation {msg_gen} refused: the job is at generation "
+            f"{current_gen}. The sender must drop its old process groups and follow the "
+            "current plan (watch the plan or register again)."
+        )
+    return msg_gen > current_gen
+
+
+@dataclass(frozen=True)
+class Coord:
+    """A role in the (dp, pp, tp) grid; `rank` is the global rank index of the role."""
+
+    rank: int
+    dp: int
+    pp: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class Member:
+    """A registered rank: a role holder when `coord` is set, a spare when it is None."""
+
+    rank_id: str
+    node: str
+    coord: Coord | None = None
+
+    @property
+    def where(self) -> str:
+        if self.coord is None:
+            return f"spare {self.rank_id} on {self.node}"
+        c = self.coord
+        return f"rank {self.rank_id} (dp {c.dp}, stage {c.pp}, tp {c.tp}) on {self.node}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel degrees plus what the training loop needs to run them unchanged."""
+
+    dp: int
+    pp: int
+    tp: int
+    stages: tuple[tuple[int, int], ...] = ()
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    grad_accum: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+
+@dataclass(frozen=True)
+class PlanState:
+    """Membership and layout of one generation (the pure twin of `stalwart.v1.Plan`)."""
+
+    generation: int
+    layout: Layout
+    members: tuple[Member, ...]
+    spares: tuple[Member, ...] = ()
+    resume_step: int = 0
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        lay = self.layout
+        if len(self.members) != lay.world_size:
+            raise ValueError(
+                f"plan of generation {self.generation} has {len(self.members)} ranks but its "
+                f"layout dp={lay.dp} pp={lay.pp} tp={lay.tp} needs {lay.world_size}"
+            )
+        ids = [m.rank_id for m in (*self.members, *self.spares)]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"plan of generation {self.generation} names a rank twice: {ids}")
+        cells = {(m.coord.dp, m.coord.pp, m.coord.tp) for m in self.members if m.coord}
+        if len(cells) != lay.world_size or any(
+            not (0 <= d < lay.dp and 0 <= p < lay.pp and 0 <= t < lay.tp) for d, p, t in cells
+        ):
+            raise ValueError(
+                f"plan of generation {self.generation} does not fill the "
+                f"{lay.dp}x{lay.pp}x{lay.tp} grid with one rank per cell"
+            )
+        if any(s.coord is not None for s in self.spares):
+            raise ValueError("a spare holds a role; spares must have coord=None")
+
+    def to_proto(self) -> common_pb2.Plan:
+        lay = self.layout
+        layout = common_pb2.ParallelLayout(
+            dp=lay.dp, pp=lay.pp, tp=lay.tp, schedule=lay.schedule,
+            microbatches=lay.microbatches, grad_accum=lay.grad_accum,
+            stages=[common_pb2.StageBounds(first_layer=a, last_layer=b) for a, b in lay.stages],
+        )
+        assignments = [
+            common_pb2.RankAssignment(
+                rank_id=m.rank_id, node=m.node,
+                coord=common_pb2.RankCoord(
+                    rank=m.coord.rank, dp=m.coord.dp, pp=m.coord.pp, tp=m.coord.tp),
+            )
+            for m in self.members if m.coord is not None
+        ] + [common_pb2.RankAssignment(rank_id=s.rank_id, node=s.node, spare=True)
+             for s in self.spares]
+        return common_pb2.Plan(
+            generation=self.generation, layout=layout, assignments=assignments,
+            reason=self.reason, resume_step=self.resume_step,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.Plan) -> PlanState:
+        lay = msg.layout
+        members, spares = [], []
+        for a in msg.assignments:
+            if a.spare:
+                spares.append(Member(a.rank_id, a.node))
+            else:
+                c = a.coord
+                members.append(Member(a.rank_id, a.node, Coord(c.rank, c.dp, c.pp, c.tp)))
+        return cls(
+            generation=msg.generation,
+            layout=Layout(
+                dp=lay.dp, pp=lay.pp, tp=lay.tp,
+                stages=tuple((s.first_layer, s.last_layer) for s in lay.stages),
+                schedule=lay.schedule, microbatches=lay.microbatches, grad_accum=lay.grad_accum,
+            ),
+            members=tuple(members), spares=tuple(spares),
+            resume_step=msg.resume_step, reason=msg.reason,
+        )
+
+
+@dataclass(frozen=True)
+class PlanDecision:
+    """A new generation: `kind` is "replace" (spares in, layout unchanged) or "shrink"."""
+
+    kind: str
+    previous: PlanState
+    plan: PlanState
+    replacements: Mapping[str, str]
+    causes: tuple[Failure, ...]
+
+    @property
+    def generation(self) -> int:
+        return self.plan.generation
+
+    def summary(self) -> str:
+        moves = ", ".join(f"{old} -> {new}" for old, new in sorted(self.replacements.items()))
+        return (f"generation {self.previous.generation} -> {self.generation} ({self.kind}"
+                f"{': ' + moves if moves else ''}), resuming from step {self.plan.resume_step}")
+
+
+@dataclass(frozen=True)
+class StopDecision:
+    """No viable plan: fence the old generation and stop at the last committed step."""
+
+    generation: int
+    last_committed_step: int
+    message: str
+    causes: tuple[Failure, ...]
+
+
+@dataclass(frozen=True)
+class NoChange:
+    """Nothing to re-plan; `plan` may drop lost spares but keeps the generation."""
+
+    plan: PlanState
+    reason: str
+    ignored: tuple[Failure, ...] = field(default=())
+
+
+Decision = PlanDecision | StopDecision | NoChange
+
+
+class ShrinkPlanner(Protocol):
+    """Hook for the elastic work: a plan on the survivors, or None when none fits.
+
+    The returned plan's generation and resume_step are overwritten by `decide`.
+    """
+
+    def __call__(
+        self, state: PlanState, failed: frozenset[str], committed_step: int
+    ) -> PlanState | None: ...
+
+
+def _is_relevant(f: Failure, generation: int, stragglers_fail: bool) -> bool:
+    if f.kind is FailureKind.STRAGGLER and not stragglers_fail:
+        return False
+    # Facts (dead process, lost GPU or node) stay true; observations made inside an
+    # older generation (late heartbeat, hung collective) were about groups that are gone.
+    stale = 0 < f.generation < generation and not f.kind.is_fact
+    return not stale
+
+
+def _failed_ids(state: PlanState, failures: Iterable[Failure]) -> tuple[set[str], list[Failure]]:
+    """rank_ids (members and spares) named by the failures, and the failures naming nobody."""
+    everyone = (*state.members, *state.spares)
+    failed: set[str] = set()
+    unknown: list[Failure] = []
+    for f in failures:
+        hit = {m.rank_id for m in everyone
+               if (m.node == f.subject if f.names_node else m.rank_id == f.subject)}
+        failed |= hit
+        if not hit:
+            unknown.append(f)
+    return failed, unknown
+
+
+def _pick_spares(
+    state: PlanState, failed: list[Member], pool: list[Member], tp_within_node: bool
+) -> dict[str, Member] | None:
+    """Spare for each failed member, or None when some role cannot be filled."""
+    chosen: dict[str, Member] = {}
+    free = sorted(pool, key=lambda s: (s.node, s.rank_id))
+    groups: dict[tuple[int, int], list[Member]] = {}
+    for m in sorted(failed, key=lambda m: m.coord.rank if m.coord else -1):
+        assert m.coord is not None
+        groups.setdefault((m.coord.dp, m.coord.pp), []).append(m)
+    failed_ids = {m.rank_id for m in failed}
+    for (dp, pp), lost in sorted(groups.items()):
+        if state.layout.tp > 1 and tp_within_node:
+            alive = {m.node for m in state.members if m.coord and m.rank_id not in failed_ids
+                     and (m.coord.dp, m.coord.pp) == (dp, pp)}
+            nodes = sorted(alive) if alive else sorted(
+                {s.node for s in free},
+                key=lambda n: (n != lost[0].node, -sum(s.node == n for s in free), n))
+            node = next((n for n in nodes if sum(s.node == n for s in free) >= len(lost)), None)
+            if node is None:
+                return None
+            for m in lost:
+                spare = next(s for s in free if s.node == node)
+                free.remove(spare)
+                chosen[m.rank_id] = spare
+        else:
+            for m in lost:
+                if not free:
+                    return None
+                # A spare on the same node keeps the role's locality (local daemon's copy).
+                spare = min(free, key=lambda s: (s.node != m.node, s.node, s.rank_id))
+                free.remove(spare)
+                chosen[m.rank_id] = spare
+    return chosen
+
+
+def _stop_message(failed: list[Member], causes: Sequence[Failure], step: int, why: str) -> str:
+    lost = "; ".join(m.where for m in failed)
+    seen = "; ".join(f.describe() for f in causes)
+    return (
+        f"Lost {lost}. {why} Training stops at the last committed step {step}; nothing "
+        f"committed is lost. Register a spare rank with a daemon and restart the job: it "
+        f"resumes from step {step}. (Detected: {seen})"
+    )
+
+
+def decide(
+    state: PlanState,
+    failures: Sequence[Failure],
+    committed_step: int,
+    *,
+    in_flight: PlanDecision | None = None,
+    stragglers_fail: bool = False,
+    tp_within_node: bool = True,
+    shrink_planner: ShrinkPlanner | None = None,
+) -> Decision:
+    """Decide the next plan after `failures`, starting from the newest plan `state`.
+
+    `committed_step` is the newest committed step (the resume point). When a
+    recovery is still in flight (`in_flight`, whose plan is `state`), the new
+    failures fold into it: one decision with all causes and a new generation.
+    """
+    if in_flight is not None and in_flight.plan.generation != state.generation:
+        raise ValueError(
+            f"in-flight recovery targets generation {in_flight.plan.generation} but the newest "
+            f"plan is generation {state.generation}; pass the in-flight plan as the state"
+        )
+    relevant = [f for f in failures if _is_relevant(f, state.generation, stragglers_fail)]
+    ignored = tuple(f for f in failures if f not in relevant)
+    failed_ids, unknown = _failed_ids(state, relevant)
+    ignored += tuple(unknown)
+    causes = tuple(f for f in relevant if f not in unknown)
+    pool = [s for s in state.spares if s.rank_id not in failed_ids]
+    failed = [m for m in state.members if m.rank_id in failed_ids]
+    if not failed:
+        kept = dataclasses.replace(state, spares=tuple(pool))
+        why = "lost spares only" if len(pool) < len(state.spares) else "no role holder failed"
+        return NoChange(kept, why, ignored)
+
+    all_causes = (in_flight.causes if in_flight else ()) + causes
+    generation = state.generation + 1
+    chosen = _pick_spares(state, failed, pool, tp_within_node)
+    if chosen is None:
+        if shrink_planner is not None:
+            planned = shrink_planner(state, frozenset(failed_ids), committed_step)
+            if planned is not None:
+                plan = dataclasses.replace(
+                    planned, generation=generation, resume_step=committed_step,
+                    reason=planned.reason or "shrink onto the survivors")
+                return PlanDecision("shrink", in_flight.previous if in_flight else state,
+                                    plan, {}, all_causes)
+        why = (f"{len(pool)} spare(s) registered, {len(failed)} needed"
+               + (" on the failed tensor-parallel group's node" if state.layout.tp > 1 else "")
+               + (", and no smaller plan fits the survivors." if shrink_planner else "."))
+        return StopDecision(generation, committed_step,
+                            _stop_message(failed, causes, committed_step, why), all_causes)
+
+    by_id = {m.rank_id: m for m in state.members}
+    members = tuple(
+        Member(chosen[m.rank_id].rank_id, chosen[m.rank_id].node, m.coord)
+        if m.rank_id in chosen else m
+        for m in state.members
+    )
+    used = {s.rank_id for s in chosen.values()}
+    plan = PlanState(
+        generation=generation, layout=state.layout, members=members,
+        spares=tuple(s for s in pool if s.rank_id not in used), resume_step=committed_step,
+        reason="replace " + ", ".join(
+            f"{by_id[old].rank_id} with spare {new.rank_id}" for old, new in chosen.items()),
+    )
+    replacements = {old: new.rank_id for old, new in chosen.items()}
+    previous = state
+    if in_flight is not None:
+        # A spare that died before finishing its takeover hands the original role on.
+        composed = {old: replacements.pop(new, new) for old, new in in_flight.replacements.items()}
+        replacements = {**composed, **replacements}
+        previous = in_flight.previous
+    return PlanDecision("replace", previous, plan, replacements, all_causes)

@@ -1,0 +1,229 @@
+"""Specification of the coordinator's decisions (pure, in-process)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stalwart.core.decide import (
+    Coord,
+    Layout,
+    Member,
+    NoChange,
+    PlanDecision,
+    PlanState,
+    StaleGenerationError,
+    StopDecision,
+    check_generation,
+    decide,
+)
+from stalwart.core.failures import Failure, FailureKind
+
+
+def grid(dp: int, pp: int, tp: int, ranks_per_node: int, spares: dict[str, int] | None = None,
+         generation: int = 1) -> PlanState:
+    """A plan whose ranks fill nodes n0, n1, ... in global-rank order (TP innermost)."""
+    members = []
+    for rank, (d, p, t) in enumerate(itertools.product(range(dp), range(pp), range(tp))):
+        members.append(Member(f"r{rank}", f"n{rank // ranks_per_node}", Coord(rank, d, p, t)))
+    spare_members = [Member(f"s{node}{i}", node)
+                     for node, count in (spares or {}).items() for i in range(count)]
+    return PlanState(generation, Layout(dp, pp, tp, stages=tuple((i, i) for i in range(pp))),
+                     tuple(members), tuple(spare_members))
+
+
+def killed(rank_id: str, generation: int = 1) -> Failure:
+    return Failure(FailureKind.PROCESS_EXIT, rank_id, "killed by SIGKILL", generation=generation)
+
+
+def coords(plan: PlanState) -> dict[str, Coord]:
+    return {m.rank_id: m.coord for m in plan.members}
+
+
+def test_a_spare_takes_the_failed_ranks_role_and_the_layout_stays():
+    state = grid(1, 4, 1, ranks_per_node=2, spares={"n2": 1})
+    d = decide(state, [killed("r2")], committed_step=41)
+    assert isinstance(d, PlanDecision) and d.kind == "replace"
+    assert d.generation == 2 and d.plan.resume_step == 41
+    assert d.plan.layout == state.layout
+    assert d.replacements == {"r2": "sn20"}
+    assert coords(d.plan)["sn20"] == Coord(2, 0, 2, 0)
+    assert "r2" not in coords(d.plan) and d.plan.spares == ()
+    survivors = {k: v for k, v in coords(state).items() if k != "r2"}
+    assert {k: coords(d.plan)[k] for k in survivors} == survivors
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_any_pipeline_stage_can_be_replaced(stage):
+    state = grid(1, 4, 1, ranks_per_node=4, spares={"n1": 1})
+    d = decide(state, [killed(f"r{stage}")], committed_step=5)
+    assert isinstance(d, PlanDecision)
+    assert coords(d.plan)["sn10"].pp == stage
+
+
+def test_a_spare_on_the_failed_ranks_node_is_preferred():
+    state = grid(2, 1, 1, ranks_per_node=1, spares={"n0": 1, "n1": 1})
+    d = decide(state, [killed("r1")], committed_step=3)
+    assert d.replacements == {"r1": "sn10"}
+
+
+def test_without_spares_the_job_stops_at_the_last_committed_step_with_a_clear_message():
+    state = grid(1, 2, 1, ranks_per_node=1)
+    d = decide(state, [killed("r1")], committed_step=17)
+    assert isinstance(d, StopDecision)
+    assert d.generation == 2 and d.last_committed_step == 17
+    assert "step 17" in d.message and "r1" in d.message and "spare" in d.message
+    assert "SIGKILL" in d.message
+
+
+def test_the_shrink_planner_hook_is_asked_when_no_spare_is_left():
+    state = grid(1, 2, 1, ranks_per_node=1)
+    asked = {}
+
+    def shrink(s, failed, step):
+        asked.update(failed=failed, step=step)
+        return PlanState(99, Layout(1, 1, 1), (Member("r0", "n0", Coord(0, 0, 0, 0)),),
+                         reason="1 stage")
+
+    d = decide(state, [killed("r1")], committed_step=8, shrink_planner=shrink)
+    assert asked == {"failed": frozenset({"r1"}), "step": 8}
+    assert isinstance(d, PlanDecision) and d.kind == "shrink"
+    assert d.generation == 2 and d.plan.resume_step == 8 and d.plan.layout.pp == 1
+
+
+def test_a_shrink_planner_that_finds_nothing_leads_to_a_stop():
+    state = grid(1, 2, 1, ranks_per_node=1)
+    d = decide(state, [killed("r0")], committed_step=8, shrink_planner=lambda *_: None)
+    assert isinstance(d, StopDecision) and "no smaller plan fits" in d.message
+
+
+def test_a_lost_node_fails_every_rank_and_spare_on_it():
+    state = grid(2, 2, 1, ranks_per_node=2, spares={"n1": 1, "n2": 2})
+    lost = Failure(FailureKind.PEER_LOST, "n1", "no gossip for 6.0 s", generation=1)
+    d = decide(state, [lost], committed_step=30)
+    assert isinstance(d, PlanDecision)
+    assert set(d.replacements) == {"r2", "r3"}
+    assert set(d.replacements.values()) == {"sn20", "sn21"}
+    assert all(m.node != "n1" for m in (*d.plan.members, *d.plan.spares))
+
+
+def test_tensor_parallel_replacements_stay_inside_one_node():
+    # dp=2, tp=2: TP group (dp 1) lives on n1; spares on n1 and n2.
+    state = grid(2, 1, 2, ranks_per_node=2, spares={"n1": 1, "n2": 2})
+    d = decide(state, [killed("r3")], committed_step=1)
+    assert d.replacements == {"r3": "sn10"}
+    whole = decide(state, [Failure(FailureKind.PEER_LOST, "n1", "gone", generation=1)], 1)
+    assert set(whole.replacements.values()) == {"sn20", "sn21"}
+
+
+def test_tensor_parallel_group_without_a_spare_on_its_node_stops():
+    state = grid(1, 1, 2, ranks_per_node=2, spares={"n1": 1})
+    d = decide(state, [killed("r1")], committed_step=4)
+    assert isinstance(d, StopDecision) and "tensor-parallel" in d.message
+
+
+def test_second_failure_during_recovery_folds_into_one_decision_with_a_new_generation():
+    state = grid(1, 4, 1, ranks_per_node=2, spares={"n2": 2})
+    first = decide(state, [killed("r0")], committed_step=10)
+    assert isinstance(first, PlanDecision) and first.generation == 2
+    # The spare that was taking over dies before the new generation trained a step.
+    second = decide(first.plan, [killed("sn20", generation=2)], committed_step=10,
+                    in_flight=first)
+    assert isinstance(second, PlanDecision) and second.generation == 3
+    assert second.previous == state
+    assert second.replacements == {"r0": "sn21"}
+    assert [f.subject for f in second.causes] == ["r0", "sn20"]
+    assert coords(second.plan)["sn21"] == Coord(0, 0, 0, 0)
+
+
+def test_a_survivor_failing_during_recovery_is_replaced_too():
+    state = grid(1, 4, 1, ranks_per_node=2, spares={"n2": 2})
+    first = decide(state, [killed("r0")], committed_step=10)
+    second = decide(first.plan, [killed("r3", generation=2)], 10, in_flight=first)
+    assert second.replacements == {"r0": "sn20", "r3": "sn21"} and second.generation == 3
+
+
+def test_second_failure_during_recovery_without_spares_stops_with_a_newer_generation():
+    state = grid(1, 2, 1, ranks_per_node=1, spares={"n2": 1})
+    first = decide(state, [killed("r0")], committed_step=6)
+    second = decide(first.plan, [killed("r1", generation=2)], 6, in_flight=first)
+    assert isinstance(second, StopDecision) and second.generation == 3
+    assert second.last_committed_step == 6 and len(second.causes) == 2
+
+
+def test_observations_from_an_older_generation_are_ignored_but_facts_count():
+    state = grid(1, 2, 1, ranks_per_node=1, spares={"n2": 1}, generation=5)
+    hang = Failure(FailureKind.COLLECTIVE_HANG, "r0", "all_reduce > 2 s", generation=4)
+    d = decide(state, [hang], committed_step=9)
+    assert isinstance(d, NoChange) and d.ignored == (hang,)
+    exit_ = killed("r0", generation=4)
+    assert isinstance(decide(state, [exit_], committed_step=9), PlanDecision)
+
+
+def test_stragglers_are_only_failures_when_asked():
+    state = grid(1, 2, 1, ranks_per_node=1, spares={"n2": 1})
+    slow = Failure(FailureKind.STRAGGLER, "r1", "3.1x slower", generation=1)
+    assert isinstance(decide(state, [slow], 2), NoChange)
+    assert isinstance(decide(state, [slow], 2, stragglers_fail=True), PlanDecision)
+
+
+def test_a_lost_spare_only_shrinks_the_spare_pool():
+    state = grid(1, 2, 1, ranks_per_node=1, spares={"n2": 2})
+    d = decide(state, [killed("sn20")], 2)
+    assert isinstance(d, NoChange) and d.plan.generation == 1
+    assert [s.rank_id for s in d.plan.spares] == ["sn21"]
+
+
+def test_failures_about_unknown_ranks_change_nothing():
+    state = grid(1, 2, 1, ranks_per_node=1)
+    d = decide(state, [killed("ghost")], 2)
+    assert isinstance(d, NoChange) and d.plan == state and len(d.ignored) == 1
+
+
+def test_plans_round_trip_through_protobuf():
+    state = grid(2, 2, 2, ranks_per_node=4, spares={"n2": 2}, generation=7)
+    assert PlanState.from_proto(state.to_proto()) == state
+
+
+def test_invalid_plans_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="needs 2"):
+        PlanState(1, Layout(1, 2, 1), (Member("a", "n", Coord(0, 0, 0, 0)),))
+    with pytest.raises(ValueError, match="one rank per cell"):
+        PlanState(1, Layout(1, 2, 1), (Member("a", "n", Coord(0, 0, 0, 0)),
+                                       Member("b", "n", Coord(1, 0, 0, 0))))
+
+
+def test_generation_fencing_refuses_older_and_flags_newer():
+    assert check_generation(3, 3) is False
+    assert check_generation(4, 3) is True
+    with pytest.raises(StaleGenerationError, match="generation 2 refused.*generation 3"):
+        check_generation(2, 3, what="heartbeat")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dp=st.integers(1, 3), pp=st.integers(1, 3), n_spares=st.integers(0, 4),
+    data=st.data(),
+)
+def test_replacement_matches_brute_force_counting(dp, pp, n_spares, data):
+    """With tp=1, a replace happens exactly when spares >= failed roles, and then every role
+    is filled once, survivors keep their roles and the used spares leave the pool."""
+    state = grid(dp, pp, 1, ranks_per_node=1, spares={"sp": n_spares})
+    ids = [m.rank_id for m in (*state.members, *state.spares)]
+    dead = data.draw(st.sets(st.sampled_from(ids), min_size=1))
+    d = decide(state, [killed(r) for r in sorted(dead)], committed_step=1)
+    dead_roles = [m for m in state.members if m.rank_id in dead]
+    live_spares = [s for s in state.spares if s.rank_id not in dead]
+    if not dead_roles:
+        assert isinstance(d, NoChange) and len(d.plan.spares) == len(live_spares)
+    elif len(live_spares) >= len(dead_roles):
+        assert isinstance(d, PlanDecision) and d.generation == 2
+        assert sorted(coords(d.plan).values(), key=lambda c: c.rank) == sorted(
+            coords(state).values(), key=lambda c: c.rank)
+        assert not dead & {m.rank_id for m in (*d.plan.members, *d.plan.spares)}
+        assert len(d.plan.spares) == len(live_spares) - len(dead_roles)
+    else:
+        assert isinstance(d, StopDecision) and d.last_committed_step == 1
