@@ -1,0 +1,221 @@
+"""ShardService: peers stream shards to this daemon's disk and read them back (grpc.aio).
+
+Shards travel in ~1 MiB pieces, the first carrying the header; a shard is only
+visible once its whole CRC32C matched (temp file, fsync, rename). Identifiers are
+checked against a strict grammar so no request can name a path outside the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+
+from stalwart.daemon.checksum import crc32c
+from stalwart.daemon.metrics import Metrics
+from stalwart.v1 import peer_pb2, peer_pb2_grpc
+
+PIECE_BYTES = 1 << 20
+MAX_SHARD_BYTES = 1 << 30
+MAX_ID_CHARS = 256
+_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_META = ".meta.json"
+
+
+def validate_id(value: str, what: str, allow_slash: bool = True) -> str:
+    """`value` if it is a safe relative identifier, else ValueError saying why.
+
+    Allowed: components of [A-Za-z0-9._-] (not starting with '.' or '-') joined by
+    '/' when `allow_slash`; so no '..', no absolute paths, no empty components.
+    """
+    if not value or len(value) > MAX_ID_CHARS:
+        raise ValueError(f"{what} must be 1-{MAX_ID_CHARS} characters, got {len(value)}")
+    parts = value.split("/") if allow_slash else [value]
+    if any(not _PART.fullmatch(p) for p in parts) or value.endswith(_META):
+        raise ValueError(
+            f"{what} {value!r} is not allowed: use letters, digits, '.', '_', '-'"
+            + (" and '/' between parts" if allow_slash else "")
+            + ", not starting with '.' or '-'")
+    return value
+
+
+class ShardStore:
+    """Shards of every job under `root/<job_id>/<shard_id>`, with a JSON sidecar each."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, job_id: str, shard_id: str) -> Path:
+        validate_id(job_id, "job_id", allow_slash=False)
+        validate_id(shard_id, "shard_id")
+        return self.root / job_id / shard_id
+
+    def meta(self, path: Path) -> dict:
+        return json.loads(path.with_name(path.name + _META).read_text())
+
+    def commit(self, tmp: Path, path: Path, meta: dict) -> None:
+        """Make a fully written temp file visible under `path` (durably)."""
+        side = path.with_name(path.name + _META)
+        side_tmp = side.with_name(side.name + f".tmp-{uuid.uuid4().hex}")
+        side_tmp.write_text(json.dumps(meta))
+        with side_tmp.open("rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        os.replace(side_tmp, side)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def delete(self, job_id: str, shard_ids: list[str], below_step: int) -> int:
+        """Remove the named shards and, when below_step > 0, every shard of an older step."""
+        job_dir = self.root / validate_id(job_id, "job_id", allow_slash=False)
+        doomed = {self.path(job_id, s) for s in shard_ids}
+        if below_step and job_dir.is_dir():
+            for side in job_dir.rglob("*" + _META):
+                if json.loads(side.read_text()).get("step", 0) < below_step:
+                    doomed.add(side.with_name(side.name[: -len(_META)]))
+        deleted = 0
+        for path in doomed:
+            if path.exists():
+                path.unlink()
+                deleted += 1
+            path.with_name(path.name + _META).unlink(missing_ok=True)
+        return deleted
+
+    def scrub(self) -> list[str]:
+        """Paths (relative to root) of stored shards whose CRC32C no longer matches."""
+        bad = []
+        for side in sorted(self.root.rglob("*" + _META)):
+            path = side.with_name(side.name[: -len(_META)])
+            meta = json.loads(side.read_text())
+            if not path.exists() or crc32c(path.read_bytes()) != meta["crc32c"]:
+                bad.append(str(path.relative_to(self.root)))
+        return bad
+
+
+class ShardServicer(peer_pb2_grpc.ShardServiceServicer):
+    """stalwart.v1.ShardService backed by a directory on this node."""
+
+    def __init__(self, store_dir: Path, metrics: Metrics,
+                 max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+        self.store = ShardStore(store_dir)
+        self.metrics = metrics
+        self.max_shard_bytes = max_shard_bytes
+
+    async def PutShard(self, request_iterator, context: grpc.aio.ServicerContext
+                       ) -> peer_pb2.PutShardReply:
+        started = time.perf_counter()
+        header = None
+        tmp: Path | None = None
+        f = None
+        try:
+            crc = received = 0
+            async for piece in request_iterator:
+                if header is None:
+                    if not piece.HasField("header"):
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                            "the first ShardPiece must carry the header")
+                    header = piece.header
+                    path = await self._checked_path(context, header.job_id, header.shard_id)
+                    if header.size > self.max_shard_bytes:
+                        await context.abort(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"shard {header.shard_id} declares {header.size} bytes, more than "
+                            f"the {self.max_shard_bytes}-byte limit")
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex}")
+                    f = tmp.open("wb")
+                elif piece.HasField("header"):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                        "only the first ShardPiece may carry a header")
+                received += len(piece.data)
+                if received > header.size:
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"shard {header.shard_id} sent more than its declared {header.size} bytes")
+                if piece.data:
+                    crc = crc32c(piece.data, crc)
+                    await asyncio.to_thread(f.write, piece.data)
+            if header is None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty PutShard stream")
+            if received != header.size:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"shard {header.shard_id} ended after {received} of {header.size} bytes")
+            if crc != header.crc32c:
+                self.metrics.scrub_errors.labels("peer").inc()
+                await context.abort(
+                    grpc.StatusCode.DATA_LOSS,
+                    f"shard {header.shard_id} arrived with CRC32C {crc:#010x}, header says "
+                    f"{header.crc32c:#010x}; the sender should retry")
+            await asyncio.to_thread(self._finish, f, tmp, path, header)
+            f = None
+            tmp = None
+            self.metrics.stored_bytes.labels("peer").inc(received)
+            self.metrics.peer_seconds.labels("serve_put").observe(time.perf_counter() - started)
+            return peer_pb2.PutShardReply(stored=True)
+        finally:
+            if f is not None:
+                f.close()
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
+
+    def _finish(self, f, tmp: Path, path: Path, header: peer_pb2.ShardHeader) -> None:
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        self.store.commit(tmp, path, {"size": header.size, "crc32c": header.crc32c,
+                                      "step": header.step, "generation": header.generation})
+
+    async def _checked_path(self, context: grpc.aio.ServicerContext, job_id: str,
+                            shard_id: str) -> Path:
+        try:
+            return self.store.path(job_id, shard_id)
+        except ValueError as exc:
+            self.metrics.auth_refused.labels("bad_id").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise  # abort always raises; this keeps type checkers informed
+
+    async def GetShard(self, request: peer_pb2.GetShardRequest,
+                       context: grpc.aio.ServicerContext):
+        started = time.perf_counter()
+        path = await self._checked_path(context, request.job_id, request.shard_id)
+        try:
+            meta = self.store.meta(path)
+            data = await asyncio.to_thread(path.read_bytes)
+        except FileNotFoundError:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"shard {request.shard_id} of job {request.job_id} is not here")
+        if len(data) != meta["size"] or crc32c(data) != meta["crc32c"]:
+            # Bit rot on this disk: say so rather than serve bad bytes.
+            self.metrics.scrub_errors.labels("peer").inc()
+            await context.abort(grpc.StatusCode.DATA_LOSS,
+                                f"shard {request.shard_id} failed its checksum on this node")
+        header = peer_pb2.ShardHeader(job_id=request.job_id, shard_id=request.shard_id,
+                                      size=meta["size"], crc32c=meta["crc32c"],
+                                      step=meta["step"], generation=meta["generation"])
+        view = memoryview(data)
+        yield peer_pb2.ShardPiece(header=header, data=view[:PIECE_BYTES].tobytes())
+        for at in range(PIECE_BYTES, len(data), PIECE_BYTES):
+            yield peer_pb2.ShardPiece(data=view[at:at + PIECE_BYTES].tobytes())
+        self.metrics.peer_seconds.labels("serve_get").observe(time.perf_counter() - started)
+
+    async def DeleteShards(self, request: peer_pb2.DeleteShardsRequest,
+                           context: grpc.aio.ServicerContext) -> peer_pb2.DeleteShardsReply:
+        try:
+            deleted = await asyncio.to_thread(self.store.delete, request.job_id,
+                                              list(request.shard_ids), request.below_step)
+        except ValueError as exc:
+            self.metrics.auth_refused.labels("bad_id").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return peer_pb2.DeleteShardsReply(deleted=deleted)
+

@@ -1,0 +1,159 @@
+"""Specs for ShardService over a real grpc.aio server on a loopback port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from pathlib import Path
+
+import grpc
+import pytest
+
+from stalwart.daemon.checksum import crc32c
+from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.shard_client import (
+    ByteBudget,
+    ShardChecksumError,
+    ShardClient,
+    ShardTransferError,
+)
+from stalwart.daemon.shard_service import ShardServicer, validate_id
+from stalwart.v1 import peer_pb2, peer_pb2_grpc
+
+
+@contextlib.asynccontextmanager
+async def shard_server(store: Path, metrics: Metrics | None = None):
+    server = grpc.aio.server()
+    servicer = ShardServicer(store, metrics or Metrics())
+    peer_pb2_grpc.add_ShardServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}", servicer
+    finally:
+        await server.stop(grace=None)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=60))
+
+
+def test_multi_mib_shard_round_trips_in_pieces(tmp_path):
+    data = os.urandom(5 * (1 << 20) + 12345)
+
+    async def scenario():
+        async with shard_server(tmp_path) as (address, _):
+            client = ShardClient(address, job_id="job1")
+            await client.put("step3/rank0/c0.1", data, step=3)
+            got = await client.get("step3/rank0/c0.1", expected_crc=crc32c(data),
+                                   expected_size=len(data))
+            await client.close()
+            return got
+
+    assert run(scenario()) == data
+    assert (tmp_path / "job1" / "step3" / "rank0" / "c0.1").read_bytes() == data
+
+
+def test_corrupt_stream_is_rejected_and_not_stored(tmp_path):
+    metrics = Metrics()
+
+    async def scenario():
+        async with shard_server(tmp_path, metrics) as (address, _):
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = peer_pb2_grpc.ShardServiceStub(channel)
+                header = peer_pb2.ShardHeader(job_id="j", shard_id="c.0", size=8,
+                                              crc32c=crc32c(b"abcdefgh"))
+                pieces = [peer_pb2.ShardPiece(header=header, data=b"abcd"),
+                          peer_pb2.ShardPiece(data=b"XXXX")]
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.PutShard(iter(pieces), timeout=10)
+                return err.value.code(), err.value.details()
+
+    code, details = run(scenario())
+    assert code == grpc.StatusCode.DATA_LOSS and "CRC32C" in details
+    assert not (tmp_path / "j" / "c.0").exists()
+    assert not [p for p in (tmp_path / "j").iterdir()]  # no temp file left behind
+    assert metrics.registry.get_sample_value("stalwart_scrub_errors_total", {"tier": "peer"}) == 1
+
+
+@pytest.mark.parametrize("shard_id", ["../../etc/passwd", "/etc/passwd", "a/../../b", "a//b",
+                                      ".hidden", "c.0\n", "c 0", "x" * 300, "", "c.0.meta.json"])
+def test_traversal_and_odd_ids_are_refused(tmp_path, shard_id):
+    store = tmp_path / "store"
+
+    async def scenario():
+        async with shard_server(store) as (address, _):
+            client = ShardClient(address, job_id="job1", attempts=1)
+            with pytest.raises(ShardTransferError, match="INVALID_ARGUMENT"):
+                await client.put(shard_id, b"payload")
+            with pytest.raises(ShardTransferError, match="INVALID_ARGUMENT"):
+                await client.get(shard_id)
+            await client.close()
+
+    run(scenario())
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))
+
+
+def test_job_id_may_not_contain_a_slash():
+    with pytest.raises(ValueError, match="not allowed"):
+        validate_id("a/b", "job_id", allow_slash=False)
+
+
+def test_bit_rot_on_disk_is_reported_as_data_loss(tmp_path):
+    async def scenario():
+        async with shard_server(tmp_path) as (address, servicer):
+            client = ShardClient(address, job_id="j", attempts=2, backoff_s=0.01)
+            await client.put("c.2", b"0123456789")
+            (tmp_path / "j" / "c.2").write_bytes(b"0123456780")
+            assert servicer.store.scrub() == ["j/c.2"]
+            with pytest.raises(ShardChecksumError, match="DATA_LOSS"):
+                await client.get("c.2")
+            await client.close()
+
+    run(scenario())
+
+
+def test_missing_shard_is_not_found_without_retries(tmp_path):
+    async def scenario():
+        async with shard_server(tmp_path) as (address, _):
+            client = ShardClient(address, job_id="j")
+            with pytest.raises(ShardTransferError, match="NOT_FOUND"):
+                await client.get("nope.0")
+            await client.close()
+
+    run(scenario())
+
+
+def test_delete_by_id_and_below_step(tmp_path):
+    async def scenario():
+        async with shard_server(tmp_path) as (address, _):
+            client = ShardClient(address, job_id="j")
+            for step in (1, 2, 3):
+                await client.put(f"s{step}.0", b"x", step=step)
+                await client.put(f"s{step}.1", b"y", step=step)
+            deleted = await client.delete(["s3.1"], below_step=3)
+            await client.close()
+            return deleted
+
+    assert run(scenario()) == 5
+    assert sorted(p.name for p in (tmp_path / "j").iterdir()) == ["s3.0", "s3.0.meta.json"]
+
+
+def test_byte_budget_bounds_bytes_in_flight():
+    async def scenario():
+        budget = ByteBudget(100)
+        peak = 0
+
+        async def worker(n: int) -> None:
+            nonlocal peak
+            held = await budget.acquire(n)
+            peak = max(peak, budget.capacity - budget.available)
+            await asyncio.sleep(0)
+            await budget.release(held)
+
+        await asyncio.gather(*(worker(40) for _ in range(10)), worker(500))
+        return peak, budget.available
+
+    peak, available = run(scenario())
+    assert peak <= 100 and available == 100
