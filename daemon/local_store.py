@@ -1,0 +1,353 @@
+"""The daemon's local snapshot tiers: a bounded RAM cache over durable local disk.
+
+Two-phase commit: `prepare` makes one rank's encoded chunks durable (temp file, fsync,
+rename), `commit` then writes the step's manifest atomically, so a step is either
+fully visible or not at all. Reads follow the base/delta chain and verify every CRC32C.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from stalwart.core import manifest as mf
+from stalwart.daemon.checksum import crc32c
+from stalwart.daemon.chunks import DEFAULT_CHUNK_BYTES, decode_chunk, encode_rank
+from stalwart.daemon.metrics import Metrics
+from stalwart.v1 import common_pb2, manifest_pb2
+
+_STEP_DIGITS = 12  # zero-padded step numbers sort as text
+
+
+class CorruptChunkError(RuntimeError):
+    """A stored chunk is missing or fails its checksum in every tier that holds it."""
+
+    def __init__(self, step: int, rank: int, chunk_id: str, tier: str, detail: str) -> None:
+        self.step, self.rank, self.chunk_id, self.tier = step, rank, chunk_id, tier
+        super().__init__(
+            f"step {step} rank {rank} chunk {chunk_id} in tier {tier!r}: {detail}; restore "
+            "another committed step, or read this one from a tier that still holds it")
+
+
+@dataclass
+class PreparedRank:
+    """One rank's encoded step, ready for `prepare`."""
+
+    step: int
+    state: manifest_pb2.RankState
+    payloads: list[bytes] = field(repr=False)
+    decoded: np.ndarray = field(repr=False)
+
+
+@dataclass
+class _Reference:
+    """The decoded buffer that a rank's next delta may apply to, and its chain."""
+
+    step: int
+    buffer: np.ndarray
+    root: int          # full-base step the chain starts from
+    length: int        # deltas since the root
+    delta_bytes: int   # stored bytes of those deltas
+    base_bytes: int    # stored bytes of the root
+    layout: bytes      # serialised tensor metas: a changed layout forces a new base
+
+
+def _write_atomic(path: Path, data) -> None:
+    """Write `data` to `path` so a crash leaves the old file or the whole new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data).cast("B")
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStore:
+    """RAM + disk tiers of one job's snapshots under `data_dir` (one writer process)."""
+
+    def __init__(self, data_dir: Path, *, job_id: str = "default", ram_bytes: int = 1 << 30,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, base_every: int = 10,
+                 max_chain: int | None = None, retain: int = 5,
+                 delta_against: str = "previous", lossy: bool = False, level: int = 1,
+                 metrics: Metrics | None = None) -> None:
+        """`base_every`: steps between full bases; `max_chain`: most deltas before a base
+        (default base_every); `delta_against`: "previous" committed step or the chain's
+        "base"; `lossy`: opt-in quantised deltas (restores are then NOT bitwise exact)."""
+        if delta_against not in ("previous", "base"):
+            raise ValueError(f"delta_against={delta_against!r}: use 'previous' or 'base'")
+        self.root = Path(data_dir) / "snapshots" / job_id
+        self.job_id, self.ram_bytes, self.chunk_bytes = job_id, ram_bytes, chunk_bytes
+        self.base_every, self.retain, self.level = base_every, retain, level
+        self.max_chain = base_every if max_chain is None else max_chain
+        self.delta_against, self.lossy, self.metrics = delta_against, lossy, metrics
+        self._ram: OrderedDict[tuple[int, int, int], bytes] = OrderedDict()
+        self._ram_used = 0
+        self._refs: dict[int, _Reference] = {}
+        self._pending: dict[tuple[int, int], _Reference] = {}
+        self._manifests: dict[int, manifest_pb2.Manifest] = {}
+        (self.root / "manifests").mkdir(parents=True, exist_ok=True)
+        (self.root / "steps").mkdir(parents=True, exist_ok=True)
+        for tmp in self.root.rglob("*.tmp"):
+            tmp.unlink()  # leftovers of a write a crash interrupted
+
+    # --- paths ---------------------------------------------------------------------
+
+    def _manifest_path(self, step: int) -> Path:
+        return self.root / "manifests" / f"{step:0{_STEP_DIGITS}d}.manifest"
+
+    def _rank_dir(self, step: int, rank: int) -> Path:
+        return self.root / "steps" / f"{step:0{_STEP_DIGITS}d}" / f"r{rank}"
+
+    def chunk_path(self, step: int, rank: int, index: int) -> Path:
+        """Disk location of a chunk payload (tests and scrubbers use it)."""
+        return self._rank_dir(step, rank) / f"c{index}.chunk"
+
+    # --- write path ----------------------------------------------------------------
+
+    def encode(self, step: int, rank: int, data, tensors: Sequence[common_pb2.TensorMeta], *,
+               coord: common_pb2.RankCoord | None = None, extra: bytes = b"",
+               node: str = "") -> PreparedRank:
+        """Encode a rank's state buffer as a base or a delta, by this store's policy."""
+        layout = b"".join(t.SerializeToString(deterministic=True) for t in tensors)
+        ref = self._refs.get(rank)
+        buf = np.frombuffer(data, dtype=np.uint8)
+        fresh_base = (ref is None or ref.layout != layout or ref.buffer.size != buf.size
+                      or step - ref.root >= self.base_every or ref.length >= self.max_chain
+                      or ref.delta_bytes > ref.base_bytes or ref.step >= step)
+        encoded = encode_rank(
+            step, rank, buf, tensors, chunk_bytes=self.chunk_bytes, level=self.level,
+            reference=None if fresh_base else ref.buffer,
+            reference_step=None if fresh_base else ref.step, lossy=self.lossy)
+        size = encoded.stored_bytes
+        if fresh_base:
+            nxt = _Reference(step, encoded.decoded, step, 0, 0, size, layout)
+        else:
+            # Chained deltas are all read on restore; deltas against the base only one.
+            chained = self.delta_against == "previous"
+            nxt = _Reference(step, encoded.decoded, ref.root, ref.length + 1,
+                             ref.delta_bytes * chained + size, ref.base_bytes, layout)
+        self._pending[(step, rank)] = nxt
+        state = manifest_pb2.RankState(
+            rank=rank, coord=coord or common_pb2.RankCoord(rank=rank), tensors=tensors,
+            chunks=encoded.chunks, total_bytes=buf.size, extra=extra, node=node)
+        return PreparedRank(step, state, encoded.payloads, encoded.decoded)
+
+    def prepare(self, step: int, prepared: PreparedRank) -> manifest_pb2.RankState:
+        """Phase one: make the rank's chunks and record durable on disk; returns the record."""
+        rank = prepared.state.rank
+        rank_dir = self._rank_dir(step, rank)
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        for index, payload in enumerate(prepared.payloads):
+            _write_atomic(self.chunk_path(step, rank, index), payload)
+            self._ram_put((step, rank, index), payload)
+        _write_atomic(rank_dir / "rank.pb", prepared.state.SerializeToString())
+        _fsync_dir(rank_dir)
+        _fsync_dir(rank_dir.parent)
+        if self.metrics:
+            self.metrics.stored_bytes.labels(tier="disk").inc(sum(map(len, prepared.payloads)))
+        return prepared.state
+
+    def prepared_rank(self, step: int, rank: int) -> manifest_pb2.RankState:
+        """The durable record `prepare` wrote for (step, rank)."""
+        path = self._rank_dir(step, rank) / "rank.pb"
+        if not path.exists():
+            raise FileNotFoundError(f"step {step} rank {rank} was never prepared here")
+        return manifest_pb2.RankState.FromString(path.read_bytes())
+
+    def commit(self, manifest: manifest_pb2.Manifest) -> None:
+        """Phase two: publish a step atomically once every rank's chunks are durable."""
+        mf.validate(manifest)
+        mf.verify_digest(manifest)
+        step = manifest.step
+        path = self._manifest_path(step)
+        if path.exists():
+            if path.read_bytes() == manifest.SerializeToString(deterministic=True):
+                return  # a retried commit of the same step
+            raise ValueError(f"step {step} is already committed with a different manifest")
+        for r in manifest.ranks:
+            for index, c in enumerate(r.chunks):
+                p = self.chunk_path(step, r.rank, index)
+                if not p.exists() or p.stat().st_size != c.stored_size:
+                    raise ValueError(f"cannot commit step {step}: rank {r.rank} chunk "
+                                     f"{c.chunk_id} is not durable at {p}; prepare it first")
+        committed = self.committed_manifests()
+        mf.plan_chain({**committed, step: manifest}, step)  # every base it needs exists
+        _write_atomic(path, manifest.SerializeToString(deterministic=True))
+        _fsync_dir(path.parent)
+        self._manifests[step] = manifest
+        for r in manifest.ranks:
+            ref = self._pending.pop((step, r.rank), None)
+            if ref is not None and (self.delta_against == "previous" or ref.length == 0
+                                    or r.rank not in self._refs):
+                self._refs[r.rank] = ref
+            elif ref is not None:  # deltas keep applying to the chain's base
+                base = self._refs[r.rank]
+                base.length, base.delta_bytes = ref.length, ref.delta_bytes
+        self._pending = {k: v for k, v in self._pending.items() if k[0] > step}
+        if self.metrics:
+            self.metrics.commits.inc()
+            self.metrics.last_committed_step.set(step)
+        self.collect_garbage()
+
+    # --- catalogue -----------------------------------------------------------------
+
+    def committed_steps(self) -> list[int]:
+        return sorted(int(p.name.split(".")[0])
+                      for p in (self.root / "manifests").glob("*.manifest"))
+
+    def latest_committed(self) -> int | None:
+        steps = self.committed_steps()
+        return steps[-1] if steps else None
+
+    def load_manifest(self, step: int) -> manifest_pb2.Manifest:
+        """The committed manifest of `step`, digest verified."""
+        if step in self._manifests:
+            return self._manifests[step]
+        path = self._manifest_path(step)
+        if not path.exists():
+            raise FileNotFoundError(f"step {step} is not committed in {self.root}; committed: "
+                                    f"{self.committed_steps()[-5:]}")
+        manifest = manifest_pb2.Manifest.FromString(path.read_bytes())
+        mf.verify_digest(manifest)
+        self._manifests[step] = manifest
+        return manifest
+
+    def committed_manifests(self) -> dict[int, manifest_pb2.Manifest]:
+        return {s: self.load_manifest(s) for s in self.committed_steps()}
+
+    # --- read path -----------------------------------------------------------------
+
+    def read_rank(self, step: int, rank: int) -> bytes:
+        """The rank's logical state buffer at a committed step, every CRC verified."""
+        manifests = self.committed_manifests()
+        if step not in manifests:
+            raise FileNotFoundError(f"step {step} is not committed; latest committed is "
+                                    f"{self.latest_committed()}")
+        chain = mf.plan_chain(manifests, step)
+        users = {s: {t for t in chain if s in mf.referenced_steps(manifests[t])} for s in chain}
+        decoded: dict[int, np.ndarray] = {}
+        for s in chain:
+            decoded[s] = self._decode_rank(manifests[s], rank, decoded)
+            for done in [d for d in decoded if d != step and max(users[d], default=-1) <= s]:
+                del decoded[done]  # no later step in the chain applies to it
+        return decoded[step].tobytes()
+
+    def _decode_rank(self, manifest: manifest_pb2.Manifest, rank: int,
+                     decoded: dict[int, np.ndarray]) -> np.ndarray:
+        states = [r for r in manifest.ranks if r.rank == rank]
+        if not states:
+            raise KeyError(f"step {manifest.step} has no rank {rank} "
+                           f"(ranks {[r.rank for r in manifest.ranks]})")
+        state = states[0]
+        out = np.empty(state.total_bytes, dtype=np.uint8)
+        for index, c in enumerate(state.chunks):
+            payload = self._read_payload(manifest.step, rank, index, c)
+            ref = None
+            if c.codec not in mf.BASE_CODECS:
+                ref = decoded[c.base_step][c.offset:c.offset + c.size]
+            piece = decode_chunk(c, payload, state.tensors, ref)
+            if crc32c(piece) != c.crc32c:
+                raise CorruptChunkError(manifest.step, rank, c.chunk_id, "decoded",
+                                        f"decoded bytes fail CRC32C (base step {c.base_step})")
+            out[c.offset:c.offset + c.size] = piece
+        return out
+
+    def _read_payload(self, step: int, rank: int, index: int,
+                      c: manifest_pb2.ChunkRecord) -> bytes:
+        key = (step, rank, index)
+        cached = self._ram.get(key)
+        if cached is not None:
+            if crc32c(cached) == c.stored_crc32c:
+                return cached
+            self._ram_drop(key)  # a bad RAM copy: fall through to disk
+            if self.metrics:
+                self.metrics.scrub_errors.labels(tier="ram").inc()
+        path = self.chunk_path(step, rank, index)
+        try:
+            payload = path.read_bytes()
+        except FileNotFoundError:
+            raise CorruptChunkError(step, rank, c.chunk_id, "disk",
+                                    f"file {path} is missing") from None
+        if len(payload) != c.stored_size or crc32c(payload) != c.stored_crc32c:
+            if self.metrics:
+                self.metrics.scrub_errors.labels(tier="disk").inc()
+            raise CorruptChunkError(step, rank, c.chunk_id, "disk",
+                                    f"file {path} fails CRC32C ({len(payload)} bytes, "
+                                    f"expected {c.stored_size})")
+        self._ram_put(key, payload)
+        return payload
+
+    # --- RAM tier ------------------------------------------------------------------
+
+    def _ram_put(self, key: tuple[int, int, int], payload: bytes) -> None:
+        if len(payload) > self.ram_bytes or key in self._ram:
+            return
+        self._ram[key] = payload
+        self._ram_used += len(payload)
+        if self._ram_used > self.ram_bytes:
+            self._ram_evict()
+
+    def _ram_drop(self, key: tuple[int, int, int]) -> None:
+        self._ram_used -= len(self._ram.pop(key))
+
+    def _ram_evict(self) -> None:
+        """Drop oldest entries, first those no retained chain needs (disk still has all)."""
+        latest = self.latest_committed()
+        needed = set(mf.plan_chain(self._manifests, latest)) if latest in self._manifests \
+            else set()
+        for pass_needed in (False, True):
+            for key in list(self._ram):
+                if self._ram_used <= self.ram_bytes:
+                    return
+                if pass_needed or (key[0] not in needed and key[0] <= (latest or -1)):
+                    self._ram_drop(key)
+
+    def ram_used(self) -> int:
+        """Bytes of chunk payloads held in the RAM tier."""
+        return self._ram_used
+
+    # --- retention -----------------------------------------------------------------
+
+    def collect_garbage(self) -> list[int]:
+        """Delete steps outside the newest `retain` and their chains; returns them.
+
+        Manifests go first, so a crash mid-collection never leaves a visible step with
+        missing chunks. Uncommitted steps newer than the latest commit are in flight
+        and kept.
+        """
+        manifests = self.committed_manifests()
+        if not manifests:
+            return []
+        kept = mf.retained_steps(manifests, self.retain)
+        latest = max(manifests)
+        dropped = [s for s in manifests if s not in kept]
+        for s in dropped:
+            self._manifest_path(s).unlink()
+            self._manifests.pop(s, None)
+        if dropped:
+            _fsync_dir(self.root / "manifests")
+        for step_dir in (self.root / "steps").iterdir():
+            s = int(step_dir.name)
+            if s not in kept and s < latest:
+                shutil.rmtree(step_dir, ignore_errors=True)
+        for key in [k for k in self._ram if k[0] not in kept and k[0] < latest]:
+            self._ram_drop(key)
+        return sorted(dropped)

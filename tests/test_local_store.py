@@ -1,0 +1,195 @@
+"""The local RAM + disk snapshot store: atomic commit, exact restore, corruption, retention."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from snapshot_states import commit_step, state, tensors
+
+from stalwart.core.manifest import ManifestError, build_manifest, plan_chain
+from stalwart.daemon.local_store import CorruptChunkError, LocalStore
+from stalwart.v1 import common_pb2, manifest_pb2
+
+SMALL = dict(chunk_bytes=8192)
+
+
+def test_every_committed_step_restores_bitwise(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, base_every=4, retain=20, **SMALL)
+    for step in range(1, 8):
+        commit_step(store, step, world=2)
+    fresh = LocalStore(tmp_path, **SMALL)  # cold RAM: everything comes from disk
+    assert fresh.committed_steps() == list(range(1, 8))
+    for step in range(1, 8):
+        for rank in range(2):
+            assert fresh.read_rank(step, rank) == state(step, rank)
+
+
+def test_deltas_follow_policy_and_store_less_than_bases(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, base_every=3, retain=20, **SMALL)
+    codecs = {}
+    for step in range(1, 8):
+        m = commit_step(store, step)
+        codecs[step] = {c.codec for c in m.ranks[0].chunks}
+        if step > 1 and manifest_pb2.XOR_DELTA_ZSTD in codecs[step]:
+            assert {c.base_step for c in m.ranks[0].chunks} == {step - 1}
+    assert [s for s, c in codecs.items() if c == {manifest_pb2.ZSTD}] == [1, 4, 7]
+
+
+def test_deltas_against_base_apply_to_the_chain_root(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, base_every=4, retain=20, delta_against="base", **SMALL)
+    bases = [{c.base_step for c in commit_step(store, s).ranks[0].chunks} for s in range(1, 7)]
+    assert bases == [{1}, {1}, {1}, {1}, {5}, {5}]
+    assert LocalStore(tmp_path, **SMALL).read_rank(6, 0) == state(6)
+
+
+def test_prepared_but_uncommitted_step_is_invisible(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, **SMALL)
+    commit_step(store, 1)
+    store.prepare(2, store.encode(2, 0, state(2), tensors()))
+    assert store.latest_committed() == 1
+    with pytest.raises(FileNotFoundError, match="not committed"):
+        store.read_rank(2, 0)
+
+
+def test_commit_refuses_a_step_missing_a_rank(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, **SMALL)
+    rank0 = store.prepare(1, store.encode(1, 0, state(1), tensors()))
+    manifest = build_manifest(job_id="default", step=1, generation=1,
+                              layout=common_pb2.ParallelLayout(dp=2, pp=1, tp=1), ranks=[rank0])
+    with pytest.raises(ManifestError, match="missing \\[1\\]"):
+        store.commit(manifest)
+    assert store.latest_committed() is None
+
+
+def test_commit_refuses_chunks_that_were_never_prepared(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, **SMALL)
+    prepared = store.encode(1, 0, state(1), tensors())  # encoded, not made durable
+    manifest = build_manifest(job_id="default", step=1, generation=1,
+                              layout=common_pb2.ParallelLayout(dp=1, pp=1, tp=1),
+                              ranks=[prepared.state])
+    with pytest.raises(ValueError, match="not durable"):
+        store.commit(manifest)
+
+
+def test_flipped_bit_on_disk_is_detected_and_named(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, **SMALL)
+    manifest = commit_step(store, 1)
+    target = store.chunk_path(1, 0, 2)
+    raw = bytearray(target.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    target.write_bytes(bytes(raw))
+    with pytest.raises(CorruptChunkError) as err:
+        LocalStore(tmp_path, **SMALL).read_rank(1, 0)
+    chunk = manifest.ranks[0].chunks[2].chunk_id
+    assert (err.value.step, err.value.rank, err.value.chunk_id, err.value.tier) == \
+        (1, 0, chunk, "disk")
+    assert f"step 1 rank 0 chunk {chunk} in tier 'disk'" in str(err.value)
+
+
+def test_corrupt_base_is_named_when_reading_a_later_delta(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, retain=20, **SMALL)
+    for step in (1, 2, 3):
+        commit_step(store, step)
+    target = store.chunk_path(1, 0, 0)
+    raw = bytearray(target.read_bytes())
+    raw[-1] ^= 0x01
+    target.write_bytes(bytes(raw))
+    with pytest.raises(CorruptChunkError, match="step 1 rank 0 chunk s1-r0-c0"):
+        LocalStore(tmp_path, **SMALL).read_rank(3, 0)
+
+
+def test_corrupt_ram_copy_is_read_around_from_disk(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, **SMALL)
+    commit_step(store, 1)
+    key = next(iter(store._ram))
+    store._ram[key] = b"\x00" * len(store._ram[key])
+    assert store.read_rank(1, 0) == state(1)
+
+
+def test_ram_tier_stays_within_its_budget(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, ram_bytes=40_000, retain=20, **SMALL)
+    for step in range(1, 6):
+        commit_step(store, step)
+        assert store.ram_used() <= 40_000
+    assert store.read_rank(5, 0) == state(5)
+
+
+def test_retention_keeps_the_newest_steps_and_their_chains(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, base_every=4, retain=2, **SMALL)
+    for step in range(1, 12):
+        commit_step(store, step)
+    committed = store.committed_steps()
+    chains = {s: plan_chain(store.committed_manifests(), s) for s in (10, 11)}
+    assert committed == sorted(set(chains[10]) | set(chains[11]))
+    assert committed[0] > 1 and committed[-2:] == [10, 11]
+    assert sorted(int(p.name) for p in (store.root / "steps").iterdir()) == committed
+    fresh = LocalStore(tmp_path, **SMALL)
+    for step in committed:
+        assert fresh.read_rank(step, 0) == state(step)
+
+
+def test_changed_tensor_layout_starts_a_new_base(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, **SMALL)
+    commit_step(store, 1)
+    m = commit_step(store, 2, scale=2)
+    assert {c.codec for c in m.ranks[0].chunks} == {manifest_pb2.ZSTD}
+    assert store.read_rank(2, 0) == state(2, scale=2)
+
+
+def test_lossy_mode_is_opt_in_and_restores_its_own_reconstruction(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, lossy=True, retain=20, **SMALL)
+    for step in (1, 2, 3):
+        m = commit_step(store, step)
+    assert manifest_pb2.QUANT_DELTA in {c.codec for c in m.ranks[0].chunks}
+    restored = LocalStore(tmp_path, **SMALL).read_rank(3, 0)
+    assert len(restored) == len(state(3)) and restored != state(3)
+    assert LocalStore(tmp_path, **SMALL).lossy is False
+
+
+WRITER = """
+import sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from snapshot_states import commit_step
+from stalwart.daemon.local_store import LocalStore
+
+store = LocalStore(Path({root!r}), chunk_bytes=4096, base_every=5, retain=3)
+step = 0
+while True:
+    step += 1
+    print(f"begin {{step}}", flush=True)
+    commit_step(store, step, world=2, scale=4)
+    print(f"committed {{step}}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("kill_after", ["begin 4", "committed 5", "begin 7"])
+def test_sigkill_mid_commit_leaves_the_previous_step_restorable(tmp_path: Path,
+                                                                kill_after: str) -> None:
+    script = WRITER.format(tests=str(Path(__file__).parent), root=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line.strip())
+            if seen[-1] == kill_after:
+                os.kill(proc.pid, signal.SIGKILL)  # it is already writing the next step
+                break
+        assert seen and seen[-1] == kill_after, f"writer stopped early: {seen[-3:]}"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    committed = [int(s.split()[1]) for s in seen if s.startswith("committed")]
+    store = LocalStore(tmp_path, chunk_bytes=4096)
+    latest = store.latest_committed()
+    assert latest is not None and latest >= committed[-1]
+    for step in store.committed_steps():
+        for rank in range(2):
+            assert store.read_rank(step, rank) == state(step, rank, scale=4)
+    assert not list(store.root.rglob("*.tmp"))  # torn writes were swept on open
