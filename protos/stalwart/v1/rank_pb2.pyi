@@ -106,11 +106,14 @@ class HeartbeatRequest(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     STEP_TIME_S_FIELD_NUMBER: _builtins.int
+    LEAVING_FIELD_NUMBER: _builtins.int
     rank_id: _builtins.str
     generation: _builtins.int
     step: _builtins.int
     step_time_s: _builtins.float
     """wall time of the last completed step"""
+    leaving: _builtins.bool
+    """last heartbeat of a rank that stops cleanly: not a failure"""
     def __init__(
         self,
         *,
@@ -118,10 +121,11 @@ class HeartbeatRequest(_message.Message):
         generation: _builtins.int = ...,
         step: _builtins.int = ...,
         step_time_s: _builtins.float = ...,
+        leaving: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "rank_id", b"rank_id", "step", b"step", "step_time_s", b"step_time_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "leaving", b"leaving", "rank_id", b"rank_id", "step", b"step", "step_time_s", b"step_time_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
