@@ -219,7 +219,7 @@ def encode_quant(data, reference, regions: list[Region], *,
     for r in regions:
         cur = cur_all[r.start:r.start + r.size]
         ref = ref_all[r.start:r.start + r.size]
-        if r.dtype == common_pb2.FLOAT32 and r.size % 4 == 0:
+        if r.dtype == common_pb2.FLOAT32 and r.size % 4 == 0 and r.size > 0:
             cf, rf = cur.view(np.float32), ref.view(np.float32)
             if np.isfinite(cf).all() and np.isfinite(rf).all():
                 region_parts, recon = _quant_region(cf, rf)
@@ -254,7 +254,8 @@ def decode_quant(payload, reference, regions: list[Region], size: int) -> np.nda
         pos += 4
         scale = np.frombuffer(body, np.float32, nblocks, pos)
         pos += 4 * nblocks
-        q = np.frombuffer(body, np.int8, nblocks * QUANT_BLOCK, pos).reshape(nblocks, -1)
+        q = np.frombuffer(body, np.int8, nblocks * QUANT_BLOCK, pos).reshape(nblocks,
+                                                                        QUANT_BLOCK)
         pos += nblocks * QUANT_BLOCK
         bad = np.frombuffer(body, np.uint32, nbad, pos)
         pos += 4 * nbad
