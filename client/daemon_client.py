@@ -1,0 +1,239 @@
+"""A training process's link to its node's daemon: register, heartbeat, report, close.
+
+The gRPC channel is opened lazily by the process that uses it. A client
+inherited through fork, or unpickled after spawn, notices the new pid and opens
+its own channel; the parent's channel and heartbeat thread are never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from stalwart.v1 import common_pb2, operator_pb2, operator_pb2_grpc, rank_pb2, rank_pb2_grpc
+
+log = logging.getLogger("stalwart.client.daemon")
+
+DEFAULT_SOCKET = "/var/lib/stalwart/daemon.sock"
+# A heartbeat refused with these codes will never be accepted: the rank must rejoin.
+_FENCED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+
+
+def default_target(env: Mapping[str, str] | None = None) -> str:
+    """gRPC target of the local daemon: $STALWART_ADDRESS (HOST:PORT), else its Unix socket.
+
+    The socket is $STALWART_UNIX_SOCKET, else <$STALWART_DATA_DIR>/daemon.sock, else
+    /var/lib/stalwart/daemon.sock, matching the daemon's own defaults.
+    """
+    env = os.environ if env is None else env
+    if env.get("STALWART_ADDRESS"):
+        return env["STALWART_ADDRESS"]
+    if env.get("STALWART_UNIX_SOCKET"):
+        return f"unix:{env['STALWART_UNIX_SOCKET']}"
+    if env.get("STALWART_DATA_DIR"):
+        return f"unix:{os.path.join(env['STALWART_DATA_DIR'], 'daemon.sock')}"
+    return f"unix:{DEFAULT_SOCKET}"
+
+
+class DaemonUnavailable(RuntimeError):
+    """The local daemon could not be reached or refused the call; the message says why."""
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """The torchrun-compatible environment of this process."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    master_addr: str = ""
+    master_port: int = 0
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> RankEnv:
+        """Read RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (a single process
+        when they are unset, as torch.distributed assumes)."""
+        env = os.environ if env is None else env
+
+        def number(name: str, default: int) -> int:
+            raw = env.get(name, "")
+            try:
+                return int(raw) if raw else default
+            except ValueError:
+                raise ValueError(f"${name} must be an integer, got {raw!r}") from None
+
+        return cls(number("RANK", 0), number("WORLD_SIZE", 1), number("LOCAL_RANK", 0),
+                   env.get("MASTER_ADDR", ""), number("MASTER_PORT", 0))
+
+
+class DaemonClient:
+    """Registers this process as a rank and keeps its heartbeat going in a background thread.
+
+    Usage: ``with DaemonClient() as d: d.register(); d.start_heartbeats(); ...
+    d.report_step(step, step_time_s)``. Thread-safe.
+    """
+
+    def __init__(self, target: str | None = None, *, job_id: str | None = None,
+                 token: str | None = None, rpc_timeout_s: float = 5.0,
+                 on_fenced: Callable[[str], None] | None = None) -> None:
+        self.target = target or default_target()
+        self.job_id = os.environ.get("STALWART_JOB_ID", "") if job_id is None else job_id
+        self.token = os.environ.get("STALWART_TOKEN", "") if token is None else token
+        self.rpc_timeout_s = rpc_timeout_s
+        self.on_fenced = on_fenced  # called (from the heartbeat thread) when a rejoin is needed
+        self._lock = threading.Lock()
+        self._fresh_process_state()
+
+    def _fresh_process_state(self) -> None:
+        self._pid = os.getpid()
+        self._channel: grpc.Channel | None = None
+        self.rank_id = ""
+        self.generation = 0
+        self.heartbeat_interval_s = 1.0
+        self.fenced = ""  # why the daemon refuses this rank's heartbeats, once it does
+        self._step, self._step_time_s = 0, 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # Spawned children get a copy of the settings, never of the channel or thread.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"target": self.target, "job_id": self.job_id, "token": self.token,
+                "rpc_timeout_s": self.rpc_timeout_s, "on_fenced": self.on_fenced}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+    def _ensure_process(self) -> grpc.Channel:
+        with self._lock:
+            if self._pid != os.getpid():
+                # Inherited through fork: the parent's channel and thread are not ours to use.
+                self._fresh_process_state()
+            if self._channel is None:
+                self._channel = grpc.insecure_channel(self.target)
+            return self._channel
+
+    def _rank_stub(self) -> rank_pb2_grpc.RankServiceStub:
+        return rank_pb2_grpc.RankServiceStub(self._ensure_process())
+
+    def _call(self, what: str, fn: Callable[..., Any], request: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(request, timeout=kwargs.pop("timeout", self.rpc_timeout_s), **kwargs)
+        except grpc.RpcError as e:
+            code = e.code()  # type: ignore[attr-defined]
+            detail = e.details()  # type: ignore[attr-defined]
+            if code == grpc.StatusCode.UNAVAILABLE:
+                detail = (f"no daemon answers at {self.target} ({detail}); start "
+                          "`stalwart daemon` on this node or set STALWART_UNIX_SOCKET")
+            raise DaemonUnavailable(f"{what} failed: {code.name}: {detail}") from e
+
+    # rank lifecycle ------------------------------------------------------
+
+    def register(self, *, spare: bool = False, device: str = "cpu",
+                 env: Mapping[str, str] | None = None) -> rank_pb2.RegisterReply:
+        """Announce this process to the daemon with its torchrun RANK/WORLD_SIZE/LOCAL_RANK."""
+        rank_env = RankEnv.from_environ(env)
+        request = rank_pb2.RegisterRequest(
+            job_id=self.job_id, pid=os.getpid(), rank=-1 if spare else rank_env.rank,
+            world_size=rank_env.world_size, local_rank=rank_env.local_rank,
+            hostname=socket.gethostname(), token=self.token, spare=spare, device=device)
+        reply = self._call("register", self._rank_stub().Register, request)
+        self.rank_id, self.generation = reply.rank_id, reply.generation
+        self.heartbeat_interval_s = reply.heartbeat_interval_s or self.heartbeat_interval_s
+        self.fenced = ""
+        return reply
+
+    def report_step(self, step: int, step_time_s: float) -> None:
+        """Set what the next heartbeat reports: the last completed step and its wall time (s)."""
+        self._step, self._step_time_s = step, step_time_s
+
+    def heartbeat(self, *, leaving: bool = False) -> rank_pb2.HeartbeatReply:
+        """Send one heartbeat now (the background thread calls this every interval)."""
+        if not self.rank_id:
+            raise DaemonUnavailable("heartbeat before register(): call register() first")
+        request = rank_pb2.HeartbeatRequest(
+            rank_id=self.rank_id, generation=self.generation, step=self._step,
+            step_time_s=self._step_time_s, leaving=leaving)
+        return self._call("heartbeat", self._rank_stub().Heartbeat, request)
+
+    def start_heartbeats(self) -> None:
+        """Heartbeat every interval the daemon asked for, in a daemon thread of this process."""
+        self._ensure_process()
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat_forever, name="stalwart-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+
+    def _beat_forever(self) -> None:
+        failing = False
+        while not self._stop.is_set():
+            try:
+                self.heartbeat()
+                failing = False
+            except DaemonUnavailable as e:
+                code = getattr(e.__cause__, "code", lambda: None)()
+                if code in _FENCED:
+                    self.fenced = str(e)
+                    log.error("daemon refuses this rank's heartbeats: %s", e)
+                    if self.on_fenced is not None:
+                        self.on_fenced(self.fenced)
+                    return
+                if not failing:  # log once per outage, not once per beat
+                    log.warning("heartbeat failed, retrying: %s", e)
+                failing = True
+            self._stop.wait(self.heartbeat_interval_s)
+
+    def stop_heartbeats(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None and self._pid == os.getpid():
+            self._thread.join(timeout_s)
+        self._thread = None
+
+    def close(self, *, leaving: bool = True) -> None:
+        """Stop heartbeats, tell the daemon this rank leaves cleanly, close the channel."""
+        if self._pid != os.getpid():
+            return  # nothing of this object belongs to this process
+        self.stop_heartbeats()
+        if leaving and self.rank_id and not self.fenced:
+            try:
+                self.heartbeat(leaving=True)
+            except DaemonUnavailable as e:
+                log.warning("could not tell the daemon this rank leaves: %s", e)
+        with self._lock:
+            if self._channel is not None:
+                self._channel.close()
+                self._channel = None
+
+    def __enter__(self) -> DaemonClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # other calls ---------------------------------------------------------
+
+    def report_failure(self, kind: common_pb2.FailureEvent.Kind.ValueType, subject: str,
+                       evidence: str) -> common_pb2.Ack:
+        """Report what a client-side detector saw (collective hang, GPU fault)."""
+        event = common_pb2.FailureEvent(kind=kind, subject=subject, evidence=evidence,
+                                        generation=self.generation, reporter=self.rank_id)
+        return self._call("report_failure", self._rank_stub().ReportFailure, event)
+
+    def watch_plan(self, known_generation: int | None = None) -> Iterator[rank_pb2.PlanEvent]:
+        """Plan changes as they happen (blocks between them; cancel by closing the client)."""
+        known = self.generation if known_generation is None else known_generation
+        request = rank_pb2.WatchPlanRequest(rank_id=self.rank_id, known_generation=known)
+        yield from self._rank_stub().WatchPlan(request)
+
+    def status(self) -> operator_pb2.StatusReply:
+        """The daemon's view of the job (as `stalwart status` shows it)."""
+        stub = operator_pb2_grpc.OperatorServiceStub(self._ensure_process())
+        return self._call("status", stub.Status, operator_pb2.StatusRequest())

@@ -1,0 +1,143 @@
+"""Which peer daemons this daemon knows, when it last heard from each, and who is lost.
+
+A peer is keyed by its address (HOST:PORT). Only direct contact (a Gossip call
+in either direction) refreshes a peer; addresses learnt second-hand are only
+added to the list of daemons to call. Liveness uses the same rule as ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from stalwart.core.failures import Failure, FailureKind
+from stalwart.daemon.liveness import ALIVE, DEAD, LATE, heartbeat_state
+from stalwart.daemon.metrics import Metrics
+from stalwart.v1 import peer_pb2
+
+log = logging.getLogger("stalwart.daemon.membership")
+
+UP, SUSPECT, LOST, UNKNOWN = "up", "suspect", "lost", "unknown"
+_FROM_LIVENESS = {ALIVE: UP, LATE: SUSPECT, DEAD: LOST}
+
+
+@dataclass
+class PeerRecord:
+    address: str
+    node: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    generation: int = 0
+    rank_ids: tuple[str, ...] = ()
+    last_seen: float | None = None  # membership clock; None = never reached
+    skew_ms: int = 0  # their wall clock minus ours at contact (for reporting only)
+    state: str = UNKNOWN
+
+
+@dataclass
+class Membership:
+    """The peer table of one daemon."""
+
+    self_node: str
+    self_address: str
+    interval_s: float
+    timeout_s: float
+    metrics: Metrics
+    report: Callable[[Failure], Failure]
+    clock: Callable[[], float] = time.monotonic
+    wall: Callable[[], float] = time.time
+    _peers: dict[str, PeerRecord] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._update_gauges()  # every state shows from the first scrape, at 0
+
+    def add_address(self, address: str) -> None:
+        """Remember a daemon to gossip with (from config or second-hand)."""
+        if address and address != self.self_address and address not in self._peers:
+            self._peers[address] = PeerRecord(address)
+            self._update_gauges()
+
+    def forget(self, address: str) -> None:
+        """Drop an address, e.g. one that turned out to be this daemon itself."""
+        if self._peers.pop(address, None) is not None:
+            self._update_gauges()
+
+    def observe(self, info: peer_pb2.PeerInfo) -> None:
+        """Direct contact with a peer: refresh everything we know about it."""
+        if not info.address or info.address == self.self_address or info.node == self.self_node:
+            return
+        self.add_address(info.address)
+        record = self._peers[info.address]
+        if record.state in (UNKNOWN, LOST):
+            log.info("peer up", extra={"peer": info.node, "address": info.address})
+        record.node, record.labels = info.node, dict(info.labels)
+        record.generation, record.rank_ids = info.generation, tuple(info.rank_ids)
+        record.last_seen, record.state = self.clock(), UP
+        record.skew_ms = info.time_unix_ms - int(self.wall() * 1000) if info.time_unix_ms else 0
+        self._update_gauges()
+
+    def learn(self, membership: peer_pb2.Membership, contacted: str) -> None:
+        """A Gossip reply from `contacted`: its first entry is the responder, the rest hearsay.
+
+        A responder that advertises another address than the one we dialled (a
+        name versus an IP) is kept under its advertised address only.
+        """
+        for i, info in enumerate(membership.peers):
+            if i == 0:
+                if info.address and info.address != contacted:
+                    self.forget(contacted)
+                self.observe(info)
+            else:
+                self.add_address(info.address)
+
+    def check(self) -> list[Failure]:
+        """Move peers between up, suspect and lost; returns a failure per newly lost peer."""
+        found = []
+        for record in self._peers.values():
+            if record.last_seen is None:
+                continue
+            age = self.clock() - record.last_seen
+            state = _FROM_LIVENESS[heartbeat_state(age, self.interval_s, self.timeout_s)]
+            if state == record.state:
+                continue
+            if state == LOST:
+                found.append(self.report(Failure(
+                    FailureKind.PEER_LOST, record.node or record.address,
+                    f"no contact with peer daemon {record.address} for {age:.2f} s",
+                    generation=record.generation, reporter=self.self_node,
+                    details={"silent_s": round(age, 3)})))
+            record.state = state
+        if found:
+            self._update_gauges()
+        return found
+
+    def peers(self) -> list[PeerRecord]:
+        return sorted(self._peers.values(), key=lambda p: (p.node or "~", p.address))
+
+    def age_s(self, record: PeerRecord) -> float:
+        """Seconds since direct contact, -1 if never reached."""
+        return -1.0 if record.last_seen is None else max(0.0, self.clock() - record.last_seen)
+
+    def to_proto(self, me: peer_pb2.PeerInfo) -> peer_pb2.Membership:
+        """This daemon first, then every peer it has reached."""
+        known = [peer_pb2.PeerInfo(node=p.node, address=p.address, labels=p.labels,
+                                   generation=p.generation, rank_ids=p.rank_ids)
+                 for p in self.peers() if p.last_seen is not None]
+        return peer_pb2.Membership(peers=[me, *known], coordinator=self.coordinator(),
+                                   generation=me.generation)
+
+    def coordinator(self) -> str:
+        """The fixed rule of the single-machine default: the smallest live node name.
+
+        Cluster deployments replace this with an etcd election.
+        """
+        live = [p.node for p in self._peers.values() if p.state in (UP, SUSPECT) and p.node]
+        return min([self.self_node, *live])
+
+    def _update_gauges(self) -> None:
+        counts = {UP: 0, SUSPECT: 0, LOST: 0, UNKNOWN: 0}
+        for record in self._peers.values():
+            counts[record.state] += 1
+        for state, n in counts.items():
+            self.metrics.peers.labels(state).set(n)

@@ -1,0 +1,144 @@
+"""RankService: what the daemon offers the training ranks of its node (over the Unix socket).
+
+Registration, heartbeats, plan watching and client-side failure reports live
+here. The snapshot calls (OpenSlot, Capture, WaitCommitted, Restore) are
+forwarded to a snapshot handler when the server is given one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any, NoReturn
+
+import grpc
+
+from stalwart.core.failures import Failure
+from stalwart.daemon.config import DaemonConfig
+from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.registry import (
+    RankFenced,
+    Registry,
+    StaleGeneration,
+    UnknownRank,
+)
+from stalwart.v1 import common_pb2, rank_pb2, rank_pb2_grpc
+
+log = logging.getLogger("stalwart.daemon.rank_service")
+
+WATCH_WAKE_S = 5.0  # WatchPlan re-checks for shutdown at least this often (seconds)
+_REFUSALS = {
+    UnknownRank: grpc.StatusCode.NOT_FOUND,
+    RankFenced: grpc.StatusCode.FAILED_PRECONDITION,
+    StaleGeneration: grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+
+class RankServicer(rank_pb2_grpc.RankServiceServicer):
+    """Handlers of RankService; state lives in the Registry."""
+
+    def __init__(self, config: DaemonConfig, registry: Registry, metrics: Metrics,
+                 stopping: asyncio.Event, snapshots: Any = None) -> None:
+        self.config, self.registry, self.metrics = config, registry, metrics
+        self.stopping = stopping
+        # Object with async OpenSlot/Capture/WaitCommitted/Restore(request, context).
+        self.snapshots = snapshots
+
+    async def Register(self, request: rank_pb2.RegisterRequest,
+                       context: grpc.aio.ServicerContext) -> rank_pb2.RegisterReply:
+        if self.config.token and request.token != self.config.token:
+            self.metrics.auth_refused.labels("token").inc()
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"rank pid {request.pid} sent {'a wrong' if request.token else 'no'} job token; "
+                "set STALWART_TOKEN to the daemon's token")
+        if request.job_id and request.job_id != self.config.job_id:
+            self.metrics.auth_refused.labels("job").inc()
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"rank belongs to job {request.job_id!r} but daemon {self.config.node} serves "
+                f"job {self.config.job_id!r}; use that job's daemon or fix STALWART_JOB_ID")
+        if request.pid <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"pid must be the rank's process id (> 0), got {request.pid}")
+        record = self.registry.register(
+            pid=request.pid, rank=request.rank, world_size=request.world_size,
+            local_rank=request.local_rank, hostname=request.hostname,
+            spare=request.spare or request.rank < 0, device=request.device,
+            # A pid means something only on this host, so only local callers are watched.
+            watch_pid=context.peer().startswith("unix:"))
+        return rank_pb2.RegisterReply(
+            rank_id=record.rank_id, node=self.config.node, generation=record.generation,
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            plan=self.registry.current_plan())
+
+    async def Heartbeat(self, request: rank_pb2.HeartbeatRequest,
+                        context: grpc.aio.ServicerContext) -> rank_pb2.HeartbeatReply:
+        try:
+            self.registry.heartbeat(request.rank_id, request.generation, request.step,
+                                    request.step_time_s, leaving=request.leaving)
+        except (UnknownRank, RankFenced, StaleGeneration) as e:
+            await context.abort(_REFUSALS[type(e)], str(e))
+        return rank_pb2.HeartbeatReply(generation=self.registry.generation)
+
+    async def WatchPlan(self, request: rank_pb2.WatchPlanRequest,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[rank_pb2.PlanEvent]:
+        known = request.known_generation
+        while not self.stopping.is_set():
+            plan = await self.registry.plan_after(known, WATCH_WAKE_S)
+            if plan is None:
+                continue
+            previous = self.registry.previous_plan or common_pb2.Plan()
+            yield rank_pb2.PlanEvent(plan=plan, previous=previous)
+            known = plan.generation
+
+    async def ReportFailure(self, request: common_pb2.FailureEvent,
+                            context: grpc.aio.ServicerContext) -> common_pb2.Ack:
+        if request.generation and request.generation < self.registry.generation:
+            return common_pb2.Ack(
+                accepted=False,
+                message=f"report is from generation {request.generation}; the job is at "
+                        f"generation {self.registry.generation}")
+        if request.kind == common_pb2.FailureEvent.KIND_UNSPECIFIED:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "failure report needs a kind (FailureEvent.Kind)")
+        failure = Failure.from_proto(request)
+        self.registry.report(replace(failure, reporter=failure.reporter or self.config.node))
+        return common_pb2.Ack(accepted=True)
+
+    # Snapshot path: forwarded to the snapshot handler when one is wired in.
+
+    async def OpenSlot(self, request: rank_pb2.OpenSlotRequest,
+                       context: grpc.aio.ServicerContext) -> rank_pb2.OpenSlotReply:
+        if self.snapshots is None:
+            await _not_here(context, "OpenSlot")
+        return await self.snapshots.OpenSlot(request, context)
+
+    async def Capture(self, request: rank_pb2.CaptureRequest,
+                      context: grpc.aio.ServicerContext) -> rank_pb2.CaptureReply:
+        if self.snapshots is None:
+            await _not_here(context, "Capture")
+        return await self.snapshots.Capture(request, context)
+
+    async def WaitCommitted(self, request: rank_pb2.WaitCommittedRequest,
+                            context: grpc.aio.ServicerContext) -> rank_pb2.WaitCommittedReply:
+        if self.snapshots is None:
+            await _not_here(context, "WaitCommitted")
+        return await self.snapshots.WaitCommitted(request, context)
+
+    async def Restore(self, request: rank_pb2.RestoreRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[rank_pb2.RestorePiece]:
+        if self.snapshots is None:
+            await _not_here(context, "Restore")
+        async for piece in self.snapshots.Restore(request, context):
+            yield piece
+
+
+async def _not_here(context: grpc.aio.ServicerContext, method: str) -> NoReturn:
+    await context.abort(
+        grpc.StatusCode.UNIMPLEMENTED,
+        f"RankService.{method}: this daemon has no snapshot store yet (the snapshot path is "
+        "not wired into stalwart.daemon.server); upgrade the daemon to capture and restore")
+    raise AssertionError("unreachable: abort raises")

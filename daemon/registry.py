@@ -1,0 +1,263 @@
+"""What one daemon knows about its ranks: registrations, heartbeats, failures and the plan.
+
+Runs on the daemon's event loop thread, without locks. Time comes from an
+injectable clock, so detection is tested in-process by moving the clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from stalwart.core.failures import Failure, FailureKind
+from stalwart.daemon.liveness import (
+    ALIVE,
+    DEAD,
+    LATE,
+    ProcessIdentity,
+    heartbeat_state,
+    process_alive,
+    process_identity,
+)
+from stalwart.daemon.metrics import Metrics
+from stalwart.v1 import common_pb2
+
+log = logging.getLogger("stalwart.daemon.registry")
+
+SPARE = "spare"
+LEFT = "left"  # stopped cleanly (final heartbeat with leaving=True)
+KEEP_DEAD = 256  # dead or departed ranks kept for `stalwart status` before the oldest is dropped
+KEEP_FAILURES = 100
+
+
+class RegistryError(Exception):
+    """A rank request that must be refused; the message says what to do."""
+
+
+class UnknownRank(RegistryError):
+    pass
+
+
+class StaleGeneration(RegistryError):
+    pass
+
+
+class RankFenced(RegistryError):
+    """The rank was declared dead; its heartbeats are refused until it registers again."""
+
+
+@dataclass
+class RankRecord:
+    rank_id: str
+    pid: int
+    rank: int
+    world_size: int
+    local_rank: int
+    hostname: str
+    spare: bool
+    device: str
+    generation: int
+    registered_unix: float
+    last_heartbeat: float  # registry clock (monotonic seconds)
+    process: ProcessIdentity | None = None
+    step: int = 0
+    step_time_s: float = 0.0
+    state: str = ALIVE
+    cause: str = ""  # evidence of the death, once dead
+
+    @property
+    def shown_state(self) -> str:
+        """State as `stalwart status` shows it: a live spare reads "spare"."""
+        return SPARE if self.spare and self.state == ALIVE else self.state
+
+
+@dataclass
+class Registry:
+    """Ranks of this node, their liveness, and the current generation and plan."""
+
+    node: str
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+    metrics: Metrics
+    clock: Callable[[], float] = time.monotonic
+    wall: Callable[[], float] = time.time
+    generation: int = 1
+    plan: common_pb2.Plan | None = None
+    previous_plan: common_pb2.Plan | None = None
+    _ranks: dict[str, RankRecord] = field(default_factory=dict)
+    failures: deque[Failure] = field(default_factory=lambda: deque(maxlen=KEEP_FAILURES))
+    _listeners: list[Callable[[Failure], None]] = field(default_factory=list)
+    _plan_changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self._update_gauges()  # every state shows from the first scrape, at 0
+
+    # ranks ---------------------------------------------------------------
+
+    def register(self, *, pid: int, rank: int, world_size: int, local_rank: int,
+                 hostname: str, spare: bool, device: str, watch_pid: bool) -> RankRecord:
+        """Add a rank (or refresh it when the same process registers again)."""
+        rank_id = f"{self.node}/{pid}"
+        record = RankRecord(
+            rank_id=rank_id, pid=pid, rank=rank, world_size=world_size, local_rank=local_rank,
+            hostname=hostname, spare=spare, device=device, generation=self.generation,
+            registered_unix=self.wall(), last_heartbeat=self.clock(),
+            process=process_identity(pid) if watch_pid else None)
+        self._ranks[rank_id] = record
+        self._prune_dead()
+        self._update_gauges()
+        log.info("rank registered", extra={
+            "rank_id": rank_id, "rank": rank, "pid": pid, "spare": spare,
+            "watch_pid": record.process is not None})
+        return record
+
+    def heartbeat(self, rank_id: str, generation: int, step: int, step_time_s: float,
+                  leaving: bool = False) -> RankRecord:
+        """Record a heartbeat; refuses unknown ranks, dead ranks and older generations.
+
+        A `leaving` heartbeat ends the rank's watch without counting as a failure.
+        """
+        record = self._ranks.get(rank_id)
+        if record is None:
+            raise UnknownRank(
+                f"rank {rank_id!r} is not registered with daemon {self.node}; "
+                "register again (the daemon may have restarted)")
+        if record.state in (DEAD, LEFT):
+            raise RankFenced(
+                f"rank {rank_id} was declared dead ({record.cause}); register again to rejoin")
+        if generation < self.generation:
+            raise StaleGeneration(
+                f"heartbeat of rank {rank_id} is from generation {generation}, but the job is "
+                f"at generation {self.generation}; fetch the new plan (WatchPlan) and rejoin")
+        record.last_heartbeat = self.clock()
+        record.step, record.step_time_s = step, step_time_s
+        if leaving:
+            record.state, record.cause = LEFT, "left cleanly"
+            self._forget_series(record.rank_id)
+            self._update_gauges()
+            log.info("rank left", extra={"rank_id": rank_id, "step": step})
+            return record
+        if record.state == LATE:
+            record.state = ALIVE
+            log.info("rank heartbeat resumed", extra={"rank_id": rank_id})
+        self.metrics.heartbeats.inc()
+        self.metrics.training_step.labels(rank_id).set(step)
+        self.metrics.step_time.labels(rank_id).set(step_time_s)
+        return record
+
+    def ranks(self) -> list[RankRecord]:
+        return sorted(self._ranks.values(), key=lambda r: (r.spare, r.rank, r.rank_id))
+
+    def get(self, rank_id: str) -> RankRecord | None:
+        return self._ranks.get(rank_id)
+
+    def heartbeat_age_s(self, record: RankRecord) -> float:
+        return max(0.0, self.clock() - record.last_heartbeat)
+
+    # detection -----------------------------------------------------------
+
+    def check(self) -> list[Failure]:
+        """Apply the liveness rules to every rank; returns the failures found now."""
+        found = []
+        for record in list(self._ranks.values()):
+            if record.state in (DEAD, LEFT):
+                continue
+            if record.process is not None and not process_alive(record.process):
+                found.append(self._declare_dead(
+                    record, FailureKind.PROCESS_EXIT, f"process {record.pid} exited"))
+                continue
+            age = self.heartbeat_age_s(record)
+            state = heartbeat_state(age, self.heartbeat_interval_s, self.heartbeat_timeout_s)
+            if state == DEAD:
+                found.append(self._declare_dead(
+                    record, FailureKind.HEARTBEAT_MISSED,
+                    f"no heartbeat for {age:.2f} s (timeout {self.heartbeat_timeout_s:g} s)"))
+            elif state != record.state:
+                record.state = state
+                log.warning("rank heartbeat late", extra={"rank_id": record.rank_id,
+                                                          "age_s": round(age, 3)})
+        if found:
+            self._update_gauges()
+        return found
+
+    def _declare_dead(self, record: RankRecord, kind: FailureKind, evidence: str) -> Failure:
+        record.state, record.cause = DEAD, f"{kind.name.lower()}: {evidence}"
+        self._forget_series(record.rank_id)
+        return self.report(Failure(kind, record.rank_id, evidence, generation=self.generation,
+                                   reporter=self.node, details={"pid": record.pid}))
+
+    def _forget_series(self, rank_id: str) -> None:
+        for series in (self.metrics.training_step, self.metrics.step_time):
+            try:
+                series.remove(rank_id)
+            except KeyError:
+                pass  # older prometheus-client: the rank never sent a heartbeat
+
+    def report(self, failure: Failure) -> Failure:
+        """Record a failure (detected here or reported by a client) and tell listeners."""
+        self.failures.append(failure)
+        self.metrics.failures.labels(failure.kind.name.lower()).inc()
+        log.warning("failure detected", extra={"kind": failure.kind.name.lower(),
+                                               "subject": failure.subject,
+                                               "evidence": failure.evidence})
+        for listener in self._listeners:
+            listener(failure)
+        return failure
+
+    def on_failure(self, listener: Callable[[Failure], None]) -> None:
+        """Call `listener(failure)` for every failure from now on (the coordinator hooks here)."""
+        self._listeners.append(listener)
+
+    def _prune_dead(self) -> None:
+        dead = [r for r in self._ranks.values() if r.state in (DEAD, LEFT)]
+        for record in dead[: max(0, len(dead) - KEEP_DEAD)]:
+            del self._ranks[record.rank_id]
+
+    def _update_gauges(self) -> None:
+        counts = {ALIVE: 0, LATE: 0, DEAD: 0, SPARE: 0, LEFT: 0}
+        for record in self._ranks.values():
+            counts[record.shown_state] += 1
+        for state, n in counts.items():
+            self.metrics.ranks.labels(state).set(n)
+
+    # plan ----------------------------------------------------------------
+
+    def install_plan(self, plan: common_pb2.Plan) -> None:
+        """Adopt a plan of a newer generation and wake every WatchPlan stream."""
+        if plan.generation < self.generation or (
+                plan.generation == self.generation and self.plan is not None):
+            raise StaleGeneration(
+                f"plan of generation {plan.generation} is not newer than the current "
+                f"generation {self.generation}")
+        self.previous_plan = self.current_plan()
+        self.generation, self.plan = plan.generation, plan
+        self.metrics.generation.set(self.generation)
+        log.info("plan installed", extra={"generation": self.generation, "reason": plan.reason})
+        self._plan_changed.set()
+        self._plan_changed = asyncio.Event()
+
+    def current_plan(self) -> common_pb2.Plan:
+        return self.plan if self.plan is not None else common_pb2.Plan(generation=self.generation)
+
+    async def plan_after(self, known_generation: int, timeout_s: float) -> common_pb2.Plan | None:
+        """The plan if its generation exceeds `known_generation`, waiting up to timeout_s.
+
+        Returns None on timeout or when woken without a newer plan (shutdown).
+        """
+        if self.plan is None or self.plan.generation <= known_generation:
+            try:
+                await asyncio.wait_for(self._plan_changed.wait(), timeout_s)
+            except TimeoutError:
+                pass
+        if self.plan is None or self.plan.generation <= known_generation:
+            return None
+        return self.plan
+
+    def wake_watchers(self) -> None:
+        """Wake plan watchers without a change (used at shutdown so streams end at once)."""
+        self._plan_changed.set()
+        self._plan_changed = asyncio.Event()

@@ -1,0 +1,262 @@
+"""The daemon process: one grpc.aio server on TCP (peers, operators) and a Unix socket (ranks).
+
+It wires the services to the shared state, serves Prometheus /metrics over
+HTTP, runs the detectors and gossip in the background, and on SIGTERM/SIGINT
+stops taking calls, gives in-flight calls a grace period and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from stalwart.daemon.config import DaemonConfig
+from stalwart.daemon.membership import Membership
+from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.operator_service import OperatorServicer
+from stalwart.daemon.peer_service import PeerServicer, gossip_forever
+from stalwart.daemon.rank_service import RankServicer
+from stalwart.daemon.registry import Registry
+from stalwart.v1 import operator_pb2, operator_pb2_grpc, peer_pb2, peer_pb2_grpc, rank_pb2_grpc
+
+log = logging.getLogger("stalwart.daemon")
+
+GRACE_S = 3.0  # in-flight RPCs get this long after SIGTERM before they are cancelled
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # shards travel in ~1 MiB pieces; this leaves room
+ENDPOINT_FILE = "daemon.json"  # in data_dir: where a running daemon can be reached
+SERVICES = (
+    "stalwart.v1.RankService",
+    "stalwart.v1.PeerService",
+    "stalwart.v1.OperatorService",
+)
+
+
+class DaemonStartError(RuntimeError):
+    """The daemon cannot start; the message says which setting to change."""
+
+
+def load_shard_servicer(store_dir: Path, metrics: Metrics) -> Any:
+    """The ShardService implementation, or None while this build has none."""
+    try:
+        from stalwart.daemon.shard_service import ShardServicer
+    except ModuleNotFoundError as e:
+        if e.name != "stalwart.daemon.shard_service":
+            raise
+        return None
+    return ShardServicer(store_dir, metrics)
+
+
+class Daemon:
+    """One daemon: its configuration, state, servicers and the gRPC server."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.stopping = asyncio.Event()
+        self.data_dir = Path(config.data_dir).resolve()
+        self.unix_socket = Path(config.unix_socket).resolve()
+        self.address = config.listen  # advertised HOST:PORT, fixed once the port is bound
+        self.registry = Registry(config.node, config.heartbeat_interval_s,
+                                 config.heartbeat_timeout_s, self.metrics)
+        self.membership = Membership(config.node, self.address, config.heartbeat_interval_s,
+                                     config.heartbeat_timeout_s, self.metrics,
+                                     self.registry.report)
+        self.health = health.aio.HealthServicer()
+        self.operator = OperatorServicer(config.node, self.address, self.registry,
+                                         self.membership)
+        self._server: grpc.aio.Server | None = None
+        self._metrics_http: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    # lifecycle -----------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind every endpoint and start serving; raises DaemonStartError naming the setting."""
+        cfg = self.config
+        _make_dir(self.data_dir, "data_dir")
+        _make_dir(self.unix_socket.parent, "unix_socket")
+        _clear_stale_socket(self.unix_socket)
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # Without this a second daemon could silently share the port (SO_REUSEPORT).
+            ("grpc.so_reuseport", 0),
+        ])
+        self._server = server
+        rank_pb2_grpc.add_RankServiceServicer_to_server(
+            RankServicer(cfg, self.registry, self.metrics, self.stopping), server)
+        peer_pb2_grpc.add_PeerServiceServicer_to_server(
+            PeerServicer(self.membership, self.registry, self.peer_info), server)
+        operator_pb2_grpc.add_OperatorServiceServicer_to_server(self.operator, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = list(SERVICES)
+        shard = load_shard_servicer(self.data_dir / "shards", self.metrics)
+        if shard is not None:
+            peer_pb2_grpc.add_ShardServiceServicer_to_server(shard, server)
+            names.append("stalwart.v1.ShardService")
+        reflection.enable_server_reflection(
+            [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+
+        port = _bind(server, cfg.listen, "listen")
+        host = cfg.listen.rpartition(":")[0]
+        if host.strip("[]") in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()  # peers cannot dial a wildcard address
+        self.address = self.membership.self_address = self.operator.address = f"{host}:{port}"
+        _bind(server, f"unix:{self.unix_socket}", "unix_socket")
+        await server.start()
+
+        if cfg.metrics_port:
+            try:
+                self._metrics_http, _ = start_http_server(
+                    cfg.metrics_port, addr=cfg.listen_host, registry=self.metrics.registry)
+            except OSError as e:
+                raise DaemonStartError(
+                    f"metrics_port: cannot serve /metrics on {cfg.listen_host}:"
+                    f"{cfg.metrics_port} ({e.strerror}); choose a free port or 0 to turn off"
+                ) from None
+        for address in cfg.peers:
+            self.membership.add_address(address)
+        self.metrics.generation.set(self.registry.generation)
+        for name in ("", *names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._tasks = [
+            asyncio.create_task(self._detect_forever(), name="detect"),
+            asyncio.create_task(gossip_forever(
+                self.membership, self.peer_info, self._channel, cfg.heartbeat_interval_s,
+                self.stopping), name="gossip"),
+        ]
+        self._write_endpoint_file()
+
+    async def stop(self, grace_s: float = GRACE_S) -> None:
+        """Stop taking calls, let in-flight ones finish for grace_s seconds, free every port."""
+        self.stopping.set()
+        await self.health.enter_graceful_shutdown()
+        self.registry.wake_watchers()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        for channel in self._channels.values():
+            await channel.close()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+        with contextlib.suppress(FileNotFoundError):
+            self.unix_socket.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            (self.data_dir / ENDPOINT_FILE).unlink()
+
+    # background ----------------------------------------------------------
+
+    async def _detect_forever(self) -> None:
+        """Apply the liveness rules often enough that a dead process is seen in ~0.1 s."""
+        tick_s = min(0.1, self.config.heartbeat_interval_s / 4)
+        while not self.stopping.is_set():
+            try:
+                self.registry.check()
+                self.membership.check()
+            except Exception:  # a detector bug must not stop detection of everything else
+                log.exception("liveness check failed")
+            await asyncio.sleep(tick_s)
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address)
+        return self._channels[address]
+
+    def peer_info(self) -> peer_pb2.PeerInfo:
+        """How this daemon describes itself to peers."""
+        labels = {k: v for k, v in (("rack", self.config.labels.rack),
+                                    ("zone", self.config.labels.zone)) if v}
+        alive = [r.rank_id for r in self.registry.ranks() if r.state != "dead"]
+        return peer_pb2.PeerInfo(
+            node=self.config.node, address=self.address, labels=labels,
+            generation=self.registry.generation, time_unix_ms=int(time.time() * 1000),
+            rank_ids=alive)
+
+    def status(self) -> operator_pb2.StatusReply:
+        return self.operator.status()
+
+    def _write_endpoint_file(self) -> None:
+        """Record where this daemon listens, for tools on this node (atomic replace)."""
+        info = {"node": self.config.node, "pid": os.getpid(), "address": self.address,
+                "unix_socket": str(self.unix_socket), "metrics_port": self.config.metrics_port}
+        tmp = self.data_dir / f".{ENDPOINT_FILE}.tmp"
+        tmp.write_text(json.dumps(info) + "\n")
+        tmp.replace(self.data_dir / ENDPOINT_FILE)
+
+
+def _make_dir(path: Path, key: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DaemonStartError(
+            f"{key}: cannot create directory {path} ({e.strerror}); choose another path") from None
+
+
+def _clear_stale_socket(path: Path) -> None:
+    """Remove a socket left by a crashed daemon; refuse if a live daemon still answers on it."""
+    if not path.exists():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()
+        return
+    finally:
+        probe.close()
+    raise DaemonStartError(
+        f"unix_socket: another daemon is serving on {path}; stop it or choose another path")
+
+
+def _bind(server: grpc.aio.Server, target: str, key: str) -> int:
+    try:
+        port = server.add_insecure_port(target)
+    except RuntimeError:
+        port = 0
+    if port == 0 and not target.startswith("unix:"):
+        raise DaemonStartError(
+            f"{key}: cannot listen on {target} (address in use or not on this host); "
+            "choose a free HOST:PORT")
+    return port
+
+
+async def serve(config: DaemonConfig) -> int:
+    """Run a daemon until SIGTERM or SIGINT; returns the process exit code."""
+    begun = time.monotonic()
+    daemon = Daemon(config)
+    try:
+        await daemon.start()
+    except DaemonStartError as e:
+        log.error(str(e))
+        await daemon.stop(grace_s=0)
+        return 1
+    log.info("daemon ready", extra={
+        "node": config.node, "address": daemon.address, "unix_socket": str(daemon.unix_socket),
+        "metrics_port": config.metrics_port, "peers": list(config.peers),
+        "startup_s": round(time.monotonic() - begun, 3)})
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("daemon stopping", extra={"grace_s": GRACE_S})
+    await daemon.stop()
+    log.info("daemon stopped")
+    return 0
