@@ -8,6 +8,7 @@ checked against a strict grammar so no request can name a path outside the store
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import re
@@ -114,6 +115,20 @@ class ShardServicer(peer_pb2_grpc.ShardServiceServicer):
     async def PutShard(self, request_iterator, context: grpc.aio.ServicerContext
                        ) -> peer_pb2.PutShardReply:
         started = time.perf_counter()
+        try:
+            return await self._receive(request_iterator, context, started)
+        except (FileExistsError, NotADirectoryError, IsADirectoryError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"shard id clashes with a stored shard's path: {exc.strerror}")
+        except OSError as exc:
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.INTERNAL,
+                f"cannot store the shard on this node: {exc.strerror}"
+                + ("; free space or raise the quota of the shard store" if full else ""))
+
+    async def _receive(self, request_iterator, context: grpc.aio.ServicerContext,
+                       started: float) -> peer_pb2.PutShardReply:
         header = None
         tmp: Path | None = None
         f = None
@@ -191,22 +206,33 @@ class ShardServicer(peer_pb2_grpc.ShardServiceServicer):
         path = await self._checked_path(context, request.job_id, request.shard_id)
         try:
             meta = self.store.meta(path)
-            data = await asyncio.to_thread(path.read_bytes)
+            f = path.open("rb")
         except FileNotFoundError:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"shard {request.shard_id} of job {request.job_id} is not here")
-        if len(data) != meta["size"] or crc32c(data) != meta["crc32c"]:
-            # Bit rot on this disk: say so rather than serve bad bytes.
+        with f:
+            header = peer_pb2.ShardHeader(job_id=request.job_id, shard_id=request.shard_id,
+                                          size=meta["size"], crc32c=meta["crc32c"],
+                                          step=meta["step"], generation=meta["generation"])
+            crc = sent = 0
+            first = True
+            # One piece in memory at a time, however large the shard.
+            while True:
+                data = await asyncio.to_thread(f.read, PIECE_BYTES)
+                crc = crc32c(data, crc)
+                sent += len(data)
+                if sent > meta["size"]:
+                    break
+                if data or first:
+                    yield peer_pb2.ShardPiece(header=header if first else None, data=data)
+                first = False
+                if len(data) < PIECE_BYTES:
+                    break
+        if sent != meta["size"] or crc != meta["crc32c"]:
+            # Bit rot on this disk: end the stream with an error rather than vouch for it.
             self.metrics.scrub_errors.labels("peer").inc()
             await context.abort(grpc.StatusCode.DATA_LOSS,
                                 f"shard {request.shard_id} failed its checksum on this node")
-        header = peer_pb2.ShardHeader(job_id=request.job_id, shard_id=request.shard_id,
-                                      size=meta["size"], crc32c=meta["crc32c"],
-                                      step=meta["step"], generation=meta["generation"])
-        view = memoryview(data)
-        yield peer_pb2.ShardPiece(header=header, data=view[:PIECE_BYTES].tobytes())
-        for at in range(PIECE_BYTES, len(data), PIECE_BYTES):
-            yield peer_pb2.ShardPiece(data=view[at:at + PIECE_BYTES].tobytes())
         self.metrics.peer_seconds.labels("serve_get").observe(time.perf_counter() - started)
 
     async def DeleteShards(self, request: peer_pb2.DeleteShardsRequest,

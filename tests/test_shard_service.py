@@ -157,3 +157,30 @@ def test_byte_budget_bounds_bytes_in_flight():
 
     peak, available = run(scenario())
     assert peak <= 100 and available == 100
+
+
+@pytest.mark.parametrize("size", [0, 1 << 20, 2 << 20])
+def test_empty_and_piece_aligned_shards_round_trip(tmp_path, size):
+    data = os.urandom(size)
+
+    async def scenario():
+        async with shard_server(tmp_path) as (address, _):
+            client = ShardClient(address, job_id="j")
+            await client.put("c.0", data)
+            got = await client.get("c.0", expected_crc=crc32c(data), expected_size=size)
+            await client.close()
+            return got
+
+    assert run(scenario()) == data
+
+
+def test_shard_id_clashing_with_a_stored_path_is_refused(tmp_path):
+    async def scenario():
+        async with shard_server(tmp_path) as (address, _):
+            client = ShardClient(address, job_id="j", attempts=1)
+            await client.put("a", b"x")
+            with pytest.raises(ShardTransferError, match="INVALID_ARGUMENT.*clashes"):
+                await client.put("a/b", b"y")
+            await client.close()
+
+    run(scenario())
