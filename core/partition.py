@@ -99,7 +99,8 @@ def partition(costs: Sequence[float], stages: int, speeds: Sequence[float] | Non
               previous: Partition | Sequence[Sequence[int]] | None = None, *,
               act: Sequence[float] | None = None, schedule: str = "1f1b",
               micro_batches: int | None = None,
-              keep: Sequence[int] | None = None) -> Partition:
+              keep: Sequence[int] | None = None,
+              move_costs: Sequence[Sequence[float]] | None = None) -> Partition:
     """Split layers 0..n-1 into `stages` contiguous non-empty stages, minimising the
     largest cost(stage) / speed(stage).
 
@@ -112,6 +113,8 @@ def partition(costs: Sequence[float], stages: int, speeds: Sequence[float] | Non
         layers change stage the least is returned.
     keep: instead of `previous`, the stage index each layer may keep without moving
         (-1 where none can), for re-planning onto a different device list.
+    move_costs: instead of both, move_costs[j][i] = what placing layer i on stage j costs
+        (e.g. how many of the stage's devices lack it, over all DP replicas).
     """
     n = len(costs)
     p = stages
@@ -129,19 +132,25 @@ def partition(costs: Sequence[float], stages: int, speeds: Sequence[float] | Non
     for j, s in enumerate(speeds):
         if not (math.isfinite(s) and s > 0):
             raise ValueError(f"stage {j} speed must be a finite number > 0, got {s}")
-    if previous is not None and keep is not None:
-        raise ValueError("give either previous or keep, not both")
+    if sum(x is not None for x in (previous, keep, move_costs)) > 1:
+        raise ValueError("give at most one of previous, keep and move_costs")
     if previous is not None:
         keep = _owners_of(previous)
-    if keep is not None and len(keep) != n:
-        raise ValueError(f"previous partition covers {len(keep)} layers but there are {n}")
+    if keep is not None:
+        if len(keep) != n:
+            raise ValueError(f"previous partition covers {len(keep)} layers but there are {n}")
+        move_costs = [[0.0 if k == j else 1.0 for k in keep] for j in range(p)]
+    if move_costs is None:
+        move_costs = [[0.0] * n] * p
+    if len(move_costs) != p or any(len(row) != n for row in move_costs):
+        raise ValueError(f"move_costs must be {p} rows (stages) of {n} numbers (layers)")
 
     problem = _Problem(costs, speeds, _memory_model(n, p, mem, act, mem_cap, schedule,
                                                     micro_batches))
     if not problem.feasible(math.inf):
         raise ValueError(problem.memory_shortfall_message())
     best = problem.min_bottleneck()
-    bounds = problem.min_moves(best, list(keep) if keep is not None else [-1] * n)
+    bounds = problem.min_moves(best, move_costs)
     return problem.describe(bounds)
 
 
@@ -311,16 +320,17 @@ class _Problem:
 
     # -- tie-break: fewest layers moved among splits within the bound --------------------
 
-    def min_moves(self, bound: float, keep: list[int]) -> list[tuple[int, int]]:
+    def min_moves(self, bound: float,
+                  move_costs: Sequence[Sequence[float]]) -> list[tuple[int, int]]:
         """Exact DP over (stage, last layer) with a sliding-window minimum over starts."""
         n, p = self.n, self.p
         inf = math.inf
         prev = [inf] * n  # prev[e]: fewest moves for layers 0..e in the stages so far
         choice: list[list[int]] = []
         for j in range(p):
-            kept = [0] * (n + 1)
-            for i, k in enumerate(keep):
-                kept[i + 1] = kept[i] + (k == j)
+            moved = [0.0] * (n + 1)  # prefix sums of this stage's move costs
+            for i, c in enumerate(move_costs[j]):
+                moved[i + 1] = moved[i] + c
             cur = [inf] * n
             starts = [-1] * n
             window: deque[tuple[int, float]] = deque()
@@ -334,7 +344,7 @@ class _Problem:
                 while nxt <= e:
                     base = 0.0 if nxt == 0 else prev[nxt - 1]
                     if base < inf and (j > 0 or nxt == 0):
-                        val = base - nxt + kept[nxt]
+                        val = base - moved[nxt]
                         while window and window[-1][1] > val:
                             window.pop()
                         window.append((nxt, val))
@@ -343,7 +353,7 @@ class _Problem:
                     window.popleft()
                 if window:
                     a, val = window[0]
-                    cur[e] = val + (e + 1 - kept[e + 1])
+                    cur[e] = val + moved[e + 1]
                     starts[e] = a
             choice.append(starts)
             prev = cur
@@ -402,7 +412,7 @@ class _Problem:
         saved = self.memory.caps
         self.memory.caps = [c + extra for c in saved]
         try:
-            return self.min_moves(math.inf, [-1] * self.n)
+            return self.min_moves(math.inf, [[0.0] * self.n] * self.p)
         finally:
             self.memory.caps = saved
 
