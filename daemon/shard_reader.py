@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from stalwart.core.placement import S3
+from stalwart.core.placement import S3, ChunkPlacement
 from stalwart.daemon.checksum import crc32c
 from stalwart.daemon.coder import Codec, ZfecCodec
 from stalwart.daemon.metrics import Metrics
@@ -52,6 +52,15 @@ class _Candidate:
 def shard_id_of(chunk: manifest_pb2.ChunkRecord, shard: manifest_pb2.ShardRecord) -> str:
     """The shard's identifier on its tier: its recorded location, else `<chunk_id>.<index>`."""
     return shard.location or f"{chunk.chunk_id}.{shard.index}"
+
+
+def placement_of(chunk: manifest_pb2.ChunkRecord) -> ChunkPlacement:
+    """The holders recorded in a manifest's chunk, for margin and repair computations."""
+    holders: list[list[str]] = [[] for _ in range(chunk.k + chunk.m)]
+    for rec in chunk.shards:
+        if rec.index < len(holders):
+            holders[rec.index].append(rec.node)
+    return ChunkPlacement(chunk.chunk_id, chunk.k, chunk.m, tuple(tuple(h) for h in holders))
 
 
 class ShardReader:

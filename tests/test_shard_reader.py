@@ -187,3 +187,16 @@ def test_too_many_lost_holders_name_the_chunk_and_each_missing_shard(tmp_path):
     assert "chunk s5/r1/c3" in message and "1 good shards of the 2 needed" in message
     assert set(err.value.unavailable) == {0, 2}
     assert "node a" in err.value.unavailable[0] and "NOT_FOUND" in err.value.unavailable[2]
+
+
+def test_placement_of_a_chunk_record_feeds_the_margin_math():
+    from stalwart.core.placement import chunk_margin
+    from stalwart.daemon.shard_reader import placement_of
+
+    rec = manifest_pb2.ChunkRecord(chunk_id="c", k=2, m=2)
+    for i, node in enumerate(["a", "b", "c", "s3"]):
+        rec.shards.add(index=i, node=node)
+    rec.shards.add(index=3, node="d")
+    p = placement_of(rec)
+    assert p.holders == (("a",), ("b",), ("c",), ("s3", "d"))
+    assert chunk_margin(p, {"a"}) == 1

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stalwart.daemon.checksum import crc32c
 from stalwart.daemon.metrics import Metrics
@@ -184,3 +186,18 @@ def test_shard_id_clashing_with_a_stored_path_is_refused(tmp_path):
             await client.close()
 
     run(scenario())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=80))
+def test_any_accepted_shard_id_stays_inside_the_store(tmp_path_factory, shard_id):
+    from stalwart.daemon.shard_service import ShardStore
+
+    root = tmp_path_factory.getbasetemp() / "store"
+    store = ShardStore(root)
+    try:
+        path = store.path("job", shard_id)
+    except ValueError:
+        return
+    assert path.resolve().is_relative_to((root / "job").resolve())
+    assert ".." not in path.relative_to(root).parts
