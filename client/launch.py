@@ -59,6 +59,10 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=HOST, MASTER_PORT=str(port))
     path = Path(out_dir) / f"rank{rank}.json"
     try:
+        import torch
+
+        # Ranks share the machine's cores; oversubscribed intra-op threads thrash.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         ctx = RankContext(rank=rank, world_size=world_size, store=connect_store(),
                           master_port=port)
         record = {"ok": True, "result": fn(ctx, *args)}

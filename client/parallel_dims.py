@@ -1,0 +1,182 @@
+"""Who talks to whom: the (dp, pp, tp) degrees of a job, each rank's coordinates, and the
+process groups of one generation. A generation's groups live under their own store prefix,
+so a later generation can be built in the same process after `destroy()`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Coords", "Group", "ParallelDims"]
+
+
+@dataclass(frozen=True)
+class Coords:
+    """Position of one rank in the (dp, pp, tp) grid; tp varies fastest, pp slowest."""
+
+    dp: int
+    pp: int
+    tp: int
+
+
+@dataclass
+class Group:
+    """One process group as this rank sees it: the members' global ranks and our index."""
+
+    name: str
+    ranks: tuple[int, ...]
+    index: int
+    pg: Any = field(repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> None:
+        """In-place all-reduce; a no-op in a group of one."""
+        if self.size > 1:
+            dist.all_reduce(tensor, op=op, group=self.pg)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's tensor (same shape), in group order."""
+        if self.size == 1:
+            return [tensor]
+        out = [torch.empty_like(tensor) for _ in self.ranks]
+        self.pg.allgather([out], [tensor.contiguous()]).wait()
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        """In-place broadcast from group index `root`."""
+        if self.size > 1:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = root
+            self.pg.broadcast([tensor], opts).wait()
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
+        """Start sending to group index `dst`; returns the work handle to wait on."""
+        return self.pg.send([tensor.contiguous()], dst, tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
+        """Receive into `tensor` from group index `src` (blocks until it arrived)."""
+        self.pg.recv([tensor], src, tag).wait()
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self.pg.barrier().wait()
+
+
+@dataclass(kw_only=True)
+class ParallelDims:
+    """Degrees of data, pipeline and tensor parallelism; their product is the world size."""
+
+    dp: int = 1
+    """Data-parallel replicas (each sees a different slice of the global batch)."""
+    pp: int = 1
+    """Pipeline stages (each holds a contiguous range of layers)."""
+    tp: int = 1
+    """Tensor-parallel ranks (each holds a slice of every block's heads and FFN)."""
+    world_size: int | None = None
+    """Checked against dp*pp*tp when given."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "pp", "tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: every degree must be >= 1")
+        if self.world_size is None:
+            self.world_size = self.dp * self.pp * self.tp
+        elif self.dp * self.pp * self.tp != self.world_size:
+            raise ValueError(
+                f"dp*pp*tp = {self.dp}*{self.pp}*{self.tp} = {self.dp * self.pp * self.tp} "
+                f"but the world has {self.world_size} ranks; choose degrees whose product "
+                f"is {self.world_size}")
+        self.generation: int | None = None
+        self.rank: int | None = None
+        self.groups: dict[str, Group] = {}
+
+    def coords(self, rank: int) -> Coords:
+        """Grid position of global `rank`."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
+        return Coords(dp=(rank // self.tp) % self.dp, pp=rank // (self.tp * self.dp),
+                      tp=rank % self.tp)
+
+    def rank_of(self, c: Coords) -> int:
+        return (c.pp * self.dp + c.dp) * self.tp + c.tp
+
+    def members(self, rank: int, axis: str) -> tuple[int, ...]:
+        """Global ranks that share every coordinate with `rank` except `axis` (dp|pp|tp)."""
+        c = self.coords(rank)
+        size = getattr(self, axis)
+        return tuple(self.rank_of(Coords(**{**c.__dict__, axis: i})) for i in range(size))
+
+    def build(self, store: Any, rank: int, generation: int, *, backend: str = "gloo",
+              timeout_s: float = 60.0) -> ParallelDims:
+        """Create this rank's dp, pp, tp and world groups for `generation`.
+
+        Every member of a group must call this with the same generation; groups live under
+        the store prefix ``gen{generation}/`` so a new generation never meets an old one.
+        """
+        if self.groups:
+            raise RuntimeError(f"generation {self.generation} is still built; destroy() first")
+        gen_store = dist.PrefixStore(f"gen{generation}/", store)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        for axis in ("dp", "pp", "tp", "world"):
+            ranks = (tuple(range(self.world_size)) if axis == "world"
+                     else self.members(rank, axis))
+            key = f"{axis}/{'-'.join(map(str, ranks))}/"
+            pg = _make_pg(backend, dist.PrefixStore(key, gen_store), ranks.index(rank),
+                          len(ranks), timeout)
+            self.groups[axis] = Group(axis, ranks, ranks.index(rank), pg)
+        self.generation, self.rank = generation, rank
+        return self
+
+    def group(self, axis: str) -> Group:
+        if axis not in self.groups:
+            raise RuntimeError("process groups are not built; call build(store, rank, gen)")
+        return self.groups[axis]
+
+    @property
+    def dp_group(self) -> Group:
+        return self.group("dp")
+
+    @property
+    def pp_group(self) -> Group:
+        return self.group("pp")
+
+    @property
+    def tp_group(self) -> Group:
+        return self.group("tp")
+
+    @property
+    def world(self) -> Group:
+        return self.group("world")
+
+    @property
+    def my(self) -> Coords:
+        if self.rank is None:
+            raise RuntimeError("process groups are not built; call build(store, rank, gen)")
+        return self.coords(self.rank)
+
+    def destroy(self) -> None:
+        """Drop this generation's groups; their threads and sockets close with them."""
+        for g in self.groups.values():
+            shutdown = getattr(g.pg, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+        self.groups.clear()
+        self.generation = None
+
+
+def _make_pg(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    raise ValueError(f"backend {backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (CUDA)")

@@ -1,0 +1,262 @@
+"""The step loop of one rank: global batch -> this replica's micro-batches -> pipeline
+schedule -> data-parallel gradient sum -> (loss-scale check) -> AdamW -> global loss.
+A Trainer is built from a plan (dims, stage bounds, schedule, micro-batches, accumulation)
+and can be dropped and rebuilt with another plan in the same process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from stalwart.client import pipeline, recompute
+from stalwart.client.data import TextBatches, load_corpus
+from stalwart.client.dp import GradReducer, ReduceFn
+from stalwart.client.model import GPTConfig, GPTStage, full_params, uniform_bounds
+from stalwart.client.parallel_dims import ParallelDims
+from stalwart.client.pipeline import PipelineStats, run_schedule
+
+__all__ = ["LossScaler", "TrainConfig", "Trainer", "param_digest"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """What stays fixed for a job whatever its layout."""
+
+    model: GPTConfig
+    """Decoder shape."""
+    global_batch: int = 8
+    """Sequences per optimizer step, across all replicas and micro-batches."""
+    seed: int = 0
+    """Seeds initial weights and the data order."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 5
+    """Optimizer steps of linear warm-up."""
+    decay_steps: int = 1000
+    """Optimizer steps from the start to the end of the cosine decay."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay."""
+    precision: str = "fp32"
+    """fp32 | bf16 (CPU autocast) | fp16 (CUDA autocast with loss scaling) | auto."""
+    recompute: str = "none"
+    """Activation recomputation for every block: none | selective | full."""
+    compress: str = "none"
+    """Gradient dtype on the wire for the data-parallel sum: none | fp16 | bf16."""
+    bucket_bytes: int = 1 << 20
+    """Gradient bucket size for the data-parallel sum (bytes)."""
+    corpus_bytes: int = 4 << 20
+    """Bytes of standard-library text to train on."""
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate for optimizer step `step` (0-based): warm-up, then cosine."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        t = min(1.0, (step - self.warmup_steps) / max(1, self.decay_steps - self.warmup_steps))
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * t))
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16; the skip decision is agreed by every rank of the job."""
+
+    def __init__(self, enabled: bool, scale: float = 2.0**16, growth_interval: int = 2000) -> None:
+        self.enabled, self.scale, self.growth_interval = enabled, scale, growth_interval
+        self.good_steps = 0
+
+    def unscale_and_check(self, params: list[torch.nn.Parameter], world: Any) -> bool:
+        """Divide gradients by the scale; True when every rank's gradients are finite."""
+        if not self.enabled:
+            return True
+        bad = torch.zeros(1, device=params[0].device if params else "cpu")
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(1.0 / self.scale)
+                bad += (~torch.isfinite(p.grad)).any().float()
+        world.all_reduce(bad)
+        ok = bool(bad.item() == 0)
+        if ok:
+            self.good_steps += 1
+            if self.good_steps % self.growth_interval == 0:
+                self.scale *= 2.0
+        else:
+            self.scale, self.good_steps = self.scale / 2.0, 0
+        return ok
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"enabled": self.enabled, "scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.enabled, self.scale = bool(state["enabled"]), float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+
+
+class Trainer:
+    """One rank's share of a DP x PP x TP training job for one plan."""
+
+    def __init__(self, dims: ParallelDims, cfg: TrainConfig, *,
+                 stage_bounds: list[tuple[int, int]] | None = None, schedule: str = "1f1b",
+                 microbatches: int = 1, grad_accum: int = 1, reduce_fn: ReduceFn | None = None,
+                 device: str | torch.device = "cpu", corpus: bytes | None = None) -> None:
+        per_replica = dims.dp * grad_accum * microbatches
+        if cfg.global_batch % per_replica:
+            raise ValueError(f"global batch {cfg.global_batch} does not split into dp={dims.dp}"
+                             f" x grad_accum={grad_accum} x microbatches={microbatches}; choose"
+                             " degrees whose product divides the global batch")
+        bounds = stage_bounds or uniform_bounds(cfg.model.num_layers, dims.pp)
+        if len(bounds) != dims.pp:
+            raise ValueError(f"{len(bounds)} stage bounds for pp={dims.pp}; give one per stage")
+        self.dims, self.cfg, self.bounds = dims, cfg, [tuple(b) for b in bounds]
+        self.schedule_kind, self.m, self.grad_accum = schedule, microbatches, grad_accum
+        self.micro_size = cfg.global_batch // per_replica
+        self.device = torch.device(device)
+        me = dims.my
+        first, last = self.bounds[me.pp]
+        self.stage = GPTStage(cfg.model, first, last, seed=cfg.seed,
+                              tp=dims.tp_group).to(self.device)
+        recompute.apply_policy(self.stage.layers, cfg.recompute)
+        self.params = list(self.stage.parameters())
+        self.reducer = GradReducer(self.params, dims.dp_group, bucket_bytes=cfg.bucket_bytes,
+                                   compress=cfg.compress, reduce_fn=reduce_fn)
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr_at(0), betas=(0.9, 0.95),
+                                           weight_decay=cfg.weight_decay)
+        precision = cfg.precision
+        if precision == "auto":
+            precision = "fp16" if self.device.type == "cuda" else "bf16"
+        self.precision = precision
+        self.scaler = LossScaler(enabled=precision == "fp16")
+        self.data = TextBatches(corpus if corpus is not None else load_corpus(cfg.corpus_bytes),
+                                cfg.model.seq_len, seed=cfg.seed)
+        self.actions = pipeline.schedule(schedule, dims.pp, me.pp, microbatches)
+        self.step_count = 0
+        self.stats: PipelineStats | None = None
+
+    def _autocast(self):
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        if self.precision == "fp16":
+            return torch.autocast(self.device.type, dtype=torch.float16)
+        return nullcontext()
+
+    def _loss(self, targets: list[torch.Tensor], scale: float, out: torch.Tensor,
+              i: int) -> tuple[torch.Tensor, float]:
+        loss = F.cross_entropy(out.float().flatten(0, 1), targets[i].flatten())
+        # Each micro-batch's mean is scaled so that the DP sum of gradients is the global mean.
+        scaled = loss * scale
+        backprop = scaled * self.scaler.scale if self.scaler.enabled else scaled
+        return backprop, scaled.item()
+
+    def step(self) -> float:
+        """One optimizer step; returns the global mean loss (the same value on every rank)."""
+        me, cfg = self.dims.my, self.cfg
+        ids, targets = self.data.next_batch(cfg.global_batch)
+        share = cfg.global_batch // self.dims.dp
+        ids = ids[me.dp * share:(me.dp + 1) * share].to(self.device)
+        targets = targets[me.dp * share:(me.dp + 1) * share].to(self.device)
+        for p in self.params:
+            p.grad = None
+        act_shape = (self.micro_size, cfg.model.seq_len, cfg.model.d_model)
+        scale = 1.0 / (self.dims.dp * self.grad_accum * self.m)
+        local_loss = 0.0
+        for a in range(self.grad_accum):
+            rows = slice(a * self.m * self.micro_size, (a + 1) * self.m * self.micro_size)
+            mb_ids = list(ids[rows].split(self.micro_size))
+            mb_targets = list(targets[rows].split(self.micro_size))
+            losses = run_schedule(
+                self.stage, self.actions, self.dims.pp_group, inputs=mb_ids,
+                loss_fn=partial(self._loss, mb_targets, scale), act_shape=act_shape,
+                device=self.device, autocast=self._autocast, stats=self.stats,
+                before_last_backward=self.reducer.arm if a == self.grad_accum - 1 else None)
+            local_loss += sum(losses)
+        self.reducer.finish()
+        if self.scaler.unscale_and_check(self.params, self.dims.world):
+            for group in self.optimizer.param_groups:
+                group["lr"] = cfg.lr_at(self.step_count)
+            self.optimizer.step()
+        self.step_count += 1
+        return self._global_loss(local_loss)
+
+    def _global_loss(self, local: float) -> float:
+        """Sum the last stage's scaled losses over DP, then hand the value to every stage."""
+        loss = torch.tensor([local], dtype=torch.float64)
+        if self.dims.my.pp == self.dims.pp - 1:
+            self.dims.dp_group.all_reduce(loss)
+        self.dims.pp_group.broadcast(loss, self.dims.pp - 1)
+        return float(loss.item())
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """This stage's parameters at full size by canonical name (collective over TP)."""
+        return full_params(self.stage)
+
+    def param_hashes(self) -> dict[str, str]:
+        """sha256 of each full parameter of this stage (collective over TP)."""
+        return {name: _tensor_sha256(t) for name, t in self.full_params().items()}
+
+    def layout(self) -> dict[str, Any]:
+        me = self.dims.my
+        return {"dp": self.dims.dp, "pp": self.dims.pp, "tp": self.dims.tp,
+                "coords": {"dp": me.dp, "pp": me.pp, "tp": me.tp},
+                "stage_bounds": [list(b) for b in self.bounds], "schedule": self.schedule_kind,
+                "microbatches": self.m, "grad_accum": self.grad_accum,
+                "shard_dims": {n: self.stage.shard_dim(n) for n, _ in
+                               self.stage.named_parameters()}}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything this rank needs to continue exactly: tensors are this rank's shards,
+        keyed by canonical parameter name."""
+        names = [n for n, _ in self.stage.named_parameters()]
+        opt = self.optimizer.state_dict()
+        return {
+            "step": self.step_count,
+            "model": {k: v for k, v in self.stage.state_dict().items()},
+            "optimizer": {"state": {names[i]: s for i, s in opt["state"].items()},
+                          "param_groups": opt["param_groups"]},
+            "scaler": self.scaler.state_dict(),
+            "data": self.data.state_dict(),
+            "rng": {"cpu": torch.get_rng_state(),
+                    **({"cuda": torch.cuda.get_rng_state(self.device)}
+                       if self.device.type == "cuda" else {})},
+            "layout": self.layout(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state saved by a Trainer with the same layout."""
+        names = [n for n, _ in self.stage.named_parameters()]
+        self.stage.load_state_dict(state["model"])
+        self.optimizer.load_state_dict({
+            "state": {names.index(n): s for n, s in state["optimizer"]["state"].items()},
+            "param_groups": state["optimizer"]["param_groups"]})
+        self.scaler.load_state_dict(state["scaler"])
+        self.data.load_state_dict(state["data"])
+        torch.set_rng_state(state["rng"]["cpu"])
+        if "cuda" in state["rng"]:
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+        self.step_count = int(state["step"])
+
+    def close(self) -> None:
+        """Release hooks and threads; the caller destroys the process groups."""
+        self.reducer.close()
+
+
+def _tensor_sha256(t: torch.Tensor) -> str:
+    t = t.detach().to("cpu").contiguous()
+    head = f"{t.dtype}{tuple(t.shape)}".encode()
+    return hashlib.sha256(head + t.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def param_digest(hashes: dict[str, str]) -> str:
+    """Layout-independent digest: sha256 over 'name sha256' lines in canonical layer order."""
+    def key(name: str) -> tuple[int, str]:
+        _, index, rest = name.split(".", 2)
+        return int(index), rest
+
+    lines = "".join(f"{n} {hashes[n]}\n" for n in sorted(hashes, key=key))
+    return hashlib.sha256(lines.encode()).hexdigest()
