@@ -144,3 +144,34 @@ def test_unreachable_endpoint_gives_up_after_the_attempts_with_a_clear_error():
                   metrics=Metrics())
     with pytest.raises(S3TierError, match="after 3 attempts"):
         run(tier.get_shard("c.0"))
+
+
+def test_put_during_an_s3_outage_completes_once_the_server_returns(s3_location):
+    server = s3_location.server
+    tier = tier_for(s3_location, attempts=40, backoff_s=0.05, max_backoff_s=0.5)
+    data = os.urandom(50_000)
+
+    async def scenario():
+        server.stop()
+        put = asyncio.ensure_future(tier.put_shard("during-outage.0", data))
+        # Wait until the outage has been seen (an error counted), then bring S3 back.
+        deadline = asyncio.get_running_loop().time() + 20
+        while not _errors(tier) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        assert not put.done()
+        await asyncio.to_thread(server.start)
+        await put
+        return await tier.get_shard("during-outage.0")
+
+    try:
+        assert run(scenario()) == data
+    finally:
+        if server.proc is None:
+            server.start()
+    assert _errors(tier) >= 1
+
+
+def _errors(tier: S3Tier) -> float:
+    return sum(s.value for metric in tier.metrics.registry.collect()
+               if metric.name == "stalwart_s3_errors" for s in metric.samples
+               if s.name.endswith("_total"))
