@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import zfec
+
 from stalwart.daemon.metrics import Metrics
 
 Buffer = bytes | bytearray | memoryview
@@ -104,8 +105,9 @@ class ZfecCodec:
             return b"".join(usable[i] for i in range(self.k))[:size]
         # Prefer data shards: fewer parity shards means less work for the decoder.
         nums = sorted(usable)[: self.k]
-        # zfec reorders the lists it is given in place: hand it fresh ones.
-        blocks = [bytes(usable[i]) for i in nums]
+        # zfec reorders the sequences it is given in place: hand it fresh lists
+        # (the buffers themselves are only read).
+        blocks = [usable[i] for i in nums]
         out = zfec.Decoder(self.k, self.k + self.m).decode(blocks, list(nums))
         return b"".join(out)[:size]
 

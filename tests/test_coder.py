@@ -7,6 +7,7 @@ import itertools
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from stalwart.daemon.coder import CoderPool, ZfecCodec, default_km
 from stalwart.daemon.metrics import Metrics
 
