@@ -133,6 +133,24 @@ class ShardReader:
                 f"{crc32c(data):#010x}, the manifest says {want:#010x}")
         return data
 
+    async def recreate_shards(self, chunk: manifest_pb2.ChunkRecord,
+                              indices: list[int]) -> dict[int, bytes]:
+        """Shards `indices` of a chunk rebuilt from any k survivors, each checked against
+        the CRC32C in the manifest (for repair after a node loss)."""
+        data = await self.read_chunk(chunk)
+        codec = self._codec(chunk.k, chunk.m)
+        shards = await asyncio.to_thread(codec.encode, data)
+        want = {rec.index: rec.crc32c for rec in chunk.shards}
+        out = {}
+        for i in indices:
+            body = bytes(shards[i])
+            if i in want and crc32c(body) != want[i]:
+                raise ChunkChecksumError(
+                    f"re-created shard {i} of chunk {chunk.chunk_id} does not match the "
+                    "manifest; was it written with another code?")
+            out[i] = body
+        return out
+
     async def fetch_shards(self, chunk: manifest_pb2.ChunkRecord) -> dict[int, bytes]:
         """Any k verified shards {index: bytes}, or BeyondToleranceError."""
         k = chunk.k

@@ -200,3 +200,17 @@ def test_placement_of_a_chunk_record_feeds_the_margin_math():
     p = placement_of(rec)
     assert p.holders == (("a",), ("b",), ("c",), ("s3", "d"))
     assert chunk_margin(p, {"a"}) == 1
+
+
+def test_shards_of_a_lost_node_are_recreated_bitwise_from_survivors(tmp_path):
+    async def scenario():
+        async with peers(tmp_path, ["a", "b", "c", "d"]) as ps:
+            cl = clients({n: a for n, (a, _) in ps.items()})
+            rec = await store_chunk("c", DATA, 2, 2, ["a", "b", "c", "d"], cl)
+            lost = {0: (ps["a"][1] / JOB / "c.0").read_bytes(),
+                    3: (ps["d"][1] / JOB / "c.3").read_bytes()}
+            del cl["a"], cl["d"]
+            return lost, await ShardReader(node="me", peers=cl).recreate_shards(rec, [0, 3])
+
+    lost, rebuilt = run(scenario())
+    assert rebuilt == lost
