@@ -19,6 +19,7 @@ __all__ = ["Partition", "in_flight", "partition", "uniform"]
 # then an achieved stage time, optimal up to this rounding.
 _REL_TOL = 1e-12
 _MAX_PROBES = 200
+_SLACK = 1 + 1e-12
 
 
 @dataclass(frozen=True)
@@ -225,7 +226,8 @@ class _Problem:
     # -- stage limits at a bottleneck bound --------------------------------------------
 
     def cost_fits(self, a: int, e: int, j: int, bound: float) -> bool:
-        return self.prefix[e + 1] - self.prefix[a] <= bound * self.speeds[j]
+        # The slack absorbs rounding in bound * speed (c / s * s can land below c).
+        return self.prefix[e + 1] - self.prefix[a] <= bound * self.speeds[j] * _SLACK
 
     def mem_fits(self, a: int, e: int, j: int, extra: float = 0.0) -> bool:
         if self.memory is None:
@@ -237,7 +239,8 @@ class _Problem:
         """Last layer e such that layers a..e fit stage j (a - 1 when none does)."""
         limit = self.n - 1
         if bound != math.inf:
-            e = bisect.bisect_right(self.prefix, self.prefix[a] + bound * self.speeds[j]) - 2
+            room = bound * self.speeds[j] * _SLACK
+            e = bisect.bisect_right(self.prefix, self.prefix[a] + room) - 2
             e = max(min(e, limit), a - 1)
             # The bisection works on P[a] + B*s; fits() works on P[e+1] - P[a]: reconcile.
             while e >= a and not self.cost_fits(a, e, j, bound):
@@ -260,7 +263,7 @@ class _Problem:
         """Layers that do not fit stage j even alone."""
         out: set[int] = set()
         if bound != math.inf:
-            k = bisect.bisect_left(self.sorted_neg, -bound * self.speeds[j])
+            k = bisect.bisect_left(self.sorted_neg, -bound * self.speeds[j] * _SLACK)
             out.update(i for i in self.by_cost[:k] if not self.cost_fits(i, i, j, bound))
         if self.memory is not None:
             if extra == 0.0:
