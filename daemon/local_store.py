@@ -11,6 +11,7 @@ import os
 import shutil
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,10 +88,11 @@ class LocalStore:
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, base_every: int = 10,
                  max_chain: int | None = None, retain: int = 5,
                  delta_against: str = "previous", lossy: bool = False, level: int = 1,
-                 metrics: Metrics | None = None) -> None:
+                 executor: Executor | None = None, metrics: Metrics | None = None) -> None:
         """`base_every`: steps between full bases; `max_chain`: most deltas before a base
         (default base_every); `delta_against`: "previous" committed step or the chain's
-        "base"; `lossy`: opt-in quantised deltas (restores are then NOT bitwise exact)."""
+        "base"; `lossy`: opt-in quantised deltas (restores are then NOT bitwise exact);
+        `executor`: threads to encode chunks in parallel (zstd releases the GIL)."""
         if delta_against not in ("previous", "base"):
             raise ValueError(f"delta_against={delta_against!r}: use 'previous' or 'base'")
         self.root = Path(data_dir) / "snapshots" / job_id
@@ -98,6 +100,7 @@ class LocalStore:
         self.base_every, self.retain, self.level = base_every, retain, level
         self.max_chain = base_every if max_chain is None else max_chain
         self.delta_against, self.lossy, self.metrics = delta_against, lossy, metrics
+        self.executor = executor
         self._ram: OrderedDict[tuple[int, int, int], bytes] = OrderedDict()
         self._ram_used = 0
         self._refs: dict[int, _Reference] = {}
@@ -135,7 +138,8 @@ class LocalStore:
         encoded = encode_rank(
             step, rank, buf, tensors, chunk_bytes=self.chunk_bytes, level=self.level,
             reference=None if fresh_base else ref.buffer,
-            reference_step=None if fresh_base else ref.step, lossy=self.lossy)
+            reference_step=None if fresh_base else ref.step, lossy=self.lossy,
+            executor=self.executor)
         size = encoded.stored_bytes
         if fresh_base:
             nxt = _Reference(step, encoded.decoded, step, 0, 0, size, layout)
@@ -205,6 +209,9 @@ class LocalStore:
         if self.metrics:
             self.metrics.commits.inc()
             self.metrics.last_committed_step.set(step)
+            stored = sum(c.stored_size for r in manifest.ranks for c in r.chunks)
+            self.metrics.compression_ratio.set(
+                sum(r.total_bytes for r in manifest.ranks) / max(stored, 1))
         self.collect_garbage()
 
     # --- catalogue -----------------------------------------------------------------
@@ -310,9 +317,9 @@ class LocalStore:
 
     def _ram_evict(self) -> None:
         """Drop oldest entries, first those no retained chain needs (disk still has all)."""
-        latest = self.latest_committed()
-        needed = set(mf.plan_chain(self._manifests, latest)) if latest in self._manifests \
-            else set()
+        manifests = self.committed_manifests()
+        latest = max(manifests, default=None)
+        needed = set(mf.plan_chain(manifests, latest)) if latest is not None else set()
         for pass_needed in (False, True):
             for key in list(self._ram):
                 if self._ram_used <= self.ram_bytes:

@@ -13,6 +13,7 @@ from snapshot_states import commit_step, state, tensors
 
 from stalwart.core.manifest import ManifestError, build_manifest, plan_chain
 from stalwart.daemon.local_store import CorruptChunkError, LocalStore
+from stalwart.daemon.metrics import Metrics
 from stalwart.v1 import common_pb2, manifest_pb2
 
 SMALL = dict(chunk_bytes=8192)
@@ -45,6 +46,18 @@ def test_deltas_against_base_apply_to_the_chain_root(tmp_path: Path) -> None:
     bases = [{c.base_step for c in commit_step(store, s).ranks[0].chunks} for s in range(1, 7)]
     assert bases == [{1}, {1}, {1}, {1}, {5}, {5}]
     assert LocalStore(tmp_path, **SMALL).read_rank(6, 0) == state(6)
+
+
+def test_commits_update_the_snapshot_metrics(tmp_path: Path) -> None:
+    metrics = Metrics()
+    store = LocalStore(tmp_path, metrics=metrics, **SMALL)
+    for step in (1, 2):
+        commit_step(store, step)
+    value = metrics.registry.get_sample_value
+    assert value("stalwart_last_committed_step") == 2
+    assert value("stalwart_commits_total") == 2
+    assert value("stalwart_compression_ratio") > 1.0
+    assert value("stalwart_stored_bytes_total", {"tier": "disk"}) > 0
 
 
 def test_prepared_but_uncommitted_step_is_invisible(tmp_path: Path) -> None:
