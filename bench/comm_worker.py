@@ -1,0 +1,167 @@
+"""Rank bodies of the comm benchmark: timed flat vs hierarchical all-reduce and link
+ping-pongs over a two-level node map, and parameter-server vs ring gradient sync.
+Run in-process through `client.launch.run_local`, or as `python -m` inside a netns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def _pg(store: Any, key: str, members: list[int], rank: int) -> Any:
+    import torch.distributed as dist
+
+    return dist.ProcessGroupGloo(dist.PrefixStore(key + "/", store), members.index(rank),
+                                 len(members), TIMEOUT)
+
+
+def _median_s(fn, barrier, repeats: int) -> float:
+    fn()  # warm-up: connections, buffers
+    times = []
+    for _ in range(repeats):
+        barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _ping_pong(pg: Any, me: int, nbytes: int, repeats: int) -> float:
+    """One-way seconds for `nbytes` between group members 0 and 1 (half a round trip)."""
+    import torch
+
+    buf = torch.zeros(max(1, nbytes // 4))
+    other = 1 - me
+
+    def once() -> None:
+        if me == 0:
+            pg.send([buf], other, 7).wait()
+            pg.recv([buf], other, 8).wait()
+        else:
+            pg.recv([buf], other, 7).wait()
+            pg.send([buf], other, 8).wait()
+
+    return _median_s(once, lambda: None, repeats) / 2
+
+
+def link_figures(pg: Any, me: int, nbytes: int, repeats: int) -> dict[str, float]:
+    """Latency (s) and bandwidth (bytes/s) of the path between members 0 and 1 of `pg`."""
+    latency = _ping_pong(pg, me, 4, repeats * 3)
+    big = _ping_pong(pg, me, nbytes, repeats)
+    return {"latency_s": latency, "bandwidth_Bps": nbytes / max(big - latency, 1e-9)}
+
+
+def allreduce_body(rank: int, world: int, store: Any, nodes: list[int], nbytes: int,
+                   repeats: int) -> dict:
+    """Flat vs hierarchical all-reduce of one tensor over every rank; link ping-pongs."""
+    import torch
+
+    from stalwart.client.hier_allreduce import build_hier_groups, hierarchical_allreduce
+
+    ranks = list(range(world))
+    flat_pg = _pg(store, "flat", ranks, rank)
+    groups = build_hier_groups(nodes, store=store, rank=rank, tag="hier")
+    tensor = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(rank))
+    barrier = lambda: flat_pg.barrier().wait()  # noqa: E731
+    out: dict = {
+        "allreduce_s_flat": _median_s(lambda: flat_pg.allreduce([tensor.clone()]).wait(),
+                                      barrier, repeats),
+        "allreduce_s_hier": _median_s(lambda: hierarchical_allreduce(tensor.clone(), groups),
+                                      barrier, repeats),
+    }
+    # Link figures: rank 0 with its node neighbour (intra) and with node 1's first rank.
+    peers = {"intra": next(r for r in ranks[1:] if nodes[r] == nodes[0]),
+             "inter": next(r for r in ranks if nodes[r] != nodes[0])}
+    for link, peer in peers.items():
+        if rank in (0, peer):
+            pair = _pg(store, f"pair-{link}", [0, peer], rank)
+            out[link] = link_figures(pair, 0 if rank == 0 else 1, nbytes, max(3, repeats))
+        barrier()
+    return out
+
+
+def sync_body(rank: int, world: int, store: Any, nbytes: int, repeats: int) -> dict:
+    """Per member count n = 2..world: parameter-server sync vs ring all-reduce, seconds."""
+    import torch
+
+    tensor = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(rank))
+    out: dict = {"ps": {}, "ring": {}}
+    for n in range(2, world + 1):
+        if rank >= n:
+            continue
+        members = list(range(n))
+        pg = _pg(store, f"sync-{n}", members, rank)
+        barrier = lambda pg=pg: pg.barrier().wait()  # noqa: E731
+        out["ring"][n] = _median_s(lambda pg=pg: pg.allreduce([tensor.clone()]).wait(),
+                                   barrier, repeats)
+        out["ps"][n] = _median_s(lambda pg=pg, n=n: _ps_sync(pg, rank, n, tensor.clone()),
+                                 barrier, repeats)
+    if rank < 2:
+        pair = _pg(store, "sync-pair", [0, 1], rank)
+        out["link"] = link_figures(pair, rank, nbytes, max(3, repeats))
+    return out
+
+
+def _ps_sync(pg: Any, rank: int, n: int, tensor: Any) -> None:
+    """Every worker sends its tensor to rank 0, which sums and sends the result back."""
+    if rank == 0:
+        buf = tensor.clone()
+        for src in range(1, n):
+            pg.recv([buf], src, 1).wait()
+            tensor += buf
+        for work in [pg.send([tensor], dst, 2) for dst in range(1, n)]:
+            work.wait()
+    else:
+        pg.send([tensor], 0, 1).wait()
+        pg.recv([tensor], 0, 2).wait()
+
+
+def allreduce_rank(ctx: Any, nodes: list[int], nbytes: int, repeats: int) -> dict:
+    """`run_local` entry point (loopback)."""
+    return allreduce_body(ctx.rank, ctx.world_size, ctx.store, nodes, nbytes, repeats)
+
+
+def sync_rank(ctx: Any, nbytes: int, repeats: int) -> dict:
+    """`run_local` entry point (loopback)."""
+    return sync_body(ctx.rank, ctx.world_size, ctx.store, nbytes, repeats)
+
+
+def main() -> int:
+    """Entry point inside a network namespace: host or join the store, run, write JSON."""
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--nodes", required=True, help="node of each rank, comma-separated")
+    parser.add_argument("--store", required=True, help="HOST:PORT; rank 0 hosts it")
+    parser.add_argument("--nbytes", type=int, required=True)
+    parser.add_argument("--repeats", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    nodes = [int(n) for n in args.nodes.split(",")]
+    host, port = args.store.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), len(nodes), args.rank == 0, timeout=TIMEOUT,
+                          wait_for_workers=False)
+    result = allreduce_body(args.rank, len(nodes), store, nodes, args.nbytes, args.repeats)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(args.out)
+    # Rank 0 hosts the store: it leaves last so no peer loses the store mid-run.
+    store.add("done", 1)
+    if args.rank == 0:
+        deadline = time.monotonic() + TIMEOUT.total_seconds()
+        while store.add("done", 0) < len(nodes) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
