@@ -205,23 +205,25 @@ class _Problem:
         self.prefix = [0.0]
         for c in self.costs:
             self.prefix.append(self.prefix[-1] + c)
-        # Layers by decreasing cost: the ones too heavy for a stage are a prefix of it.
-        self.by_cost = sorted(range(self.n), key=lambda i: -self.costs[i])
-        self.sorted_neg = [-self.costs[i] for i in self.by_cost]
+        # Layers by decreasing cost (as the prefix sums see it): the ones too heavy for a
+        # stage at a bound are a prefix of this order, found by bisection.
+        single = [self.prefix[i + 1] - self.prefix[i] for i in range(self.n)]
+        self.by_cost = sorted(range(self.n), key=lambda i: -single[i])
+        self.sorted_neg = [-single[i] for i in self.by_cost]
         self.mem_prefix: list[list[float]] = []
-        self.mem_bad: list[set[int]] = []
+        self.by_need: list[tuple[list[int], list[float]]] = []
         if memory is not None:
-            cache: dict[int, list[float]] = {}
-            for j in range(self.p):
-                f = memory.flights[j]
+            cache: dict[int, tuple[list[float], tuple[list[int], list[float]]]] = {}
+            for f in memory.flights:
                 if f not in cache:
                     acc = [0.0]
                     for s, a in zip(memory.static, memory.act, strict=True):
                         acc.append(acc[-1] + s + f * a)
-                    cache[f] = acc
-                self.mem_prefix.append(cache[f])
-                self.mem_bad.append({i for i in range(self.n)
-                                     if memory.static[i] + f * memory.act[i] > memory.caps[j]})
+                    need = [acc[i + 1] - acc[i] for i in range(self.n)]
+                    order = sorted(range(self.n), key=lambda i, need=need: -need[i])
+                    cache[f] = (acc, (order, [-need[i] for i in order]))
+                self.mem_prefix.append(cache[f][0])
+                self.by_need.append(cache[f][1])
 
     # -- stage limits at a bottleneck bound --------------------------------------------
 
@@ -264,12 +266,10 @@ class _Problem:
         out: set[int] = set()
         if bound != math.inf:
             k = bisect.bisect_left(self.sorted_neg, -bound * self.speeds[j] * _SLACK)
-            out.update(i for i in self.by_cost[:k] if not self.cost_fits(i, i, j, bound))
+            out.update(self.by_cost[:k])
         if self.memory is not None:
-            if extra == 0.0:
-                out |= self.mem_bad[j]
-            else:
-                out.update(i for i in range(self.n) if not self.mem_fits(i, i, j, extra))
+            order, neg = self.by_need[j]
+            out.update(order[:bisect.bisect_left(neg, -(self.memory.caps[j] + extra))])
         return out
 
     # -- feasibility: the exact set of reachable stage ends, as sorted intervals ---------
@@ -385,10 +385,11 @@ class _Problem:
         """Why no split fits the memory caps, in bytes, naming the layer or stage."""
         assert self.memory is not None
         n, p = self.n, self.p
+        alone = [self.bad(j, math.inf) for j in range(p)]
         for i in range(n):
             # Layer i can only sit on stages that leave one layer for every other stage.
             allowed = range(max(0, i - (n - p)), min(p - 1, i) + 1)
-            if all(i in self.mem_bad[j] for j in allowed):
+            if all(i in alone[j] for j in allowed):
                 j = min(allowed, key=lambda s: self._need(i, i, s) - self.memory.caps[s])
                 need, cap = self._need(i, i, j), self.memory.caps[j]
                 return (f"memory cap too small: layer {i} alone needs {need:,.0f} bytes on "
