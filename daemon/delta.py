@@ -186,19 +186,21 @@ def decode(codec: int, payload, regions: list[Region], size: int,
 _EXACT, _QUANT = 0, 1
 
 
-def _quant_region(cur: np.ndarray, ref: np.ndarray) -> tuple[list[bytes], np.ndarray]:
-    """Quantise cur - ref per block; returns payload parts and the reconstruction."""
+def _quant_region(cur: np.ndarray, ref: np.ndarray,
+                  diff: np.ndarray) -> tuple[list[bytes], np.ndarray]:
+    """Quantise diff = cur - ref per block; returns payload parts and the reconstruction."""
     n = cur.size
     nblocks = -(-n // QUANT_BLOCK)
     pad = nblocks * QUANT_BLOCK - n
-    delta = np.pad(cur - ref, (0, pad)).reshape(nblocks, QUANT_BLOCK)
+    delta = np.pad(diff, (0, pad)).reshape(nblocks, QUANT_BLOCK)
     scale = (np.abs(delta).max(axis=1) / np.float32(127)).astype(np.float32)
     safe = np.where(scale > 0, scale, np.float32(1))
     q = np.clip(np.rint(delta / safe[:, None]), -127, 127).astype(np.int8)
     recon = _dequant(ref, q, scale, n)
     # Signs are kept exact (a second moment must stay >= 0): wrong-signed elements are
     # stored verbatim as (index, value) exceptions.
-    bad = np.flatnonzero(np.signbit(recon) != np.signbit(cur)).astype(np.uint32)
+    bad = np.flatnonzero((np.signbit(recon) != np.signbit(cur))
+                         | ~np.isfinite(recon)).astype(np.uint32)
     recon[bad] = cur[bad]
     parts = [np.uint32(bad.size).tobytes(), scale.tobytes(), q.tobytes(), bad.tobytes(),
              cur[bad].tobytes()]
@@ -207,7 +209,8 @@ def _quant_region(cur: np.ndarray, ref: np.ndarray) -> tuple[list[bytes], np.nda
 
 def _dequant(ref: np.ndarray, q: np.ndarray, scale: np.ndarray, n: int) -> np.ndarray:
     step = (q.astype(np.float32) * scale[:, None]).reshape(-1)[:n]
-    return (ref + step).astype(np.float32)
+    with np.errstate(over="ignore"):  # an overflow becomes an exact exception entry
+        return (ref + step).astype(np.float32)
 
 
 def encode_quant(data, reference, regions: list[Region], *,
@@ -226,8 +229,10 @@ def encode_quant(data, reference, regions: list[Region], *,
         ref = ref_all[r.start:r.start + r.size]
         if r.dtype == common_pb2.FLOAT32 and r.size % 4 == 0 and r.size > 0:
             cf, rf = cur.view(np.float32), ref.view(np.float32)
-            if np.isfinite(cf).all() and np.isfinite(rf).all():
-                region_parts, recon = _quant_region(cf, rf)
+            with np.errstate(over="ignore", invalid="ignore"):
+                diff = cf - rf  # non-finite when either side is, or on overflow
+            if np.isfinite(diff).all():
+                region_parts, recon = _quant_region(cf, rf, diff)
                 flags.append(_QUANT)
                 parts.extend(region_parts)
                 recon_all[r.start:r.start + r.size] = recon.view(np.uint8)
