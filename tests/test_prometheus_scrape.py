@@ -13,6 +13,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from dashboard_queries import PanelQuery, concrete, panel_queries
+from dashboard_queries import DASHBOARDS, ROOT, PanelQuery, concrete, panel_queries
 
 from stalwart.daemon.shard_client import ShardClient
 from stalwart.v1 import rank_pb2, rank_pb2_grpc
@@ -210,10 +211,10 @@ def expects_data(q: PanelQuery) -> bool:
             and (q.dashboard, q.panel, q.ref_id) not in NEEDS_TRAINING_QUERIES)
 
 
-def test_every_panel_query_returns_data_from_a_scraped_daemon(
-        daemon: dict, prometheus: str, ranks: None) -> None:
-    pending = {q: concrete(q.expr, WINDOW) for q in panel_queries() if expects_data(q)}
-    steps = iter(range(1, 1000))
+def queries_without_data(daemon: dict, prometheus: str, dashboards: tuple[str, ...]) -> list[str]:
+    """Poll each expected panel query until it has data; what is still empty at the deadline."""
+    pending = {q: concrete(q.expr, WINDOW) for q in panel_queries(dashboards) if expects_data(q)}
+    steps = iter(range(1, 100_000))
 
     def all_answered() -> bool:
         store_a_shard(daemon, next(steps))  # peer traffic, so its rates are not zero
@@ -225,8 +226,28 @@ def test_every_panel_query_returns_data_from_a_scraped_daemon(
     end = time.monotonic() + DEADLINE_S
     while not all_answered() and time.monotonic() < end:
         time.sleep(0.5)  # polling interval of a deadline-bound wait
-    missing = [f"{q.dashboard} / {q.panel} [{q.ref_id}]: {q.expr}" for q in pending]
+    return [f"{q.dashboard} / {q.panel} [{q.ref_id}]: {q.expr}" for q in pending]
+
+
+def test_every_panel_query_returns_data_from_a_scraped_daemon(
+        daemon: dict, prometheus: str, ranks: None) -> None:
+    missing = queries_without_data(daemon, prometheus, DASHBOARDS)
     assert not missing, "panels without data:\n" + "\n".join(missing)
+
+
+def test_render_script_draws_the_overview_from_live_data(
+        daemon: dict, prometheus: str, ranks: None, tmp_path: Path) -> None:
+    assert not queries_without_data(daemon, prometheus, ("overview",))
+    out = tmp_path / "overview.png"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "render_dashboard.py"), "--prometheus",
+         prometheus, "--out", str(out), "--minutes", "1"],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    drawn = int(re.search(r"\((\d+) panels with data\)", result.stdout).group(1))
+    overview = {q.panel for q in panel_queries(("overview",))}
+    assert drawn == len(overview - {p for d, p in NEEDS_TRAINING if d == "overview"})
 
 
 def test_step_time_panel_shows_each_rank_with_its_reported_time(
