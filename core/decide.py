@@ -161,7 +161,12 @@ class PlanState:
 
 @dataclass(frozen=True)
 class PlanDecision:
-    """A new generation: `kind` is "replace" (spares in, layout unchanged) or "shrink"."""
+    """A new generation: `kind` is "replace" (spares in, layout unchanged), "shrink", or
+    "rebuild" (same members, fresh groups).
+
+    Ranks that left the plan (the keys of `replacements`) must be fenced: their daemon
+    ends them if they still run, so a hung one cannot block the new generation.
+    """
 
     kind: str
     previous: PlanState
@@ -222,16 +227,30 @@ def _is_relevant(f: Failure, generation: int, stragglers_fail: bool) -> bool:
 
 
 def _failed_ids(state: PlanState, failures: Iterable[Failure]) -> tuple[set[str], list[Failure]]:
-    """rank_ids (members and spares) named by the failures, and the failures naming nobody."""
+    """rank_ids (members and spares) that failed, and the failures naming nobody.
+
+    A COLLECTIVE_HANG names the rank that waited, not the one that hung: when no other
+    failure explains the wait, the culprits are the members that reported no hang.
+    """
     everyone = (*state.members, *state.spares)
+    member_ids = {m.rank_id for m in state.members}
     failed: set[str] = set()
     unknown: list[Failure] = []
+    waiting: set[str] = set()
     for f in failures:
+        if f.kind is FailureKind.COLLECTIVE_HANG:
+            if f.subject in member_ids:
+                waiting.add(f.subject)
+            else:
+                unknown.append(f)
+            continue
         hit = {m.rank_id for m in everyone
                if (m.node == f.subject if f.names_node else m.rank_id == f.subject)}
         failed |= hit
         if not hit:
             unknown.append(f)
+    if waiting and not failed & member_ids:
+        failed |= member_ids - waiting
     return failed, unknown
 
 
@@ -309,13 +328,19 @@ def decide(
     causes = tuple(f for f in relevant if f not in unknown)
     pool = [s for s in state.spares if s.rank_id not in failed_ids]
     failed = [m for m in state.members if m.rank_id in failed_ids]
+    all_causes = (in_flight.causes if in_flight else ()) + causes
+    generation = state.generation + 1
+    previous = in_flight.previous if in_flight else state
     if not failed:
         kept = dataclasses.replace(state, spares=tuple(pool))
+        if any(f.kind is FailureKind.COLLECTIVE_HANG for f in causes):
+            # Every member waits on another: nobody to blame, so only the groups are new.
+            plan = dataclasses.replace(kept, generation=generation, resume_step=committed_step,
+                                       reason="rebuild groups: every rank waited in a collective")
+            return PlanDecision("rebuild", previous, plan, {}, all_causes)
         why = "lost spares only" if len(pool) < len(state.spares) else "no role holder failed"
         return NoChange(kept, why, ignored)
 
-    all_causes = (in_flight.causes if in_flight else ()) + causes
-    generation = state.generation + 1
     chosen = _pick_spares(state, failed, pool, tp_within_node)
     if chosen is None:
         if shrink_planner is not None:
@@ -324,8 +349,7 @@ def decide(
                 plan = dataclasses.replace(
                     planned, generation=generation, resume_step=committed_step,
                     reason=planned.reason or "shrink onto the survivors")
-                return PlanDecision("shrink", in_flight.previous if in_flight else state,
-                                    plan, {}, all_causes)
+                return PlanDecision("shrink", previous, plan, {}, all_causes)
         why = (f"{len(pool)} spare(s) registered, {len(failed)} needed"
                + (" on the failed tensor-parallel group's node" if state.layout.tp > 1 else "")
                + (", and no smaller plan fits the survivors." if shrink_planner else "."))
@@ -346,10 +370,8 @@ def decide(
             f"{by_id[old].rank_id} with spare {new.rank_id}" for old, new in chosen.items()),
     )
     replacements = {old: new.rank_id for old, new in chosen.items()}
-    previous = state
     if in_flight is not None:
         # A spare that died before finishing its takeover hands the original role on.
         composed = {old: replacements.pop(new, new) for old, new in in_flight.replacements.items()}
         replacements = {**composed, **replacements}
-        previous = in_flight.previous
     return PlanDecision("replace", previous, plan, replacements, all_causes)

@@ -227,3 +227,27 @@ def test_replacement_matches_brute_force_counting(dp, pp, n_spares, data):
         assert len(d.plan.spares) == len(live_spares) - len(dead_roles)
     else:
         assert isinstance(d, StopDecision) and d.last_committed_step == 1
+
+
+def hang(rank_id: str, generation: int = 1) -> Failure:
+    return Failure(FailureKind.COLLECTIVE_HANG, rank_id, "all_reduce > 2.0 s",
+                   generation=generation)
+
+
+def test_a_hang_blames_the_member_that_did_not_report_waiting():
+    state = grid(2, 2, 1, ranks_per_node=2, spares={"n2": 1})
+    d = decide(state, [hang("r0"), hang("r1"), hang("r3")], committed_step=12)
+    assert isinstance(d, PlanDecision) and d.replacements == {"r2": "sn20"}
+
+
+def test_hangs_explained_by_a_dead_rank_blame_only_that_rank():
+    state = grid(2, 2, 1, ranks_per_node=2, spares={"n2": 1})
+    d = decide(state, [hang("r0"), killed("r2")], committed_step=12)
+    assert d.replacements == {"r2": "sn20"}
+
+
+def test_when_every_member_waits_only_the_groups_are_rebuilt():
+    state = grid(1, 2, 1, ranks_per_node=1)
+    d = decide(state, [hang("r0"), hang("r1")], committed_step=12)
+    assert isinstance(d, PlanDecision) and d.kind == "rebuild"
+    assert d.generation == 2 and d.plan.members == state.members and d.replacements == {}
