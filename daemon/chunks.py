@@ -15,7 +15,7 @@ import numpy as np
 
 from stalwart.core.manifest import element_size
 from stalwart.daemon import delta
-from stalwart.daemon.checksum import crc32c
+from stalwart.daemon.checksum import Buffer, crc32c
 from stalwart.daemon.delta import Region
 from stalwart.v1 import common_pb2, manifest_pb2
 
@@ -103,8 +103,8 @@ def chunk_id(step: int, rank: int, index: int) -> str:
     return f"s{step}-r{rank}-c{index}"
 
 
-def encode_rank(step: int, rank: int, data, tensors: Sequence[common_pb2.TensorMeta], *,
-                chunk_bytes: int = DEFAULT_CHUNK_BYTES, reference=None,
+def encode_rank(step: int, rank: int, data: Buffer, tensors: Sequence[common_pb2.TensorMeta], *,
+                chunk_bytes: int = DEFAULT_CHUNK_BYTES, reference: Buffer | None = None,
                 reference_step: int | None = None, lossy: bool = False,
                 level: int = delta.DEFAULT_LEVEL,
                 executor: Executor | None = None) -> EncodedRank:
@@ -149,8 +149,9 @@ def encode_rank(step: int, rank: int, data, tensors: Sequence[common_pb2.TensorM
     return EncodedRank([r for r, _ in results], [p for _, p in results], decoded)
 
 
-def decode_chunk(record: manifest_pb2.ChunkRecord, payload,
-                 tensors: Sequence[common_pb2.TensorMeta], reference=None) -> np.ndarray:
+def decode_chunk(record: manifest_pb2.ChunkRecord, payload: Buffer,
+                 tensors: Sequence[common_pb2.TensorMeta],
+                 reference: Buffer | None = None) -> np.ndarray:
     """Decoded bytes of one chunk; `reference` is the base step's bytes of the same range."""
     regions = chunk_regions(tensors, record.offset, record.size)
     return delta.decode(record.codec, payload, regions, record.size, reference)

@@ -15,6 +15,7 @@ import numpy as np
 import zstandard
 
 from stalwart.core.manifest import DTYPE_SIZE
+from stalwart.daemon.checksum import Buffer
 from stalwart.v1 import common_pb2, manifest_pb2
 
 DEFAULT_LEVEL = 1
@@ -56,7 +57,7 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return _local.decompressor
 
 
-def _u8(data) -> np.ndarray:
+def _u8(data: Buffer) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8)
 
 
@@ -76,7 +77,7 @@ def tile(regions: list[Region], size: int) -> list[Region]:
     return out
 
 
-def _planes(data, regions: list[Region], forward: bool) -> np.ndarray:
+def _planes(data: Buffer, regions: list[Region], forward: bool) -> np.ndarray:
     src = _u8(data)
     out = np.empty_like(src)
     for r in tile(regions, src.size):
@@ -98,17 +99,17 @@ def _planes(data, regions: list[Region], forward: bool) -> np.ndarray:
     return out
 
 
-def shuffle(data, regions: list[Region]) -> np.ndarray:
+def shuffle(data: Buffer, regions: list[Region]) -> np.ndarray:
     """Byte planes of each region side by side (byte 0 of every element, then byte 1...)."""
     return _planes(data, regions, forward=True)
 
 
-def unshuffle(data, regions: list[Region]) -> np.ndarray:
+def unshuffle(data: Buffer, regions: list[Region]) -> np.ndarray:
     """Inverse of `shuffle`."""
     return _planes(data, regions, forward=False)
 
 
-def xor(a, b) -> np.ndarray:
+def xor(a: Buffer, b: Buffer) -> np.ndarray:
     """Bitwise XOR of two equal-length buffers (uint8 result)."""
     x, y = _u8(a), _u8(b)
     if x.size != y.size:
@@ -125,34 +126,34 @@ def _zstd(data: np.ndarray, level: int, threads: int) -> bytes:
     return _compressor(level, threads).compress(data)
 
 
-def _unzstd(payload, size: int) -> np.ndarray:
+def _unzstd(payload: Buffer, size: int) -> np.ndarray:
     raw = _decompressor().decompress(payload, max_output_size=size)
     if len(raw) != size:
         raise CodecError(f"payload decompressed to {len(raw)} bytes, record says {size}")
     return _u8(raw)
 
 
-def encode_full(data, regions: list[Region], *, level: int = DEFAULT_LEVEL,
+def encode_full(data: Buffer, regions: list[Region], *, level: int = DEFAULT_LEVEL,
                 threads: int = 0) -> bytes:
     """A self-contained base chunk: shuffle + zstd."""
     return _zstd(shuffle(data, regions), level, threads)
 
 
-def decode_full(payload, regions: list[Region], size: int) -> np.ndarray:
+def decode_full(payload: Buffer, regions: list[Region], size: int) -> np.ndarray:
     return unshuffle(_unzstd(payload, size), regions)
 
 
-def encode_xor(data, reference, regions: list[Region], *, level: int = DEFAULT_LEVEL,
-               threads: int = 0) -> bytes:
+def encode_xor(data: Buffer, reference: Buffer, regions: list[Region], *,
+               level: int = DEFAULT_LEVEL, threads: int = 0) -> bytes:
     """A lossless delta chunk: XOR against `reference`, shuffle, zstd."""
     return _zstd(shuffle(xor(data, reference), regions), level, threads)
 
 
-def decode_xor(payload, reference, regions: list[Region], size: int) -> np.ndarray:
+def decode_xor(payload: Buffer, reference: Buffer, regions: list[Region], size: int) -> np.ndarray:
     return xor(unshuffle(_unzstd(payload, size), regions), reference)
 
 
-def encode(codec: int, data, regions: list[Region], reference=None, *,
+def encode(codec: int, data: Buffer, regions: list[Region], reference: Buffer | None = None, *,
            level: int = DEFAULT_LEVEL, threads: int = 0) -> bytes:
     """Encode one chunk with a lossless ChunkCodec (see `encode_quant` for the lossy one)."""
     if codec == manifest_pb2.RAW:
@@ -164,8 +165,8 @@ def encode(codec: int, data, regions: list[Region], reference=None, *,
     raise CodecError(f"codec {codec} cannot be encoded losslessly by encode()")
 
 
-def decode(codec: int, payload, regions: list[Region], size: int,
-           reference=None) -> np.ndarray:
+def decode(codec: int, payload: Buffer, regions: list[Region], size: int,
+           reference: Buffer | None = None) -> np.ndarray:
     """Decode one chunk of `size` bytes; deltas need the reference's bytes of the same range."""
     if codec == manifest_pb2.RAW:
         raw = _u8(payload)
@@ -213,7 +214,7 @@ def _dequant(ref: np.ndarray, q: np.ndarray, scale: np.ndarray, n: int) -> np.nd
         return (ref + step).astype(np.float32)
 
 
-def encode_quant(data, reference, regions: list[Region], *,
+def encode_quant(data: Buffer, reference: Buffer, regions: list[Region], *,
                  level: int = DEFAULT_LEVEL) -> tuple[bytes, np.ndarray]:
     """LOSSY: int8 deltas of float32 regions against `reference`, which must be the
     decoder's reconstruction of the previous step (error feedback). Other regions and
@@ -243,7 +244,8 @@ def encode_quant(data, reference, regions: list[Region], *,
     return _compressor(level, 0).compress(body), recon_all
 
 
-def decode_quant(payload, reference, regions: list[Region], size: int) -> np.ndarray:
+def decode_quant(payload: Buffer, reference: Buffer, regions: list[Region],
+                 size: int) -> np.ndarray:
     """LOSSY: rebuild the reconstruction `encode_quant` returned, bit for bit."""
     body = _decompressor().decompressobj().decompress(payload)
     ref_all = _u8(reference)
