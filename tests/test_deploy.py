@@ -222,3 +222,12 @@ def test_dashboards_have_a_datasource_variable_and_a_tidy_grid() -> None:
                      for y in range(g["y"], g["y"] + g["h"])}
             assert not cells & taken, f"{name} / {panel['title']} overlaps another panel"
             taken |= cells
+
+
+def test_operations_guide_documents_every_series() -> None:
+    guide = (ROOT / "docs" / "operations.md").read_text()
+    exported = {n for n in exported_series_names()
+                if n.startswith("stalwart_") and not n.endswith(("_created", "_bucket", "_count",
+                                                                  "_sum"))}
+    undocumented = {n for n in exported if f"`{n}`" not in guide}
+    assert not undocumented, f"add to the metrics catalogue in docs/operations.md: {undocumented}"
