@@ -20,7 +20,7 @@ from typing import Protocol
 from stalwart.core.failures import Failure, FailureKind
 
 __all__ = [
-    "FailureSink", "RankLiveness", "RankRegistry", "PeerLiveness", "PeerTable",
+    "FailureSink", "deliver", "RankLiveness", "RankRegistry", "PeerLiveness", "PeerTable",
     "HeartbeatMonitor", "PeerMonitor", "PidWatcher", "exit_evidence",
 ]
 
@@ -52,7 +52,8 @@ class PeerTable(Protocol):
 _pending: set[asyncio.Future] = set()
 
 
-def _deliver(sink: FailureSink, failure: Failure) -> None:
+def deliver(sink: FailureSink, failure: Failure) -> None:
+    """Log `failure` and hand it to `sink`; call from the event loop's thread."""
     log.warning("failure detected: %s", failure.describe())
     result = sink(failure)
     if inspect.isawaitable(result):
@@ -107,7 +108,7 @@ class _Deadline:
         interval = self.interval_s or self.timeout_s / 4
         while True:
             for failure in self.check():
-                _deliver(self.on_failure, failure)
+                deliver(self.on_failure, failure)
             await asyncio.sleep(interval)
 
 
@@ -259,6 +260,6 @@ class PidWatcher:
             await asyncio.sleep(self.poll_interval_s)
 
     def _report(self, rank_id: str, evidence: str, details: dict) -> None:
-        _deliver(self.on_failure, Failure(
+        deliver(self.on_failure, Failure(
             FailureKind.PROCESS_EXIT, rank_id, evidence, generation=self.generation(),
             reporter=self.reporter, details=details))
