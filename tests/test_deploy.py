@@ -126,6 +126,8 @@ def test_daemonset_is_locked_down_and_probed_over_grpc_health() -> None:
     assert sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"]
     assert sc["capabilities"]["drop"] == ["ALL"] and "add" not in sc["capabilities"]
     assert not sc["allowPrivilegeEscalation"]
+    env = {e["name"]: e.get("value") for e in daemon["env"]}
+    assert env["STALWART_LISTEN"] == "$(POD_IP):7070"  # probes and peers reach the pod IP
     for probe in ("livenessProbe", "readinessProbe"):
         assert daemon[probe]["grpc"]["port"] == 7070
     assert daemon["resources"]["limits"]["memory"]
