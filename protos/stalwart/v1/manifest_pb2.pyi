@@ -35,6 +35,11 @@ class _ChunkCodecEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ChunkCodec
     """XOR against the base, byte-plane shuffle, zstd (lossless)"""
     QUANT_DELTA: _ChunkCodec.ValueType  # 4
     """opt-in lossy quantised delta; never the default"""
+    ADAM_PREDICTED_XOR_ZSTD: _ChunkCodec.ValueType  # 5
+    """Lossless: XOR against the base, except that parameters and second moments named in
+    RankState.adamw are XORed against the AdamW update predicted from the base and this
+    step's first moment (decode needs the whole rank, not one chunk alone).
+    """
 
 class ChunkCodec(_ChunkCodec, metaclass=_ChunkCodecEnumTypeWrapper): ...
 
@@ -47,7 +52,61 @@ XOR_DELTA_ZSTD: ChunkCodec.ValueType  # 3
 """XOR against the base, byte-plane shuffle, zstd (lossless)"""
 QUANT_DELTA: ChunkCodec.ValueType  # 4
 """opt-in lossy quantised delta; never the default"""
+ADAM_PREDICTED_XOR_ZSTD: ChunkCodec.ValueType  # 5
+"""Lossless: XOR against the base, except that parameters and second moments named in
+RankState.adamw are XORed against the AdamW update predicted from the base and this
+step's first moment (decode needs the whole rank, not one chunk alone).
+"""
 Global___ChunkCodec: _TypeAlias = ChunkCodec  # noqa: Y015
+
+@_typing.final
+class AdamWHint(_message.Message):
+    """How one parameter was updated by AdamW (torch semantics), so deltas can be taken
+    against the predicted update; a wrong hint costs compression, never correctness.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PARAM_FIELD_NUMBER: _builtins.int
+    EXP_AVG_FIELD_NUMBER: _builtins.int
+    EXP_AVG_SQ_FIELD_NUMBER: _builtins.int
+    LR_FIELD_NUMBER: _builtins.int
+    BETA1_FIELD_NUMBER: _builtins.int
+    BETA2_FIELD_NUMBER: _builtins.int
+    EPS_FIELD_NUMBER: _builtins.int
+    WEIGHT_DECAY_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    param: _builtins.str
+    """TensorMeta names within the same RankState"""
+    exp_avg: _builtins.str
+    exp_avg_sq: _builtins.str
+    lr: _builtins.float
+    beta1: _builtins.float
+    beta2: _builtins.float
+    eps: _builtins.float
+    weight_decay: _builtins.float
+    step: _builtins.int
+    """optimizer step count after the update (torch state "step")"""
+    def __init__(
+        self,
+        *,
+        param: _builtins.str = ...,
+        exp_avg: _builtins.str = ...,
+        exp_avg_sq: _builtins.str = ...,
+        lr: _builtins.float = ...,
+        beta1: _builtins.float = ...,
+        beta2: _builtins.float = ...,
+        eps: _builtins.float = ...,
+        weight_decay: _builtins.float = ...,
+        step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["beta1", b"beta1", "beta2", b"beta2", "eps", b"eps", "exp_avg", b"exp_avg", "exp_avg_sq", b"exp_avg_sq", "lr", b"lr", "param", b"param", "step", b"step", "weight_decay", b"weight_decay"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdamWHint: _TypeAlias = AdamWHint  # noqa: Y015
 
 @_typing.final
 class ShardRecord(_message.Message):
@@ -156,6 +215,7 @@ class RankState(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     EXTRA_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
+    ADAMW_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     total_bytes: _builtins.int
     extra: _builtins.bytes
@@ -169,6 +229,10 @@ class RankState(_message.Message):
 
     @_builtins.property
     def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChunkRecord]: ...
+    @_builtins.property
+    def adamw(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdamWHint]:
+        """optional; used by ADAM_PREDICTED_XOR_ZSTD chunks"""
+
     def __init__(
         self,
         *,
@@ -179,10 +243,11 @@ class RankState(_message.Message):
         total_bytes: _builtins.int = ...,
         extra: _builtins.bytes = ...,
         node: _builtins.str = ...,
+        adamw: _abc.Iterable[Global___AdamWHint] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["coord", b"coord"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "coord", b"coord", "extra", b"extra", "node", b"node", "rank", b"rank", "tensors", b"tensors", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adamw", b"adamw", "chunks", b"chunks", "coord", b"coord", "extra", b"extra", "node", b"node", "rank", b"rank", "tensors", b"tensors", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
