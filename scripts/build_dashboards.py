@@ -251,7 +251,8 @@ def _templating() -> dict:
         {"name": "instance", "label": "Daemon", "type": "query", "datasource": DATASOURCE,
          "query": {"query": "label_values(stalwart_generation, instance)", "refId": "instance"},
          "definition": "label_values(stalwart_generation, instance)", "refresh": 2,
-         "includeAll": True, "multi": True, "allValue": ".*", "current": {}, "hide": 0,
+         "includeAll": True, "multi": True, "allValue": ".*", "hide": 0,
+         "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
          "sort": 1},
     ]}
 
