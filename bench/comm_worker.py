@@ -23,7 +23,7 @@ def _pg(store: Any, key: str, members: list[int], rank: int) -> Any:
                                  len(members), TIMEOUT)
 
 
-def _median_s(fn, barrier, repeats: int) -> float:
+def _times_s(fn, barrier, repeats: int) -> list[float]:
     fn()  # warm-up: connections, buffers
     times = []
     for _ in range(repeats):
@@ -31,11 +31,15 @@ def _median_s(fn, barrier, repeats: int) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
-def _ping_pong(pg: Any, me: int, nbytes: int, repeats: int) -> float:
-    """One-way seconds for `nbytes` between group members 0 and 1 (half a round trip)."""
+def _median_s(fn, barrier, repeats: int) -> float:
+    return statistics.median(_times_s(fn, barrier, repeats))
+
+
+def _ping_pong(pg: Any, me: int, nbytes: int, repeats: int) -> list[float]:
+    """One-way seconds for `nbytes` between group members 0 and 1 (half round trips)."""
     import torch
 
     buf = torch.zeros(max(1, nbytes // 4))
@@ -49,13 +53,14 @@ def _ping_pong(pg: Any, me: int, nbytes: int, repeats: int) -> float:
             pg.recv([buf], other, 7).wait()
             pg.send([buf], other, 8).wait()
 
-    return _median_s(once, lambda: None, repeats) / 2
+    return [t / 2 for t in _times_s(once, lambda: None, repeats)]
 
 
 def link_figures(pg: Any, me: int, nbytes: int, repeats: int) -> dict[str, float]:
     """Latency (s) and bandwidth (bytes/s) of the path between members 0 and 1 of `pg`."""
-    latency = _ping_pong(pg, me, 4, repeats * 3)
-    big = _ping_pong(pg, me, nbytes, repeats)
+    # The fastest tiny round trip is the link; slower ones met a busy CPU (2 cores, 8 ranks).
+    latency = min(_ping_pong(pg, me, 4, repeats * 5))
+    big = statistics.median(_ping_pong(pg, me, nbytes, repeats))
     return {"latency_s": latency, "bandwidth_Bps": nbytes / max(big - latency, 1e-9)}
 
 
@@ -64,7 +69,12 @@ def allreduce_body(rank: int, world: int, store: Any, nodes: list[int], nbytes: 
     """Flat vs hierarchical all-reduce of one tensor over every rank; link ping-pongs."""
     import torch
 
-    from stalwart.client.hier_allreduce import build_hier_groups, hierarchical_allreduce
+    from stalwart.client.hier_allreduce import (
+        LinkBytes,
+        build_hier_groups,
+        counting_flat_allreduce,
+        hierarchical_allreduce,
+    )
 
     ranks = list(range(world))
     flat_pg = _pg(store, "flat", ranks, rank)
@@ -77,6 +87,11 @@ def allreduce_body(rank: int, world: int, store: Any, nodes: list[int], nbytes: 
         "allreduce_s_hier": _median_s(lambda: hierarchical_allreduce(tensor.clone(), groups),
                                       barrier, repeats),
     }
+    counted = LinkBytes()  # one call of each, outside the timing
+    groups.counter = counted
+    hierarchical_allreduce(tensor.clone(), groups)
+    counting_flat_allreduce(tensor.clone(), flat_pg, nodes, rank, counted)
+    out["link_bytes"] = counted.as_dict()
     # Link figures: rank 0 with its node neighbour (intra) and with node 1's first rank.
     peers = {"intra": next(r for r in ranks[1:] if nodes[r] == nodes[0]),
              "inter": next(r for r in ranks if nodes[r] != nodes[0])}
@@ -139,18 +154,23 @@ def main() -> int:
     import torch.distributed as dist
 
     parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["allreduce", "sync"], required=True)
     parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--nodes", required=True, help="node of each rank, comma-separated")
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--nodes", default="", help="allreduce: node of each rank, a,b,c")
     parser.add_argument("--store", required=True, help="HOST:PORT; rank 0 hosts it")
     parser.add_argument("--nbytes", type=int, required=True)
     parser.add_argument("--repeats", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    nodes = [int(n) for n in args.nodes.split(",")]
     host, port = args.store.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), len(nodes), args.rank == 0, timeout=TIMEOUT,
+    store = dist.TCPStore(host, int(port), args.world, args.rank == 0, timeout=TIMEOUT,
                           wait_for_workers=False)
-    result = allreduce_body(args.rank, len(nodes), store, nodes, args.nbytes, args.repeats)
+    if args.mode == "allreduce":
+        nodes = [int(n) for n in args.nodes.split(",")]
+        result = allreduce_body(args.rank, args.world, store, nodes, args.nbytes, args.repeats)
+    else:
+        result = sync_body(args.rank, args.world, store, args.nbytes, args.repeats)
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(args.out)
@@ -158,7 +178,7 @@ def main() -> int:
     store.add("done", 1)
     if args.rank == 0:
         deadline = time.monotonic() + TIMEOUT.total_seconds()
-        while store.add("done", 0) < len(nodes) and time.monotonic() < deadline:
+        while store.add("done", 0) < args.world and time.monotonic() < deadline:
             time.sleep(0.01)
     return 0
 

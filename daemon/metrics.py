@@ -110,6 +110,10 @@ class Metrics:
             registry=r)
         self.training_step = Gauge(
             "stalwart_training_step", "Last step reported by a rank.", ["rank"], registry=r)
+        self.link_bytes = Counter(
+            "stalwart_link_bytes_total",
+            "Bytes ranks sent by collective over intra-node or inter-node links.",
+            ["link", "collective"], registry=r)
         # Security
         self.auth_refused = Counter(
             "stalwart_auth_refused_total", "Refused callers by reason.", ["reason"], registry=r)

@@ -117,3 +117,19 @@ def test_uneven_nodes_reduce_through_one_leader_per_node(results: list[dict]) ->
     members = _members(results, "3+1")
     leaders = [m for m in members if m["hier_inter"] > 0]
     assert len(leaders) == 2
+
+
+def test_link_bytes_are_exported_as_the_daemon_counter_and_reset() -> None:
+    from stalwart.client.hier_allreduce import LinkBytes
+    from stalwart.daemon.metrics import Metrics
+
+    counts, metrics = LinkBytes(), Metrics()
+    counts.add("inter", "hier_allreduce", 100.0)
+    counts.add("intra", "hier_reduce_scatter", 30.0)
+    counts.add("intra", "hier_all_gather", 30.0)
+    assert counts.total("intra") == 60.0
+    assert counts.as_dict()["hier_allreduce"] == {"intra": 0.0, "inter": 100.0}
+    counts.export(metrics.link_bytes)
+    assert metrics.registry.get_sample_value(
+        "stalwart_link_bytes_total", {"link": "inter", "collective": "hier_allreduce"}) == 100.0
+    assert counts.total("inter") == 0.0
