@@ -120,3 +120,12 @@ def test_layout_larger_than_the_cluster_is_refused_with_advice() -> None:
     # tp=3 leaves 2 idle devices per node: 2 nodes hold only 4 TP groups
     with pytest.raises(ValueError, match="hold only 4; lower dp or pp, or add nodes"):
         validate(Layout(dp=5, pp=1, tp=3), Topology(nodes=2, devices_per_node=8))
+
+
+def test_bench_layout_keeps_tp_off_the_network_and_crosses_fewer_bytes() -> None:
+    from stalwart.bench.comm import placement_figures
+
+    figures = placement_figures()
+    assert figures["cross_node_bytes_by_collective"]["placed"]["tp_allreduce"] == 0.0
+    assert 0.5 < figures["cross_node_reduction"] < 1.0
+    assert figures["allreduce_cross_node_bytes_hier"] < figures["allreduce_cross_node_bytes_flat"]
