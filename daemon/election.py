@@ -1,0 +1,184 @@
+"""Who coordinates: leader election through etcd in a cluster, a fixed node otherwise.
+
+Both sides share one interface: `start()`, `stop()`, `is_leader`, `term` (a fencing
+token that grows with every new leader) and `leader()`, with `on_elected(term)` and
+`on_lost(reason)` callbacks (plain or coroutine functions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+__all__ = ["Election", "EtcdElection", "FixedCoordinator"]
+
+log = logging.getLogger(__name__)
+
+ElectedCallback = Callable[[int], object]
+LostCallback = Callable[[str], object]
+
+
+async def _call(cb: Callable[..., object] | None, arg: object) -> None:
+    if cb is None:
+        return
+    result = cb(arg)
+    if inspect.isawaitable(result):
+        await result
+
+
+class Election(Protocol):
+    is_leader: bool
+    term: int
+
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    async def leader(self) -> str | None: ...
+
+
+class FixedCoordinator:
+    """The single-machine default: `coordinator` (default: this node) always leads."""
+
+    def __init__(self, node: str, coordinator: str | None = None, *,
+                 on_elected: ElectedCallback | None = None,
+                 on_lost: LostCallback | None = None) -> None:
+        self.node = node
+        self.coordinator = coordinator or node
+        self.on_elected, self.on_lost = on_elected, on_lost
+        self.is_leader = False
+        self.term = 0
+
+    async def start(self) -> None:
+        if self.node == self.coordinator:
+            self.is_leader, self.term = True, 1
+            await _call(self.on_elected, self.term)
+
+    async def stop(self) -> None:
+        if self.is_leader:
+            self.is_leader = False
+            await _call(self.on_lost, "stopped")
+
+    async def leader(self) -> str | None:
+        return self.coordinator
+
+
+class EtcdElection:
+    """Lease-based election on one etcd key per job (`/stalwart/<job_id>/coordinator`).
+
+    A candidate creates the key only if it is absent, attached to its lease of `ttl_s`
+    seconds, and refreshes the lease every `ttl_s / 3`. It steps down (`on_lost`) as soon
+    as a refresh fails to land within `ttl_s` of the last good one, before etcd could hand
+    the key to someone else. The others watch the key and campaign when it is deleted.
+    `term` is the key's create revision: larger for every later leader.
+    """
+
+    def __init__(self, candidate: str, *, endpoint: str = "127.0.0.1:2379",
+                 job_id: str = "default", ttl_s: int = 2,
+                 on_elected: ElectedCallback | None = None,
+                 on_lost: LostCallback | None = None) -> None:
+        import aetcd  # imported here: a single-machine daemon never needs it
+
+        host, _, port = endpoint.rpartition(":")
+        self.candidate = candidate
+        self.key = f"/stalwart/{job_id}/coordinator".encode()
+        self.ttl_s = max(2, int(ttl_s))  # etcd grants at least ~2 s with default timeouts
+        self.on_elected, self.on_lost = on_elected, on_lost
+        self.is_leader = False
+        self.term = 0
+        self._aetcd = aetcd
+        self._client = aetcd.Client(host=host or "127.0.0.1", port=int(port),
+                                    timeout=self.ttl_s)
+        self._lease: Any = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Begin campaigning in the background; returns at once."""
+        self._task = asyncio.create_task(self._campaign(), name=f"election-{self.candidate}")
+
+    async def stop(self) -> None:
+        """Stop campaigning; a leader resigns (revokes its lease) so another takes over now."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._lease is not None:
+            with contextlib.suppress(Exception):
+                await self._lease.revoke()
+        if self.is_leader:
+            self.is_leader = False
+            await _call(self.on_lost, "resigned")
+        await self._client.close()
+
+    async def leader(self) -> str | None:
+        """The current leader's name, or None while the seat is empty."""
+        got = await self._client.get(self.key)
+        return got.value.decode() if got is not None else None
+
+    async def _campaign(self) -> None:
+        while True:
+            try:
+                if await self._try_acquire():
+                    self.is_leader = True
+                    log.info("%s elected coordinator (term %d)", self.candidate, self.term)
+                    await _call(self.on_elected, self.term)
+                    reason = await self._hold()
+                    self.is_leader = False
+                    log.warning("%s lost the coordinator seat: %s", self.candidate, reason)
+                    await _call(self.on_lost, reason)
+                else:
+                    await self._wait_vacancy()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # etcd unreachable or restarting: retry after a pause
+                log.warning("election on %s: %s; retrying", self.key.decode(), exc)
+                if self.is_leader:
+                    self.is_leader = False
+                    await _call(self.on_lost, f"etcd error: {exc}")
+                await asyncio.sleep(self.ttl_s / 3)
+
+    async def _try_acquire(self) -> bool:
+        c = self._client
+        self._lease = await c.lease(self.ttl_s)
+        ok, responses = await c.transaction(
+            compare=[c.transactions.create(self.key) == 0],
+            success=[c.transactions.put(self.key, self.candidate.encode(), lease=self._lease)],
+            failure=[],
+        )
+        if ok:
+            self.term = responses[0].response_put.header.revision
+            return True
+        await self._lease.revoke()
+        self._lease = None
+        return False
+
+    async def _hold(self) -> str:
+        """Keep the lease alive; return why leadership ended."""
+        last_ok = time.monotonic()
+        while True:
+            await asyncio.sleep(self.ttl_s / 3)
+            sent = time.monotonic()
+            try:
+                reply = await asyncio.wait_for(
+                    self._client.refresh_lease(self._lease.id),
+                    timeout=max(0.1, self.ttl_s - (sent - last_ok)))
+            except (TimeoutError, self._aetcd.ClientError) as exc:
+                if time.monotonic() - last_ok >= self.ttl_s:
+                    return f"could not renew the lease within {self.ttl_s} s ({exc!r})"
+                continue
+            if reply is None or reply.TTL <= 0:
+                self._lease = None
+                return "lease expired or revoked"
+            last_ok = sent
+
+    async def _wait_vacancy(self) -> None:
+        got = await self._client.get(self.key)
+        if got is None:
+            return
+        with contextlib.suppress(self._aetcd.WatchTimeoutError):
+            # From the revision after the one read, so a delete in between is not missed.
+            await self._client.watch_once(self.key, timeout=self.ttl_s * 2,
+                                          start_revision=got.header.revision + 1)

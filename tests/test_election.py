@@ -1,0 +1,196 @@
+"""Specification of coordinator election: a real etcd server, real candidate processes."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import aetcd
+import pytest
+
+from stalwart.daemon.election import EtcdElection, FixedCoordinator
+
+TTL_S = 2
+TAKEOVER_S = TTL_S + 10.0  # lease expiry plus generous slack for a loaded machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory) -> Iterator[str]:
+    """A single-member etcd on free loopback ports; yields its client endpoint host:port."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        pytest.skip("etcd is not installed: run scripts/install-system-deps.sh (Debian "
+                    "etcd-server)")
+    client, peer = free_port(), free_port()
+    data = tmp_path_factory.mktemp("etcd")
+    log = open(data / "etcd.log", "w")
+    proc = subprocess.Popen([
+        binary, "--name", "t", "--data-dir", str(data / "d"),
+        "--listen-client-urls", f"http://127.0.0.1:{client}",
+        "--advertise-client-urls", f"http://127.0.0.1:{client}",
+        "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+        "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+        "--initial-cluster", f"t=http://127.0.0.1:{peer}",
+    ], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30.0
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{client}/health", timeout=1) as r:
+                if b'"true"' in r.read():
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"etcd did not become healthy in 30 s; see {data / 'etcd.log'}")
+        try:
+            proc.wait(timeout=0.05)  # the pause between probes; also notices an early exit
+            pytest.fail(f"etcd exited with {proc.returncode}; see {data / 'etcd.log'}")
+        except subprocess.TimeoutExpired:
+            pass
+    yield f"127.0.0.1:{client}"
+    proc.terminate()
+    proc.wait(timeout=10)
+    log.close()
+
+
+class Candidate:
+    """An EtcdElection plus an asyncio.Event per transition, for waiting with deadlines."""
+
+    def __init__(self, name: str, endpoint: str, job: str) -> None:
+        self.elected, self.lost = asyncio.Event(), asyncio.Event()
+        self.reasons: list[str] = []
+        self.election = EtcdElection(name, endpoint=endpoint, job_id=job, ttl_s=TTL_S,
+                                     on_elected=lambda term: self.elected.set(),
+                                     on_lost=self._on_lost)
+
+    def _on_lost(self, reason: str) -> None:
+        self.reasons.append(reason)
+        self.lost.set()
+
+
+async def one_elected(a: Candidate, b: Candidate) -> tuple[Candidate, Candidate]:
+    done, _ = await asyncio.wait(
+        [asyncio.ensure_future(a.elected.wait()), asyncio.ensure_future(b.elected.wait())],
+        timeout=TAKEOVER_S, return_when=asyncio.FIRST_COMPLETED)
+    assert done, "nobody was elected"
+    return (a, b) if a.election.is_leader else (b, a)
+
+
+def test_of_two_candidates_exactly_one_leads_and_both_agree_who(etcd):
+    async def scenario():
+        a, b = Candidate("n0", etcd, "agree"), Candidate("n1", etcd, "agree")
+        await a.election.start()
+        await b.election.start()
+        leader, other = await one_elected(a, b)
+        names = (await a.election.leader(), await b.election.leader())
+        state = (leader.election.is_leader, other.election.is_leader, leader.election.term)
+        await a.election.stop()
+        await b.election.stop()
+        return leader.election.candidate, names, state
+
+    name, names, (lead, other, term) = asyncio.run(scenario())
+    assert names == (name, name) and lead and not other and term > 0
+
+
+def test_a_revoked_leader_lease_hands_the_seat_to_the_other_candidate(etcd):
+    async def scenario():
+        a, b = Candidate("n0", etcd, "revoke"), Candidate("n1", etcd, "revoke")
+        await a.election.start()
+        await b.election.start()
+        leader, other = await one_elected(a, b)
+        first_term = leader.election.term
+        host, port = etcd.split(":")
+        async with aetcd.Client(host=host, port=int(port)) as admin:
+            seat = await admin.get(b"/stalwart/revoke/coordinator")
+            await admin.revoke_lease(seat.lease)  # what etcd does when a lease runs out
+        await asyncio.wait_for(other.elected.wait(), TAKEOVER_S)
+        await asyncio.wait_for(leader.lost.wait(), TAKEOVER_S)
+        result = (first_term, other.election.term, leader.reasons,
+                  await other.election.leader(), other.election.candidate)
+        await a.election.stop()
+        await b.election.stop()
+        return result
+
+    first, second, reasons, seat, new_name = asyncio.run(scenario())
+    assert second > first and seat == new_name
+    assert reasons and "revoked" in reasons[0]
+
+
+def test_a_resigning_leader_is_replaced_without_waiting_for_its_lease(etcd):
+    async def scenario():
+        a, b = Candidate("n0", etcd, "resign"), Candidate("n1", etcd, "resign")
+        await a.election.start()
+        await asyncio.wait_for(a.elected.wait(), TAKEOVER_S)
+        await b.election.start()
+        await a.election.stop()
+        await asyncio.wait_for(b.elected.wait(), TAKEOVER_S)
+        leader = await b.election.leader()
+        await b.election.stop()
+        return a.reasons, leader
+
+    reasons, leader = asyncio.run(scenario())
+    assert reasons == ["resigned"] and leader == "n1"
+
+
+CANDIDATE_PROCESS = """
+import asyncio, sys
+from stalwart.daemon.election import EtcdElection
+
+async def main():
+    e = EtcdElection("killed-node", endpoint=sys.argv[1], job_id="kill", ttl_s=2,
+                     on_elected=lambda term: print("elected", flush=True))
+    await e.start()
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def test_a_sigkilled_leader_process_is_replaced_within_its_lease_time(etcd):
+    async def scenario():
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", CANDIDATE_PROCESS, etcd, stdout=asyncio.subprocess.PIPE)
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), 30.0)
+            assert line.strip() == b"elected"
+            survivor = Candidate("survivor", etcd, "kill")
+            await survivor.election.start()
+            assert await survivor.election.leader() == "killed-node"
+            proc.kill()
+            killed_at = time.monotonic()
+            await asyncio.wait_for(survivor.elected.wait(), TAKEOVER_S)
+            took = time.monotonic() - killed_at
+            await survivor.election.stop()
+            return took
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()
+
+    took = asyncio.run(scenario())
+    assert took < TAKEOVER_S
+
+
+def test_the_fixed_coordinator_leads_on_its_own_node_only():
+    async def scenario():
+        elected: list[int] = []
+        here = FixedCoordinator("n0", on_elected=elected.append)
+        there = FixedCoordinator("n1", coordinator="n0", on_elected=elected.append)
+        await here.start()
+        await there.start()
+        return elected, here.is_leader, there.is_leader, await there.leader()
+
+    assert asyncio.run(scenario()) == ([1], True, False, "n0")
