@@ -233,3 +233,13 @@ def test_operations_guide_documents_every_series() -> None:
                                                                   "_sum"))}
     undocumented = {n for n in exported if f"`{n}`" not in guide}
     assert not undocumented, f"add to the metrics catalogue in docs/operations.md: {undocumented}"
+
+
+def test_grafana_provisioning_points_at_the_dashboards() -> None:
+    provisioning = ROOT / "grafana" / "provisioning"
+    (source,) = yaml.safe_load((provisioning / "datasources" / "stalwart.yaml").read_text())[
+        "datasources"]
+    assert source["type"] == "prometheus"
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "stalwart.yaml").read_text())[
+        "providers"]
+    assert provider["type"] == "file" and provider["options"]["path"]
