@@ -10,6 +10,7 @@ import json
 import multiprocessing
 import os
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -71,6 +72,8 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record))
     tmp.replace(path)
+    if not record["ok"]:
+        sys.exit(1)  # a non-zero exit starts the launcher's grace period for the others
 
 
 def run_local(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
