@@ -195,10 +195,15 @@ class Plan(_message.Message):
     ASSIGNMENTS_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     RESUME_STEP_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
+    STOP_MESSAGE_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     reason: _builtins.str
     resume_step: _builtins.int
     """last committed step the generation resumes from"""
+    stop: _builtins.bool
+    """no viable plan: ranks stop cleanly at resume_step"""
+    stop_message: _builtins.str
     @_builtins.property
     def layout(self) -> Global___ParallelLayout: ...
     @_builtins.property
@@ -211,10 +216,12 @@ class Plan(_message.Message):
         assignments: _abc.Iterable[Global___RankAssignment] | None = ...,
         reason: _builtins.str = ...,
         resume_step: _builtins.int = ...,
+        stop: _builtins.bool = ...,
+        stop_message: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "generation", b"generation", "layout", b"layout", "reason", b"reason", "resume_step", b"resume_step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "generation", b"generation", "layout", b"layout", "reason", b"reason", "resume_step", b"resume_step", "stop", b"stop", "stop_message", b"stop_message"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -7,6 +7,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from stalwart.v1 import common_pb2 as _common_pb2
 from stalwart.v1 import manifest_pb2 as _manifest_pb2
 import builtins as _builtins
 import sys
@@ -18,6 +19,42 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+@_typing.final
+class RankAnnouncement(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    RANK_ID_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    rank_id: _builtins.str
+    rank: _builtins.int
+    """torchrun RANK, -1 for a spare"""
+    world_size: _builtins.int
+    generation: _builtins.int
+    @_builtins.property
+    def layout(self) -> _common_pb2.ParallelLayout: ...
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        rank_id: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        world_size: _builtins.int = ...,
+        layout: _common_pb2.ParallelLayout | None = ...,
+        generation: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "layout", b"layout", "node", b"node", "rank", b"rank", "rank_id", b"rank_id", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RankAnnouncement: _TypeAlias = RankAnnouncement  # noqa: Y015
 
 @_typing.final
 class ShardHeader(_message.Message):
@@ -261,19 +298,35 @@ class PrepareStepRequest(_message.Message):
     JOB_ID_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     step: _builtins.int
     generation: _builtins.int
+    node: _builtins.str
+    """the daemon whose ranks are durable"""
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedCompositeFieldContainer[_manifest_pb2.RankState]:
+        """their records, shards placed"""
+
+    @_builtins.property
+    def layout(self) -> _common_pb2.ParallelLayout:
+        """layout the step was captured in"""
+
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         step: _builtins.int = ...,
         generation: _builtins.int = ...,
+        node: _builtins.str = ...,
+        ranks: _abc.Iterable[_manifest_pb2.RankState] | None = ...,
+        layout: _common_pb2.ParallelLayout | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "job_id", b"job_id", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "job_id", b"job_id", "layout", b"layout", "node", b"node", "ranks", b"ranks", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

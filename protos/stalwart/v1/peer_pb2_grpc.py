@@ -223,6 +223,11 @@ class PeerServiceStub:
                 request_serializer=stalwart_dot_v1_dot_common__pb2.FailureEvent.SerializeToString,
                 response_deserializer=stalwart_dot_v1_dot_common__pb2.Ack.FromString,
                 _registered_method=True)
+        self.Announce = channel.unary_unary(
+                '/stalwart.v1.PeerService/Announce',
+                request_serializer=stalwart_dot_v1_dot_peer__pb2.RankAnnouncement.SerializeToString,
+                response_deserializer=stalwart_dot_v1_dot_common__pb2.Ack.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -262,6 +267,13 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Announce(self, request, context):
+        """A daemon tells the coordinator about a rank that registered with it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -288,6 +300,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
             'ReportFailure': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportFailure,
                     request_deserializer=stalwart_dot_v1_dot_common__pb2.FailureEvent.FromString,
+                    response_serializer=stalwart_dot_v1_dot_common__pb2.Ack.SerializeToString,
+            ),
+            'Announce': grpc.unary_unary_rpc_method_handler(
+                    servicer.Announce,
+                    request_deserializer=stalwart_dot_v1_dot_peer__pb2.RankAnnouncement.FromString,
                     response_serializer=stalwart_dot_v1_dot_common__pb2.Ack.SerializeToString,
             ),
     }
@@ -426,6 +443,33 @@ class PeerService:
             target,
             '/stalwart.v1.PeerService/ReportFailure',
             stalwart_dot_v1_dot_common__pb2.FailureEvent.SerializeToString,
+            stalwart_dot_v1_dot_common__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Announce(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stalwart.v1.PeerService/Announce',
+            stalwart_dot_v1_dot_peer__pb2.RankAnnouncement.SerializeToString,
             stalwart_dot_v1_dot_common__pb2.Ack.FromString,
             options,
             channel_credentials,

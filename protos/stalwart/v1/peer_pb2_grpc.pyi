@@ -91,6 +91,8 @@ class PeerServiceStub:
     InstallPlan: _grpc.UnaryUnaryMultiCallable[_common_pb2.Plan, _common_pb2.Ack]
     """The coordinator pushes a new plan to every daemon."""
     ReportFailure: _grpc.UnaryUnaryMultiCallable[_common_pb2.FailureEvent, _common_pb2.Ack]
+    Announce: _grpc.UnaryUnaryMultiCallable[_peer_pb2.RankAnnouncement, _common_pb2.Ack]
+    """A daemon tells the coordinator about a rank that registered with it."""
 
 @_typing.type_check_only
 class PeerServiceAsyncStub(PeerServiceStub):
@@ -105,6 +107,8 @@ class PeerServiceAsyncStub(PeerServiceStub):
     InstallPlan: _aio.UnaryUnaryMultiCallable[_common_pb2.Plan, _common_pb2.Ack]  # type: ignore[assignment]
     """The coordinator pushes a new plan to every daemon."""
     ReportFailure: _aio.UnaryUnaryMultiCallable[_common_pb2.FailureEvent, _common_pb2.Ack]  # type: ignore[assignment]
+    Announce: _aio.UnaryUnaryMultiCallable[_peer_pb2.RankAnnouncement, _common_pb2.Ack]  # type: ignore[assignment]
+    """A daemon tells the coordinator about a rank that registered with it."""
 
 class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
     """Membership, commit and plans between daemons."""
@@ -146,5 +150,13 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _common_pb2.FailureEvent,
         context: _ServicerContext,
     ) -> _typing.Union[_common_pb2.Ack, _abc.Awaitable[_common_pb2.Ack]]: ...
+
+    @_abc_1.abstractmethod
+    def Announce(
+        self,
+        request: _peer_pb2.RankAnnouncement,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.Ack, _abc.Awaitable[_common_pb2.Ack]]:
+        """A daemon tells the coordinator about a rank that registered with it."""
 
 def add_PeerServiceServicer_to_server(servicer: PeerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

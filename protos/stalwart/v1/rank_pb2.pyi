@@ -33,6 +33,7 @@ class RegisterRequest(_message.Message):
     TOKEN_FIELD_NUMBER: _builtins.int
     SPARE_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     pid: _builtins.int
     rank: _builtins.int
@@ -45,6 +46,10 @@ class RegisterRequest(_message.Message):
     spare: _builtins.bool
     device: _builtins.str
     """"cpu", "cuda:0", ..."""
+    @_builtins.property
+    def layout(self) -> _common_pb2.ParallelLayout:
+        """the layout the job starts with (coordinator forms plan 1 from it)"""
+
     def __init__(
         self,
         *,
@@ -57,10 +62,11 @@ class RegisterRequest(_message.Message):
         token: _builtins.str = ...,
         spare: _builtins.bool = ...,
         device: _builtins.str = ...,
+        layout: _common_pb2.ParallelLayout | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "hostname", b"hostname", "job_id", b"job_id", "local_rank", b"local_rank", "pid", b"pid", "rank", b"rank", "spare", b"spare", "token", b"token", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "hostname", b"hostname", "job_id", b"job_id", "layout", b"layout", "local_rank", b"local_rank", "pid", b"pid", "rank", b"rank", "spare", b"spare", "token", b"token", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -182,20 +188,26 @@ class OpenSlotReply(_message.Message):
     SLOT_ID_FIELD_NUMBER: _builtins.int
     SIZE_FIELD_NUMBER: _builtins.int
     FD_SOCKET_FIELD_NUMBER: _builtins.int
+    SLOT_IDS_FIELD_NUMBER: _builtins.int
     slot_id: _builtins.str
     size: _builtins.int
     fd_socket: _builtins.str
     """path of the Unix socket that hands over the fd"""
+    @_builtins.property
+    def slot_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """every slot of the rank (double buffering); slot_id is the first"""
+
     def __init__(
         self,
         *,
         slot_id: _builtins.str = ...,
         size: _builtins.int = ...,
         fd_socket: _builtins.str = ...,
+        slot_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fd_socket", b"fd_socket", "size", b"size", "slot_id", b"slot_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fd_socket", b"fd_socket", "size", b"size", "slot_id", b"slot_id", "slot_ids", b"slot_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
