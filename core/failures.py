@@ -49,7 +49,7 @@ class Failure:
     generation: int = 0
     reporter: str = ""
     time_unix_ms: int = field(default_factory=lambda: int(time.time() * 1000))
-    details: Mapping[str, str | int | float | bool] = field(default_factory=dict)
+    details: Mapping[str, str | int | float | bool] = field(default_factory=dict, hash=False)
 
     @property
     def names_node(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -26,16 +27,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory) -> Iterator[str]:
-    """A single-member etcd on free loopback ports; yields its client endpoint host:port."""
+def start_etcd(data) -> tuple[str, subprocess.Popen]:
+    """A single-member etcd on free loopback ports: (client endpoint host:port, process)."""
     binary = shutil.which("etcd")
     if binary is None:
         pytest.skip("etcd is not installed: run scripts/install-system-deps.sh (Debian "
                     "etcd-server)")
     client, peer = free_port(), free_port()
-    data = tmp_path_factory.mktemp("etcd")
-    log = open(data / "etcd.log", "w")
     proc = subprocess.Popen([
         binary, "--name", "t", "--data-dir", str(data / "d"),
         "--listen-client-urls", f"http://127.0.0.1:{client}",
@@ -43,27 +41,36 @@ def etcd(tmp_path_factory) -> Iterator[str]:
         "--listen-peer-urls", f"http://127.0.0.1:{peer}",
         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
         "--initial-cluster", f"t=http://127.0.0.1:{peer}",
-    ], stdout=log, stderr=subprocess.STDOUT)
+    ], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30.0
     while True:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{client}/health", timeout=1) as r:
                 if b'"true"' in r.read():
-                    break
+                    return f"127.0.0.1:{client}", proc
         except OSError:
             pass
         if time.monotonic() > deadline:
             proc.kill()
-            pytest.fail(f"etcd did not become healthy in 30 s; see {data / 'etcd.log'}")
+            pytest.fail("etcd did not become healthy within 30 s")
         try:
             proc.wait(timeout=0.05)  # the pause between probes; also notices an early exit
-            pytest.fail(f"etcd exited with {proc.returncode}; see {data / 'etcd.log'}")
+            pytest.fail(f"etcd exited with code {proc.returncode} while starting")
         except subprocess.TimeoutExpired:
             pass
-    yield f"127.0.0.1:{client}"
+
+
+def stop_etcd(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGCONT)  # in case a test froze it
     proc.terminate()
     proc.wait(timeout=10)
-    log.close()
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory) -> Iterator[str]:
+    endpoint, proc = start_etcd(tmp_path_factory.mktemp("etcd"))
+    yield endpoint
+    stop_etcd(proc)
 
 
 class Candidate:
@@ -182,6 +189,28 @@ def test_a_sigkilled_leader_process_is_replaced_within_its_lease_time(etcd):
 
     took = asyncio.run(scenario())
     assert took < TAKEOVER_S
+
+
+def test_a_leader_cut_off_from_etcd_steps_down_within_its_lease_time(tmp_path):
+    endpoint, proc = start_etcd(tmp_path)
+
+    async def scenario():
+        c = Candidate("n0", endpoint, "cut")
+        await c.election.start()
+        await asyncio.wait_for(c.elected.wait(), TAKEOVER_S)
+        proc.send_signal(signal.SIGSTOP)  # etcd freezes: no refresh can land
+        frozen_at = time.monotonic()
+        await asyncio.wait_for(c.lost.wait(), TAKEOVER_S)
+        took = time.monotonic() - frozen_at
+        proc.send_signal(signal.SIGCONT)
+        await c.election.stop()
+        return took, c.reasons[0], c.election.is_leader
+
+    try:
+        took, reason, still_leader = asyncio.run(scenario())
+    finally:
+        stop_etcd(proc)
+    assert took < TAKEOVER_S and "could not renew" in reason and not still_leader
 
 
 def test_the_fixed_coordinator_leads_on_its_own_node_only():
