@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ log = logging.getLogger("stalwart.client.daemon")
 DEFAULT_SOCKET = "/var/lib/stalwart/daemon.sock"
 # A heartbeat refused with these codes will never be accepted: the rank must rejoin.
 _FENCED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+FORK_PAUSE_S = 1.0  # longest a fork waits for an in-flight heartbeat (seconds)
 
 
 def default_target(env: Mapping[str, str] | None = None) -> str:
@@ -40,6 +42,10 @@ def default_target(env: Mapping[str, str] | None = None) -> str:
     if env.get("STALWART_DATA_DIR"):
         return f"unix:{os.path.join(env['STALWART_DATA_DIR'], 'daemon.sock')}"
     return f"unix:{DEFAULT_SOCKET}"
+
+
+# Every live client, so fork hooks can pause their heartbeats (see _before_fork).
+_clients: weakref.WeakSet[DaemonClient] = weakref.WeakSet()
 
 
 class DaemonUnavailable(RuntimeError):
@@ -88,10 +94,14 @@ class DaemonClient:
         self.token = os.environ.get("STALWART_TOKEN", "") if token is None else token
         self.rpc_timeout_s = rpc_timeout_s
         self.on_fenced = on_fenced  # called (from the heartbeat thread) when a rejoin is needed
-        self._lock = threading.Lock()
         self._fresh_process_state()
+        _clients.add(self)
 
     def _fresh_process_state(self) -> None:
+        # New locks too: a fork may have copied them while another thread held them.
+        self._lock = threading.Lock()
+        self._beat_lock = threading.Lock()  # held by the heartbeat thread during its call
+        self._paused_for_fork = False
         self._pid = os.getpid()
         self._channel: grpc.Channel | None = None
         self.rank_id = ""
@@ -116,7 +126,10 @@ class DaemonClient:
                 # Inherited through fork: the parent's channel and thread are not ours to use.
                 self._fresh_process_state()
             if self._channel is None:
-                self._channel = grpc.insecure_channel(self.target)
+                # A private subchannel pool: the global one would hand a forked child
+                # the parent's connection, whose socket belongs to the parent.
+                self._channel = grpc.insecure_channel(
+                    self.target, options=[("grpc.use_local_subchannel_pool", 1)])
             return self._channel
 
     def _rank_stub(self) -> rank_pb2_grpc.RankServiceStub:
@@ -176,7 +189,8 @@ class DaemonClient:
         failing = False
         while not self._stop.is_set():
             try:
-                self.heartbeat()
+                with self._beat_lock:
+                    self.heartbeat()
                 failing = False
             except DaemonUnavailable as e:
                 code = getattr(e.__cause__, "code", lambda: None)()
@@ -218,6 +232,17 @@ class DaemonClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # fork safety: gRPC runs its fork handlers only when no thread is inside a call, and a
+    # child forked in the middle of one can hang on its first RPC; so heartbeats pause.
+
+    def _pause_for_fork(self) -> None:
+        self._paused_for_fork = self._beat_lock.acquire(timeout=FORK_PAUSE_S)
+
+    def _resume_after_fork(self) -> None:
+        if self._paused_for_fork:
+            self._paused_for_fork = False
+            self._beat_lock.release()
+
     # other calls ---------------------------------------------------------
 
     def report_failure(self, kind: common_pb2.FailureEvent.Kind.ValueType, subject: str,
@@ -237,3 +262,22 @@ class DaemonClient:
         """The daemon's view of the job (as `stalwart status` shows it)."""
         stub = operator_pb2_grpc.OperatorServiceStub(self._ensure_process())
         return self._call("status", stub.Status, operator_pb2.StatusRequest())
+
+
+def _before_fork() -> None:
+    for client in list(_clients):
+        client._pause_for_fork()
+
+
+def _after_fork_in_parent() -> None:
+    for client in list(_clients):
+        client._resume_after_fork()
+
+
+def _after_fork_in_child() -> None:
+    for client in list(_clients):
+        client._fresh_process_state()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)

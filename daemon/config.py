@@ -186,10 +186,10 @@ def _name(section: str, key: str) -> str:
     return f"{section}.{key}" if section else key
 
 
-def _coerce(name: str, spec: Key, value: Any, source: str) -> Any:
-    """Turn a TOML value or an env/flag string into the key's type."""
+def _coerce(name: str, spec: Key, value: Any, source: str, text: bool) -> Any:
+    """Turn a TOML value, or an env/flag string (`text`), into the key's type."""
     kind = spec.kind
-    text = isinstance(value, str) and source != "file"
+    text = text and isinstance(value, str)
     try:
         if kind == "str" and isinstance(value, str):
             return value
@@ -216,7 +216,7 @@ def _coerce(name: str, spec: Key, value: Any, source: str) -> Any:
 
 
 def _set(merged: dict[str, dict[str, Any]], section: str, key: str, value: Any,
-         source: str) -> None:
+         source: str, text: bool = True) -> None:
     keys = SCHEMA.get(section)
     if keys is None:
         raise ConfigError(
@@ -227,7 +227,7 @@ def _set(merged: dict[str, dict[str, Any]], section: str, key: str, value: Any,
         raise ConfigError(
             f"{_name(section, key)}: unknown key ({source}); allowed here: " + ", ".join(keys))
     name = _name(section, key)
-    value = _coerce(name, spec, value, source)
+    value = _coerce(name, spec, value, source, text)
     problem = spec.check(value) if spec.check else None
     if problem:
         raise ConfigError(f"{name}: {problem}, got {value!r} ({source})")
@@ -273,13 +273,13 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
     if path is not None:
         where = f"in {path}"
         for top, value in read_file(Path(path)).items():
-            if isinstance(value, dict) and top in SCHEMA and top:
+            if isinstance(value, dict):
                 for key, inner in value.items():
-                    _set(merged, top, key, inner, where)
+                    _set(merged, top, key, inner, where, text=False)
             elif top in SCHEMA and top:
                 raise ConfigError(f"{top}: must be a table [{top}] ({where})")
             else:
-                _set(merged, "", top, value, where)
+                _set(merged, "", top, value, where, text=False)
     for dotted, value in env_overrides(os.environ if env is None else env).items():
         section, _, key = dotted.rpartition(".")
         var = ENV_PREFIX + (f"{section}__{key}" if section else key).upper()

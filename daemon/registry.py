@@ -94,7 +94,10 @@ class Registry:
     _plan_changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
-        self._update_gauges()  # every state shows from the first scrape, at 0
+        # Every state and failure kind shows from the first scrape, at 0.
+        self._update_gauges()
+        for kind in FailureKind:
+            self.metrics.failures.labels(kind.name.lower())
 
     # ranks ---------------------------------------------------------------
 

@@ -1,0 +1,188 @@
+"""Liveness rules and the rank registry, in-process with a hand-moved clock."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import pytest
+
+from stalwart.core.failures import FailureKind
+from stalwart.daemon.liveness import (
+    ALIVE,
+    DEAD,
+    LATE,
+    ProcessIdentity,
+    heartbeat_state,
+    process_alive,
+    process_identity,
+)
+from stalwart.daemon.membership import LOST, SUSPECT, UP, Membership
+from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.registry import RankFenced, Registry, StaleGeneration, UnknownRank
+from stalwart.v1 import common_pb2, peer_pb2
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize(("age", "state"), [
+    (0.0, ALIVE), (2.0, ALIVE), (2.01, LATE), (5.0, LATE), (5.01, DEAD),
+])
+def test_heartbeat_state_by_age(age: float, state: str) -> None:
+    assert heartbeat_state(age, interval_s=1.0, timeout_s=5.0) == state
+
+
+def registry(clock: Clock, metrics: Metrics | None = None) -> Registry:
+    return Registry("n0", 1.0, 5.0, metrics or Metrics(), clock=clock)
+
+
+def add_rank(reg: Registry, pid: int = 4242, watch_pid: bool = False) -> str:
+    return reg.register(pid=pid, rank=0, world_size=1, local_rank=0, hostname="h",
+                        spare=False, device="cpu", watch_pid=watch_pid).rank_id
+
+
+def failures_of(metrics: Metrics, kind: str) -> float:
+    return metrics.registry.get_sample_value("stalwart_failures_detected_total", {"kind": kind})
+
+
+def test_silent_rank_goes_late_then_dead_once_with_a_heartbeat_missed_failure() -> None:
+    clock, metrics = Clock(), Metrics()
+    reg = registry(clock, metrics)
+    seen = []
+    reg.on_failure(seen.append)
+    rank_id = add_rank(reg)
+    clock.now += 2.5
+    assert reg.check() == [] and reg.get(rank_id).state == LATE
+    clock.now += 3.0
+    [failure] = reg.check()
+    assert failure.kind is FailureKind.HEARTBEAT_MISSED and failure.subject == rank_id
+    assert "5.50 s" in failure.evidence
+    assert reg.get(rank_id).state == DEAD and seen == [failure]
+    clock.now += 10
+    assert reg.check() == []  # reported once
+    assert failures_of(metrics, "heartbeat_missed") == 1.0
+
+
+def test_heartbeat_brings_a_late_rank_back_and_records_progress() -> None:
+    clock = Clock()
+    reg = registry(clock)
+    rank_id = add_rank(reg)
+    clock.now += 3
+    reg.check()
+    reg.heartbeat(rank_id, generation=1, step=7, step_time_s=0.25)
+    record = reg.get(rank_id)
+    assert (record.state, record.step, record.step_time_s) == (ALIVE, 7, 0.25)
+
+
+def test_heartbeats_are_fenced_by_generation_death_and_registration() -> None:
+    clock = Clock()
+    reg = registry(clock)
+    rank_id = add_rank(reg)
+    reg.install_plan(common_pb2.Plan(generation=2, reason="test"))
+    with pytest.raises(StaleGeneration, match="generation 1, but the job is at generation 2"):
+        reg.heartbeat(rank_id, generation=1, step=0, step_time_s=0)
+    with pytest.raises(UnknownRank, match="register again"):
+        reg.heartbeat("n0/1", generation=2, step=0, step_time_s=0)
+    clock.now += 6
+    reg.check()
+    with pytest.raises(RankFenced, match="declared dead"):
+        reg.heartbeat(rank_id, generation=2, step=0, step_time_s=0)
+
+
+def test_a_rank_that_leaves_cleanly_is_not_a_failure() -> None:
+    clock, metrics = Clock(), Metrics()
+    reg = registry(clock, metrics)
+    rank_id = add_rank(reg)
+    reg.heartbeat(rank_id, 1, 3, 0.1, leaving=True)
+    clock.now += 60
+    assert reg.check() == []
+    assert reg.get(rank_id).shown_state == "left"
+    assert failures_of(metrics, "heartbeat_missed") == 0.0
+
+
+def test_an_older_plan_is_refused() -> None:
+    reg = registry(Clock())
+    reg.install_plan(common_pb2.Plan(generation=3))
+    with pytest.raises(StaleGeneration):
+        reg.install_plan(common_pb2.Plan(generation=3))
+    assert reg.generation == 3
+
+
+def test_plan_watchers_wake_on_a_new_generation() -> None:
+    async def scenario() -> common_pb2.Plan | None:
+        reg = registry(Clock())
+        waiting = asyncio.create_task(reg.plan_after(1, timeout_s=10))
+        await asyncio.sleep(0)
+        reg.install_plan(common_pb2.Plan(generation=2, reason="spare in"))
+        return await asyncio.wait_for(waiting, 5)
+
+    plan = asyncio.run(scenario())
+    assert plan is not None and plan.reason == "spare in"
+
+
+def test_process_identity_of_a_live_and_an_exited_process() -> None:
+    me = process_identity(os.getpid())
+    assert me is not None and me.start_ticks > 0 and process_alive(me)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    try:
+        identity = process_identity(child.pid)
+        assert identity is not None
+        child.kill()
+        # Not reaped yet: a zombie counts as gone.
+        from fixtures_daemon import wait_for
+        wait_for(lambda: not process_alive(identity), 10, "the killed child to be seen gone")
+    finally:
+        child.wait(10)
+    assert process_identity(child.pid) is None
+
+
+def test_a_recycled_pid_is_not_the_same_process() -> None:
+    me = process_identity(os.getpid())
+    assert not process_alive(ProcessIdentity(me.pid, me.start_ticks + 1))
+
+
+def test_registry_declares_an_exited_rank_process_dead() -> None:
+    clock, metrics = Clock(), Metrics()
+    reg = registry(clock, metrics)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    rank_id = add_rank(reg, pid=child.pid, watch_pid=True)
+    child.wait(10)
+    [failure] = reg.check()
+    assert failure.kind is FailureKind.PROCESS_EXIT and failure.subject == rank_id
+    assert failures_of(metrics, "process_exit") == 1.0
+
+
+def test_peers_move_from_up_to_suspect_to_lost_with_one_failure() -> None:
+    clock, metrics = Clock(), Metrics()
+    reg = registry(clock, metrics)
+    table = Membership("a", "h:1", 1.0, 5.0, metrics, reg.report, clock=clock)
+    table.add_address("h:2")
+    assert table.check() == [] and table.peers()[0].state == "unknown"
+    table.observe(peer_pb2.PeerInfo(node="b", address="h:2"))
+    assert table.peers()[0].state == UP and table.coordinator() == "a"
+    clock.now += 3
+    assert table.check() == [] and table.peers()[0].state == SUSPECT
+    clock.now += 3
+    [failure] = table.check()
+    assert failure.kind is FailureKind.PEER_LOST and failure.subject == "b"
+    assert table.peers()[0].state == LOST and failures_of(metrics, "peer_lost") == 1.0
+
+
+def test_gossip_reply_under_another_address_replaces_the_dialled_one() -> None:
+    clock = Clock()
+    table = Membership("a", "127.0.0.1:1", 1.0, 5.0, Metrics(), lambda f: f, clock=clock)
+    table.add_address("localhost:2")
+    reply = peer_pb2.Membership(peers=[peer_pb2.PeerInfo(node="b", address="127.0.0.1:2"),
+                                       peer_pb2.PeerInfo(node="c", address="127.0.0.1:3")])
+    table.learn(reply, contacted="localhost:2")
+    assert [(p.address, p.state) for p in table.peers()] == [
+        ("127.0.0.1:2", UP), ("127.0.0.1:3", "unknown")]
