@@ -38,6 +38,8 @@ class LayerCost:
     fwd_s: float | None = None
     bwd_s: float | None = None
     """Measured seconds on the profiling device (median of repeats), when profiled."""
+    opt_s: float | None = None
+    """Measured seconds of this layer's optimizer update (once per step, not per micro-batch)."""
 
     @property
     def measured(self) -> bool:
@@ -85,9 +87,11 @@ class CostProfile:
     shape: dict = field(default_factory=dict)
     device: str = "analytic"
 
-    def costs(self, source: str = "auto", recompute: str = "none") -> list[float]:
-        """Per-layer cost: measured seconds ("measured"), FLOPs ("flops"), or measured
-        when every layer was profiled ("auto")."""
+    def costs(self, source: str = "auto", recompute: str = "none",
+              micro_batches: int = 1) -> list[float]:
+        """Per-layer cost per micro-batch: measured seconds ("measured"), FLOPs ("flops"), or
+        measured when every layer was profiled ("auto"). Measured costs add the optimizer
+        update shared out over the `micro_batches` of a step."""
         if source == "auto":
             source = "measured" if all(x.measured for x in self.layers) else "flops"
         if source == "measured":
@@ -95,7 +99,8 @@ class CostProfile:
             if missing:
                 raise ValueError(f"layers {missing[:3]} have no measured time: profile them "
                                  f"first or use source='flops'")
-            return [float(x.fwd_s + x.bwd_s) for x in self.layers]
+            return [float(x.fwd_s + x.bwd_s + (x.opt_s or 0.0) / micro_batches)
+                    for x in self.layers]
         if source == "flops":
             return [x.flops(recompute) for x in self.layers]
         raise ValueError(f"unknown cost source {source!r}: use auto, measured or flops")
