@@ -356,7 +356,6 @@ def decide(
         return StopDecision(generation, committed_step,
                             _stop_message(failed, causes, committed_step, why), all_causes)
 
-    by_id = {m.rank_id: m for m in state.members}
     members = tuple(
         Member(chosen[m.rank_id].rank_id, chosen[m.rank_id].node, m.coord)
         if m.rank_id in chosen else m
@@ -367,7 +366,7 @@ def decide(
         generation=generation, layout=state.layout, members=members,
         spares=tuple(s for s in pool if s.rank_id not in used), resume_step=committed_step,
         reason="replace " + ", ".join(
-            f"{by_id[old].rank_id} with spare {new.rank_id}" for old, new in chosen.items()),
+            f"{old} with spare {new.rank_id}" for old, new in chosen.items()),
     )
     replacements = {old: new.rank_id for old, new in chosen.items()}
     if in_flight is not None:

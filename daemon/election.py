@@ -1,8 +1,9 @@
 """Who coordinates: leader election through etcd in a cluster, a fixed node otherwise.
 
 Both sides share one interface: `start()`, `stop()`, `is_leader`, `term` (a fencing
-token that grows with every new leader) and `leader()`, with `on_elected(term)` and
-`on_lost(reason)` callbacks (plain or coroutine functions).
+token that grows with every new leader), `leader()`, and `write`/`read` of small
+coordinator state (the current plan) that only the seated leader can write, with
+`on_elected(term)` and `on_lost(reason)` callbacks (plain or coroutine functions).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class Election(Protocol):
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
     async def leader(self) -> str | None: ...
+    async def write(self, name: str, value: bytes) -> bool: ...
+    async def read(self, name: str) -> bytes | None: ...
 
 
 class FixedCoordinator:
@@ -51,6 +54,7 @@ class FixedCoordinator:
         self.on_elected, self.on_lost = on_elected, on_lost
         self.is_leader = False
         self.term = 0
+        self._state: dict[str, bytes] = {}
 
     async def start(self) -> None:
         if self.node == self.coordinator:
@@ -64,6 +68,15 @@ class FixedCoordinator:
 
     async def leader(self) -> str | None:
         return self.coordinator
+
+    async def write(self, name: str, value: bytes) -> bool:
+        """Keep `value` under `name` (in memory: one machine, one coordinator process)."""
+        if self.is_leader:
+            self._state[name] = value
+        return self.is_leader
+
+    async def read(self, name: str) -> bytes | None:
+        return self._state.get(name)
 
 
 class EtcdElection:
@@ -117,6 +130,28 @@ class EtcdElection:
         """The current leader's name, or None while the seat is empty."""
         got = await self._client.get(self.key)
         return got.value.decode() if got is not None else None
+
+    async def write(self, name: str, value: bytes) -> bool:
+        """Store coordinator state (e.g. the current plan) under `name`, only while this
+        candidate still holds the seat it won in `term`; False when it no longer does, so a
+        deposed coordinator cannot overwrite its successor's plan."""
+        if not self.is_leader:
+            return False
+        c = self._client
+        ok, _ = await c.transaction(
+            compare=[c.transactions.create(self.key) == self.term],
+            success=[c.transactions.put(self._state_key(name), value)],
+            failure=[],
+        )
+        return ok
+
+    async def read(self, name: str) -> bytes | None:
+        """Coordinator state stored under `name` by any leader, or None."""
+        got = await self._client.get(self._state_key(name))
+        return got.value if got is not None else None
+
+    def _state_key(self, name: str) -> bytes:
+        return self.key.rsplit(b"/", 1)[0] + b"/state/" + name.encode()
 
     async def _campaign(self) -> None:
         while True:

@@ -123,16 +123,22 @@ def test_a_revoked_leader_lease_hands_the_seat_to_the_other_candidate(etcd):
         async with aetcd.Client(host=host, port=int(port)) as admin:
             seat = await admin.get(b"/stalwart/revoke/coordinator")
             await admin.revoke_lease(seat.lease)  # what etcd does when a lease runs out
+        # Before or after it notices, the deposed leader can no longer write the plan.
+        stale_write = await leader.election.write("plan", b"generation 7 from the old leader")
         await asyncio.wait_for(other.elected.wait(), TAKEOVER_S)
         await asyncio.wait_for(leader.lost.wait(), TAKEOVER_S)
+        new_write = await other.election.write("plan", b"generation 8")
+        plan_seen = await leader.election.read("plan")
         result = (first_term, other.election.term, leader.reasons,
-                  await other.election.leader(), other.election.candidate)
+                  await other.election.leader(), other.election.candidate,
+                  (stale_write, new_write, plan_seen))
         await a.election.stop()
         await b.election.stop()
         return result
 
-    first, second, reasons, seat, new_name = asyncio.run(scenario())
+    first, second, reasons, seat, new_name, writes = asyncio.run(scenario())
     assert second > first and seat == new_name
+    assert writes == (False, True, b"generation 8")
     assert reasons and "revoked" in reasons[0]
 
 
