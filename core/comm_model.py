@@ -49,10 +49,8 @@ def ring_allreduce(nodes: Sequence[int], nbytes: float) -> Traffic:
     if n < 2:
         return Traffic()
     per_rank = 2 * (n - 1) / n * nbytes
-    total = Traffic()
-    for i in range(n):
-        total += _send(nodes[i], nodes[(i + 1) % n], per_rank)
-    return total
+    crossing = sum(nodes[i] != nodes[i - 1] for i in range(n))  # edge (i-1 -> i), wrapping
+    return Traffic(intra=(n - crossing) * per_rank, inter=crossing * per_rank)
 
 
 def _by_node(nodes: Sequence[int]) -> dict[int, int]:
@@ -198,11 +196,10 @@ def step_traffic(placement: Placement, shape: GPTShape,
         calls = 4 * shape.stage_layers(layout.pp, stage) * shape.micro_batches
         tp += ring_allreduce(placement.nodes(group), shape.activation_bytes).scaled(calls)
     out["tp_allreduce"] = tp
-    pp = Traffic()
-    for a, b in layout.pp_pairs():
-        both_ways = p2p(placement.node_of(a), placement.node_of(b), shape.activation_bytes)
-        pp += both_ways.scaled(2 * shape.micro_batches)
-    out["pp_sendrecv"] = pp
+    pairs = layout.pp_pairs()
+    crossing = sum(placement.node_of(a) != placement.node_of(b) for a, b in pairs)
+    out["pp_sendrecv"] = Traffic(intra=len(pairs) - crossing, inter=crossing).scaled(
+        2 * shape.micro_batches * shape.activation_bytes)
     reduce = {"ring": ring_allreduce, "hier": hier_allreduce}[dp_algorithm]
     dp = Traffic()
     for group in layout.dp_groups():

@@ -8,6 +8,7 @@ ignores topology does: ranks dealt round-robin over the nodes.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -44,20 +45,25 @@ class Layout:
         pp, dp = divmod(rest, self.dp)
         return dp, pp, tp
 
-    def tp_groups(self) -> list[list[int]]:
-        """Ranks that all-reduce activations together, one list per (dp, pp)."""
-        return [[self.rank_of(d, p, t) for t in range(self.tp)]
-                for p in range(self.pp) for d in range(self.dp)]
+    # Layouts are immutable and hashable, so their groups are computed once.
+    @functools.cache  # noqa: B019
+    def tp_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Ranks that all-reduce activations together, one tuple per (dp, pp)."""
+        return tuple(tuple(self.rank_of(d, p, t) for t in range(self.tp))
+                     for p in range(self.pp) for d in range(self.dp))
 
-    def dp_groups(self) -> list[list[int]]:
-        """Ranks that all-reduce gradients together, one list per (pp, tp), in dp order."""
-        return [[self.rank_of(d, p, t) for d in range(self.dp)]
-                for p in range(self.pp) for t in range(self.tp)]
+    @functools.cache  # noqa: B019
+    def dp_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Ranks that all-reduce gradients together, one tuple per (pp, tp), in dp order."""
+        return tuple(tuple(self.rank_of(d, p, t) for d in range(self.dp))
+                     for p in range(self.pp) for t in range(self.tp))
 
-    def pp_pairs(self) -> list[tuple[int, int]]:
+    @functools.cache  # noqa: B019
+    def pp_pairs(self) -> tuple[tuple[int, int], ...]:
         """(sender, receiver) ranks of neighbouring stages, for every (dp, tp)."""
-        return [(self.rank_of(d, p, t), self.rank_of(d, p + 1, t))
-                for d in range(self.dp) for p in range(self.pp - 1) for t in range(self.tp)]
+        return tuple((self.rank_of(d, p, t), self.rank_of(d, p + 1, t))
+                     for d in range(self.dp) for p in range(self.pp - 1)
+                     for t in range(self.tp))
 
 
 @dataclass(frozen=True)
@@ -69,11 +75,16 @@ class Placement:
     devices: tuple[int, ...]
     strategy: str = "given"
 
-    def node_of(self, rank: int) -> int:
-        return self.topology.node_of(self.devices[rank])
+    @functools.cached_property
+    def rank_nodes(self) -> tuple[int, ...]:
+        """Node of every rank, in rank order."""
+        return tuple(self.topology.node_of(d) for d in self.devices)
 
-    def nodes(self, ranks: list[int]) -> list[int]:
-        return [self.node_of(r) for r in ranks]
+    def node_of(self, rank: int) -> int:
+        return self.rank_nodes[rank]
+
+    def nodes(self, ranks: tuple[int, ...] | list[int]) -> list[int]:
+        return [self.rank_nodes[r] for r in ranks]
 
     def tp_groups_inside_nodes(self) -> bool:
         return all(len(set(self.nodes(g))) == 1 for g in self.layout.tp_groups())
