@@ -1,0 +1,71 @@
+"""Layer cost profiles: analytic counts of a GPT, recomputation trade-offs, JSON round trip,
+and per-layer times measured on this device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stalwart.core.costs import CostProfile, GPTShape, gpt_profile, shape_for_params
+
+GPT2_SMALL = GPTShape(vocab=50257, d_model=768, n_layers=12, n_heads=12, seq=1024,
+                      micro_batch=1)
+
+
+def test_gpt2_small_has_its_known_parameter_count():
+    # 124M with tied embeddings; the untied LM head a pipeline's last stage holds adds V*h.
+    assert GPT2_SMALL.params() - 50257 * 768 == pytest.approx(124.4e6, rel=0.01)
+
+
+def test_embedding_and_head_are_layers_of_their_own_and_the_head_is_heavy():
+    profile = gpt_profile(GPT2_SMALL)
+    kinds = [x.kind for x in profile.layers]
+    assert kinds == ["embedding"] + ["block"] * 12 + ["head"]
+    costs = profile.costs("flops")
+    assert costs[-1] > 3 * costs[1] > 100 * costs[0]
+
+
+def test_recomputation_trades_activation_bytes_for_flops():
+    block = gpt_profile(GPT2_SMALL).layers[1]
+    assert block.act_bytes["none"] > block.act_bytes["selective"] > block.act_bytes["full"]
+    assert block.flops("none") < block.flops("selective") < block.flops("full")
+    assert block.flops("full") == pytest.approx(block.flops("none") * 4 / 3)
+
+
+def test_profile_survives_a_json_round_trip(tmp_path: Path):
+    profile = gpt_profile(GPT2_SMALL)
+    profile.layers[3].fwd_s = 0.25
+    path = tmp_path / "costs.json"
+    profile.save(path)
+    again = CostProfile.load(path)
+    assert again == profile
+
+
+def test_measured_costs_are_required_when_asked_for():
+    with pytest.raises(ValueError, match="no measured time"):
+        gpt_profile(GPT2_SMALL).costs("measured")
+
+
+@pytest.mark.parametrize("params", [7e9, 70e9, 400e9])
+def test_shape_for_params_lands_near_the_requested_size(params):
+    shape = shape_for_params(params)
+    assert shape.params() == pytest.approx(params, rel=0.1)
+    assert shape.n_heads % 8 == 0  # TP up to a whole 8-GPU node divides the heads
+
+
+def test_measured_profile_of_a_preset_has_positive_times_per_layer():
+    torch = pytest.importorskip("torch", reason="measuring layers needs torch")
+    from stalwart.client.model import PRESETS
+    from stalwart.client.profile import measure_layers
+
+    torch.manual_seed(0)
+    cfg = PRESETS["tiny"]
+    profile = measure_layers(cfg, repeats=1, warmup=1)
+    assert len(profile.layers) == cfg.num_layers
+    assert all(x.measured and x.fwd_s > 0 and x.bwd_s > 0 and x.opt_s > 0
+               for x in profile.layers)
+    assert profile.costs() == profile.costs("measured")
+    assert sum(x.params for x in profile.layers) == GPTShape(
+        vocab=cfg.vocab, d_model=cfg.d_model, n_layers=cfg.n_layer, n_heads=cfg.n_head,
+        seq=cfg.seq_len, d_ff=cfg.d_ff).params()
