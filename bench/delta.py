@@ -15,7 +15,8 @@ from statistics import median
 import numpy as np
 
 from stalwart.daemon import delta
-from stalwart.daemon.chunks import decode_chunk, encode_rank, plan_chunks
+from stalwart.daemon.chunks import decode_rank, encode_rank, plan_chunks
+from stalwart.v1 import manifest_pb2
 
 CHUNK_BYTES = 4 << 20
 LR, WEIGHT_DECAY, BATCH = 1e-3, 0.1, 8
@@ -113,8 +114,9 @@ def _throughput(cur: np.ndarray, prev: np.ndarray, metas: list, repeats: int) ->
                               reference_step=1)
         enc.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        for c, payload in zip(encoded.chunks, encoded.payloads, strict=True):
-            decode_chunk(c, payload, metas, prev[c.offset:c.offset + c.size])
+        record = manifest_pb2.RankState(tensors=metas, chunks=encoded.chunks,
+                                        total_bytes=cur.size)
+        decode_rank(record, encoded.payloads, {1: prev})
         dec.append(time.perf_counter() - t0)
         with ThreadPoolExecutor(2) as pool:
             t0 = time.perf_counter()

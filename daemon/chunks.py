@@ -7,14 +7,14 @@ unit the erasure coder and the tiers see; its ChunkRecord says how to decode it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from stalwart.core.manifest import element_size
-from stalwart.daemon import delta
+from stalwart.core.manifest import BASE_CODECS, element_size
+from stalwart.daemon import delta, predict
 from stalwart.daemon.checksum import Buffer, crc32c
 from stalwart.daemon.delta import Region
 from stalwart.v1 import common_pb2, manifest_pb2
@@ -107,11 +107,13 @@ def encode_rank(step: int, rank: int, data: Buffer, tensors: Sequence[common_pb2
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, reference: Buffer | None = None,
                 reference_step: int | None = None, lossy: bool = False,
                 level: int = delta.DEFAULT_LEVEL,
+                adamw: Sequence[manifest_pb2.AdamWHint] = (),
                 executor: Executor | None = None) -> EncodedRank:
     """Encode a rank's buffer: a base when `reference` is None, else a delta against it.
 
     `reference` is the decoded buffer of `reference_step` (same size, same layout).
-    `lossy=True` selects the opt-in QUANT_DELTA codec for deltas.
+    `adamw` hints select ADAM_PREDICTED_XOR_ZSTD (lossless, several times smaller on
+    AdamW state); `lossy=True` selects the opt-in QUANT_DELTA codec instead.
     """
     buf = np.frombuffer(data, dtype=np.uint8)
     if reference is not None:
@@ -121,6 +123,10 @@ def encode_rank(step: int, rank: int, data: Buffer, tensors: Sequence[common_pb2
                              f"({ref.size} bytes) does not fit a {buf.size}-byte buffer")
     spans = plan_chunks(tensors, buf.size, chunk_bytes)
     decoded = buf if not (lossy and reference is not None) else buf.copy()
+    delta_codec = manifest_pb2.XOR_DELTA_ZSTD
+    if reference is not None and adamw and not lossy:
+        delta_codec = manifest_pb2.ADAM_PREDICTED_XOR_ZSTD
+        ref = predict.reference(ref, buf, tensors, adamw)
 
     def one(span: ChunkSpan) -> tuple[manifest_pb2.ChunkRecord, bytes]:
         piece = buf[span.offset:span.offset + span.size]
@@ -137,7 +143,7 @@ def encode_rank(step: int, rank: int, data: Buffer, tensors: Sequence[common_pb2
                 decoded[span.offset:span.offset + span.size] = recon
                 piece = recon
             else:
-                codec = manifest_pb2.XOR_DELTA_ZSTD
+                codec = delta_codec
                 payload = delta.encode_xor(piece, ref_piece, regions, level=level)
         record = manifest_pb2.ChunkRecord(
             chunk_id=chunk_id(step, rank, span.index), offset=span.offset, size=span.size,
@@ -149,9 +155,27 @@ def encode_rank(step: int, rank: int, data: Buffer, tensors: Sequence[common_pb2
     return EncodedRank([r for r, _ in results], [p for _, p in results], decoded)
 
 
-def decode_chunk(record: manifest_pb2.ChunkRecord, payload: Buffer,
-                 tensors: Sequence[common_pb2.TensorMeta],
-                 reference: Buffer | None = None) -> np.ndarray:
-    """Decoded bytes of one chunk; `reference` is the base step's bytes of the same range."""
-    regions = chunk_regions(tensors, record.offset, record.size)
-    return delta.decode(record.codec, payload, regions, record.size, reference)
+def decode_rank(state: manifest_pb2.RankState, payloads: Sequence[Buffer],
+                references: Mapping[int, np.ndarray]) -> np.ndarray:
+    """A rank's decoded buffer from its chunk payloads (record order).
+
+    `references` maps each base_step named by a delta chunk to that step's decoded
+    buffer. Checksums are the caller's: it knows which tier each payload came from.
+    """
+    out = np.empty(state.total_bytes, dtype=np.uint8)
+    predicted_from = None
+    for c, payload in zip(state.chunks, payloads, strict=True):
+        ref = None
+        if c.codec not in BASE_CODECS:
+            if c.base_step not in references:
+                raise KeyError(f"chunk {c.chunk_id} applies to step {c.base_step}, "
+                               "whose decoded buffer was not supplied")
+            ref = references[c.base_step][c.offset:c.offset + c.size]
+        codec = c.codec
+        if codec == manifest_pb2.ADAM_PREDICTED_XOR_ZSTD:
+            codec, predicted_from = manifest_pb2.XOR_DELTA_ZSTD, c.base_step
+        regions = chunk_regions(state.tensors, c.offset, c.size)
+        out[c.offset:c.offset + c.size] = delta.decode(codec, payload, regions, c.size, ref)
+    if predicted_from is not None:
+        predict.correct(out, references[predicted_from], state.tensors, state.adamw)
+    return out

@@ -1,0 +1,113 @@
+"""AdamW-aware references that make lossless deltas of parameters and second moments tiny.
+
+Given the previous step and this step's first moment, the AdamW update of the second
+moment and of the parameter is recomputed here in float32, mirroring torch's
+single-tensor AdamW; the codec stores only the XOR against that prediction, which is
+mostly zero. A prediction that misses (other optimizer, fused kernel, wrong hint) only
+costs compression: decoding recomputes the same prediction and XORs it back out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from stalwart.v1 import common_pb2, manifest_pb2
+
+
+@dataclass(frozen=True)
+class _Triple:
+    hint: manifest_pb2.AdamWHint
+    param: common_pb2.TensorMeta
+    exp_avg: common_pb2.TensorMeta
+    exp_avg_sq: common_pb2.TensorMeta
+
+
+def _triples(tensors: Sequence[common_pb2.TensorMeta],
+             hints: Sequence[manifest_pb2.AdamWHint]) -> list[_Triple]:
+    """Hints whose three tensors exist, are float32 and have equal sizes; others are ignored
+    (they would predict nothing useful, and ignoring them keeps decoding well defined)."""
+    by_name = {t.name: t for t in tensors}
+    out, used = [], set()
+    for h in hints:
+        names = (h.param, h.exp_avg, h.exp_avg_sq)
+        metas = [by_name.get(n) for n in names]
+        if all(m is not None and m.dtype == common_pb2.FLOAT32 for m in metas) and \
+                len({m.nbytes for m in metas}) == 1 and h.step > 0 and \
+                len(set(names)) == 3 and not used & set(names) and _scalars(h) is not None:
+            used.update(names)  # a tensor predicted twice would not decode
+            out.append(_Triple(h, *metas))
+    return out
+
+
+def _scalars(h: manifest_pb2.AdamWHint) -> tuple[float, float] | None:
+    """(step size, sqrt of the second bias correction) in torch's double arithmetic, or
+    None for hyperparameters no real AdamW step has (the hint is then ignored)."""
+    try:
+        bc2_sqrt = (1 - h.beta2 ** h.step) ** 0.5
+        step_size = h.lr / (1 - h.beta1 ** h.step)
+    except (ZeroDivisionError, OverflowError):
+        return None
+    if isinstance(bc2_sqrt, complex) or not np.isfinite([step_size, bc2_sqrt]).all() or \
+            not np.isfinite([h.beta1, h.beta2, h.eps, h.weight_decay, h.lr]).all():
+        return None
+    return step_size, bc2_sqrt
+
+
+def _f32(buf: np.ndarray, meta: common_pb2.TensorMeta) -> np.ndarray:
+    return buf[meta.offset:meta.offset + meta.nbytes].view(np.float32)
+
+
+def predict_second_moment(v0: np.ndarray, m0: np.ndarray, m1: np.ndarray,
+                          h: manifest_pb2.AdamWHint) -> np.ndarray:
+    """exp_avg_sq after the step, from the gradient recovered out of the two first moments."""
+    with np.errstate(all="ignore"):
+        grad = m0 + (m1 - m0) / np.float32(1 - h.beta1)  # m1 = lerp(m0, grad, 1 - beta1)
+        return v0 * np.float32(h.beta2) + (np.float32(1 - h.beta2) * grad) * grad
+
+
+def predict_param(p0: np.ndarray, m1: np.ndarray, v1: np.ndarray,
+                  h: manifest_pb2.AdamWHint) -> np.ndarray:
+    """The parameter after a torch AdamW step with moments m1, v1 (exact when they are)."""
+    step_size, bc2_sqrt = _scalars(h)
+    with np.errstate(all="ignore"):
+        decayed = p0 * np.float32(1 - h.lr * h.weight_decay)
+        denom = np.sqrt(v1) / np.float32(bc2_sqrt) + np.float32(h.eps)
+        return decayed + np.float32(-step_size) * (m1 / denom)
+
+
+def reference(previous: np.ndarray, current: np.ndarray,
+              tensors: Sequence[common_pb2.TensorMeta],
+              hints: Sequence[manifest_pb2.AdamWHint]) -> np.ndarray:
+    """Encoder side: `previous` with hinted params and second moments replaced by their
+    predictions from `previous` and `current` (both uint8 buffers of one layout)."""
+    ref = previous.copy()
+    for t in _triples(tensors, hints):
+        _f32(ref, t.exp_avg_sq)[...] = predict_second_moment(
+            _f32(previous, t.exp_avg_sq), _f32(previous, t.exp_avg), _f32(current, t.exp_avg),
+            t.hint)
+        _f32(ref, t.param)[...] = predict_param(
+            _f32(previous, t.param), _f32(current, t.exp_avg), _f32(current, t.exp_avg_sq),
+            t.hint)
+    return ref
+
+
+def correct(out: np.ndarray, previous: np.ndarray, tensors: Sequence[common_pb2.TensorMeta],
+            hints: Sequence[manifest_pb2.AdamWHint]) -> None:
+    """Decoder side: `out` holds residual XOR previous everywhere; swap `previous` for the
+    prediction in hinted tensors, in place. Second moments first: params need them."""
+    triples = _triples(tensors, hints)
+    for t in triples:
+        v = _f32(out, t.exp_avg_sq)
+        predicted = predict_second_moment(
+            _f32(previous, t.exp_avg_sq), _f32(previous, t.exp_avg), _f32(out, t.exp_avg), t.hint)
+        v.view(np.uint32)[...] ^= _f32(previous, t.exp_avg_sq).view(np.uint32) ^ \
+            predicted.view(np.uint32)
+    for t in triples:
+        p = _f32(out, t.param)
+        predicted = predict_param(_f32(previous, t.param), _f32(out, t.exp_avg),
+                                  _f32(out, t.exp_avg_sq), t.hint)
+        p.view(np.uint32)[...] ^= _f32(previous, t.param).view(np.uint32) ^ \
+            predicted.view(np.uint32)
