@@ -183,8 +183,7 @@ class Registry:
                 record.state = state
                 log.warning("rank heartbeat late", extra={"rank_id": record.rank_id,
                                                           "age_s": round(age, 3)})
-        if found:
-            self._update_gauges()
+        self._update_gauges()
         return found
 
     def _declare_dead(self, record: RankRecord, kind: FailureKind, evidence: str) -> Failure:

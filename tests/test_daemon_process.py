@@ -33,7 +33,23 @@ def test_reflection_lists_the_stalwart_services(daemon_factory: DaemonFactory) -
             iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
     names = {s.name for s in reply.list_services_response.service}
     assert {"stalwart.v1.RankService", "stalwart.v1.PeerService",
-            "stalwart.v1.OperatorService", "grpc.health.v1.Health"} <= names
+            "stalwart.v1.OperatorService", "stalwart.v1.ShardService",
+            "grpc.health.v1.Health"} <= names
+
+
+def test_logs_are_json_lines_unless_a_terminal_reads_them() -> None:
+    code = ("import logging, sys\n"
+            "from stalwart.daemon.logs import setup_logging\n"
+            "setup_logging('', 'INFO')\n"
+            "log = logging.getLogger('stalwart.test')\n"
+            "log.info('rank registered', extra={'rank_id': 'a/1'})\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=30, env=daemon_env())
+    [line] = done.stderr.splitlines()
+    record = json.loads(line)
+    assert (record["level"], record["logger"], record["msg"], record["rank_id"]) == (
+        "info", "stalwart.test", "rank registered", "a/1")
+    assert record["ts"].endswith("Z")
 
 
 def test_metrics_endpoint_serves_the_catalogue(daemon_factory: DaemonFactory) -> None:
