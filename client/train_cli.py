@@ -1,0 +1,115 @@
+"""`stalwart train`: train the GPT with DP x PP x TP as local rank processes and report
+the global loss of every step and a layout-independent digest of the final parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["configure", "run", "train_worker"]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
+    parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="micro-batches per pipeline round (default: pp)")
+    parser.add_argument("--grad-accum", type=int, default=1,
+                        help="pipeline rounds accumulated per optimizer step")
+    parser.add_argument("--steps", type=int, required=True, help="optimizer steps to run")
+    parser.add_argument("--model", choices=["tiny", "small", "medium"], default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--global-batch", type=int, default=16, help="sequences per step")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16", "auto"], default="fp32")
+    parser.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    parser.add_argument("--compress", choices=["none", "fp16", "bf16"], default="none",
+                        help="gradient dtype on the wire for the data-parallel sum")
+    parser.add_argument("--bounds", default=None,
+                        help="stage bounds as inclusive layer ranges, e.g. 0-1,2-5 "
+                             "(default: uniform)")
+    parser.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run")
+    parser.add_argument("--json", dest="json_path", type=Path, default=None,
+                        help="write losses and param_digest here")
+
+
+def _spec(args: argparse.Namespace) -> dict[str, Any]:
+    bounds = None
+    if args.bounds:
+        bounds = [[int(x) for x in part.split("-")] for part in args.bounds.split(",")]
+    return {"dp": args.dp, "pp": args.pp, "tp": args.tp, "schedule": args.schedule,
+            "microbatches": args.microbatches or args.pp, "grad_accum": args.grad_accum,
+            "steps": args.steps, "model": args.model, "seed": args.seed,
+            "global_batch": args.global_batch, "lr": args.lr, "precision": args.precision,
+            "recompute": args.recompute, "compress": args.compress, "bounds": bounds,
+            "log_every": args.log_every}
+
+
+def train_worker(ctx: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """One rank of `stalwart train`: returns its losses and (dp=0) parameter hashes."""
+    from stalwart.client.model import PRESETS
+    from stalwart.client.parallel_dims import ParallelDims
+    from stalwart.client.trainer import TrainConfig, Trainer
+
+    dims = ParallelDims(dp=spec["dp"], pp=spec["pp"], tp=spec["tp"],
+                        world_size=ctx.world_size).build(ctx.store, ctx.rank, 0)
+    cfg = TrainConfig(model=PRESETS[spec["model"]], global_batch=spec["global_batch"],
+                      seed=spec["seed"], lr=spec["lr"], min_lr=spec["lr"] / 10,
+                      decay_steps=spec["steps"], precision=spec["precision"],
+                      recompute=spec["recompute"], compress=spec["compress"])
+    trainer = Trainer(dims, cfg, stage_bounds=spec["bounds"], schedule=spec["schedule"],
+                      microbatches=spec["microbatches"], grad_accum=spec["grad_accum"])
+    losses = []
+    started = time.perf_counter()
+    for step in range(spec["steps"]):
+        losses.append(trainer.step())
+        if ctx.rank == 0 and (step % spec["log_every"] == 0 or step == spec["steps"] - 1):
+            print(f"step {step:5d}  loss {losses[-1]:.4f}  "
+                  f"{time.perf_counter() - started:7.1f} s", file=sys.stderr, flush=True)
+    seconds = time.perf_counter() - started
+    hashes = trainer.param_hashes()  # collective over TP: every rank calls it
+    me = dims.my
+    trainer.close()
+    dims.destroy()
+    return {"losses": losses, "seconds": seconds,
+            "hashes": hashes if me.dp == 0 and me.tp == 0 else {}}
+
+
+def run(args: argparse.Namespace) -> int:
+    from stalwart.client.launch import RankFailure, run_local
+    from stalwart.client.model import PRESETS
+    from stalwart.client.trainer import param_digest
+
+    spec = _spec(args)
+    world = args.dp * args.pp * args.tp
+    print(f"[train] {args.model} model, dp={args.dp} pp={args.pp} tp={args.tp} "
+          f"({world} ranks), {args.schedule} m={spec['microbatches']}, {args.steps} steps",
+          file=sys.stderr, flush=True)
+    try:
+        results = run_local(train_worker, world, spec, timeout=args.timeout)
+    except RankFailure as exc:
+        print(f"stalwart train: the run failed.\n{exc}", file=sys.stderr)
+        return 1
+    hashes: dict[str, str] = {}
+    for res in results:
+        hashes.update(res["hashes"])
+    cfg = PRESETS[args.model]
+    seconds = results[0]["seconds"]
+    out = {"losses": results[0]["losses"], "param_digest": param_digest(hashes),
+           "layout": {"dp": args.dp, "pp": args.pp, "tp": args.tp},
+           "config": spec, "seconds": round(seconds, 3),
+           "tokens_per_s": round(args.steps * args.global_batch * cfg.seq_len / seconds, 1)}
+    print(f"[train] final loss {out['losses'][-1]:.4f}  param_digest {out['param_digest'][:16]}"
+          f"  {out['tokens_per_s']:.0f} tokens/s", file=sys.stderr)
+    if args.json_path:
+        args.json_path.parent.mkdir(parents=True, exist_ok=True)
+        args.json_path.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
