@@ -2,7 +2,8 @@
 
 Trains GPT presets with AdamW on real text, captures fp32 parameters + optimizer state
 as raw bytes after each step, and encodes them with the daemon's codecs: the full base
-(shuffle + zstd) is the baseline; variants show what each idea buys.
+(shuffle + zstd) is the baseline; variants show what each idea buys. The default codec
+XORs against the previous step, with parameters and second moments predicted from it.
 """
 
 from __future__ import annotations
@@ -56,6 +57,19 @@ def _state_tensors(model, opt) -> list:
     return out
 
 
+def _hints(model, opt) -> list[manifest_pb2.AdamWHint]:
+    """What the capture hook would send: each parameter's AdamW settings and step."""
+    group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+    out = []
+    for name, p in model.named_parameters():
+        g = group_of[id(p)]
+        out.append(manifest_pb2.AdamWHint(
+            param=name, exp_avg=f"{name}/exp_avg", exp_avg_sq=f"{name}/exp_avg_sq",
+            lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
+            weight_decay=g["weight_decay"], step=int(opt.state[p]["step"])))
+    return out
+
+
 def _capture(model, opt) -> tuple[np.ndarray, list]:
     import torch
 
@@ -85,7 +99,8 @@ def _chunked(cur: np.ndarray, metas: list, code: Callable) -> int:
                for s in plan_chunks(metas, cur.size, CHUNK_BYTES))
 
 
-def _variants(cur: np.ndarray, prev: np.ndarray, base: np.ndarray, metas: list) -> dict:
+def _variants(cur: np.ndarray, prev: np.ndarray, base: np.ndarray, metas: list,
+              hints: list) -> dict:
     """Stored bytes of one step under each encoding idea."""
     def full(lv):
         return lambda sl, regions: delta.encode_full(cur[sl], regions, level=lv)
@@ -95,7 +110,10 @@ def _variants(cur: np.ndarray, prev: np.ndarray, base: np.ndarray, metas: list) 
             return delta.encode_xor(cur[sl], ref[sl], regions if shuffled else [], level=lv)
         return code
 
+    predicted = encode_rank(2, 0, cur, metas, chunk_bytes=CHUNK_BYTES, reference=prev,
+                            reference_step=1, adamw=hints)
     return {
+        "adamw_predicted_xor_prev_zstd1": predicted.stored_bytes,
         "base_only_zstd1": _chunked(cur, metas, full(1)),
         "xor_prev_shuffle_zstd1": _chunked(cur, metas, xor(prev, 1)),
         "xor_base_shuffle_zstd1": _chunked(cur, metas, xor(base, 1)),
@@ -105,23 +123,26 @@ def _variants(cur: np.ndarray, prev: np.ndarray, base: np.ndarray, metas: list) 
     }
 
 
-def _throughput(cur: np.ndarray, prev: np.ndarray, metas: list, repeats: int) -> dict:
-    """Encode and decode GB/s of the default codec (delta vs previous step)."""
+def _throughput(cur: np.ndarray, prev: np.ndarray, metas: list, hints: list,
+                repeats: int) -> dict:
+    """Encode and decode GB/s of the default codec (AdamW-predicted delta vs previous step)."""
     enc, dec, enc2 = [], [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         encoded = encode_rank(2, 0, cur, metas, chunk_bytes=CHUNK_BYTES, reference=prev,
-                              reference_step=1)
+                              reference_step=1, adamw=hints)
         enc.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         record = manifest_pb2.RankState(tensors=metas, chunks=encoded.chunks,
-                                        total_bytes=cur.size)
-        decode_rank(record, encoded.payloads, {1: prev})
+                                        total_bytes=cur.size, adamw=hints)
+        decoded = decode_rank(record, encoded.payloads, {1: prev})
         dec.append(time.perf_counter() - t0)
+        if not np.array_equal(decoded, cur):
+            raise AssertionError("the default codec did not restore the state bitwise")
         with ThreadPoolExecutor(2) as pool:
             t0 = time.perf_counter()
             encode_rank(2, 0, cur, metas, chunk_bytes=CHUNK_BYTES, reference=prev,
-                        reference_step=1, executor=pool)
+                        reference_step=1, adamw=hints, executor=pool)
             enc2.append(time.perf_counter() - t0)
     gb = cur.size / 1e9
     return {"encode_gbps": round(gb / median(enc), 3), "decode_gbps": round(gb / median(dec), 3),
@@ -154,16 +175,18 @@ def _preset(preset: str, warmup: int, steps: int, after: int, repeats: int) -> d
     model, opt, data, step = _trainer(preset)
     for _ in range(warmup):
         step()
-    captures, metas, losses = [], None, []
+    captures, hints, metas, losses = [], [], None, []
     for _ in range(steps + 1):
         losses.append(step())
         cur, metas = _capture(model, opt)
         captures.append(cur)
+        hints.append(_hints(model, opt))
     position = data.position
-    per_step = [_variants(cur, prev, captures[0], metas)
-                for prev, cur in zip(captures, captures[1:], strict=False)]
+    per_step = [_variants(cur, prev, captures[0], metas, h)
+                for prev, cur, h in zip(captures, captures[1:], hints[1:], strict=False)]
     full_bytes = int(captures[0].size)
-    default = [v["xor_prev_shuffle_zstd1"] for v in per_step]
+    default = [v["adamw_predicted_xor_prev_zstd1"] for v in per_step]
+    plain = [v["xor_prev_shuffle_zstd1"] for v in per_step]
     base_only = [v["base_only_zstd1"] for v in per_step]
     lossy_sizes, recon = _lossy(captures, metas)
     exact_losses = _continue(preset, captures[-1], metas, position, after, model)
@@ -176,12 +199,14 @@ def _preset(preset: str, warmup: int, steps: int, after: int, repeats: int) -> d
         "full_bytes": full_bytes,
         "delta_bytes": default,
         "compression_ratio": round(full_bytes * len(default) / sum(default), 3),
+        "xor_only_delta_bytes": plain,
+        "xor_only_ratio": round(full_bytes * len(plain) / sum(plain), 3),
         "base_only_bytes": base_only,
         "base_only_ratio": round(full_bytes * len(base_only) / sum(base_only), 3),
         "delta_vs_base_only": round(sum(base_only) / sum(default), 3),
         "variant_ratios": {k: round(full_bytes * len(per_step) / v, 3)
                            for k, v in totals.items()},
-        **_throughput(captures[-1], captures[-2], metas, repeats),
+        **_throughput(captures[-1], captures[-2], metas, hints[-1], repeats),
         "lossy": {
             "label": "LOSSY, opt-in: int8 deltas with error feedback; restores are not exact",
             "delta_bytes": lossy_sizes,
@@ -210,7 +235,9 @@ def run(quick: bool) -> dict:
                for name, warmup, steps, after in plan}
     return {
         "chunk_bytes": CHUNK_BYTES,
-        "codec": "XOR against the previous step, byte-plane shuffle, zstd level 1",
+        "codec": "ADAM_PREDICTED_XOR_ZSTD: XOR against the previous step, parameters and "
+                 "second moments against their AdamW update predicted from it; byte-plane "
+                 "shuffle; zstd level 1",
         "baseline": "base_only: byte-plane shuffle + zstd level 1 of the full state",
         "presets": results,
     }
