@@ -226,14 +226,15 @@ def _clear_stale_socket(path: Path) -> None:
 
 
 def _bind(server: grpc.aio.Server, target: str, key: str) -> int:
+    """Add an endpoint; returns the bound TCP port (1 for a Unix socket)."""
     try:
         port = server.add_insecure_port(target)
     except RuntimeError:
         port = 0
-    if port == 0 and not target.startswith("unix:"):
+    if port == 0:
         raise DaemonStartError(
-            f"{key}: cannot listen on {target} (address in use or not on this host); "
-            "choose a free HOST:PORT")
+            f"{key}: cannot listen on {target.removeprefix('unix:')} (address in use, not on "
+            "this host, or path too long); choose another one")
     return port
 
 
