@@ -1,0 +1,235 @@
+"""The elastic agent: one rank's life across generations.
+
+register -> wait for a role -> build groups -> (restore) -> train and capture
+every step -> on a failure or a new plan: drop the groups, take the new role,
+restore the last committed step, continue. Survivors never restart their
+process; a spare waits, registered, until a plan gives it a role.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from stalwart.client.capture import Capturer
+from stalwart.client.daemon_client import DaemonClient
+from stalwart.client.parallel_dims import ParallelDims
+from stalwart.client.state_layout import unpack
+from stalwart.client.trainer import TrainConfig, Trainer
+from stalwart.client.trainer_state import load_state, state_tensors
+from stalwart.v1 import common_pb2, rank_pb2
+
+log = logging.getLogger("stalwart.client.agent")
+
+
+class JobStopped(RuntimeError):
+    """The coordinator found no viable plan; training stops at the last committed step."""
+
+
+class _PlanChanged(Exception):
+    pass
+
+
+@dataclass(kw_only=True)
+class AgentConfig:
+    train: TrainConfig
+    """Model, batch, optimizer: fixed for the job whatever its layout."""
+    layout: common_pb2.ParallelLayout
+    """The layout this job starts with (the coordinator's first plan)."""
+    steps: int
+    """Optimizer steps to train in total."""
+    spare: bool = False
+    """Register without a role and wait for one."""
+    collective_timeout_s: float = 10.0
+    """Deadline of every collective; a longer wait counts as a hang (seconds)."""
+    plan_timeout_s: float = 120.0
+    """Longest wait for a new plan after a failure (seconds)."""
+    device: str = "cpu"
+    backend: str = "gloo"
+
+
+@dataclass
+class AgentResult:
+    rank_id: str = ""
+    losses: dict[int, float] = field(default_factory=dict)  # step -> global loss
+    generations: list[dict[str, Any]] = field(default_factory=list)
+    param_hashes: dict[str, str] = field(default_factory=dict)
+    coord: dict[str, int] = field(default_factory=dict)
+    stalls_s: list[float] = field(default_factory=list)
+    stopped: str = ""
+
+
+class GrpcCaptureTransport:
+    """The capturer's view of the daemon: OpenSlot and Capture over the Unix socket."""
+
+    def __init__(self, daemon: DaemonClient, coord: common_pb2.RankCoord,
+                 layout: common_pb2.ParallelLayout, generation: int) -> None:
+        self.daemon, self.coord, self.layout, self.generation = daemon, coord, layout, generation
+
+    def open_slots(self, nbytes: int) -> list[tuple[str, str]]:
+        reply = self.daemon.call("open_slot", "OpenSlot", rank_pb2.OpenSlotRequest(
+            rank_id=self.daemon.rank_id, nbytes=nbytes))
+        return [(sid, reply.fd_socket) for sid in (reply.slot_ids or [reply.slot_id])]
+
+    def send_capture(self, step: int, slot_id: str, metas: list[common_pb2.TensorMeta],
+                     extra: bytes) -> None:
+        self.daemon.call("capture", "Capture", rank_pb2.CaptureRequest(
+            rank_id=self.daemon.rank_id, generation=self.generation, step=step,
+            slot_id=slot_id, tensors=metas, extra=extra, coord=self.coord, layout=self.layout),
+            timeout=120)
+
+
+class ElasticAgent:
+    """Runs one rank of the job until `steps` are trained or the job stops."""
+
+    def __init__(self, cfg: AgentConfig, daemon: DaemonClient, store: Any,
+                 on_step: Callable[[int, float], None] | None = None) -> None:
+        self.cfg, self.daemon, self.store = cfg, daemon, store
+        self.on_step = on_step
+        self.result = AgentResult()
+        self._plans: queue.Queue[common_pb2.Plan] = queue.Queue()
+        self._newest = 0
+
+    # plans ----------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Background: every plan the daemon announces goes into the queue."""
+        while True:
+            try:
+                for event in self.daemon.watch_plan(known_generation=self._newest):
+                    self._newest = max(self._newest, event.plan.generation)
+                    self._plans.put(event.plan)
+            except Exception as exc:  # the channel closes when the rank ends
+                log.debug("plan watch ended: %s", exc)
+                return
+
+    def _next_plan(self, after: int) -> common_pb2.Plan:
+        deadline = time.monotonic() + self.cfg.plan_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no plan newer than generation {after} within "
+                                   f"{self.cfg.plan_timeout_s:g} s; is the coordinator up?")
+            try:
+                plan = self._plans.get(timeout=left)
+            except queue.Empty:
+                continue
+            if plan.generation > after:
+                return plan
+
+    def _role(self, plan: common_pb2.Plan) -> common_pb2.RankAssignment | None:
+        return next((a for a in plan.assignments
+                     if a.rank_id == self.daemon.rank_id and not a.spare), None)
+
+    def _newer_plan_waiting(self, generation: int) -> bool:
+        return self._newest > generation
+
+    # the loop -------------------------------------------------------------------
+
+    def run(self) -> AgentResult:
+        reply = self.daemon.register(spare=self.cfg.spare, device=self.cfg.device,
+                                     layout=self.cfg.layout)
+        self.result.rank_id = reply.rank_id
+        self.daemon.start_heartbeats()
+        threading.Thread(target=self._watch, name="stalwart-plan-watch", daemon=True).start()
+        plan = self._next_plan(after=0)
+        while True:
+            if plan.stop:
+                self.result.stopped = plan.stop_message
+                raise JobStopped(plan.stop_message)
+            role = self._role(plan)
+            if role is None:  # a spare, or a rank the plan left out
+                plan = self._next_plan(after=plan.generation)
+                continue
+            try:
+                self._train(plan, role)
+                return self.result
+            except _PlanChanged:
+                pass
+            except RuntimeError as exc:  # a peer died or hung inside a collective
+                self._report_collective_error(plan, exc)
+            plan = self._next_plan(after=plan.generation)
+
+    def _report_collective_error(self, plan: common_pb2.Plan, exc: RuntimeError) -> None:
+        text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        log.warning("generation %d broke: %s", plan.generation, text)
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            try:
+                self.daemon.report_failure(common_pb2.FailureEvent.COLLECTIVE_HANG,
+                                           self.daemon.rank_id, text)
+            except Exception as report_error:
+                log.warning("could not report the hang: %s", report_error)
+
+    def _train(self, plan: common_pb2.Plan, role: common_pb2.RankAssignment) -> None:
+        lay, cfg = plan.layout, self.cfg
+        t_rebuild = time.monotonic()
+        self.daemon.generation = plan.generation
+        dims = ParallelDims(dp=lay.dp, pp=lay.pp, tp=lay.tp).build(
+            self.store, role.coord.rank, plan.generation, backend=cfg.backend,
+            timeout_s=cfg.collective_timeout_s)
+        trainer = capturer = None
+        try:
+            trainer = Trainer(dims, cfg.train,
+                              stage_bounds=[(s.first_layer, s.last_layer) for s in lay.stages]
+                              or None, schedule=lay.schedule or "1f1b",
+                              microbatches=lay.microbatches or 1,
+                              grad_accum=lay.grad_accum or 1, device=cfg.device)
+            rebuild_s = time.monotonic() - t_rebuild
+            t_restore = time.monotonic()
+            if plan.resume_step > 0:
+                self._restore(trainer, plan.resume_step, role.coord.rank)
+            restore_s = time.monotonic() - t_restore
+            self.result.coord = {"rank": role.coord.rank, "dp": role.coord.dp,
+                                 "pp": role.coord.pp, "tp": role.coord.tp}
+            record = {"generation": plan.generation, "resume_step": plan.resume_step,
+                      "rebuild_s": round(rebuild_s, 4), "restore_s": round(restore_s, 4),
+                      "first_step_s": None, "reason": plan.reason}
+            self.result.generations.append(record)
+            capturer = Capturer(GrpcCaptureTransport(self.daemon, role.coord, lay,
+                                                     plan.generation), token=self.daemon.token)
+            hook = trainer.optimizer.register_step_pre_hook(
+                lambda *_: capturer.before_update())
+            t_gen = time.monotonic()
+            while trainer.step_count < cfg.steps:
+                if self._newer_plan_waiting(plan.generation):
+                    raise _PlanChanged()
+                t0 = time.perf_counter()
+                loss = trainer.step()
+                step = trainer.step_count
+                if record["first_step_s"] is None:
+                    record["first_step_s"] = round(time.monotonic() - t_gen, 4)
+                self.result.losses[step] = loss
+                tensors, extra = state_tensors(trainer)
+                capturer.capture(step, tensors, extra)
+                self.daemon.report_step(step, time.perf_counter() - t0)
+                if self.on_step is not None:
+                    self.on_step(step, loss)
+            capturer.drain()
+            hook.remove()
+            self.result.param_hashes = trainer.param_hashes()
+            self.result.stalls_s = capturer.stats.stalls_s
+        finally:
+            if capturer is not None:
+                try:
+                    capturer.close()
+                except Exception as exc:  # the old generation's captures may be refused
+                    log.debug("capturer closed with: %s", exc)
+            if trainer is not None:
+                trainer.close()
+            dims.destroy()
+
+    def _restore(self, trainer: Trainer, step: int, rank: int) -> None:
+        """Load the committed state of `rank` (in the step's layout) from the daemon."""
+        state, data = self.daemon.restore(step, rank)
+        tensors = unpack(data, list(state.tensors))
+        extra = json.loads(state.extra.decode())
+        load_state(trainer, tensors, extra)
+        if trainer.step_count != step:
+            raise RuntimeError(f"restored state is of step {trainer.step_count}, not {step}")
+

@@ -1,0 +1,97 @@
+"""Entry point of one rank process started by `stalwart demo` (or any launcher).
+
+    python -m stalwart.client.worker SPEC.json RESULT.json
+
+The spec holds the training config, the starting layout and injected faults; the
+environment holds the torchrun variables and STALWART_UNIX_SOCKET. Faults are
+real: the process SIGKILLs itself (or its node's daemon), or stops answering.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from stalwart.client.agent import AgentConfig, ElasticAgent, JobStopped
+from stalwart.client.daemon_client import DaemonClient
+from stalwart.client.launch import connect_store
+from stalwart.client.model import PRESETS, with_overrides
+from stalwart.client.trainer import TrainConfig
+from stalwart.v1 import common_pb2
+
+log = logging.getLogger("stalwart.client.worker")
+
+
+def _train_config(spec: dict[str, Any]) -> TrainConfig:
+    model = with_overrides(PRESETS[spec["model"]], **spec.get("model_overrides", {}))
+    return TrainConfig(model=model, **spec.get("train", {}))
+
+
+def _layout(spec: dict[str, Any]) -> common_pb2.ParallelLayout:
+    lay = spec["layout"]
+    return common_pb2.ParallelLayout(
+        dp=lay["dp"], pp=lay["pp"], tp=lay["tp"], schedule=lay.get("schedule", "1f1b"),
+        microbatches=lay.get("microbatches", 1), grad_accum=lay.get("grad_accum", 1),
+        stages=[common_pb2.StageBounds(first_layer=a, last_layer=b)
+                for a, b in lay.get("stages", [])])
+
+
+def _fault_hook(spec: dict[str, Any], rank: int, node: int):
+    """on_step callback that injects this process's faults at their step."""
+    faults = [f for f in spec.get("faults", [])
+              if (f["target"] == "rank" and f["index"] == rank)
+              or (f["target"] == "node" and f["index"] == node)]
+    daemon_pid = int(os.environ.get("STALWART_DAEMON_PID", "0"))
+
+    def on_step(step: int, loss: float) -> None:
+        for f in faults:
+            if f["step"] != step:
+                continue
+            print(f"[fault] {f['kind']} {f['target']}:{f['index']} at step {step}",
+                  file=sys.stderr, flush=True)
+            if f["kind"] == "kill" and f["target"] == "node" and daemon_pid:
+                os.kill(daemon_pid, signal.SIGKILL)
+            if f["kind"] == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if f["kind"] == "hang":
+                threading.Event().wait()  # alive, heartbeating, never answering
+    return on_step
+
+
+def main(argv: list[str]) -> int:
+    spec_path, result_path = Path(argv[0]), Path(argv[1])
+    spec = json.loads(spec_path.read_text())
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    rank = int(os.environ.get("RANK", "-1"))
+    node = int(os.environ.get("STALWART_NODE_INDEX", "0"))
+    spare = rank < 0
+    cfg = AgentConfig(train=_train_config(spec), layout=_layout(spec), steps=spec["steps"],
+                      spare=spare, collective_timeout_s=spec.get("collective_timeout_s", 10.0),
+                      plan_timeout_s=spec.get("plan_timeout_s", 120.0))
+    daemon = DaemonClient(os.environ["STALWART_UNIX_SOCKET"])
+    agent = ElasticAgent(cfg, daemon, connect_store(), on_step=_fault_hook(spec, rank, node))
+    try:
+        agent.run()
+        code = 0
+    except JobStopped as exc:
+        print(f"[stopped] {exc}", file=sys.stderr, flush=True)
+        code = 3
+    finally:
+        daemon.close()
+    out = dataclasses.asdict(agent.result)
+    out["losses"] = {str(k): v for k, v in out["losses"].items()}
+    tmp = result_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out))
+    tmp.replace(result_path)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

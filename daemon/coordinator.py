@@ -1,0 +1,235 @@
+"""The coordinator: forms the first plan, commits steps, and re-plans after failures.
+
+Every daemon runs one; only the daemon that membership (or an etcd election)
+names coordinator acts. Its decisions are the pure functions of core.decide;
+this module keeps their state and sends the outcome to the other daemons
+through `PeerLinks` (gRPC in the daemon, in-process calls in tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from stalwart.core import manifest as mf
+from stalwart.core.decide import (
+    Coord,
+    Layout,
+    Member,
+    NoChange,
+    PlanDecision,
+    PlanState,
+    ShrinkPlanner,
+    StopDecision,
+    decide,
+)
+from stalwart.core.failures import Failure
+from stalwart.daemon.metrics import Metrics
+from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
+
+log = logging.getLogger("stalwart.daemon.coordinator")
+
+
+class PeerLinks(Protocol):
+    """Outbound calls from the coordinator to every daemon (itself included)."""
+
+    def nodes(self) -> list[str]:
+        """Live daemons of the job, by node name."""
+
+    async def install_plan(self, node: str, plan: common_pb2.Plan) -> None: ...
+
+    async def commit_step(self, node: str, manifest: manifest_pb2.Manifest) -> None: ...
+
+
+@dataclass
+class RecoveryRecord:
+    """One re-plan, for status, metrics and the demo's summary."""
+
+    kind: str
+    causes: list[str]
+    old_generation: int
+    new_generation: int
+    resume_step: int
+    detected_unix: float
+    decided_s: float  # seconds from the first failure report to the plan being installed
+    message: str = ""
+
+
+@dataclass
+class Coordinator:
+    node: str
+    job_id: str
+    metrics: Metrics
+    links: PeerLinks
+    latest_committed: Callable[[], int | None]
+    shrink_planner: ShrinkPlanner | None = None
+    stragglers_fail: bool = False
+    plan: PlanState | None = None
+    announced: dict[str, peer_pb2.RankAnnouncement] = field(default_factory=dict)
+    pending: dict[int, dict[int, manifest_pb2.RankState]] = field(default_factory=dict)
+    layouts: dict[int, common_pb2.ParallelLayout] = field(default_factory=dict)
+    generations: dict[int, int] = field(default_factory=dict)
+    recoveries: list[RecoveryRecord] = field(default_factory=list)
+    _in_flight: PlanDecision | None = None
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _committing: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    # membership ---------------------------------------------------------------
+
+    async def announce(self, a: peer_pb2.RankAnnouncement) -> None:
+        """A rank registered with some daemon: form the first plan once the world is here."""
+        async with self._lock:
+            self.announced[a.rank_id] = a
+            if self.plan is None:
+                await self._maybe_form_first_plan()
+            elif a.rank < 0 or a.rank_id not in {m.rank_id for m in self.plan.members}:
+                spare = Member(a.rank_id, a.node)
+                if spare not in self.plan.spares:
+                    self.plan = PlanState(
+                        generation=self.plan.generation, layout=self.plan.layout,
+                        members=self.plan.members, spares=(*self.plan.spares, spare),
+                        resume_step=self.plan.resume_step, reason=self.plan.reason)
+                    log.info("spare registered", extra={"rank_id": a.rank_id, "node": a.node})
+
+    async def _maybe_form_first_plan(self) -> None:
+        ranked = [a for a in self.announced.values() if a.rank >= 0]
+        if not ranked:
+            return
+        world = ranked[0].world_size
+        by_rank = {a.rank: a for a in ranked}
+        if sorted(by_rank) != list(range(world)):
+            return
+        lay = ranked[0].layout
+        layout = Layout(dp=lay.dp or world, pp=lay.pp or 1, tp=lay.tp or 1,
+                        stages=tuple((s.first_layer, s.last_layer) for s in lay.stages),
+                        schedule=lay.schedule or "1f1b", microbatches=lay.microbatches or 1,
+                        grad_accum=lay.grad_accum or 1)
+        members = tuple(Member(by_rank[r].rank_id, by_rank[r].node, _coord(r, layout))
+                        for r in range(world))
+        spares = tuple(Member(a.rank_id, a.node) for a in self.announced.values()
+                       if a.rank < 0 or a.rank_id not in {m.rank_id for m in members})
+        self.plan = PlanState(generation=1, layout=layout, members=members, spares=spares,
+                              resume_step=self.latest_committed() or 0,
+                              reason=f"first plan: {world} ranks")
+        await self._install(self.plan.to_proto())
+
+    # failures -----------------------------------------------------------------
+
+    async def on_failures(self, failures: list[Failure]) -> None:
+        """Decide and install the next plan (or the stop) after `failures`."""
+        t0 = time.monotonic()
+        async with self._lock:
+            if self.plan is None:
+                log.warning("failure before the first plan; nothing to re-plan",
+                            extra={"failures": [f.describe() for f in failures]})
+                return
+            committed = self.latest_committed() or 0
+            decision = decide(self.plan, failures, committed, in_flight=self._in_flight,
+                              stragglers_fail=self.stragglers_fail,
+                              shrink_planner=self.shrink_planner)
+            for f in failures:
+                self.metrics.failures.labels(f.kind.name.lower()).inc()
+            if isinstance(decision, NoChange):
+                self.plan = decision.plan
+                return
+            old = self.plan.generation
+            if isinstance(decision, StopDecision):
+                msg = common_pb2.Plan(generation=decision.generation, stop=True,
+                                      stop_message=decision.message,
+                                      resume_step=decision.last_committed_step,
+                                      layout=self.plan.to_proto().layout)
+                log.error("no viable plan; stopping", extra={"why": decision.message})
+                self.metrics.recoveries.labels("stopped").inc()
+                await self._install(msg)
+                kind, resume, message = "stop", decision.last_committed_step, decision.message
+                new_gen = decision.generation
+                self.plan = PlanState(generation=new_gen, layout=self.plan.layout,
+                                      members=self.plan.members, spares=self.plan.spares,
+                                      resume_step=resume, reason="stopped")
+            else:
+                self.plan = decision.plan
+                self._in_flight = decision
+                await self._install(decision.plan.to_proto())
+                self.metrics.plan_changes.labels(decision.kind).inc()
+                kind, resume, message = decision.kind, decision.plan.resume_step, \
+                    decision.summary()
+                new_gen = decision.generation
+                log.info("new plan installed", extra={"summary": message})
+            decided = time.monotonic() - t0
+            self.metrics.recovery_phase.labels("plan").observe(decided)
+            self.recoveries.append(RecoveryRecord(
+                kind=kind, causes=[f.describe() for f in failures], old_generation=old,
+                new_generation=new_gen, resume_step=resume, detected_unix=time.time(),
+                decided_s=decided, message=message))
+            # Steps prepared by the old generation after the resume point are abandoned.
+            self.pending = {s: r for s, r in self.pending.items() if s <= resume}
+
+    def recovery_done(self, generation: int) -> None:
+        """Every rank of `generation` trained a step: the recovery is over."""
+        if self._in_flight is not None and self._in_flight.generation <= generation:
+            self._in_flight = None
+            self.metrics.recoveries.labels("completed").inc()
+
+    # commit -------------------------------------------------------------------
+
+    async def prepared(self, req: peer_pb2.PrepareStepRequest) -> None:
+        """Phase one from one daemon: its ranks' records for a step are durable."""
+        if self.plan is not None and req.generation < self.plan.generation:
+            raise StaleStep(f"step {req.step} was prepared in generation {req.generation}; "
+                            f"the job is at generation {self.plan.generation}")
+        ranks = self.pending.setdefault(req.step, {})
+        for r in req.ranks:
+            ranks[r.rank] = r
+        self.layouts[req.step] = req.layout
+        self.generations[req.step] = req.generation
+        await self._commit_ready()
+
+    async def _commit_ready(self) -> None:
+        async with self._committing:
+            latest = self.latest_committed()
+            for step in sorted(self.pending):
+                if latest is not None and step <= latest:
+                    del self.pending[step]
+                    continue
+                lay = self.layouts[step]
+                world = max(1, lay.dp) * max(1, lay.pp) * max(1, lay.tp)
+                if len(self.pending[step]) < world:
+                    return  # steps commit in order; a later one waits for this one
+                manifest = mf.build_manifest(
+                    job_id=self.job_id, step=step, generation=self.generations[step],
+                    layout=lay, ranks=self.pending[step].values())
+                t0 = time.monotonic()
+                nodes = self.links.nodes()
+                results = await asyncio.gather(
+                    *(self.links.commit_step(n, manifest) for n in nodes),
+                    return_exceptions=True)
+                errors = {n: r for n, r in zip(nodes, results, strict=True)
+                          if isinstance(r, BaseException)}
+                failed = [f"{n}: {r}" for n, r in errors.items()]
+                if self.node in errors:
+                    # Not committed here means not committed: keep it pending, retry later.
+                    log.error("commit failed on the coordinator itself",
+                              extra={"step": step, "errors": failed})
+                    return
+                if failed:
+                    log.warning("commit not acknowledged by every daemon",
+                                extra={"step": step, "errors": failed})
+                self.metrics.commit_seconds.observe(time.monotonic() - t0)
+                del self.pending[step]
+                self.layouts.pop(step, None)
+                self.generations.pop(step, None)
+                latest = step
+
+
+class StaleStep(RuntimeError):
+    """A prepare from an older generation arrived after a re-plan."""
+
+
+def _coord(rank: int, layout: Layout) -> Coord:
+    """Grid position of a global rank; tp varies fastest, then dp, then pp."""
+    tp, dp = layout.tp, layout.dp
+    return Coord(rank=rank, dp=(rank // tp) % dp, pp=rank // (tp * dp), tp=rank % tp)

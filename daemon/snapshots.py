@@ -1,0 +1,293 @@
+"""The daemon's snapshot path: slot -> delta -> erasure shards -> prepare -> commit.
+
+RankService forwards OpenSlot, Capture, WaitCommitted and Restore here. A
+capture is answered as soon as the slot's bytes are encoded (the rank may then
+reuse the slot); making them durable — local disk, shards on peers and S3,
+phase one at the coordinator — continues in the background, in step order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+
+from stalwart.core.placement import S3, Node, place_chunk
+from stalwart.daemon.checksum import crc32c
+from stalwart.daemon.coder import ZfecCodec, default_km
+from stalwart.daemon.config import DaemonConfig
+from stalwart.daemon.local_store import CorruptChunkError, LocalStore
+from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.registry import Registry
+from stalwart.daemon.s3_tier import S3Tier
+from stalwart.daemon.shard_client import ShardClient
+from stalwart.daemon.shard_reader import BeyondToleranceError, ShardReader
+from stalwart.daemon.slots import FdServer, SlotError, SlotPool
+from stalwart.v1 import manifest_pb2, peer_pb2, rank_pb2
+
+log = logging.getLogger("stalwart.daemon.snapshots")
+
+PIECE_BYTES = 1 << 20       # restore stream message size
+DEFAULT_SLOT_BUDGET = 8 << 30  # bytes of shared memory for all ranks when ram_bytes is 0
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Peer:
+    node: str
+    address: str
+    labels: dict[str, str]
+
+
+PrepareSender = Callable[[peer_pb2.PrepareStepRequest], Awaitable[None]]
+
+
+class SnapshotPath:
+    """Snapshot handlers and stores of one daemon."""
+
+    def __init__(self, config: DaemonConfig, registry: Registry, metrics: Metrics,
+                 data_dir: Path, peers: Callable[[], list[Peer]],
+                 send_prepare: PrepareSender) -> None:
+        self.config, self.registry, self.metrics = config, registry, metrics
+        self.node = config.node
+        self.peers = peers
+        self.send_prepare = send_prepare
+        snap = config.snapshot
+        self.pool = SlotPool(snap.ram_bytes or DEFAULT_SLOT_BUDGET, token=config.token)
+        self.fd_server = FdServer(self.pool, data_dir / "fd.sock")
+        self._encoders = ThreadPoolExecutor(2, thread_name_prefix="delta")
+        self.store = LocalStore(data_dir, job_id=config.job_id, chunk_bytes=snap.chunk_bytes,
+                                base_every=snap.base_every, retain=snap.retain,
+                                executor=self._encoders, metrics=metrics)
+        # One thread owns the store: encode, prepare, commit and read never interleave.
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="store")
+        self.s3 = None
+        if config.s3.bucket:
+            self.s3 = S3Tier(bucket=config.s3.bucket, job_id=config.job_id,
+                             prefix=config.s3.prefix, endpoint_url=config.s3.endpoint or None,
+                             region=config.s3.region or None, metrics=metrics)
+        self._clients: dict[str, ShardClient] = {}
+        self._committed = asyncio.Condition()
+        self._durable: dict[str, asyncio.Task[None]] = {}  # per rank: last durability task
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.fd_server.start()
+
+    async def stop(self) -> None:
+        tasks = list(self._durable.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in self._clients.values():
+            await c.close()
+        self.fd_server.stop()
+        self.pool.close()
+        self._io.shutdown(wait=True)
+        self._encoders.shutdown(wait=True)
+
+    async def _run(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._io, lambda: fn(*args, **kw))
+
+    # RankService handlers -----------------------------------------------------
+
+    async def OpenSlot(self, request: rank_pb2.OpenSlotRequest,
+                       context: grpc.aio.ServicerContext) -> rank_pb2.OpenSlotReply:
+        if self.registry.get(request.rank_id) is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"rank {request.rank_id!r} is not registered with "
+                                f"{self.node}; call Register first")
+        try:
+            slots = await asyncio.to_thread(self.pool.open, request.rank_id, request.nbytes)
+        except SlotError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        return rank_pb2.OpenSlotReply(slot_id=slots[0].slot_id, size=slots[0].size,
+                                      fd_socket=str(self.fd_server.path),
+                                      slot_ids=[s.slot_id for s in slots])
+
+    async def Capture(self, request: rank_pb2.CaptureRequest,
+                      context: grpc.aio.ServicerContext) -> rank_pb2.CaptureReply:
+        if request.generation < self.registry.generation:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"capture of step {request.step} is from generation "
+                                f"{request.generation}; the job is at generation "
+                                f"{self.registry.generation}: follow the new plan")
+        try:
+            slot = self.pool.get(request.slot_id)
+        except SlotError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        if slot.rank_id != request.rank_id:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"slot {request.slot_id} belongs to another rank")
+        total = max((t.offset + t.nbytes for t in request.tensors), default=0)
+        if total > slot.size:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"tensors describe {total} bytes but slot {request.slot_id} "
+                                f"holds {slot.size}")
+        t0 = time.perf_counter()
+        prepared = await self._run(
+            self.store.encode, request.step, request.coord.rank,
+            memoryview(slot.view)[:total], list(request.tensors), coord=request.coord,
+            extra=request.extra, node=self.node)
+        self.metrics.captured_bytes.inc(total)
+        log.debug("captured", extra={"step": request.step, "rank": request.coord.rank,
+                                     "bytes": total, "encode_s": time.perf_counter() - t0})
+        previous = self._durable.get(request.rank_id)
+        self._durable[request.rank_id] = asyncio.create_task(self._make_durable(
+            previous, request.step, request.generation, request.layout, prepared))
+        return rank_pb2.CaptureReply(accepted=True)
+
+    async def _make_durable(self, previous: asyncio.Task[None] | None, step: int,
+                            generation: int, layout: Any, prepared: Any) -> None:
+        if previous is not None:
+            await asyncio.gather(previous, return_exceptions=True)  # keep step order
+        try:
+            state = await self._run(self.store.prepare, step, prepared)
+            state = await self._protect(step, generation, state, prepared.payloads)
+            await self.send_prepare(peer_pb2.PrepareStepRequest(
+                job_id=self.config.job_id, step=step, generation=generation, node=self.node,
+                ranks=[state], layout=layout))
+        except Exception:
+            log.exception("step could not be made durable; it will not commit",
+                          extra={"step": step, "rank": prepared.state.rank})
+
+    # erasure coding -----------------------------------------------------------
+
+    def _client(self, peer: Peer) -> ShardClient:
+        c = self._clients.get(peer.node)
+        if c is None or c.address != peer.address:
+            c = self._clients[peer.node] = ShardClient(peer.address, job_id=self.config.job_id,
+                                                       metrics=self.metrics)
+        return c
+
+    def coding(self, nodes: int) -> tuple[int, int]:
+        """(k, m) for this many live daemons: the configured code when it fits."""
+        k, m = self.config.erasure.k, self.config.erasure.m
+        on_nodes = k if self.config.erasure.parity_to == "s3" else k + m
+        return (k, m) if on_nodes <= nodes else default_km(nodes)
+
+    async def _protect(self, step: int, generation: int, state: manifest_pb2.RankState,
+                       payloads: list[bytes]) -> manifest_pb2.RankState:
+        """Spread each chunk as k + m shards over distinct daemons (and S3)."""
+        peers = self.peers()
+        if len(peers) < 2 and self.s3 is None:
+            return state  # a single daemon: the local disk is the only tier
+        k, m = self.coding(len(peers))
+        if m == 0:
+            return state
+        codec = ZfecCodec(k, m)
+        nodes = [Node(p.node, p.labels) for p in peers]
+        by_node = {p.node: p for p in peers}
+        out = manifest_pb2.RankState()
+        out.CopyFrom(state)
+        for chunk, payload in zip(out.chunks, payloads, strict=True):
+            t0 = time.perf_counter()
+            shards = await asyncio.to_thread(codec.encode, payload)
+            self.metrics.coder_seconds.labels("encode").inc(time.perf_counter() - t0)
+            self.metrics.coder_bytes.labels("encode").inc(len(payload))
+            placement = place_chunk(chunk.chunk_id, k, m, nodes,
+                                    self.config.erasure.parity_to)
+            puts = []
+            for index, holders in enumerate(placement.holders):
+                body = bytes(shards[index])
+                sid = f"{chunk.chunk_id}.{index}"
+                crc = crc32c(body)
+                for holder in holders:
+                    chunk.shards.append(manifest_pb2.ShardRecord(
+                        index=index, node=holder, location=sid, size=len(body), crc32c=crc))
+                    if holder == S3:
+                        assert self.s3 is not None
+                        puts.append(self.s3.put_shard(sid, body))
+                    else:
+                        puts.append(self._client(by_node[holder]).put(
+                            sid, body, step=step, generation=generation, crc=crc))
+            chunk.k, chunk.m = k, m
+            await asyncio.gather(*puts)
+            self.metrics.stored_bytes.labels(tier="shards").inc(
+                sum(len(bytes(s)) for s in shards))
+        return out
+
+    # commit -------------------------------------------------------------------
+
+    async def commit(self, manifest: manifest_pb2.Manifest) -> None:
+        """Phase two, sent by the coordinator to every daemon."""
+        await self._run(self.store.commit, manifest, local_node=self.node)
+        if self.s3 is not None and self.node == min(p.node for p in self.peers()):
+            await self.s3.put_manifest(manifest.step, manifest.SerializeToString(
+                deterministic=True))
+        async with self._committed:
+            self._committed.notify_all()
+
+    async def WaitCommitted(self, request: rank_pb2.WaitCommittedRequest,
+                            context: grpc.aio.ServicerContext) -> rank_pb2.WaitCommittedReply:
+        deadline = time.monotonic() + (request.timeout_s or 30.0)
+
+        def reached() -> bool:
+            latest = self.store.latest_committed()
+            return latest is not None and latest >= request.step
+
+        async with self._committed:
+            while not reached():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(self._committed.wait(), left)
+                except TimeoutError:
+                    break
+        latest = self.store.latest_committed()
+        return rank_pb2.WaitCommittedReply(
+            committed=reached(), latest_committed=latest or 0,
+            message="" if reached() else f"step {request.step} not committed within "
+            f"{request.timeout_s or 30.0:g} s; latest committed is {latest}")
+
+    # restore ------------------------------------------------------------------
+
+    def _fetch_chunk(self, chunk: manifest_pb2.ChunkRecord) -> bytes:
+        """Called from the store thread for a chunk this daemon does not hold."""
+        assert self.loop is not None
+        reader = ShardReader(node=self.node,
+                             peers={p.node: self._client(p) for p in self.peers()},
+                             s3=self.s3, metrics=self.metrics)
+        fut = asyncio.run_coroutine_threadsafe(reader.read_chunk(chunk), self.loop)
+        return fut.result(timeout=120)
+
+    async def Restore(self, request: rank_pb2.RestoreRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[rank_pb2.RestorePiece]:
+        step = request.step or self.store.latest_committed()
+        if step is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                "no step is committed yet; nothing to restore")
+        try:
+            manifest = await self._run(self.store.load_manifest, step)
+        except FileNotFoundError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        state = next((r for r in manifest.ranks if r.rank == request.rank), None)
+        if state is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"step {step} has no rank {request.rank} (its layout has "
+                                f"{len(manifest.ranks)} ranks)")
+        t0 = time.perf_counter()
+        try:
+            data = await self._run(self.store.read_rank, step, request.rank,
+                                   fetch=self._fetch_chunk)
+        except BeyondToleranceError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"step {step} rank {request.rank}: {exc}")
+        except CorruptChunkError as exc:
+            await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+        self.metrics.recovery_phase.labels("restore_read").observe(time.perf_counter() - t0)
+        yield rank_pb2.RestorePiece(state=state)
+        view = memoryview(data)
+        for offset in range(0, len(view), PIECE_BYTES):
+            yield rank_pb2.RestorePiece(offset=offset,
+                                        data=bytes(view[offset:offset + PIECE_BYTES]))
