@@ -264,6 +264,19 @@ class DaemonClient:
         return self._call("status", stub.Status, operator_pb2.StatusRequest())
 
 
+_shared: DaemonClient | None = None
+_shared_lock = threading.Lock()
+
+
+def local_daemon() -> DaemonClient:
+    """This process's client of its node's daemon, made on first use (see default_target)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = DaemonClient()
+        return _shared
+
+
 def _before_fork() -> None:
     for client in list(_clients):
         client._pause_for_fork()
@@ -275,6 +288,8 @@ def _after_fork_in_parent() -> None:
 
 
 def _after_fork_in_child() -> None:
+    global _shared_lock
+    _shared_lock = threading.Lock()
     for client in list(_clients):
         client._fresh_process_state()
 

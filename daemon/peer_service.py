@@ -2,7 +2,8 @@
 
 Every daemon calls Gossip on each peer it knows once per heartbeat interval;
 the callee records the caller and answers with its own view. The two-phase
-commit calls (PrepareStep, CommitStep) belong to the snapshot path.
+commit calls (PrepareStep, CommitStep) are forwarded to the commit path when the
+server is given one.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 
@@ -26,8 +27,10 @@ log = logging.getLogger("stalwart.daemon.peer_service")
 
 class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     def __init__(self, membership: Membership, registry: Registry,
-                 me: Callable[[], peer_pb2.PeerInfo]) -> None:
+                 me: Callable[[], peer_pb2.PeerInfo], steps: Any = None) -> None:
         self.membership, self.registry, self.me = membership, registry, me
+        # Object with async PrepareStep/CommitStep(request, context): the commit path.
+        self.steps = steps
 
     async def Gossip(self, request: peer_pb2.PeerInfo,
                      context: grpc.aio.ServicerContext) -> peer_pb2.Membership:
@@ -57,11 +60,15 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
 
     async def PrepareStep(self, request: peer_pb2.PrepareStepRequest,
                           context: grpc.aio.ServicerContext) -> peer_pb2.PrepareStepReply:
-        await _not_here(context, "PrepareStep")
+        if self.steps is None:
+            await _not_here(context, "PrepareStep")
+        return await self.steps.PrepareStep(request, context)
 
     async def CommitStep(self, request: peer_pb2.CommitStepRequest,
                          context: grpc.aio.ServicerContext) -> peer_pb2.CommitStepReply:
-        await _not_here(context, "CommitStep")
+        if self.steps is None:
+            await _not_here(context, "CommitStep")
+        return await self.steps.CommitStep(request, context)
 
 
 async def _not_here(context: grpc.aio.ServicerContext, method: str) -> NoReturn:

@@ -12,7 +12,13 @@ import grpc
 import pytest
 from fixtures_daemon import DaemonFactory, daemon_env, wait_for
 
-from stalwart.client.daemon_client import DaemonClient, DaemonUnavailable, RankEnv
+from stalwart.client import daemon_client
+from stalwart.client.daemon_client import (
+    DaemonClient,
+    DaemonUnavailable,
+    RankEnv,
+    default_target,
+)
 from stalwart.v1 import common_pb2, peer_pb2_grpc
 
 FAST = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.5}
@@ -190,3 +196,23 @@ def test_torchrun_environment_is_read_with_single_process_defaults() -> None:
     assert RankEnv.from_environ(env) == RankEnv(3, 4, 1, "10.0.0.1", 29500)
     with pytest.raises(ValueError, match=r"\$RANK must be an integer"):
         RankEnv.from_environ({"RANK": "zero"})
+
+
+def test_default_target_follows_the_daemon_settings() -> None:
+    assert default_target({}) == "unix:/var/lib/stalwart/daemon.sock"
+    assert default_target({"STALWART_DATA_DIR": "/d"}) == "unix:/d/daemon.sock"
+    assert default_target({"STALWART_DATA_DIR": "/d", "STALWART_UNIX_SOCKET": "/s.sock"}) == (
+        "unix:/s.sock")
+    assert default_target({"STALWART_ADDRESS": "h:7070", "STALWART_UNIX_SOCKET": "/s"}) == (
+        "h:7070")
+
+
+def test_local_daemon_is_one_client_per_process(daemon_factory: DaemonFactory,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    d = daemon_factory.start("a")
+    monkeypatch.setenv("STALWART_UNIX_SOCKET", str(d.unix_socket))
+    monkeypatch.setattr(daemon_client, "_shared", None)
+    client = daemon_client.local_daemon()
+    assert daemon_client.local_daemon() is client
+    assert client.register(env=TORCHRUN_ENV).node == "a"
+    client.close()
