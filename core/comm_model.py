@@ -198,7 +198,7 @@ def step_traffic(placement: Placement, shape: GPTShape,
     out["tp_allreduce"] = tp
     pairs = layout.pp_pairs()
     crossing = sum(placement.node_of(a) != placement.node_of(b) for a, b in pairs)
-    out["pp_sendrecv"] = Traffic(intra=len(pairs) - crossing, inter=crossing).scaled(
+    out["pp_sendrecv"] = Traffic(intra=float(len(pairs) - crossing), inter=float(crossing)).scaled(
         2 * shape.micro_batches * shape.activation_bytes)
     reduce = {"ring": ring_allreduce, "hier": hier_allreduce}[dp_algorithm]
     dp = Traffic()

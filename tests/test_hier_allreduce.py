@@ -52,7 +52,8 @@ def _compare_layouts(ctx) -> dict:
                                         index, len(ranks), timeout)
         worst_gap, worst_err = 0.0, 0.0
         for seed, size in enumerate(SIZES):
-            hier = _tensor(ctx.rank, size, seed).reshape(-1, 1)[:, 0]  # non-contiguous view
+            hier = torch.zeros(size, 2)[:, 0]  # a strided view: not contiguous
+            hier.copy_(_tensor(ctx.rank, size, seed))
             flat = _tensor(ctx.rank, size, seed)
             exact = sum(_tensor(r, size, seed).double() for r in ranks)
             hierarchical_allreduce(hier, groups)
