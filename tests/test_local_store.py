@@ -8,12 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from snapshot_states import commit_step, state, tensors
 
 from stalwart.core.manifest import ManifestError, build_manifest, plan_chain
 from stalwart.daemon.local_store import CorruptChunkError, LocalStore
 from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.predict import predict_param
 from stalwart.v1 import common_pb2, manifest_pb2
 
 SMALL = dict(chunk_bytes=8192)
@@ -152,6 +154,47 @@ def test_changed_tensor_layout_starts_a_new_base(tmp_path: Path) -> None:
     m = commit_step(store, 2, scale=2)
     assert {c.codec for c in m.ranks[0].chunks} == {manifest_pb2.ZSTD}
     assert store.read_rank(2, 0) == state(2, scale=2)
+
+
+def adamw_states(steps: int, n: int = 4096) -> tuple[list, list[bytes], list]:
+    """Tensor metas, buffers and hints of a numpy AdamW run (torch's arithmetic in float32)."""
+    names = ["w", "w/exp_avg", "w/exp_avg_sq"]
+    metas = [common_pb2.TensorMeta(name=name, dtype=common_pb2.FLOAT32, shape=[n],
+                                   nbytes=4 * n, offset=4 * n * i) for i, name in enumerate(names)]
+    rng = np.random.default_rng(0)
+    w, m, v = rng.standard_normal(n).astype(np.float32), np.zeros(n, np.float32), \
+        np.zeros(n, np.float32)
+    buffers, hints = [], []
+    for step in range(1, steps + 1):
+        hint = manifest_pb2.AdamWHint(param="w", exp_avg="w/exp_avg", exp_avg_sq="w/exp_avg_sq",
+                                      lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                      weight_decay=0.1, step=step)
+        g = rng.standard_normal(n).astype(np.float32)
+        m = m + (g - m) * np.float32(0.1)
+        v = v * np.float32(0.999) + (np.float32(0.001) * g) * g
+        w = predict_param(w, m, v, hint)
+        buffers.append(np.concatenate([w, m, v]).tobytes())
+        hints.append([hint])
+    return metas, buffers, hints
+
+
+def test_adamw_hints_shrink_deltas_and_restore_bitwise(tmp_path: Path) -> None:
+    metas, buffers, hints = adamw_states(4)
+    sizes = {}
+    for adamw in (False, True):
+        store = LocalStore(tmp_path / str(adamw), retain=20, **SMALL)
+        for step, (buf, hint) in enumerate(zip(buffers, hints, strict=True), start=1):
+            prepared = store.encode(step, 0, buf, metas, adamw=hint if adamw else ())
+            m = build_manifest(job_id="default", step=step, generation=1,
+                               layout=common_pb2.ParallelLayout(dp=1, pp=1, tp=1),
+                               ranks=[store.prepare(step, prepared)])
+            store.commit(m)
+        sizes[adamw] = sum(c.stored_size for c in m.ranks[0].chunks)
+        fresh = LocalStore(tmp_path / str(adamw), **SMALL)
+        assert [fresh.read_rank(s, 0) for s in (1, 2, 3, 4)] == buffers
+    assert {c.codec for c in m.ranks[0].chunks} == {manifest_pb2.ADAM_PREDICTED_XOR_ZSTD}
+    assert list(fresh.load_manifest(4).ranks[0].adamw) == hints[3]
+    assert sizes[True] < sizes[False] / 2
 
 
 def test_lossy_mode_is_opt_in_and_restores_its_own_reconstruction(tmp_path: Path) -> None:
