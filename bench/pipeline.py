@@ -83,8 +83,8 @@ def _bench_worker(ctx: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
 def run(quick: bool) -> dict:
     from stalwart.client.launch import run_local
 
-    spec = {"d": 64, "seq": 32, "micro_size": 2, "forward_s": 0.004 if quick else 0.01,
-            "rounds": 2 if quick else 4}
+    spec = {"d": 64, "seq": 32, "micro_size": 2, "forward_s": 0.004 if quick else 0.02,
+            "rounds": 2 if quick else 3}
     configs: dict[str, dict[str, Any]] = {}
     for p, ms in ((2, [2, 4, 8]), (4, [4, 8, 16])):
         per_rank = run_local(_bench_worker, p, {**spec, "microbatches": ms}, timeout=600)

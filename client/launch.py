@@ -62,8 +62,9 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
     try:
         import torch
 
-        # Ranks share the machine's cores; oversubscribed intra-op threads thrash.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        # One intra-op thread by default: multi-threaded CPU kernels may sum in a varying
+        # order, and bitwise-repeatable runs matter more here than speed.
+        torch.set_num_threads(int(os.environ.get("STALWART_THREADS_PER_RANK", "1")))
         ctx = RankContext(rank=rank, world_size=world_size, store=connect_store(),
                           master_port=port)
         record = {"ok": True, "result": fn(ctx, *args)}
