@@ -60,7 +60,8 @@ def test_rank_registers_and_heartbeats_over_the_unix_socket(
 
 
 def test_killed_rank_process_is_marked_dead(daemon_factory: DaemonFactory) -> None:
-    d = daemon_factory.start("a")  # default 5 s heartbeat timeout: only the pid watch can win
+    # A heartbeat timeout far beyond the wait below: only the pid watch can see the death.
+    d = daemon_factory.start("a", settings={"heartbeat_timeout_s": 120})
     rank = subprocess.Popen([sys.executable, "-c", FAKE_RANK, d.socket_target],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             env=daemon_env(TORCHRUN_ENV))
@@ -69,7 +70,7 @@ def test_killed_rank_process_is_marked_dead(daemon_factory: DaemonFactory) -> No
         assert rank_id == f"a/{rank.pid}"
         wait_for(lambda: d.rank(rank_id).state == "alive", 10, "the rank to be alive")
         rank.send_signal(signal.SIGKILL)
-        wait_for(lambda: d.rank(rank_id).state == "dead", 4, "the daemon to mark it dead")
+        wait_for(lambda: d.rank(rank_id).state == "dead", 20, "the daemon to mark it dead")
     finally:
         rank.kill()
         rank.wait(10)
