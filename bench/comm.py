@@ -5,16 +5,19 @@ two bandwidth-limited network namespaces), and parameter-server vs ring sync (me
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from stalwart.bench.netns_cluster import emulated_cluster, netns_unavailable, run_workers
 from stalwart.core import comm_model as cm
-from stalwart.core.rank_placement import Layout, Placement, naive_placement, place
+from stalwart.core.costs import GPTShape
+from stalwart.core.rank_placement import Layout, Placement, naive_placement
 from stalwart.core.topology import Link, Topology
 
 CLUSTER = Topology(nodes=4, devices_per_node=8)
 LAYOUT = Layout(dp=4, pp=2, tp=4)
 # A GPT of ~1.3 B parameters (24 layers, hidden 2048) on 2048-token sequences.
-SHAPE = cm.GPTShape(layers=24, hidden=2048, seq_len=2048, vocab=50257, micro_batch=1,
-                    micro_batches=8)
+STEP = cm.TrainingStep(shape=GPTShape(vocab=50257, d_model=2048, n_layers=24, n_heads=16,
+                                      seq=2048, micro_batch=1), micro_batches=8)
 INTER_RATE_MBIT = 400  # tc tbf rate of the emulated inter-node link
 
 
@@ -31,36 +34,35 @@ def run(quick: bool) -> dict:
 def placement_figures() -> dict:
     """Modelled bytes of one training step that cross node boundaries, by placement."""
     naive = naive_placement(LAYOUT, CLUSTER)
-    placed = place(LAYOUT, CLUSTER, cost=lambda p: cm.cross_node_bytes(p, SHAPE, "ring"))
-    naive_b = cm.cross_node_bytes(naive, SHAPE, "ring")
-    placed_b = cm.cross_node_bytes(placed, SHAPE, "ring")
-    flat = cm.step_traffic(placed, SHAPE, "ring")["dp_allreduce"].inter
-    hier = cm.step_traffic(placed, SHAPE, "hier")["dp_allreduce"].inter
+    placed = cm.place_by_bytes(LAYOUT, CLUSTER, STEP, "ring")
+    naive_b = cm.cross_node_bytes(naive, STEP, "ring")
+    placed_b = cm.cross_node_bytes(placed, STEP, "ring")
+    flat = cm.step_traffic(placed, STEP, "ring")["dp_allreduce"].inter
+    hier = cm.step_traffic(placed, STEP, "hier")["dp_allreduce"].inter
     return {
         "cluster": CLUSTER.to_dict(),
         "layout": {"dp": LAYOUT.dp, "pp": LAYOUT.pp, "tp": LAYOUT.tp},
-        "gpt_shape": {"layers": SHAPE.layers, "hidden": SHAPE.hidden, "seq_len": SHAPE.seq_len,
-                      "vocab": SHAPE.vocab, "micro_batch": SHAPE.micro_batch,
-                      "micro_batches": SHAPE.micro_batches, "act_bytes": SHAPE.act_bytes,
-                      "grad_bytes": SHAPE.grad_bytes},
+        "gpt_shape": asdict(STEP.shape),
+        "step": {"micro_batches": STEP.micro_batches, "act_bytes": STEP.act_bytes,
+                 "grad_bytes": STEP.grad_bytes},
         "placement_strategy": placed.strategy,
         "cross_node_bytes_naive": naive_b,
         "cross_node_bytes_placed": placed_b,
         "cross_node_reduction": 1 - placed_b / naive_b,
         "cross_node_bytes_by_collective": {"naive": _by_collective(naive),
                                            "placed": _by_collective(placed)},
-        "cross_node_bytes_placed_hier": cm.cross_node_bytes(placed, SHAPE, "hier"),
+        "cross_node_bytes_placed_hier": cm.cross_node_bytes(placed, STEP, "hier"),
         "allreduce_cross_node_bytes_flat": flat,
         "allreduce_cross_node_bytes_hier": hier,
         "allreduce_cross_node_reduction": 1 - hier / flat,
-        "modeled_step_comm_s": {"naive_flat": cm.step_comm_s(naive, SHAPE, "ring"),
-                                "placed_flat": cm.step_comm_s(placed, SHAPE, "ring"),
-                                "placed_hier": cm.step_comm_s(placed, SHAPE, "hier")},
+        "modeled_step_comm_s": {"naive_flat": cm.step_comm_s(naive, STEP, "ring"),
+                                "placed_flat": cm.step_comm_s(placed, STEP, "ring"),
+                                "placed_hier": cm.step_comm_s(placed, STEP, "hier")},
     }
 
 
 def _by_collective(p: Placement) -> dict[str, float]:
-    return {k: v.inter for k, v in cm.step_traffic(p, SHAPE, "ring").items()}
+    return {k: v.inter for k, v in cm.step_traffic(p, STEP, "ring").items()}
 
 
 def measured_allreduce(ranks_per_node: int, nbytes: int, repeats: int) -> dict:

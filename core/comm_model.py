@@ -12,12 +12,13 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from stalwart.core.rank_placement import Placement
+from stalwart.core.costs import GPTShape
+from stalwart.core.rank_placement import Layout, Placement, place
 from stalwart.core.topology import Link, Topology
 
-__all__ = ["GPTShape", "Traffic", "cross_node_bytes", "hier_allreduce", "hier_allreduce_s", "p2p",
-           "ps_sync", "ps_sync_s", "ring_allreduce", "ring_allreduce_s", "step_comm_s",
-           "step_traffic"]
+__all__ = ["Traffic", "TrainingStep", "cross_node_bytes", "hier_allreduce", "hier_allreduce_s",
+           "p2p", "place_by_bytes", "ps_sync", "ps_sync_s", "ring_allreduce", "ring_allreduce_s",
+           "step_comm_s", "step_traffic"]
 
 
 @dataclass(frozen=True)
@@ -135,15 +136,11 @@ def ps_sync_s(link: Link, n: int, nbytes: float) -> float:
 
 
 @dataclass(frozen=True, kw_only=True)
-class GPTShape:
-    """A decoder-only transformer and its per-step batch."""
+class TrainingStep:
+    """One training step of a GPT: its shape and how the batch and numbers travel."""
 
-    layers: int
-    hidden: int
-    seq_len: int
-    vocab: int
-    micro_batch: int = 1
-    """Sequences per micro-batch."""
+    shape: GPTShape
+    """The model (and micro-batch size in sequences), as the planner describes it."""
     micro_batches: int = 8
     """Micro-batches per step and DP replica."""
     act_bytes: int = 2
@@ -151,35 +148,28 @@ class GPTShape:
     grad_bytes: int = 4
     """Bytes per gradient element (fp32 reduction)."""
 
-    @property
-    def layer_params(self) -> int:
-        return 12 * self.hidden ** 2 + 13 * self.hidden
-
-    @property
-    def embedding_params(self) -> int:
-        return (self.vocab + self.seq_len) * self.hidden
+    def stage_layers(self, pp: int, stage: int) -> int:
+        """Blocks of one stage when the blocks are split evenly."""
+        base, extra = divmod(self.shape.n_layers, pp)
+        return base + (stage < extra)
 
     def stage_params(self, pp: int, stage: int) -> int:
-        """Parameters of one stage (layers split evenly, embedding first, head last)."""
-        base, extra = divmod(self.layers, pp)
-        params = (base + (stage < extra)) * self.layer_params
+        """Parameters of one stage: its blocks, the embedding first, the LM head last."""
+        h = self.shape.d_model
+        params = self.stage_layers(pp, stage) * self.shape.block_params()
         if stage == 0:
-            params += self.embedding_params
+            params += (self.shape.vocab + self.shape.seq) * h
         if stage == pp - 1:
-            params += self.vocab * self.hidden  # untied output head
+            params += self.shape.vocab * h + 2 * h  # untied head and final norm
         return params
-
-    def stage_layers(self, pp: int, stage: int) -> int:
-        base, extra = divmod(self.layers, pp)
-        return base + (stage < extra)
 
     @property
     def activation_bytes(self) -> int:
         """Bytes of one micro-batch's hidden states at a layer boundary."""
-        return self.micro_batch * self.seq_len * self.hidden * self.act_bytes
+        return self.shape.micro_batch * self.shape.seq * self.shape.d_model * self.act_bytes
 
 
-def step_traffic(placement: Placement, shape: GPTShape,
+def step_traffic(placement: Placement, step: TrainingStep,
                  dp_algorithm: str = "ring") -> dict[str, Traffic]:
     """Bytes of one training step by collective: tp_allreduce, pp_sendrecv, dp_allreduce.
 
@@ -193,46 +183,53 @@ def step_traffic(placement: Placement, shape: GPTShape,
     tp = Traffic()
     for group in layout.tp_groups():
         stage = layout.coords_of(group[0])[1]
-        calls = 4 * shape.stage_layers(layout.pp, stage) * shape.micro_batches
-        tp += ring_allreduce(placement.nodes(group), shape.activation_bytes).scaled(calls)
+        calls = 4 * step.stage_layers(layout.pp, stage) * step.micro_batches
+        tp += ring_allreduce(placement.nodes(group), step.activation_bytes).scaled(calls)
     out["tp_allreduce"] = tp
     pairs = layout.pp_pairs()
     crossing = sum(placement.node_of(a) != placement.node_of(b) for a, b in pairs)
     out["pp_sendrecv"] = Traffic(intra=float(len(pairs) - crossing), inter=float(crossing)).scaled(
-        2 * shape.micro_batches * shape.activation_bytes)
+        2 * step.micro_batches * step.activation_bytes)
     reduce = {"ring": ring_allreduce, "hier": hier_allreduce}[dp_algorithm]
     dp = Traffic()
     for group in layout.dp_groups():
         stage = layout.coords_of(group[0])[1]
-        grad = shape.stage_params(layout.pp, stage) / layout.tp * shape.grad_bytes
+        grad = step.stage_params(layout.pp, stage) / layout.tp * step.grad_bytes
         dp += reduce(placement.nodes(group), grad)
     out["dp_allreduce"] = dp
     return out
 
 
-def step_comm_s(placement: Placement, shape: GPTShape, dp_algorithm: str = "ring") -> float:
+def step_comm_s(placement: Placement, step: TrainingStep, dp_algorithm: str = "ring") -> float:
     """Seconds of communication on the slowest rank's path per step, without overlap.
 
     The sum of the worst TP group's all-reduces, one PP boundary's sends per micro-batch
     (both ways), and the worst DP group's gradient all-reduce.
     """
     layout, topo = placement.layout, placement.topology
-    tp_s = max(4 * shape.stage_layers(layout.pp, layout.coords_of(g[0])[1])
-               * shape.micro_batches
-               * ring_allreduce_s(topo, placement.nodes(g), shape.activation_bytes)
+    tp_s = max(4 * step.stage_layers(layout.pp, layout.coords_of(g[0])[1])
+               * step.micro_batches
+               * ring_allreduce_s(topo, placement.nodes(g), step.activation_bytes)
                for g in layout.tp_groups())
-    pp_s = max((2 * shape.micro_batches
+    pp_s = max((2 * step.micro_batches
                 * topo.link(placement.devices[a], placement.devices[b])
-                .transfer_s(shape.activation_bytes)
+                .transfer_s(step.activation_bytes)
                 for a, b in layout.pp_pairs()), default=0.0)
     allreduce = {"ring": ring_allreduce_s, "hier": hier_allreduce_s}[dp_algorithm]
     dp_s = max(allreduce(topo, placement.nodes(g),
-                         shape.stage_params(layout.pp, layout.coords_of(g[0])[1])
-                         / layout.tp * shape.grad_bytes)
+                         step.stage_params(layout.pp, layout.coords_of(g[0])[1])
+                         / layout.tp * step.grad_bytes)
                for g in layout.dp_groups())
     return tp_s + pp_s + dp_s
 
 
-def cross_node_bytes(placement: Placement, shape: GPTShape, dp_algorithm: str = "ring") -> float:
+def cross_node_bytes(placement: Placement, step: TrainingStep,
+                     dp_algorithm: str = "ring") -> float:
     """Bytes of one training step that cross a node boundary, all collectives together."""
-    return sum(t.inter for t in step_traffic(placement, shape, dp_algorithm).values())
+    return sum(t.inter for t in step_traffic(placement, step, dp_algorithm).values())
+
+
+def place_by_bytes(layout: Layout, topology: Topology, step: TrainingStep,
+                   dp_algorithm: str = "hier") -> Placement:
+    """The TP-inside-node placement that sends the fewest bytes of `step` across nodes."""
+    return place(layout, topology, cost=lambda p: cross_node_bytes(p, step, dp_algorithm))

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from stalwart.core.comm_model import GPTShape, cross_node_bytes
+from stalwart.core.comm_model import TrainingStep, cross_node_bytes
+from stalwart.core.costs import GPTShape
 from stalwart.core.rank_placement import (
     Layout,
     Placement,
@@ -19,7 +20,8 @@ from stalwart.core.rank_placement import (
 )
 from stalwart.core.topology import Topology
 
-SHAPE = GPTShape(layers=12, hidden=768, seq_len=1024, vocab=50257, micro_batches=8)  # GPT-2 small
+GPT2_SMALL = GPTShape(vocab=50257, d_model=768, n_layers=12, n_heads=12, seq=1024)
+STEP = TrainingStep(shape=GPT2_SMALL, micro_batches=8)
 
 
 def valid_layouts(max_nodes: int = 8, max_devices: int = 8) -> Iterator[tuple[Topology, Layout]]:
@@ -88,10 +90,10 @@ def test_placed_layout_never_sends_more_bytes_across_nodes_than_round_robin(
     """
 
     def by_bytes(p: Placement) -> float:
-        return cross_node_bytes(p, SHAPE, dp_algorithm)
+        return cross_node_bytes(p, STEP, dp_algorithm)
 
     for topo, layout in ALL[::2] if dp_algorithm == "hier" else ALL[1::2]:
-        naive = cross_node_bytes(naive_placement(layout, topo), SHAPE, dp_algorithm)
+        naive = cross_node_bytes(naive_placement(layout, topo), STEP, dp_algorithm)
         assert by_bytes(place(layout, topo)) <= naive + 1e-6, (topo, layout)
         assert by_bytes(place(layout, topo, cost=by_bytes)) <= naive + 1e-6, (topo, layout)
 

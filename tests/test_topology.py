@@ -9,6 +9,7 @@ import pytest
 
 from stalwart.client.topology_discovery import discover, parse_topo_matrix
 from stalwart.core import comm_model as cm
+from stalwart.core.costs import GPTShape
 from stalwart.core.rank_placement import Layout, naive_placement, place
 from stalwart.core.topology import Link, Topology, load_topology
 
@@ -89,9 +90,9 @@ def test_ring_time_is_bound_by_the_slowest_edge_of_each_round() -> None:
 
 def test_step_traffic_keeps_tp_off_the_network_when_placed() -> None:
     topo, layout = Topology(nodes=4, devices_per_node=8), Layout(dp=4, pp=2, tp=4)
-    shape = cm.GPTShape(layers=4, hidden=64, seq_len=16, vocab=100)
-    placed = cm.step_traffic(place(layout, topo), shape)
-    naive = cm.step_traffic(naive_placement(layout, topo), shape)
+    step = cm.TrainingStep(shape=GPTShape(vocab=100, d_model=64, n_layers=4, n_heads=4, seq=16))
+    placed = cm.step_traffic(place(layout, topo), step)
+    naive = cm.step_traffic(naive_placement(layout, topo), step)
     assert placed["tp_allreduce"].inter == 0.0
     assert naive["tp_allreduce"].inter > 0.0
     total = {k: v.intra + v.inter for k, v in placed.items()}
