@@ -21,7 +21,6 @@ from stalwart.client.daemon_client import (
 )
 from stalwart.v1 import common_pb2, peer_pb2_grpc
 
-FAST = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.5}
 TORCHRUN_ENV = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
 
 # A stand-in for a training process: registers, heartbeats, then waits to be killed.
@@ -41,18 +40,18 @@ def code_of(err: DaemonUnavailable) -> grpc.StatusCode:
 
 def test_rank_registers_and_heartbeats_over_the_unix_socket(
         daemon_factory: DaemonFactory) -> None:
-    d = daemon_factory.start("a", settings=FAST)
+    d = daemon_factory.start("a")
     with DaemonClient(d.socket_target) as client:
         reply = client.register(env=TORCHRUN_ENV)
         assert reply.rank_id == f"a/{os.getpid()}" and reply.node == "a"
-        assert (reply.generation, reply.heartbeat_interval_s) == (1, 0.2)
+        assert (reply.generation, reply.heartbeat_interval_s) == (1, 1.0)
         client.report_step(12, 0.25)
         client.start_heartbeats()
         rank = wait_for(lambda: (r := d.rank(reply.rank_id)) and r.step == 12 and r, 10,
                         "the daemon to see step 12")
         assert (rank.rank, rank.pid, rank.state, rank.step_time_s) == (
             3, os.getpid(), "alive", 0.25)
-        assert rank.last_heartbeat_age_s < 1.5
+        assert 0 <= rank.last_heartbeat_age_s < 5.0
         assert "stalwart_heartbeats_total" in d.metrics()
     # A clean close says goodbye: the rank left, and that is no failure.
     assert d.rank(reply.rank_id).state == "left"
@@ -80,7 +79,9 @@ def test_killed_rank_process_is_marked_dead(daemon_factory: DaemonFactory) -> No
 
 
 def test_silent_rank_is_late_then_dead_and_then_fenced(daemon_factory: DaemonFactory) -> None:
-    d = daemon_factory.start("a", settings=FAST)
+    # Late after 0.4 s, dead after 3 s: a window wide enough to observe on a busy machine.
+    d = daemon_factory.start("a", settings={"heartbeat_interval_s": 0.2,
+                                            "heartbeat_timeout_s": 3.0})
     client = DaemonClient(d.socket_target)
     rank_id = client.register(env=TORCHRUN_ENV).rank_id  # and no heartbeats
     states = set()
