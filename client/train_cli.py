@@ -35,6 +35,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bounds", default=None,
                         help="stage bounds as inclusive layer ranges, e.g. 0-1,2-5 "
                              "(default: uniform)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: one GPU per rank (LOCAL_RANK), NCCL groups")
     parser.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run")
     parser.add_argument("--json", dest="json_path", type=Path, default=None,
@@ -50,23 +52,30 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
             "steps": args.steps, "model": args.model, "seed": args.seed,
             "global_batch": args.global_batch, "lr": args.lr, "precision": args.precision,
             "recompute": args.recompute, "compress": args.compress, "bounds": bounds,
-            "log_every": args.log_every}
+            "log_every": args.log_every, "device": args.device}
 
 
 def train_worker(ctx: Any, spec: dict[str, Any]) -> dict[str, Any]:
     """One rank of `stalwart train`: returns its losses and (dp=0) parameter hashes."""
+    import torch
+
     from stalwart.client.model import PRESETS
     from stalwart.client.parallel_dims import ParallelDims
     from stalwart.client.trainer import TrainConfig, Trainer
 
-    dims = ParallelDims(dp=spec["dp"], pp=spec["pp"], tp=spec["tp"],
-                        world_size=ctx.world_size).build(ctx.store, ctx.rank, 0)
+    device = torch.device("cpu")
+    if spec["device"] == "cuda":
+        device = torch.device("cuda", ctx.rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    dims = ParallelDims(dp=spec["dp"], pp=spec["pp"], tp=spec["tp"], world_size=ctx.world_size)
+    dims.build(ctx.store, ctx.rank, 0, backend="nccl" if device.type == "cuda" else "gloo")
     cfg = TrainConfig(model=PRESETS[spec["model"]], global_batch=spec["global_batch"],
                       seed=spec["seed"], lr=spec["lr"], min_lr=spec["lr"] / 10,
                       decay_steps=spec["steps"], precision=spec["precision"],
                       recompute=spec["recompute"], compress=spec["compress"])
     trainer = Trainer(dims, cfg, stage_bounds=spec["bounds"], schedule=spec["schedule"],
-                      microbatches=spec["microbatches"], grad_accum=spec["grad_accum"])
+                      microbatches=spec["microbatches"], grad_accum=spec["grad_accum"],
+                      device=device)
     losses = []
     started = time.perf_counter()
     for step in range(spec["steps"]):

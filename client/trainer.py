@@ -186,7 +186,7 @@ class Trainer:
 
     def _global_loss(self, local: float) -> float:
         """Sum the last stage's scaled losses over DP, then hand the value to every stage."""
-        loss = torch.tensor([local], dtype=torch.float64)
+        loss = torch.tensor([local], dtype=torch.float64, device=self.device)
         if self.dims.my.pp == self.dims.pp - 1:
             self.dims.dp_group.all_reduce(loss)
         self.dims.pp_group.broadcast(loss, self.dims.pp - 1)
@@ -199,6 +199,47 @@ class Trainer:
     def param_hashes(self) -> dict[str, str]:
         """sha256 of each full parameter of this stage (collective over TP)."""
         return {name: _tensor_sha256(t) for name, t in self.full_params().items()}
+
+    def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """AdamW moments at full size by canonical name (TP shards gathered; collective
+        over TP), so they can be re-sliced for another layout."""
+        out = {}
+        for name, p in self.stage.named_parameters():
+            state = self.optimizer.state.get(p, {})
+            out[name] = {}
+            for key, t in state.items():
+                dim = self.stage.shard_dim(name)
+                if t.dim() and dim is not None and self.dims.tp > 1:
+                    t = torch.cat(self.dims.tp_group.all_gather(t), dim=dim)
+                out[name][key] = t.detach().clone()
+        return out
+
+    def load_full_state(self, params: dict[str, torch.Tensor],
+                        optimizer: dict[str, dict[str, torch.Tensor]] | None = None, *,
+                        step: int | None = None, data: dict[str, Any] | None = None) -> None:
+        """Load full-size parameters (and AdamW moments, step count, data position) by
+        canonical name, keeping this rank's TP slice: the layout that made them is irrelevant.
+        """
+        if step is not None:
+            self.step_count = step
+        if data is not None:
+            self.data.load_state_dict(data)
+        with torch.no_grad():
+            for name, p in self.stage.named_parameters():
+                if name not in params:
+                    raise KeyError(f"{name} is missing from the full state; this stage holds "
+                                   f"layers {self.stage.first}..{self.stage.last}")
+                p.copy_(self._my_slice(name, params[name]))
+                if optimizer is not None:
+                    self.optimizer.state[p] = {
+                        k: (self._my_slice(name, t) if t.dim() else t.clone()).to(p.device)
+                        for k, t in optimizer[name].items()}
+
+    def _my_slice(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        dim = self.stage.shard_dim(name)
+        if dim is None or self.dims.tp == 1:
+            return full
+        return full.chunk(self.dims.tp, dim)[self.dims.my.tp]
 
     def layout(self) -> dict[str, Any]:
         me = self.dims.my

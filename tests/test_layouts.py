@@ -44,6 +44,7 @@ def _all_layouts(ctx) -> dict:
         if ctx.rank < layout[0] * layout[1] * layout[2]:
             out[str(layout)] = _train(ctx.store, ctx.rank, generation, layout)
     if ctx.rank < 2:
+        out["relayout"] = _relayout(ctx.store, ctx.rank, len(LAYOUTS) + 1)
         calls = []
 
         def counting_sum(tensor, group):
@@ -51,10 +52,29 @@ def _all_layouts(ctx) -> dict:
             dist.all_reduce(tensor, group=group)
 
         bf16 = TrainConfig(**{**CFG.__dict__, "compress": "bf16", "bucket_bytes": 4096})
-        out["bf16-wire"] = _train(ctx.store, ctx.rank, len(LAYOUTS), LAYOUTS[1], bf16,
+        out["bf16-wire"] = _train(ctx.store, ctx.rank, len(LAYOUTS) + 3, LAYOUTS[1], bf16,
                                   reduce_fn=counting_sum)
         out["buckets"] = len(calls) // STEPS
     return out
+
+
+def _relayout(store, rank: int, generation: int) -> list[float]:
+    """Train 3 steps as (1,1,2), then rebuild in-process as (1,2,1) from the gathered full
+    state and train 2 more: the 5 losses must follow the one-process run."""
+    dims = ParallelDims(dp=1, pp=1, tp=2).build(store, rank, generation)
+    a = Trainer(dims, CFG)
+    losses = [a.step() for _ in range(3)]
+    params, moments = a.full_params(), a.full_optimizer_state()
+    step, data = a.step_count, a.data.state_dict()
+    a.close()
+    dims.destroy()
+    dims = ParallelDims(dp=1, pp=2, tp=1).build(store, rank, generation + 1)
+    b = Trainer(dims, CFG, microbatches=2)
+    b.load_full_state(params, moments, step=step, data=data)
+    losses += [b.step() for _ in range(2)]
+    b.close()
+    dims.destroy()
+    return losses
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +92,7 @@ def test_every_layout_matches_single_process_losses(run_ranks, reference):
         members = layout[0] * layout[1] * layout[2]
         for rank in range(1, members):
             assert results[rank][key] == losses, f"rank {rank} reports another loss in {key}"
+    assert results[0]["relayout"] == pytest.approx(reference, rel=1e-5)
     # Gradients sent as bf16 through a custom reduce_fn: several buckets, same trajectory.
     assert results[0]["buckets"] > 1
     assert results[0]["bf16-wire"] == pytest.approx(reference, rel=1e-2)
