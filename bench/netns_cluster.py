@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -61,7 +62,8 @@ def emulated_cluster(nodes: int, rate_mbit: int) -> Iterator[list[NetnsNode]]:
     """Create the namespaces, bridge and limits; always remove them on exit."""
     if not 1 <= nodes <= 250:
         raise ValueError(f"an emulated cluster has 1..250 nodes, not {nodes}")
-    tag = f"{os.getpid() % 100000}"
+    _remove_stale()
+    tag = str(os.getpid())  # interface names stay within 15 characters
     switch = f"stwc-{tag}-sw"
     made = [switch]
     try:
@@ -86,6 +88,16 @@ def emulated_cluster(nodes: int, rate_mbit: int) -> Iterator[list[NetnsNode]]:
         yield out
     finally:
         for name in made:  # removing a namespace removes its veth ends and the bridge
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def _remove_stale() -> None:
+    """Delete namespaces left by an earlier run that was killed before it could clean up."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for line in listing.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        match = re.fullmatch(r"stwc-(\d+)-(sw|\d+)", name)
+        if match and not Path(f"/proc/{match.group(1)}").exists():
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
