@@ -36,9 +36,9 @@ class ChunkSpan:
 class EncodedRank:
     """One rank's encoded chunks, payloads in record order, and what the decoder sees.
 
-    `decoded` is the buffer a reader will reconstruct: the input itself on the lossless
-    path, the quantised reconstruction on the lossy one. Deltas of the next step apply
-    to it.
+    `decoded` is the buffer a reader will reconstruct: the input itself (not a copy) on
+    the lossless path, the quantised reconstruction on the lossy one. Deltas of the next
+    step apply to it.
     """
 
     chunks: list[manifest_pb2.ChunkRecord]

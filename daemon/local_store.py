@@ -38,12 +38,14 @@ class CorruptChunkError(RuntimeError):
 
 @dataclass
 class PreparedRank:
-    """One rank's encoded step, ready for `prepare`."""
+    """One rank's encoded step, ready for `prepare`; `root_step` is the full base its
+    chain starts from (the Manifest's base_step)."""
 
     step: int
     state: manifest_pb2.RankState
     payloads: list[bytes] = field(repr=False)
     decoded: np.ndarray = field(repr=False)
+    root_step: int = 0
 
 
 @dataclass
@@ -136,7 +138,8 @@ class LocalStore:
         """
         layout = b"".join(t.SerializeToString(deterministic=True) for t in tensors)
         ref = self._refs.get(rank)
-        buf = np.frombuffer(data, dtype=np.uint8)
+        # An owned copy: the next delta applies to it, and capture slots get reused.
+        buf = np.frombuffer(data, dtype=np.uint8).copy()
         fresh_base = (ref is None or ref.layout != layout or ref.buffer.size != buf.size
                       or step - ref.root >= self.base_every or ref.length >= self.max_chain
                       or ref.delta_bytes > ref.base_bytes or ref.step >= step)
@@ -157,7 +160,7 @@ class LocalStore:
         state = manifest_pb2.RankState(
             rank=rank, coord=coord or common_pb2.RankCoord(rank=rank), tensors=tensors,
             chunks=encoded.chunks, total_bytes=buf.size, extra=extra, node=node, adamw=adamw)
-        return PreparedRank(step, state, encoded.payloads, encoded.decoded)
+        return PreparedRank(step, state, encoded.payloads, encoded.decoded, nxt.root)
 
     def prepare(self, step: int, prepared: PreparedRank) -> manifest_pb2.RankState:
         """Phase one: make the rank's chunks and record durable on disk; returns the record."""

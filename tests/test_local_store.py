@@ -62,6 +62,21 @@ def test_commits_update_the_snapshot_metrics(tmp_path: Path) -> None:
     assert value("stalwart_stored_bytes_total", {"tier": "disk"}) > 0
 
 
+def test_reusing_the_capture_buffer_does_not_disturb_later_deltas(tmp_path: Path) -> None:
+    slot = bytearray(state(1))  # one shared-memory slot, overwritten by every capture
+    store = LocalStore(tmp_path, retain=20, **SMALL)
+    layout = common_pb2.ParallelLayout(dp=1, pp=1, tp=1)
+    for step in (1, 2, 3):
+        slot[:] = state(step)
+        prepared = store.encode(step, 0, slot, tensors())
+        assert prepared.root_step == 1
+        store.commit(build_manifest(job_id="default", step=step, generation=1, layout=layout,
+                                    ranks=[store.prepare(step, prepared)],
+                                    base_step=prepared.root_step))
+    assert store.load_manifest(3).base_step == 1
+    assert [store.read_rank(s, 0) for s in (1, 2, 3)] == [state(s) for s in (1, 2, 3)]
+
+
 def test_prepared_but_uncommitted_step_is_invisible(tmp_path: Path) -> None:
     store = LocalStore(tmp_path, **SMALL)
     commit_step(store, 1)
