@@ -111,6 +111,7 @@ def _nvidia_smi_matrix() -> dict[tuple[int, int], str]:
 
 def parse_topo_matrix(text: str) -> dict[tuple[int, int], str]:
     """GPU pairs (i < j) -> connection kind ("NV12", "PIX", "SYS", ...) from `topo -m`."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # nvidia-smi underlines the header
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         return {}
