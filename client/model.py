@@ -7,7 +7,7 @@ at full size from (seed, layer index) and then sliced, so every layout starts id
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -268,8 +268,3 @@ def layer_costs(cfg: GPTConfig) -> list[float]:
     d, s = cfg.d_model, cfg.seq_len
     block = 2 * (4 * d * d + 2 * d * cfg.d_ff) + 4 * s * d
     return [float(d)] + [float(block)] * cfg.n_layer + [float(2 * d * cfg.vocab)]
-
-
-def with_overrides(cfg: GPTConfig, **kw: Any) -> GPTConfig:
-    """A copy of `cfg` with some fields changed."""
-    return replace(cfg, **kw)

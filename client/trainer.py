@@ -252,12 +252,13 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything this rank needs to continue exactly: tensors are this rank's shards,
-        keyed by canonical parameter name."""
+        keyed by canonical parameter name. Tensors are live references (no copy is made):
+        copy them before the next step() changes them."""
         names = [n for n, _ in self.stage.named_parameters()]
         opt = self.optimizer.state_dict()
         return {
             "step": self.step_count,
-            "model": {k: v for k, v in self.stage.state_dict().items()},
+            "model": dict(self.stage.state_dict()),
             "optimizer": {"state": {names[i]: s for i, s in opt["state"].items()},
                           "param_groups": opt["param_groups"]},
             "scaler": self.scaler.state_dict(),
