@@ -1,8 +1,10 @@
 """Which peer daemons this daemon knows, when it last heard from each, and who is lost.
 
-A peer is keyed by its address (HOST:PORT). Only direct contact (a Gossip call
-in either direction) refreshes a peer; addresses learnt second-hand are only
-added to the list of daemons to call. Liveness uses the same rule as ranks.
+A peer is keyed by the address it advertises (HOST:PORT). Only direct contact
+(a Gossip call in either direction) refreshes a peer; addresses learnt second-hand
+are only added to the daemons to call. Configured addresses are seeds: always
+called, possibly a DNS name standing for several daemons, never a peer of their own.
+Liveness uses the same rule as ranks.
 """
 
 from __future__ import annotations
@@ -47,20 +49,22 @@ class Membership:
     report: Callable[[Failure], Failure]
     clock: Callable[[], float] = time.monotonic
     wall: Callable[[], float] = time.time
+    seeds: tuple[str, ...] = ()
     _peers: dict[str, PeerRecord] = field(default_factory=dict)
+    _answered: set[str] = field(default_factory=set)  # seeds that have replied once
 
     def __post_init__(self) -> None:
         self._update_gauges()  # every state shows from the first scrape, at 0
 
+    def targets(self) -> list[str]:
+        """Addresses to call Gossip on: every seed, then every peer not reached through one."""
+        seeds = [a for a in self.seeds if a != self.self_address]
+        return [*seeds, *(a for a in self._peers if a not in seeds)]
+
     def add_address(self, address: str) -> None:
-        """Remember a daemon to gossip with (from config or second-hand)."""
+        """Remember a daemon to gossip with (learnt second-hand)."""
         if address and address != self.self_address and address not in self._peers:
             self._peers[address] = PeerRecord(address)
-            self._update_gauges()
-
-    def forget(self, address: str) -> None:
-        """Drop an address, e.g. one that turned out to be this daemon itself."""
-        if self._peers.pop(address, None) is not None:
             self._update_gauges()
 
     def observe(self, info: peer_pb2.PeerInfo) -> None:
@@ -78,15 +82,10 @@ class Membership:
         self._update_gauges()
 
     def learn(self, membership: peer_pb2.Membership, contacted: str) -> None:
-        """A Gossip reply from `contacted`: its first entry is the responder, the rest hearsay.
-
-        A responder that advertises another address than the one we dialled (a
-        name versus an IP) is kept under its advertised address only.
-        """
+        """A Gossip reply from `contacted`: its first entry is the responder, the rest hearsay."""
+        self._answered.add(contacted)
         for i, info in enumerate(membership.peers):
             if i == 0:
-                if info.address and info.address != contacted:
-                    self.forget(contacted)
                 self.observe(info)
             else:
                 self.add_address(info.address)
@@ -113,7 +112,10 @@ class Membership:
         return found
 
     def peers(self) -> list[PeerRecord]:
-        return sorted(self._peers.values(), key=lambda p: (p.node or "~", p.address))
+        """Known peers, plus (as "unknown") configured seeds that never answered."""
+        silent = [PeerRecord(a) for a in self.seeds
+                  if a not in self._answered and a not in self._peers and a != self.self_address]
+        return sorted([*self._peers.values(), *silent], key=lambda p: (p.node or "~", p.address))
 
     def age_s(self, record: PeerRecord) -> float:
         """Seconds since direct contact, -1 if never reached."""
@@ -123,7 +125,7 @@ class Membership:
         """This daemon first, then every peer it has reached."""
         known = [peer_pb2.PeerInfo(node=p.node, address=p.address, labels=p.labels,
                                    generation=p.generation, rank_ids=p.rank_ids)
-                 for p in self.peers() if p.last_seen is not None]
+                 for p in self._peers.values() if p.last_seen is not None]
         return peer_pb2.Membership(peers=[me, *known], coordinator=self.coordinator(),
                                    generation=me.generation)
 

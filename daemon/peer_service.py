@@ -84,7 +84,7 @@ async def gossip_forever(membership: Membership, me: Callable[[], peer_pb2.PeerI
     """Call Gossip on every known peer each interval (seconds) until `stopping` is set."""
     while not stopping.is_set():
         started = time.monotonic()
-        addresses = [p.address for p in membership.peers()]
+        addresses = membership.targets()
         await asyncio.gather(*(_gossip_once(a, membership, me, channel, interval_s)
                                for a in addresses))
         try:
@@ -103,9 +103,5 @@ async def _gossip_once(address: str, membership: Membership,
     except grpc.aio.AioRpcError as e:
         # Unreachable peers are expected while a cluster starts; loss is judged by age.
         log.debug("gossip failed", extra={"peer": address, "code": e.code().name})
-        return
-    if reply.peers and reply.peers[0].node == membership.self_node:
-        log.info("peer address is this daemon itself; dropped", extra={"address": address})
-        membership.forget(address)
         return
     membership.learn(reply, contacted=address)

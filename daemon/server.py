@@ -73,7 +73,7 @@ class Daemon:
                                  config.heartbeat_timeout_s, self.metrics)
         self.membership = Membership(config.node, self.address, config.heartbeat_interval_s,
                                      config.heartbeat_timeout_s, self.metrics,
-                                     self.registry.report)
+                                     self.registry.report, seeds=config.peers)
         self.health = health.aio.HealthServicer()
         self.operator = OperatorServicer(config.node, self.address, self.registry,
                                          self.membership)
@@ -128,8 +128,6 @@ class Daemon:
                     f"metrics_port: cannot serve /metrics on {cfg.listen_host}:"
                     f"{cfg.metrics_port} ({e.strerror}); choose a free port or 0 to turn off"
                 ) from None
-        for address in cfg.peers:
-            self.membership.add_address(address)
         self.metrics.generation.set(self.registry.generation)
         for name in ("", *names):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -176,7 +174,9 @@ class Daemon:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address)
+            # round_robin: a seed that is a DNS name for many daemons reaches each in turn.
+            self._channels[address] = grpc.aio.insecure_channel(
+                address, options=[("grpc.lb_policy_name", "round_robin")])
         return self._channels[address]
 
     def peer_info(self) -> peer_pb2.PeerInfo:

@@ -177,12 +177,13 @@ def test_peers_move_from_up_to_suspect_to_lost_with_one_failure() -> None:
     assert table.peers()[0].state == LOST and failures_of(metrics, "peer_lost") == 1.0
 
 
-def test_gossip_reply_under_another_address_replaces_the_dialled_one() -> None:
-    clock = Clock()
-    table = Membership("a", "127.0.0.1:1", 1.0, 5.0, Metrics(), lambda f: f, clock=clock)
-    table.add_address("localhost:2")
+def test_a_seed_stays_a_target_and_its_responder_is_kept_under_its_own_address() -> None:
+    table = Membership("a", "127.0.0.1:1", 1.0, 5.0, Metrics(), lambda f: f, clock=Clock(),
+                       seeds=("peers.example:2", "127.0.0.1:1"))
+    assert [p.address for p in table.peers()] == ["peers.example:2"]  # itself is not a peer
     reply = peer_pb2.Membership(peers=[peer_pb2.PeerInfo(node="b", address="127.0.0.1:2"),
                                        peer_pb2.PeerInfo(node="c", address="127.0.0.1:3")])
-    table.learn(reply, contacted="localhost:2")
-    assert [(p.address, p.state) for p in table.peers()] == [
-        ("127.0.0.1:2", UP), ("127.0.0.1:3", "unknown")]
+    table.learn(reply, contacted="peers.example:2")
+    assert [(p.node, p.address, p.state) for p in table.peers()] == [
+        ("b", "127.0.0.1:2", UP), ("", "127.0.0.1:3", "unknown")]
+    assert table.targets() == ["peers.example:2", "127.0.0.1:2", "127.0.0.1:3"]
