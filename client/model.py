@@ -7,7 +7,7 @@ at full size from (seed, layer index) and then sliced, so every layout starts id
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -17,7 +17,8 @@ from torch import nn
 from stalwart.client import recompute
 from stalwart.client.data import VOCAB_SIZE
 
-__all__ = ["PRESETS", "GPTConfig", "GPTStage", "full_params", "layer_costs", "uniform_bounds"]
+__all__ = ["PRESETS", "GPTConfig", "GPTStage", "full_params", "layer_costs", "uniform_bounds",
+           "with_overrides"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -268,3 +269,8 @@ def layer_costs(cfg: GPTConfig) -> list[float]:
     d, s = cfg.d_model, cfg.seq_len
     block = 2 * (4 * d * d + 2 * d * cfg.d_ff) + 4 * s * d
     return [float(d)] + [float(block)] * cfg.n_layer + [float(2 * d * cfg.vocab)]
+
+
+def with_overrides(cfg: GPTConfig, **kw: Any) -> GPTConfig:
+    """A copy of `cfg` with some fields changed (e.g. a preset with fewer layers)."""
+    return replace(cfg, **kw)
