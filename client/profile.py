@@ -1,11 +1,10 @@
 """Measure what each layer of a GPT costs on this device: forward and backward seconds per
-micro-batch (median of repeats), added to the analytic profile of the same shape so the
+micro-batch (fastest of repeats), added to the analytic profile of the same shape so the
 partitioner can balance stages on real times.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 
@@ -31,7 +30,9 @@ def measure_layers(cfg: GPTConfig, *, micro_batch: int = 1, repeats: int = 7, wa
     Each layer runs alone on a micro-batch of `micro_batch` sequences: forward, then
     backward with an all-ones upstream gradient (the head backpropagates its cross-entropy
     loss, as the last pipeline stage does), then one AdamW update of its parameters.
-    Times are medians over `repeats` runs after `warmup` untimed ones, in seconds.
+    Times are the fastest of `repeats` runs after `warmup` untimed ones, in seconds: on a
+    shared machine the fastest run is the least disturbed one, and it varies far less
+    between profiles than the median does.
     """
     device = torch.device(device)
     model = GPTStage(cfg, 0, cfg.num_layers - 1, seed=0).to(device)
@@ -75,12 +76,12 @@ def _time_layer(forward: Callable[[], torch.Tensor], device: torch.device, repea
         if r >= warmup:
             fwd_times.append(t1 - t0)
             bwd_times.append(t2 - t1)
-    return statistics.median(fwd_times), statistics.median(bwd_times)
+    return min(fwd_times), min(bwd_times)
 
 
 def _time_optimizer(layer: torch.nn.Module, device: torch.device, repeats: int,
                     warmup: int) -> float:
-    """Median seconds of one AdamW update of the layer's parameters (as the trainer runs)."""
+    """Fastest seconds of one AdamW update of the layer's parameters (as the trainer runs)."""
     params = list(layer.parameters())
     for p in params:
         p.grad = torch.ones_like(p)
@@ -95,7 +96,7 @@ def _time_optimizer(layer: torch.nn.Module, device: torch.device, repeats: int,
             times.append(time.perf_counter() - t0)
     for p in params:
         p.grad = None
-    return statistics.median(times)
+    return min(times)
 
 
 def _sync(device: torch.device) -> None:

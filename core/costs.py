@@ -37,7 +37,7 @@ class LayerCost:
     """Extra forward FLOPs in the backward pass, by recomputation policy."""
     fwd_s: float | None = None
     bwd_s: float | None = None
-    """Measured seconds on the profiling device (median of repeats), when profiled."""
+    """Measured seconds on the profiling device (fastest of repeats), when profiled."""
     opt_s: float | None = None
     """Measured seconds of this layer's optimizer update (once per step, not per micro-batch)."""
 
