@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -84,7 +85,11 @@ def _fsync_dir(path: Path) -> None:
 
 
 class LocalStore:
-    """RAM + disk tiers of one job's snapshots under `data_dir` (one writer process)."""
+    """RAM + disk tiers of one job's snapshots under `data_dir` (one writer process).
+
+    Ranks may be encoded and prepared from several threads at once; commits, garbage
+    collection and the RAM tier's bookkeeping are serialised by a lock.
+    """
 
     def __init__(self, data_dir: Path, *, job_id: str = "default", ram_bytes: int = 1 << 30,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, base_every: int = 10,
@@ -108,6 +113,7 @@ class LocalStore:
         self._refs: dict[int, _Reference] = {}
         self._pending: dict[tuple[int, int], _Reference] = {}
         self._manifests: dict[int, manifest_pb2.Manifest] = {}
+        self._lock = threading.RLock()
         (self.root / "manifests").mkdir(parents=True, exist_ok=True)
         (self.root / "steps").mkdir(parents=True, exist_ok=True)
         for tmp in self.root.rglob("*.tmp"):
@@ -186,6 +192,10 @@ class LocalStore:
 
     def commit(self, manifest: manifest_pb2.Manifest) -> None:
         """Phase two: publish a step atomically once every rank's chunks are durable."""
+        with self._lock:
+            self._commit(manifest)
+
+    def _commit(self, manifest: manifest_pb2.Manifest) -> None:
         mf.validate(manifest)
         mf.verify_digest(manifest)
         step = manifest.step
@@ -309,15 +319,17 @@ class LocalStore:
     # --- RAM tier ------------------------------------------------------------------
 
     def _ram_put(self, key: tuple[int, int, int], payload: bytes) -> None:
-        if len(payload) > self.ram_bytes or key in self._ram:
-            return
-        self._ram[key] = payload
-        self._ram_used += len(payload)
-        if self._ram_used > self.ram_bytes:
-            self._ram_evict()
+        with self._lock:
+            if len(payload) > self.ram_bytes or key in self._ram:
+                return
+            self._ram[key] = payload
+            self._ram_used += len(payload)
+            if self._ram_used > self.ram_bytes:
+                self._ram_evict()
 
     def _ram_drop(self, key: tuple[int, int, int]) -> None:
-        self._ram_used -= len(self._ram.pop(key))
+        with self._lock:
+            self._ram_used -= len(self._ram.pop(key, b""))
 
     def _ram_evict(self) -> None:
         """Drop oldest entries, first those no retained chain needs (disk still has all)."""
@@ -344,6 +356,10 @@ class LocalStore:
         missing chunks. Uncommitted steps newer than the latest commit are in flight
         and kept.
         """
+        with self._lock:
+            return self._collect_garbage()
+
+    def _collect_garbage(self) -> list[int]:
         manifests = self.committed_manifests()
         if not manifests:
             return []

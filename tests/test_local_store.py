@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +76,24 @@ def test_reusing_the_capture_buffer_does_not_disturb_later_deltas(tmp_path: Path
                                     base_step=prepared.root_step))
     assert store.load_manifest(3).base_step == 1
     assert [store.read_rank(s, 0) for s in (1, 2, 3)] == [state(s) for s in (1, 2, 3)]
+
+
+def test_ranks_prepared_from_several_threads_commit_together(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, ram_bytes=60_000, retain=20, **SMALL)
+    layout = common_pb2.ParallelLayout(dp=4, pp=1, tp=1)
+
+    def prepare(step: int, rank: int) -> manifest_pb2.RankState:
+        coord = common_pb2.RankCoord(rank=rank, dp=rank)
+        return store.prepare(step, store.encode(step, rank, state(step, rank), tensors(),
+                                                coord=coord))
+
+    with ThreadPoolExecutor(4) as pool:
+        for step in (1, 2):
+            ranks = list(pool.map(lambda r, s=step: prepare(s, r), range(4)))
+            store.commit(build_manifest(job_id="default", step=step, generation=1,
+                                        layout=layout, ranks=ranks))
+    assert store.ram_used() <= 60_000
+    assert [store.read_rank(2, r) for r in range(4)] == [state(2, r) for r in range(4)]
 
 
 def test_prepared_but_uncommitted_step_is_invisible(tmp_path: Path) -> None:
