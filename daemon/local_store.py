@@ -11,7 +11,7 @@ import os
 import shutil
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +25,9 @@ from stalwart.daemon.metrics import Metrics
 from stalwart.v1 import common_pb2, manifest_pb2
 
 _STEP_DIGITS = 12  # zero-padded step numbers sort as text
+
+
+Fetch = Callable[[manifest_pb2.ChunkRecord], bytes]
 
 
 class CorruptChunkError(RuntimeError):
@@ -190,12 +193,16 @@ class LocalStore:
             raise FileNotFoundError(f"step {step} rank {rank} was never prepared here")
         return manifest_pb2.RankState.FromString(path.read_bytes())
 
-    def commit(self, manifest: manifest_pb2.Manifest) -> None:
-        """Phase two: publish a step atomically once every rank's chunks are durable."""
-        with self._lock:
-            self._commit(manifest)
+    def commit(self, manifest: manifest_pb2.Manifest, *, local_node: str | None = None) -> None:
+        """Phase two: publish a step atomically once every rank's chunks are durable.
 
-    def _commit(self, manifest: manifest_pb2.Manifest) -> None:
+        With `local_node`, only the ranks that node captured must be on this disk; the
+        others are durable as shards on their own daemons and peers.
+        """
+        with self._lock:
+            self._commit(manifest, local_node)
+
+    def _commit(self, manifest: manifest_pb2.Manifest, local_node: str | None = None) -> None:
         mf.validate(manifest)
         mf.verify_digest(manifest)
         step = manifest.step
@@ -205,6 +212,8 @@ class LocalStore:
                 return  # a retried commit of the same step
             raise ValueError(f"step {step} is already committed with a different manifest")
         for r in manifest.ranks:
+            if local_node is not None and r.node != local_node:
+                continue
             for index, c in enumerate(r.chunks):
                 p = self.chunk_path(step, r.rank, index)
                 if not p.exists() or p.stat().st_size != c.stored_size:
@@ -260,8 +269,12 @@ class LocalStore:
 
     # --- read path -----------------------------------------------------------------
 
-    def read_rank(self, step: int, rank: int) -> bytes:
-        """The rank's logical state buffer at a committed step, every CRC verified."""
+    def read_rank(self, step: int, rank: int, fetch: Fetch | None = None) -> bytes:
+        """The rank's logical state buffer at a committed step, every CRC verified.
+
+        `fetch(chunk)` returns a chunk's stored bytes from elsewhere (erasure shards)
+        when this disk lacks it or holds a corrupt copy.
+        """
         manifests = self.committed_manifests()
         if step not in manifests:
             raise FileNotFoundError(f"step {step} is not committed; latest committed is "
@@ -270,19 +283,19 @@ class LocalStore:
         users = {s: {t for t in chain if s in mf.referenced_steps(manifests[t])} for s in chain}
         decoded: dict[int, np.ndarray] = {}
         for s in chain:
-            decoded[s] = self._decode_rank(manifests[s], rank, decoded)
+            decoded[s] = self._decode_rank(manifests[s], rank, decoded, fetch)
             for done in [d for d in decoded if d != step and max(users[d], default=-1) <= s]:
                 del decoded[done]  # no later step in the chain applies to it
         return decoded[step].tobytes()
 
     def _decode_rank(self, manifest: manifest_pb2.Manifest, rank: int,
-                     decoded: dict[int, np.ndarray]) -> np.ndarray:
+                     decoded: dict[int, np.ndarray], fetch: Fetch | None = None) -> np.ndarray:
         states = [r for r in manifest.ranks if r.rank == rank]
         if not states:
             raise KeyError(f"step {manifest.step} has no rank {rank} "
                            f"(ranks {[r.rank for r in manifest.ranks]})")
         state = states[0]
-        payloads = [self._read_payload(manifest.step, rank, index, c)
+        payloads = [self._read_or_fetch(manifest.step, rank, index, c, fetch)
                     for index, c in enumerate(state.chunks)]
         out = decode_rank(state, payloads, decoded)
         for c in state.chunks:
@@ -290,6 +303,17 @@ class LocalStore:
                 raise CorruptChunkError(manifest.step, rank, c.chunk_id, "decoded",
                                         f"decoded bytes fail CRC32C (base step {c.base_step})")
         return out
+
+    def _read_or_fetch(self, step: int, rank: int, index: int, c: manifest_pb2.ChunkRecord,
+                       fetch: Fetch | None) -> bytes:
+        try:
+            return self._read_payload(step, rank, index, c)
+        except CorruptChunkError:
+            if fetch is None or not c.shards:
+                raise
+        payload = fetch(c)  # verified against the manifest by the shard reader
+        self._ram_put((step, rank, index), payload)
+        return payload
 
     def _read_payload(self, step: int, rank: int, index: int,
                       c: manifest_pb2.ChunkRecord) -> bytes:
