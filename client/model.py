@@ -71,7 +71,8 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         # Reduce in fp32: partial sums under bf16/fp16 autocast would lose precision.
-        out = x.float().contiguous()
+        out = torch.empty_like(x, dtype=torch.float32, memory_format=torch.contiguous_format)
+        out.copy_(x)  # a fresh buffer: never reduce in place into an autograd input
         group.all_reduce(out)
         return out
 
