@@ -104,6 +104,9 @@ class ElasticAgent:
             try:
                 for event in self.daemon.watch_plan(known_generation=self._newest):
                     self._newest = max(self._newest, event.plan.generation)
+                    # Heartbeats speak for the newest generation at once; collectives and
+                    # captures keep the one they run in until the rank rebuilds.
+                    self.daemon.generation = max(self.daemon.generation, self._newest)
                     self._plans.put(event.plan)
             except Exception as exc:  # the channel closes when the rank ends
                 log.debug("plan watch ended: %s", exc)

@@ -18,7 +18,14 @@ from typing import Any
 
 import grpc
 
-from stalwart.v1 import common_pb2, operator_pb2, operator_pb2_grpc, rank_pb2, rank_pb2_grpc
+from stalwart.v1 import (
+    common_pb2,
+    manifest_pb2,
+    operator_pb2,
+    operator_pb2_grpc,
+    rank_pb2,
+    rank_pb2_grpc,
+)
 
 log = logging.getLogger("stalwart.client.daemon")
 
@@ -149,13 +156,15 @@ class DaemonClient:
     # rank lifecycle ------------------------------------------------------
 
     def register(self, *, spare: bool = False, device: str = "cpu",
-                 env: Mapping[str, str] | None = None) -> rank_pb2.RegisterReply:
+                 env: Mapping[str, str] | None = None,
+                 layout: common_pb2.ParallelLayout | None = None) -> rank_pb2.RegisterReply:
         """Announce this process to the daemon with its torchrun RANK/WORLD_SIZE/LOCAL_RANK."""
         rank_env = RankEnv.from_environ(env)
         request = rank_pb2.RegisterRequest(
             job_id=self.job_id, pid=os.getpid(), rank=-1 if spare else rank_env.rank,
             world_size=rank_env.world_size, local_rank=rank_env.local_rank,
-            hostname=socket.gethostname(), token=self.token, spare=spare, device=device)
+            hostname=socket.gethostname(), token=self.token, spare=spare, device=device,
+            layout=layout)
         reply = self._call("register", self._rank_stub().Register, request)
         self.rank_id, self.generation = reply.rank_id, reply.generation
         self.heartbeat_interval_s = reply.heartbeat_interval_s or self.heartbeat_interval_s
@@ -251,6 +260,30 @@ class DaemonClient:
         event = common_pb2.FailureEvent(kind=kind, subject=subject, evidence=evidence,
                                         generation=self.generation, reporter=self.rank_id)
         return self._call("report_failure", self._rank_stub().ReportFailure, event)
+
+    def call(self, what: str, method: str, request: Any, **kwargs: Any) -> Any:
+        """Any RankService method by name, with this client's error handling."""
+        return self._call(what, getattr(self._rank_stub(), method), request, **kwargs)
+
+    def restore(self, step: int, rank: int, timeout_s: float = 300.0
+                ) -> tuple[manifest_pb2.RankState, bytes]:
+        """A committed step's record and state bytes for `rank` (in that step's layout)."""
+        request = rank_pb2.RestoreRequest(rank_id=self.rank_id, step=step, rank=rank)
+        state: manifest_pb2.RankState | None = None
+        data = bytearray()
+        try:
+            for piece in self._rank_stub().Restore(request, timeout=timeout_s):
+                if piece.HasField("state"):
+                    state = piece.state
+                    data = bytearray(state.total_bytes)
+                else:
+                    data[piece.offset:piece.offset + len(piece.data)] = piece.data
+        except grpc.RpcError as e:
+            raise DaemonUnavailable(f"restore of step {step} rank {rank} failed: "
+                                    f"{e.code().name}: {e.details()}") from e  # type: ignore
+        if state is None:
+            raise DaemonUnavailable(f"restore of step {step} rank {rank}: empty reply")
+        return state, bytes(data)
 
     def watch_plan(self, known_generation: int | None = None) -> Iterator[rank_pb2.PlanEvent]:
         """Plan changes as they happen (blocks between them; cancel by closing the client)."""

@@ -117,6 +117,16 @@ class Coordinator:
                               reason=f"first plan: {world} ranks")
         await self._install(self.plan.to_proto())
 
+    async def _install(self, plan: common_pb2.Plan) -> None:
+        """Send a plan to every live daemon (this one included); log who refused."""
+        nodes = self.links.nodes()
+        results = await asyncio.gather(*(self.links.install_plan(n, plan) for n in nodes),
+                                       return_exceptions=True)
+        for node, result in zip(nodes, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("plan not delivered", extra={"node": node, "error": str(result),
+                                                         "generation": plan.generation})
+
     # failures -----------------------------------------------------------------
 
     async def on_failures(self, failures: list[Failure]) -> None:
@@ -131,8 +141,6 @@ class Coordinator:
             decision = decide(self.plan, failures, committed, in_flight=self._in_flight,
                               stragglers_fail=self.stragglers_fail,
                               shrink_planner=self.shrink_planner)
-            for f in failures:
-                self.metrics.failures.labels(f.kind.name.lower()).inc()
             if isinstance(decision, NoChange):
                 self.plan = decision.plan
                 return

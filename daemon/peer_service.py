@@ -58,6 +58,12 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         self.registry.report(replace(failure, reporter=failure.reporter or context.peer()))
         return common_pb2.Ack(accepted=True)
 
+    async def Announce(self, request: peer_pb2.RankAnnouncement,
+                       context: grpc.aio.ServicerContext) -> common_pb2.Ack:
+        if self.steps is None:
+            await _not_here(context, "Announce")
+        return await self.steps.Announce(request, context)
+
     async def PrepareStep(self, request: peer_pb2.PrepareStepRequest,
                           context: grpc.aio.ServicerContext) -> peer_pb2.PrepareStepReply:
         if self.steps is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any, NoReturn
 
@@ -20,6 +20,7 @@ from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.registry import (
     RankFenced,
+    RankRecord,
     Registry,
     StaleGeneration,
     UnknownRank,
@@ -32,7 +33,8 @@ WATCH_WAKE_S = 5.0  # WatchPlan re-checks for shutdown at least this often (seco
 _REFUSALS = {
     UnknownRank: grpc.StatusCode.NOT_FOUND,
     RankFenced: grpc.StatusCode.FAILED_PRECONDITION,
-    StaleGeneration: grpc.StatusCode.FAILED_PRECONDITION,
+    # Retryable: the caller follows the new plan and carries on (ABORTED, not fatal).
+    StaleGeneration: grpc.StatusCode.ABORTED,
 }
 
 
@@ -40,9 +42,13 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
     """Handlers of RankService; state lives in the Registry."""
 
     def __init__(self, config: DaemonConfig, registry: Registry, metrics: Metrics,
-                 stopping: asyncio.Event, snapshots: Any = None) -> None:
+                 stopping: asyncio.Event, snapshots: Any = None,
+                 on_register: Callable[[RankRecord, common_pb2.ParallelLayout],
+                                       Awaitable[None]] | None = None) -> None:
         self.config, self.registry, self.metrics = config, registry, metrics
         self.stopping = stopping
+        # Tells the coordinator (through the job) that a rank or spare is here.
+        self.on_register = on_register
         # Object with async OpenSlot/Capture/WaitCommitted/Restore(request, context).
         self.snapshots = snapshots
 
@@ -69,8 +75,17 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             spare=request.spare or request.rank < 0, device=request.device,
             # A pid means something only on this host, so only local callers are watched.
             watch_pid=context.peer().startswith("unix:"))
+        if self.on_register is not None:
+            try:
+                await self.on_register(record, request.layout)
+            except (grpc.aio.AioRpcError, LookupError) as e:
+                detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"registered with {self.config.node}, but the coordinator could not be told "
+                    f"({detail}); retry when the job's daemons see each other")
         return rank_pb2.RegisterReply(
-            rank_id=record.rank_id, node=self.config.node, generation=record.generation,
+            rank_id=record.rank_id, node=self.config.node, generation=self.registry.generation,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             plan=self.registry.current_plan())
 

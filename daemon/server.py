@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from stalwart.daemon.config import DaemonConfig
+from stalwart.daemon.job import Job
 from stalwart.daemon.membership import Membership
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.operator_service import OperatorServicer
@@ -77,6 +78,9 @@ class Daemon:
         self.health = health.aio.HealthServicer()
         self.operator = OperatorServicer(config.node, self.address, self.registry,
                                          self.membership)
+        self.job = Job(config, self.registry, self.membership, self.metrics, self.data_dir,
+                       lambda: self.address, self._channel)
+        self.operator.decorators.append(self.job.decorate_status)
         self._server: grpc.aio.Server | None = None
         self._metrics_http: Any = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -98,9 +102,10 @@ class Daemon:
         ])
         self._server = server
         rank_pb2_grpc.add_RankServiceServicer_to_server(
-            RankServicer(cfg, self.registry, self.metrics, self.stopping), server)
+            RankServicer(cfg, self.registry, self.metrics, self.stopping,
+                         snapshots=self.job.snapshots, on_register=self.job.on_register), server)
         peer_pb2_grpc.add_PeerServiceServicer_to_server(
-            PeerServicer(self.membership, self.registry, self.peer_info), server)
+            PeerServicer(self.membership, self.registry, self.peer_info, steps=self.job), server)
         operator_pb2_grpc.add_OperatorServiceServicer_to_server(self.operator, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = list(SERVICES)
@@ -118,6 +123,7 @@ class Daemon:
         self.address = self.membership.self_address = self.operator.address = f"{host}:{port}"
         _bind(server, f"unix:{self.unix_socket}", "unix_socket")
         await server.start()
+        await self.job.start()
 
         if cfg.metrics_port:
             try:
@@ -149,6 +155,7 @@ class Daemon:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._server is not None:
             await self._server.stop(grace_s)
+        await self.job.stop()
         for channel in self._channels.values():
             await channel.close()
         if self._metrics_http is not None:

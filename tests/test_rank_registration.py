@@ -111,7 +111,7 @@ def test_heartbeat_of_an_older_generation_is_refused(daemon_factory: DaemonFacto
     with pytest.raises(DaemonUnavailable, match="from generation 1, but the job is at "
                                                 "generation 2") as err:
         client.heartbeat()
-    assert code_of(err.value) == grpc.StatusCode.FAILED_PRECONDITION
+    assert code_of(err.value) == grpc.StatusCode.ABORTED
     client.generation = event.plan.generation
     assert client.heartbeat().generation == 2
     client.close()

@@ -1,0 +1,224 @@
+"""Wires one daemon's job-level parts together: snapshot path, coordinator, fencing.
+
+Ranks register here (announced to the coordinator), captures flow into the
+snapshot path, prepares go to the coordinator, commits and plans come back.
+Failures seen by this daemon go to the coordinator, which may be this daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from stalwart.core.failures import Failure, FailureKind
+from stalwart.daemon.config import DaemonConfig
+from stalwart.daemon.coordinator import Coordinator, StaleStep
+from stalwart.daemon.membership import SUSPECT, UP, Membership
+from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.registry import RankRecord, Registry, StaleGeneration
+from stalwart.daemon.snapshots import Peer, SnapshotPath
+from stalwart.v1 import common_pb2, manifest_pb2, operator_pb2, peer_pb2, peer_pb2_grpc
+
+log = logging.getLogger("stalwart.daemon.job")
+
+RPC_TIMEOUT_S = 10.0
+HANG_WINDOW_S = 1.5   # collect hang reports this long before deciding (seconds)
+FACT_WINDOW_S = 0.2   # a dead process often takes its peers' reports with it
+
+
+class Job:
+    """The job as one daemon sees it."""
+
+    def __init__(self, config: DaemonConfig, registry: Registry, membership: Membership,
+                 metrics: Metrics, data_dir: Path, address: Callable[[], str],
+                 channel: Callable[[str], grpc.aio.Channel]) -> None:
+        self.config, self.registry, self.membership = config, registry, membership
+        self.metrics, self.address, self._channel = metrics, address, channel
+        self.node = config.node
+        self.snapshots = SnapshotPath(config, registry, metrics, data_dir, self.peers,
+                                      self._send_prepare)
+        self.coordinator = Coordinator(config.node, config.job_id, metrics, self,
+                                       self.snapshots.store.latest_committed)
+        self._failures: asyncio.Queue[Failure] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        registry.on_failure(self._on_failure)
+
+    async def start(self) -> None:
+        await self.snapshots.start()
+        self._task = asyncio.create_task(self._decide_forever(), name="coordinator")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self.snapshots.stop()
+
+    # who is who -----------------------------------------------------------------
+
+    def peers(self) -> list[Peer]:
+        """Live daemons, this one included."""
+        labels = {k: v for k, v in (("rack", self.config.labels.rack),
+                                    ("zone", self.config.labels.zone)) if v}
+        out = [Peer(self.node, self.address(), labels)]
+        out += [Peer(p.node, p.address, dict(p.labels)) for p in self.membership.peers()
+                if p.node and p.state in (UP, SUSPECT)]
+        return out
+
+    def nodes(self) -> list[str]:
+        return [p.node for p in self.peers()]
+
+    def is_coordinator(self) -> bool:
+        return self.membership.coordinator() == self.node
+
+    def _peer_stub(self, node: str) -> peer_pb2_grpc.PeerServiceStub:
+        address = next((p.address for p in self.peers() if p.node == node), None)
+        if address is None:
+            raise LookupError(f"daemon {node} is not a live member of this job")
+        return peer_pb2_grpc.PeerServiceStub(self._channel(address))
+
+    # PeerLinks (the coordinator's outbound calls) ---------------------------------
+
+    async def install_plan(self, node: str, plan: common_pb2.Plan) -> None:
+        if node == self.node:
+            self.adopt_plan(plan)
+            return
+        ack = await self._peer_stub(node).InstallPlan(plan, timeout=RPC_TIMEOUT_S)
+        if not ack.accepted:
+            log.warning("plan refused", extra={"node": node, "why": ack.message})
+
+    async def commit_step(self, node: str, manifest: manifest_pb2.Manifest) -> None:
+        if node == self.node:
+            await self.snapshots.commit(manifest)
+            return
+        await self._peer_stub(node).CommitStep(
+            peer_pb2.CommitStepRequest(manifest=manifest), timeout=RPC_TIMEOUT_S)
+
+    # plans ------------------------------------------------------------------------
+
+    def adopt_plan(self, plan: common_pb2.Plan) -> None:
+        """Install a plan here and end local ranks it left out (fencing)."""
+        previous = self.registry.current_plan()
+        try:
+            self.registry.install_plan(plan)
+        except StaleGeneration as exc:
+            log.info("plan not installed: %s", exc)
+            return
+        self.metrics.plan.info({
+            "generation": str(plan.generation), "dp": str(plan.layout.dp),
+            "pp": str(plan.layout.pp), "tp": str(plan.layout.tp),
+            "stages": " ".join(f"{s.first_layer}-{s.last_layer}" for s in plan.layout.stages),
+            "schedule": plan.layout.schedule})
+        kept = {a.rank_id for a in plan.assignments}
+        for a in previous.assignments:
+            if a.spare or a.rank_id in kept or plan.stop:
+                continue
+            record = self.registry.get(a.rank_id)
+            if record is not None and record.state != "dead":
+                self._fence(record)
+
+    def _fence(self, record: RankRecord) -> None:
+        """A rank the new plan left out may still run (hung): end it so it cannot interfere."""
+        log.warning("fencing rank left out of the new plan",
+                    extra={"rank_id": record.rank_id, "pid": record.pid})
+        try:
+            os.kill(record.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        except PermissionError as exc:
+            log.error("cannot end fenced rank %s: %s", record.rank_id, exc)
+
+    # registrations ----------------------------------------------------------------
+
+    async def on_register(self, record: RankRecord, layout: common_pb2.ParallelLayout) -> None:
+        announcement = peer_pb2.RankAnnouncement(
+            node=self.node, rank_id=record.rank_id, rank=-1 if record.spare else record.rank,
+            world_size=record.world_size, layout=layout, generation=self.registry.generation)
+        await self.announce(announcement)
+
+    async def announce(self, a: peer_pb2.RankAnnouncement) -> None:
+        if self.is_coordinator():
+            await self.coordinator.announce(a)
+            return
+        coordinator = self.membership.coordinator()
+        await self._peer_stub(coordinator).Announce(a, timeout=RPC_TIMEOUT_S)
+
+    # failures ---------------------------------------------------------------------
+
+    def _on_failure(self, failure: Failure) -> None:
+        self._failures.put_nowait(failure)
+
+    async def _decide_forever(self) -> None:
+        while True:
+            first = await self._failures.get()
+            batch = [first]
+            window = HANG_WINDOW_S if first.kind is FailureKind.COLLECTIVE_HANG else FACT_WINDOW_S
+            loop = asyncio.get_running_loop()
+            end = loop.time() + window
+            while (left := end - loop.time()) > 0:
+                try:
+                    batch.append(await asyncio.wait_for(self._failures.get(), left))
+                except TimeoutError:
+                    break
+            try:
+                await self._handle(batch)
+            except Exception:
+                log.exception("failure handling failed",
+                              extra={"failures": [f.describe() for f in batch]})
+
+    async def _handle(self, failures: list[Failure]) -> None:
+        if self.is_coordinator():
+            await self.coordinator.on_failures(failures)
+            return
+        stub = self._peer_stub(self.membership.coordinator())
+        for f in failures:
+            await stub.ReportFailure(f.to_proto(), timeout=RPC_TIMEOUT_S)
+
+    # phase one --------------------------------------------------------------------
+
+    async def _send_prepare(self, req: peer_pb2.PrepareStepRequest) -> None:
+        if self.is_coordinator():
+            await self.coordinator.prepared(req)
+            return
+        await self._peer_stub(self.membership.coordinator()).PrepareStep(
+            req, timeout=RPC_TIMEOUT_S)
+
+    # PeerService hooks (`steps=` of PeerServicer) ----------------------------------
+
+    async def PrepareStep(self, request: peer_pb2.PrepareStepRequest,
+                          context: grpc.aio.ServicerContext) -> peer_pb2.PrepareStepReply:
+        try:
+            await self.coordinator.prepared(request)
+        except StaleStep as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return peer_pb2.PrepareStepReply(ready=True)
+
+    async def CommitStep(self, request: peer_pb2.CommitStepRequest,
+                         context: grpc.aio.ServicerContext) -> peer_pb2.CommitStepReply:
+        try:
+            await self.snapshots.commit(request.manifest)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return peer_pb2.CommitStepReply(committed=True)
+
+    async def Announce(self, request: peer_pb2.RankAnnouncement,
+                       context: grpc.aio.ServicerContext) -> common_pb2.Ack:
+        await self.coordinator.announce(request)
+        return common_pb2.Ack(accepted=True)
+
+    # status -----------------------------------------------------------------------
+
+    def decorate_status(self, reply: operator_pb2.StatusReply) -> None:
+        latest = self.snapshots.store.latest_committed()
+        reply.latest_committed_step = latest or 0
+        reply.storage["local"] = (f"committed steps {self.snapshots.store.committed_steps()[-5:]}"
+                                  f", ram {self.snapshots.store.ram_used()} bytes")
+        if self.is_coordinator():
+            for r in self.coordinator.recoveries[-10:]:
+                reply.plan_changes.add(reason=f"{r.kind}: {r.message}",
+                                       time_unix_ms=int(r.detected_unix * 1000))
