@@ -241,6 +241,24 @@ class LocalStore:
                 sum(r.total_bytes for r in manifest.ranks) / max(stored, 1))
         self.collect_garbage()
 
+    def discard_after(self, step: int) -> list[int]:
+        """Forget committed steps newer than `step` (training resumes from it and will
+        commit those step numbers again); returns them. The next capture is a base."""
+        with self._lock:
+            newer = [s for s in self.committed_steps() if s > step]
+            for s in sorted(newer, reverse=True):
+                self._manifest_path(s).unlink()
+                self._manifests.pop(s, None)
+            _fsync_dir(self.root / "manifests")
+            for step_dir in (self.root / "steps").iterdir():
+                if int(step_dir.name) > step:
+                    shutil.rmtree(step_dir, ignore_errors=True)
+            for key in [k for k in self._ram if k[0] > step]:
+                self._ram_drop(key)
+            self._refs.clear()
+            self._pending.clear()
+            return newer
+
     # --- catalogue -----------------------------------------------------------------
 
     def committed_steps(self) -> list[int]:

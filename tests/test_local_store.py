@@ -96,6 +96,18 @@ def test_ranks_prepared_from_several_threads_commit_together(tmp_path: Path) -> 
     assert [store.read_rank(2, r) for r in range(4)] == [state(2, r) for r in range(4)]
 
 
+def test_resuming_from_an_older_step_discards_the_newer_ones(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, retain=20, **SMALL)
+    for step in range(1, 6):
+        commit_step(store, step)
+    assert store.discard_after(3) == [4, 5]
+    assert store.committed_steps() == [1, 2, 3]
+    m = commit_step(store, 4, scale=2)  # the resumed run commits step 4 again
+    assert {c.codec for c in m.ranks[0].chunks} == {manifest_pb2.ZSTD}
+    fresh = LocalStore(tmp_path, **SMALL)
+    assert fresh.read_rank(4, 0) == state(4, scale=2) and fresh.read_rank(3, 0) == state(3)
+
+
 def test_prepared_but_uncommitted_step_is_invisible(tmp_path: Path) -> None:
     store = LocalStore(tmp_path, **SMALL)
     commit_step(store, 1)
