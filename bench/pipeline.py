@@ -1,4 +1,5 @@
-"""Pipeline bubble and activation memory of 1F1B vs GPipe, measured on the real executor.
+"""Pipeline bubble and activation memory of 1F1B vs GPipe, measured on the real executor,
+and the memory/compute trade of each activation-recompute policy on the tiny GPT.
 
 Each stage is two small linear layers plus a fixed sleep per forward (t) and backward (2t):
 sleeping costs no CPU, so p stage processes on 2 cores still see the timing the schedule
@@ -80,6 +81,51 @@ def _bench_worker(ctx: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _recompute_trade(rounds: int) -> dict[str, dict[str, float]]:
+    """Peak saved-activation bytes and compute seconds of the tiny GPT under each
+    recompute policy, in one process (one stage holding every layer)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from stalwart.client import recompute
+    from stalwart.client.data import TextBatches, load_corpus
+    from stalwart.client.model import PRESETS, GPTStage
+    from stalwart.client.parallel_dims import ParallelDims
+    from stalwart.client.pipeline import PipelineStats, run_schedule, schedule
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cfg, mb, m = PRESETS["tiny"], 4, 2
+    dims = ParallelDims().build(dist.HashStore(), 0, 0)
+    stage = GPTStage(cfg, 0, cfg.num_layers - 1)
+    ids, targets = TextBatches(load_corpus(1 << 20), cfg.seq_len).next_batch(mb * m)
+
+    def loss_fn(out: torch.Tensor, i: int) -> tuple[torch.Tensor, float]:
+        return F.cross_entropy(out.flatten(0, 1), targets.split(mb)[i].flatten()), 0.0
+
+    out = {}
+    for policy in recompute.POLICIES:
+        recompute.apply_policy(stage.layers, policy)
+        stats = None
+        for rnd in range(rounds + 1):  # round 0 warms up (first use of checkpointing is slow)
+            if rnd == 1:
+                stats = PipelineStats()
+            run_schedule(stage, schedule("1f1b", 1, 0, m), dims.pp_group,
+                         inputs=list(ids.split(mb)), loss_fn=loss_fn,
+                         act_shape=(mb, cfg.seq_len, cfg.d_model), stats=stats)
+        out[policy] = {"peak_activation_bytes": stats.peak_activation_bytes,
+                       "compute_s_per_round": round(stats.busy_s / rounds, 4)}
+    dims.destroy()
+    torch.set_num_threads(threads)
+    base = out["none"]
+    for fig in out.values():
+        fig["memory_vs_none"] = round(fig["peak_activation_bytes"]
+                                      / base["peak_activation_bytes"], 3)
+        fig["time_vs_none"] = round(fig["compute_s_per_round"] / base["compute_s_per_round"], 3)
+    return out
+
+
 def run(quick: bool) -> dict:
     from stalwart.client.launch import run_local
 
@@ -110,6 +156,7 @@ def run(quick: bool) -> dict:
     return {
         "configs": configs,
         "peak_activation_gpipe_over_1f1b": ratios,
+        "recompute": _recompute_trade(2 if quick else 5),
         "setup": {**spec, "note": "stage = Linear-GELU-Linear + sleep(t) forward, sleep(2t) "
                   "backward; bubble = 1 - compute_s / round wall_s, mean over stages; "
                   "memory = bytes saved for backward (parameters excluded), max over stages"},
