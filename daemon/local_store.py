@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from stalwart.core import manifest as mf
 from stalwart.daemon.checksum import Buffer, crc32c
 from stalwart.daemon.chunks import DEFAULT_CHUNK_BYTES, decode_rank, encode_rank
 from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.ram_tier import RamTier
 from stalwart.v1 import common_pb2, manifest_pb2
 
 _STEP_DIGITS = 12  # zero-padded step numbers sort as text
@@ -90,8 +90,8 @@ def _fsync_dir(path: Path) -> None:
 class LocalStore:
     """RAM + disk tiers of one job's snapshots under `data_dir` (one writer process).
 
-    Ranks may be encoded and prepared from several threads at once; commits, garbage
-    collection and the RAM tier's bookkeeping are serialised by a lock.
+    Ranks may be encoded and prepared from several threads at once; commits and garbage
+    collection are serialised by a lock (the RAM tier has its own).
     """
 
     def __init__(self, data_dir: Path, *, job_id: str = "default", ram_bytes: int = 1 << 30,
@@ -111,8 +111,7 @@ class LocalStore:
         self.max_chain = base_every if max_chain is None else max_chain
         self.delta_against, self.lossy, self.metrics = delta_against, lossy, metrics
         self.executor = executor
-        self._ram: OrderedDict[tuple[int, int, int], bytes] = OrderedDict()
-        self._ram_used = 0
+        self.ram = RamTier(ram_bytes, self._ram_protected)
         self._refs: dict[int, _Reference] = {}
         self._pending: dict[tuple[int, int], _Reference] = {}
         self._manifests: dict[int, manifest_pb2.Manifest] = {}
@@ -178,7 +177,7 @@ class LocalStore:
         rank_dir.mkdir(parents=True, exist_ok=True)
         for index, payload in enumerate(prepared.payloads):
             _write_atomic(self.chunk_path(step, rank, index), payload)
-            self._ram_put((step, rank, index), payload)
+            self.ram.put((step, rank, index), payload)
         _write_atomic(rank_dir / "rank.pb", prepared.state.SerializeToString())
         _fsync_dir(rank_dir)
         _fsync_dir(rank_dir.parent)
@@ -253,8 +252,7 @@ class LocalStore:
             for step_dir in (self.root / "steps").iterdir():
                 if int(step_dir.name) > step:
                     shutil.rmtree(step_dir, ignore_errors=True)
-            for key in [k for k in self._ram if k[0] > step]:
-                self._ram_drop(key)
+            self.ram.drop_steps(s for s in self.ram.steps() if s > step)
             self._refs.clear()
             self._pending.clear()
             return newer
@@ -330,17 +328,17 @@ class LocalStore:
             if fetch is None or not c.shards:
                 raise
         payload = fetch(c)  # verified against the manifest by the shard reader
-        self._ram_put((step, rank, index), payload)
+        self.ram.put((step, rank, index), payload)
         return payload
 
     def _read_payload(self, step: int, rank: int, index: int,
                       c: manifest_pb2.ChunkRecord) -> bytes:
         key = (step, rank, index)
-        cached = self._ram.get(key)
+        cached = self.ram.get(key)
         if cached is not None:
             if crc32c(cached) == c.stored_crc32c:
                 return cached
-            self._ram_drop(key)  # a bad RAM copy: fall through to disk
+            self.ram.drop(key)  # a bad RAM copy: fall through to disk
             if self.metrics:
                 self.metrics.scrub_errors.labels(tier="ram").inc()
         path = self.chunk_path(step, rank, index)
@@ -355,39 +353,21 @@ class LocalStore:
             raise CorruptChunkError(step, rank, c.chunk_id, "disk",
                                     f"file {path} fails CRC32C ({len(payload)} bytes, "
                                     f"expected {c.stored_size})")
-        self._ram_put(key, payload)
+        self.ram.put(key, payload)
         return payload
 
     # --- RAM tier ------------------------------------------------------------------
 
-    def _ram_put(self, key: tuple[int, int, int], payload: bytes) -> None:
-        with self._lock:
-            if len(payload) > self.ram_bytes or key in self._ram:
-                return
-            self._ram[key] = payload
-            self._ram_used += len(payload)
-            if self._ram_used > self.ram_bytes:
-                self._ram_evict()
-
-    def _ram_drop(self, key: tuple[int, int, int]) -> None:
-        with self._lock:
-            self._ram_used -= len(self._ram.pop(key, b""))
-
-    def _ram_evict(self) -> None:
-        """Drop oldest entries, first those no retained chain needs (disk still has all)."""
+    def _ram_protected(self, steps: set[int]) -> set[int]:
+        """Steps the RAM tier should keep: in flight, or needed to restore the newest."""
         manifests = self.committed_manifests()
-        latest = max(manifests, default=None)
-        needed = set(mf.plan_chain(manifests, latest)) if latest is not None else set()
-        for pass_needed in (False, True):
-            for key in list(self._ram):
-                if self._ram_used <= self.ram_bytes:
-                    return
-                if pass_needed or (key[0] not in needed and key[0] <= (latest or -1)):
-                    self._ram_drop(key)
+        latest = max(manifests, default=-1)
+        needed = set(mf.plan_chain(manifests, latest)) if manifests else set()
+        return {s for s in steps if s > latest or s in needed}
 
     def ram_used(self) -> int:
         """Bytes of chunk payloads held in the RAM tier."""
-        return self._ram_used
+        return self.ram.used
 
     # --- retention -----------------------------------------------------------------
 
@@ -417,6 +397,5 @@ class LocalStore:
             s = int(step_dir.name)
             if s not in kept and s < latest:
                 shutil.rmtree(step_dir, ignore_errors=True)
-        for key in [k for k in self._ram if k[0] not in kept and k[0] < latest]:
-            self._ram_drop(key)
+        self.ram.drop_steps(s for s in self.ram.steps() if s not in kept and s < latest)
         return sorted(dropped)

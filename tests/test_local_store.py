@@ -167,8 +167,10 @@ def test_corrupt_base_is_named_when_reading_a_later_delta(tmp_path: Path) -> Non
 def test_corrupt_ram_copy_is_read_around_from_disk(tmp_path: Path) -> None:
     store = LocalStore(tmp_path, **SMALL)
     commit_step(store, 1)
-    key = next(iter(store._ram))
-    store._ram[key] = b"\x00" * len(store._ram[key])
+    key = (1, 0, 0)
+    good = store.ram.get(key)
+    store.ram.drop(key)
+    store.ram.put(key, b"\x00" * len(good))
     assert store.read_rank(1, 0) == state(1)
 
 
