@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stalwart.client.capture import Capturer
-from stalwart.client.daemon_client import DaemonClient
+from stalwart.client.daemon_client import DaemonClient, DaemonUnavailable
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.state_layout import unpack
 from stalwart.client.trainer import TrainConfig, Trainer
@@ -155,7 +155,9 @@ class ElasticAgent:
                 return self.result
             except _PlanChanged:
                 pass
-            except RuntimeError as exc:  # a peer died or hung inside a collective
+            except Exception as exc:
+                if not _is_group_failure(exc):
+                    raise  # a bug, not a failure of the job: end loudly (a spare takes over)
                 self._report_collective_error(plan, exc)
             plan = self._next_plan(after=plan.generation)
 
@@ -196,8 +198,10 @@ class ElasticAgent:
             self.result.generations.append(record)
             capturer = Capturer(GrpcCaptureTransport(self.daemon, role.coord, lay,
                                                      plan.generation), token=self.daemon.token)
-            hook = trainer.optimizer.register_step_pre_hook(
-                lambda *_: capturer.before_update())
+            def wait_for_copy(*_: Any) -> None:
+                capturer.before_update()  # the optimizer is about to overwrite what is copied
+
+            hook = trainer.optimizer.register_step_pre_hook(wait_for_copy)
             t_gen = time.monotonic()
             while trainer.step_count < cfg.steps:
                 if self._newer_plan_waiting(plan.generation):
@@ -236,3 +240,19 @@ class ElasticAgent:
         if trainer.step_count != step:
             raise RuntimeError(f"restored state is of step {trainer.step_count}, not {step}")
 
+
+
+_GROUP_FAILURE_HINTS = ("connection closed", "connection reset", "broken pipe", "timed out",
+                        "timeout", "gloo", "nccl", "peer", "socket")
+
+
+def _is_group_failure(exc: BaseException) -> bool:
+    """A collective broke because another rank died or hung (or the plan moved on)."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    if isinstance(exc, DaemonUnavailable) and "generation" in str(exc):
+        return True  # a capture of the old generation refused after a re-plan
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(h in text for h in _GROUP_FAILURE_HINTS)

@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
     cfg = AgentConfig(train=_train_config(spec), layout=_layout(spec), steps=spec["steps"],
                       spare=spare, collective_timeout_s=spec.get("collective_timeout_s", 10.0),
                       plan_timeout_s=spec.get("plan_timeout_s", 120.0))
-    daemon = DaemonClient(os.environ["STALWART_UNIX_SOCKET"])
+    daemon = DaemonClient()  # $STALWART_UNIX_SOCKET names this node's daemon
     agent = ElasticAgent(cfg, daemon, connect_store(), on_step=_fault_hook(spec, rank, node))
     try:
         agent.run()

@@ -1,0 +1,242 @@
+"""A Stalwart cluster on one machine: N daemons standing for N nodes, rank processes
+bound to them, one TCPStore for rendezvous. Used by `stalwart demo`, the recovery
+benchmark and the end-to-end tests; every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+
+from stalwart.v1 import operator_pb2, operator_pb2_grpc
+
+T = TypeVar("T")
+
+
+class ClusterError(RuntimeError):
+    """The local cluster could not start or a wait ran out; the message says which."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(check: Callable[[], T], timeout_s: float, what: str, every_s: float = 0.05) -> T:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise ClusterError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(every_s)
+
+
+@dataclass
+class Node:
+    name: str
+    index: int
+    address: str
+    data_dir: Path
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    @property
+    def socket(self) -> Path:
+        return self.data_dir / "daemon.sock"
+
+    def status(self, timeout_s: float = 2.0) -> operator_pb2.StatusReply | None:
+        try:
+            with grpc.insecure_channel(self.address) as ch:
+                return operator_pb2_grpc.OperatorServiceStub(ch).Status(
+                    operator_pb2.StatusRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass
+class RankProc:
+    rank: int  # torchrun RANK, -1 for a spare
+    node: Node
+    proc: subprocess.Popen[bytes]
+    result_path: Path
+    log_path: Path
+
+    def result(self) -> dict[str, Any] | None:
+        if not self.result_path.exists():
+            return None
+        return json.loads(self.result_path.read_text())
+
+
+@dataclass
+class LocalCluster:
+    """Start with `start_daemons()`, then `launch(spec, world, spares)`; `close()` ends all."""
+
+    nodes: int = 2
+    workdir: Path | None = None
+    daemon_settings: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    daemons: list[Node] = field(default_factory=list)
+    ranks: list[RankProc] = field(default_factory=list)
+    store: Any = None
+    _own_workdir: bool = False
+
+    def __post_init__(self) -> None:
+        if self.workdir is None:
+            # Short path: Unix socket paths are limited to 107 bytes.
+            self.workdir = Path(tempfile.mkdtemp(prefix="stalwart-"))
+            self._own_workdir = True
+        self.workdir.mkdir(parents=True, exist_ok=True)
+
+    # daemons ------------------------------------------------------------------------
+
+    def start_daemons(self, timeout_s: float = 60.0) -> None:
+        assert self.workdir is not None
+        addresses = [f"127.0.0.1:{free_port()}" for _ in range(self.nodes)]
+        for i, address in enumerate(addresses):
+            node = Node(f"node-{i}", i, address, self.workdir / f"node-{i}")
+            node.data_dir.mkdir(parents=True, exist_ok=True)
+            self.daemons.append(node)
+            self._spawn_daemon(node, [a for a in addresses if a != address])
+        for node in self.daemons:
+            wait_until(lambda n=node: n.status() is not None, timeout_s,
+                       f"daemon {node.name} to answer on {node.address}")
+        if self.nodes > 1:
+            wait_until(self._membership_agreed, timeout_s, "the daemons to see each other")
+
+    def _spawn_daemon(self, node: Node, peers: list[str]) -> None:
+        cfg = {"node": node.name, "listen": node.address, "data_dir": str(node.data_dir),
+               "unix_socket": str(node.socket), "metrics_port": 0, "log_format": "json",
+               "peers": peers, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0,
+               **self.daemon_settings}
+        config_path = node.data_dir / "stalwart.toml"
+        config_path.write_text(_toml(cfg))
+        node.log_path = node.data_dir / "daemon.log"
+        with open(node.log_path, "ab") as log:
+            node.proc = subprocess.Popen(
+                [sys.executable, "-m", "stalwart.cli", "daemon", "--config", str(config_path)],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, **self.env})
+
+    def _membership_agreed(self) -> bool:
+        for node in self.daemons:
+            st = node.status()
+            if st is None or sum(d.state == "up" for d in st.daemons) < self.nodes - 1:
+                return False
+        return True
+
+    def coordinator(self) -> Node | None:
+        live = [n for n in self.daemons if n.alive]
+        return min(live, key=lambda n: n.name) if live else None
+
+    def kill_daemon(self, node: Node) -> None:
+        if node.proc is not None and node.proc.poll() is None:
+            node.proc.send_signal(signal.SIGKILL)
+            node.proc.wait(timeout=10)
+
+    # ranks --------------------------------------------------------------------------
+
+    def launch(self, spec: dict[str, Any], world: int, spares: int = 0,
+               ranks_per_node: int | None = None) -> None:
+        """Start `world` ranks (RANK 0..world-1, consecutive ranks share a node) and
+        `spares` spare processes on the last nodes."""
+        import datetime
+
+        import torch.distributed as dist
+
+        assert self.workdir is not None
+        if self.store is None:
+            port = free_port()
+            self.store = dist.TCPStore("127.0.0.1", port, None, True,
+                                       timeout=datetime.timedelta(seconds=300),
+                                       wait_for_workers=False)
+            self.master_port = port
+        per_node = ranks_per_node or -(-world // self.nodes)
+        spec_path = self.workdir / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        placements = [(r, self.daemons[min(r // per_node, self.nodes - 1)])
+                      for r in range(world)]
+        placements += [(-1, self.daemons[self.nodes - 1 - (j % self.nodes)])
+                       for j in range(spares)]
+        local_counts: dict[str, int] = {}
+        for i, (rank, node) in enumerate(placements):
+            local = local_counts.get(node.name, 0)
+            local_counts[node.name] = local + 1
+            name = f"rank{rank}" if rank >= 0 else f"spare{i - world}"
+            env = {**os.environ, **self.env, "RANK": str(rank), "WORLD_SIZE": str(world),
+                   "LOCAL_RANK": str(local), "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(self.master_port),
+                   "STALWART_UNIX_SOCKET": str(node.socket),
+                   "STALWART_NODE_INDEX": str(node.index),
+                   "STALWART_DAEMON_PID": str(node.proc.pid if node.proc else 0),
+                   "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+            log_path = self.workdir / f"{name}.log"
+            result_path = self.workdir / f"{name}.json"
+            with open(log_path, "ab") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "stalwart.client.worker", str(spec_path),
+                     str(result_path)], stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.ranks.append(RankProc(rank, node, proc, result_path, log_path))
+
+    def running(self) -> list[RankProc]:
+        return [r for r in self.ranks if r.proc.poll() is None]
+
+    # teardown -----------------------------------------------------------------------
+
+    def close(self, keep_workdir: bool = False) -> None:
+        for r in self.ranks:
+            if r.proc.poll() is None:
+                r.proc.kill()
+        for r in self.ranks:
+            try:
+                r.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for node in self.daemons:
+            if node.proc is not None and node.proc.poll() is None:
+                node.proc.send_signal(signal.SIGTERM)
+        for node in self.daemons:
+            if node.proc is None:
+                continue
+            try:
+                node.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                node.proc.kill()
+        if self._own_workdir and not keep_workdir and self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _toml(settings: dict[str, Any]) -> str:
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, int | float):
+            return repr(v)
+        if isinstance(v, list | tuple):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return json.dumps(str(v))
+
+    lines = [f"{k} = {value(v)}" for k, v in settings.items() if not isinstance(v, dict)]
+    for section, table in settings.items():
+        if isinstance(table, dict):
+            lines += ["", f"[{section}]", *(f"{k} = {value(v)}" for k, v in table.items())]
+    return "\n".join(lines) + "\n"
