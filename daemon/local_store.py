@@ -154,7 +154,9 @@ class LocalStore:
         encoded = encode_rank(
             step, rank, buf, tensors, chunk_bytes=self.chunk_bytes, level=self.level,
             reference=None if fresh_base else ref.buffer,
-            reference_step=None if fresh_base else ref.step, lossy=self.lossy, adamw=adamw,
+            reference_step=None if fresh_base else ref.step, lossy=self.lossy,
+            # The prediction models one optimizer step; older references only waste work.
+            adamw=adamw if not fresh_base and ref.step == step - 1 else (),
             executor=self.executor)
         size = encoded.stored_bytes
         if fresh_base:

@@ -245,6 +245,21 @@ def test_adamw_hints_shrink_deltas_and_restore_bitwise(tmp_path: Path) -> None:
     assert sizes[True] < sizes[False] / 2
 
 
+def test_adamw_hints_are_used_only_against_the_previous_step(tmp_path: Path) -> None:
+    metas, buffers, hints = adamw_states(5)
+    store = LocalStore(tmp_path, retain=20, delta_against="base", **SMALL)
+    codecs = []
+    for step, (buf, hint) in enumerate(zip(buffers, hints, strict=True), start=1):
+        prepared = store.encode(step, 0, buf, metas, adamw=hint)
+        codecs.append({c.codec for c in prepared.state.chunks})
+        store.commit(build_manifest(job_id="default", step=step, generation=1,
+                                    layout=common_pb2.ParallelLayout(dp=1, pp=1, tp=1),
+                                    ranks=[store.prepare(step, prepared)]))
+    assert codecs[1] == {manifest_pb2.ADAM_PREDICTED_XOR_ZSTD}  # step 2 against step 1
+    assert codecs[2] == {manifest_pb2.XOR_DELTA_ZSTD}  # step 3 against base step 1
+    assert [store.read_rank(s, 0) for s in range(1, 6)] == buffers
+
+
 def test_lossy_mode_is_opt_in_and_restores_its_own_reconstruction(tmp_path: Path) -> None:
     store = LocalStore(tmp_path, lossy=True, retain=20, **SMALL)
     for step in (1, 2, 3):
