@@ -50,6 +50,9 @@ class GradReducer:
         self.reduce_fn = reduce_fn or default_reduce
         self.active = group.size > 1
         self.armed = False
+        self.overlapped = 0
+        """Buckets of the last step whose reduction started while gradients of other
+        buckets were still being computed."""
         self.buckets: list[_Bucket] = []
         self._next = 0
         self._hooks: list[Any] = []
@@ -79,6 +82,7 @@ class GradReducer:
         for bucket in self.buckets:
             bucket.pending, bucket.future, bucket.buffer = len(bucket.params), None, None
         self._next = 0
+        self.overlapped = 0
 
     def _grad_ready(self, b_index: int) -> None:
         if not self.armed:
@@ -88,6 +92,7 @@ class GradReducer:
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             self._launch(self.buckets[self._next])
             self._next += 1
+            self.overlapped += any(b.pending for b in self.buckets)
 
     def _launch(self, bucket: _Bucket) -> None:
         for p in bucket.params:

@@ -26,13 +26,17 @@ LAYOUTS = [
 
 
 def _train(store, rank: int, generation: int, layout: tuple, cfg: TrainConfig = CFG,
-           reduce_fn=None) -> list[float]:
+           reduce_fn=None, report: dict | None = None) -> list[float]:
     dp, pp, tp, schedule, m, accum = layout
     dims = ParallelDims(dp=dp, pp=pp, tp=tp).build(store, rank, generation)
     trainer = Trainer(dims, cfg, schedule=schedule, microbatches=m, grad_accum=accum,
                       reduce_fn=reduce_fn)
     try:
-        return [trainer.step() for _ in range(STEPS)]
+        losses = [trainer.step() for _ in range(STEPS)]
+        if report is not None:
+            report["overlapped"] = trainer.reducer.overlapped
+            report["buckets"] = len(trainer.reducer.buckets)
+        return losses
     finally:
         trainer.close()
         dims.destroy()
@@ -52,9 +56,10 @@ def _all_layouts(ctx) -> dict:
             dist.all_reduce(tensor, group=group)
 
         bf16 = TrainConfig(**{**CFG.__dict__, "compress": "bf16", "bucket_bytes": 4096})
+        out["reducer"] = {}
         out["bf16-wire"] = _train(ctx.store, ctx.rank, len(LAYOUTS) + 3, LAYOUTS[1], bf16,
-                                  reduce_fn=counting_sum)
-        out["buckets"] = len(calls) // STEPS
+                                  reduce_fn=counting_sum, report=out["reducer"])
+        out["calls_per_step"] = len(calls) / STEPS
     return out
 
 
@@ -94,7 +99,10 @@ def test_every_layout_matches_single_process_losses(run_ranks, reference):
             assert results[rank][key] == losses, f"rank {rank} reports another loss in {key}"
     assert results[0]["relayout"] == pytest.approx(reference, rel=1e-5)
     # Gradients sent as bf16 through a custom reduce_fn: several buckets, same trajectory.
-    assert results[0]["buckets"] > 1
+    reducer = results[0]["reducer"]
+    assert reducer["buckets"] > 1 and results[0]["calls_per_step"] == reducer["buckets"]
+    # All but the bucket holding the first layer's parameters start before backward ends.
+    assert reducer["overlapped"] >= reducer["buckets"] - 1
     assert results[0]["bf16-wire"] == pytest.approx(reference, rel=1e-2)
     assert reference[-1] < reference[0]
 

@@ -151,6 +151,19 @@ def test_bf16_autocast_tracks_fp32_losses(corpus):
     assert losses["bf16"] == pytest.approx(losses["fp32"], rel=2e-2)
 
 
+def test_fp16_loss_scaling_skips_an_overflowing_step_and_backs_off(corpus):
+    dims, t = _trainer(TrainConfig(model=SMALL, global_batch=4, precision="fp16"), corpus)
+    t.step()
+    assert t.scaler.state_dict() == {"enabled": True, "scale": 2.0**16, "good_steps": 1}
+    t.scaler.scale = 2.0**120  # fp16 activation gradients overflow at this scale
+    before = [p.detach().clone() for p in t.params]
+    t.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, t.params, strict=True))
+    assert t.scaler.scale == 2.0**119 and t.scaler.good_steps == 0
+    t.close()
+    dims.destroy()
+
+
 def test_learning_rate_warms_up_then_decays_to_its_floor():
     cfg = TrainConfig(model=SMALL, lr=1e-3, min_lr=1e-4, warmup_steps=4, decay_steps=20)
     lrs = [cfg.lr_at(s) for s in range(30)]
