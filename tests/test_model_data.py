@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from stalwart.client import recompute
 from stalwart.client.data import TextBatches, load_corpus
+from stalwart.client.dp import GradReducer
 from stalwart.client.model import GPTConfig, GPTStage, uniform_bounds
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.pipeline import schedule
@@ -162,6 +163,32 @@ def test_fp16_loss_scaling_skips_an_overflowing_step_and_backs_off(corpus):
     assert t.scaler.scale == 2.0**119 and t.scaler.good_steps == 0
     t.close()
     dims.destroy()
+
+
+@pytest.mark.parametrize("compress", ["none", "fp16"])
+def test_grad_reducer_sums_buckets_in_order_during_backward(compress):
+    model = GPTStage(SMALL, 0, 3, seed=1)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    model(ids).square().mean().backward()
+    local = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    sizes = []
+
+    def twice(tensor: torch.Tensor, group) -> None:  # two ranks with identical gradients
+        sizes.append(tensor.numel())
+        tensor.mul_(2)
+
+    reducer = GradReducer(list(model.parameters()), SimpleNamespace(size=2, pg=None),
+                          bucket_bytes=4096, compress=compress, reduce_fn=twice)
+    reducer.arm()
+    model(ids).square().mean().backward()
+    reducer.finish()
+    reducer.close()
+    assert sizes == [sum(p.numel() for p in b.params) for b in reducer.buckets]
+    assert reducer.overlapped == len(reducer.buckets) - 1
+    tol = 0 if compress == "none" else 1e-3
+    for g, p in zip(local, model.parameters(), strict=True):
+        assert torch.allclose(p.grad, 2 * g, rtol=tol, atol=tol * 1e-3)
 
 
 def test_learning_rate_warms_up_then_decays_to_its_floor():
