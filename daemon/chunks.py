@@ -7,6 +7,7 @@ unit the erasure coder and the tiers see; its ChunkRecord says how to decode it.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -84,19 +85,34 @@ def plan_chunks(tensors: Sequence[common_pb2.TensorMeta], total_bytes: int,
         fill = left
     cuts.append(total_bytes)
     cuts = sorted(set(cuts))
-    return [ChunkSpan(i, lo, hi - lo, tuple(chunk_regions(tensors, lo, hi - lo)))
+    index = RegionIndex(tensors)
+    return [ChunkSpan(i, lo, hi - lo, tuple(index.regions(lo, hi - lo)))
             for i, (lo, hi) in enumerate(zip(cuts, cuts[1:], strict=False))]
+
+
+class RegionIndex:
+    """Typed regions of any byte range of a rank's buffer, found by bisection (a model has
+    thousands of tensors and chunks; a linear scan per chunk would be quadratic)."""
+
+    def __init__(self, tensors: Sequence[common_pb2.TensorMeta]) -> None:
+        self._tensors = sorted((t for t in tensors if t.nbytes > 0), key=lambda t: t.offset)
+        self._ends = [t.offset + t.nbytes for t in self._tensors]
+
+    def regions(self, offset: int, size: int) -> list[Region]:
+        """Regions of [offset, offset + size), relative to `offset`."""
+        out = []
+        for t in self._tensors[bisect.bisect_right(self._ends, offset):]:
+            if t.offset >= offset + size:
+                break
+            lo, hi = max(t.offset, offset), min(t.offset + t.nbytes, offset + size)
+            out.append(Region(lo - offset, hi - lo, t.dtype))
+        return out
 
 
 def chunk_regions(tensors: Sequence[common_pb2.TensorMeta], offset: int,
                   size: int) -> list[Region]:
     """Typed regions of the chunk [offset, offset + size), relative to its start."""
-    out = []
-    for t in tensors:
-        lo, hi = max(t.offset, offset), min(t.offset + t.nbytes, offset + size)
-        if lo < hi:
-            out.append(Region(lo - offset, hi - lo, t.dtype))
-    return sorted(out, key=lambda r: r.start)
+    return RegionIndex(tensors).regions(offset, size)
 
 
 def chunk_id(step: int, rank: int, index: int) -> str:
@@ -163,6 +179,7 @@ def decode_rank(state: manifest_pb2.RankState, payloads: Sequence[Buffer],
     buffer. Checksums are the caller's: it knows which tier each payload came from.
     """
     out = np.empty(state.total_bytes, dtype=np.uint8)
+    index = RegionIndex(state.tensors)
     predicted_from = None
     for c, payload in zip(state.chunks, payloads, strict=True):
         ref = None
@@ -174,7 +191,7 @@ def decode_rank(state: manifest_pb2.RankState, payloads: Sequence[Buffer],
         codec = c.codec
         if codec == manifest_pb2.ADAM_PREDICTED_XOR_ZSTD:
             codec, predicted_from = manifest_pb2.XOR_DELTA_ZSTD, c.base_step
-        regions = chunk_regions(state.tensors, c.offset, c.size)
+        regions = index.regions(c.offset, c.size)
         out[c.offset:c.offset + c.size] = delta.decode(codec, payload, regions, c.size, ref)
     if predicted_from is not None:
         predict.correct(out, references[predicted_from], state.tensors, state.adamw)
