@@ -114,6 +114,11 @@ class Trainer:
         bounds = stage_bounds or uniform_bounds(cfg.model.num_layers, dims.pp)
         if len(bounds) != dims.pp:
             raise ValueError(f"{len(bounds)} stage bounds for pp={dims.pp}; give one per stage")
+        flat = [i for first, last in bounds for i in range(first, last + 1)]
+        if flat != list(range(cfg.model.num_layers)) or any(f > la for f, la in bounds):
+            raise ValueError(f"stage bounds {bounds} must cover layers "
+                             f"0..{cfg.model.num_layers - 1} in order, each stage a non-empty "
+                             "contiguous range")
         self.dims, self.cfg, self.bounds = dims, cfg, [tuple(b) for b in bounds]
         self.schedule_kind, self.m, self.grad_accum = schedule, microbatches, grad_accum
         self.micro_size = cfg.global_batch // per_replica

@@ -141,6 +141,15 @@ def test_a_restored_trainer_continues_with_identical_losses_and_weights(corpus):
         d.destroy()
 
 
+def test_stage_bounds_must_cover_every_layer_once(corpus):
+    dims = ParallelDims(dp=1, pp=1, tp=1).build(dist.HashStore(), 0, 0)
+    for bad in ([(0, 2)], [(1, 3)], [(0, 4)], [(2, 3)]):
+        with pytest.raises(ValueError, match="must cover layers 0..3"):
+            Trainer(dims, TrainConfig(model=SMALL, global_batch=4), stage_bounds=bad,
+                    corpus=corpus)
+    dims.destroy()
+
+
 def test_bf16_autocast_tracks_fp32_losses(corpus):
     losses = {}
     for precision in ("fp32", "bf16"):
