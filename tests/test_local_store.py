@@ -6,11 +6,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from snapshot_states import commit_step, state, tensors
 
 from stalwart.core.manifest import ManifestError, build_manifest, plan_chain
@@ -194,6 +197,24 @@ def test_retention_keeps_the_newest_steps_and_their_chains(tmp_path: Path) -> No
     fresh = LocalStore(tmp_path, **SMALL)
     for step in committed:
         assert fresh.read_rank(step, 0) == state(step)
+
+
+@settings(max_examples=25, deadline=None)
+@given(base_every=st.integers(1, 5), retain=st.integers(1, 4), steps=st.integers(1, 12),
+       against=st.sampled_from(["previous", "base"]))
+def test_any_policy_keeps_every_retained_step_restorable(base_every: int, retain: int,
+                                                         steps: int, against: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        store = LocalStore(Path(tmp), base_every=base_every, retain=retain,
+                           delta_against=against, chunk_bytes=16384)
+        for step in range(1, steps + 1):
+            commit_step(store, step)
+        committed = store.committed_steps()
+        assert committed[-min(retain, steps):] == list(range(max(1, steps - retain + 1),
+                                                            steps + 1))
+        fresh = LocalStore(Path(tmp), chunk_bytes=16384)
+        for step in committed:
+            assert fresh.read_rank(step, 0) == state(step)
 
 
 def test_changed_tensor_layout_starts_a_new_base(tmp_path: Path) -> None:
