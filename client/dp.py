@@ -124,11 +124,13 @@ class GradReducer:
             bucket.buffer = bucket.future = None
         self.armed = False
 
-    def close(self) -> None:
-        """Remove the hooks and stop the communication thread."""
+    def close(self, wait: bool = True) -> None:
+        """Remove the hooks and stop the communication thread. After a failure pass
+        wait=False: a reduction stuck on a dead peer (gloo ignores abort) then ends on its
+        own at the process-group timeout instead of blocking the rebuild."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=wait, cancel_futures=True)
             self._pool = None

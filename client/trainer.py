@@ -288,9 +288,10 @@ class Trainer:
             torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
         self.step_count = int(state["step"])
 
-    def close(self) -> None:
-        """Release hooks and threads; the caller destroys the process groups."""
-        self.reducer.close()
+    def close(self, wait: bool = True) -> None:
+        """Release hooks and threads; the caller destroys the process groups. Pass
+        wait=False after a failure (see GradReducer.close)."""
+        self.reducer.close(wait=wait)
 
 
 def _tensor_sha256(t: torch.Tensor) -> str:
