@@ -13,7 +13,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +24,7 @@ from stalwart.client.daemon_client import DaemonClient, DaemonUnavailable
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.state_layout import unpack
 from stalwart.client.trainer import TrainConfig, Trainer
-from stalwart.client.trainer_state import load_state, state_tensors
+from stalwart.client.trainer_state import adamw_hints, load_state, state_tensors
 from stalwart.v1 import common_pb2, rank_pb2
 
 log = logging.getLogger("stalwart.client.agent")
@@ -78,11 +80,11 @@ class GrpcCaptureTransport:
         return [(sid, reply.fd_socket) for sid in (reply.slot_ids or [reply.slot_id])]
 
     def send_capture(self, step: int, slot_id: str, metas: list[common_pb2.TensorMeta],
-                     extra: bytes) -> None:
+                     extra: bytes, hints: Sequence[Any] = ()) -> None:
         self.daemon.call("capture", "Capture", rank_pb2.CaptureRequest(
             rank_id=self.daemon.rank_id, generation=self.generation, step=step,
-            slot_id=slot_id, tensors=metas, extra=extra, coord=self.coord, layout=self.layout),
-            timeout=120)
+            slot_id=slot_id, tensors=metas, extra=extra, coord=self.coord, layout=self.layout,
+            adamw=hints), timeout=120)
 
 
 class ElasticAgent:
@@ -161,24 +163,29 @@ class ElasticAgent:
                 self._report_collective_error(plan, exc)
             plan = self._next_plan(after=plan.generation)
 
-    def _report_collective_error(self, plan: common_pb2.Plan, exc: RuntimeError) -> None:
+    def _report_collective_error(self, plan: common_pb2.Plan, exc: BaseException) -> None:
         text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
         log.warning("generation %d broke: %s", plan.generation, text)
+        if self._newer_plan_waiting(plan.generation):
+            return  # the coordinator already moved on; this was a consequence
         if "timed out" in text.lower() or "timeout" in text.lower():
             try:
                 self.daemon.report_failure(common_pb2.FailureEvent.COLLECTIVE_HANG,
-                                           self.daemon.rank_id, text)
+                                           self.daemon.rank_id, text,
+                                           generation=plan.generation)
             except Exception as report_error:
                 log.warning("could not report the hang: %s", report_error)
 
     def _train(self, plan: common_pb2.Plan, role: common_pb2.RankAssignment) -> None:
         lay, cfg = plan.layout, self.cfg
+        received_unix = time.time()
         t_rebuild = time.monotonic()
         self.daemon.generation = plan.generation
         dims = ParallelDims(dp=lay.dp, pp=lay.pp, tp=lay.tp).build(
             self.store, role.coord.rank, plan.generation, backend=cfg.backend,
             timeout_s=cfg.collective_timeout_s)
         trainer = capturer = None
+        abandoned = False
         try:
             trainer = Trainer(dims, cfg.train,
                               stage_bounds=[(s.first_layer, s.last_layer) for s in lay.stages]
@@ -194,7 +201,8 @@ class ElasticAgent:
                                  "pp": role.coord.pp, "tp": role.coord.tp}
             record = {"generation": plan.generation, "resume_step": plan.resume_step,
                       "rebuild_s": round(rebuild_s, 4), "restore_s": round(restore_s, 4),
-                      "first_step_s": None, "reason": plan.reason}
+                      "first_step_s": None, "reason": plan.reason,
+                      "plan_received_unix": received_unix, "first_step_unix": None}
             self.result.generations.append(record)
             capturer = Capturer(GrpcCaptureTransport(self.daemon, role.coord, lay,
                                                      plan.generation), token=self.daemon.token)
@@ -207,29 +215,68 @@ class ElasticAgent:
                 if self._newer_plan_waiting(plan.generation):
                     raise _PlanChanged()
                 t0 = time.perf_counter()
-                loss = trainer.step()
+                try:
+                    loss = self._step_or_abandon(trainer, plan.generation)
+                except _PlanChanged:
+                    abandoned = True
+                    raise
                 step = trainer.step_count
                 if record["first_step_s"] is None:
                     record["first_step_s"] = round(time.monotonic() - t_gen, 4)
+                    record["first_step_unix"] = time.time()
                 self.result.losses[step] = loss
                 tensors, extra = state_tensors(trainer)
-                capturer.capture(step, tensors, extra)
+                capturer.capture(step, tensors, extra, adamw_hints(trainer))
                 self.daemon.report_step(step, time.perf_counter() - t0)
                 if self.on_step is not None:
                     self.on_step(step, loss)
             capturer.drain()
             hook.remove()
+            self._wait_committed(cfg.steps)
             self.result.param_hashes = trainer.param_hashes()
             self.result.stalls_s = capturer.stats.stalls_s
         finally:
-            if capturer is not None:
-                try:
-                    capturer.close()
-                except Exception as exc:  # the old generation's captures may be refused
-                    log.debug("capturer closed with: %s", exc)
-            if trainer is not None:
-                trainer.close()
-            dims.destroy()
+            if abandoned:
+                # A step of this generation is stuck in a collective with a dead or hung
+                # peer; gloo cannot abort it and destroying its groups would block until
+                # their timeout. Leave them to that timeout; the next generation uses new
+                # groups under a new store prefix.
+                log.warning("abandoning generation %d with a step still in flight",
+                            plan.generation)
+            else:
+                if capturer is not None:
+                    try:
+                        capturer.close()
+                    except Exception as exc:  # the old generation's captures may be refused
+                        log.debug("capturer closed with: %s", exc)
+                if trainer is not None:
+                    trainer.close()
+                dims.destroy()
+
+    def _wait_committed(self, step: int, timeout_s: float = 120.0) -> None:
+        """The last step is durable before this rank reports success."""
+        reply = self.daemon.call("wait_committed", "WaitCommitted", rank_pb2.WaitCommittedRequest(
+            step=step, timeout_s=timeout_s), timeout=timeout_s + 5)
+        if not reply.committed:
+            raise RuntimeError(f"final step {step} was not committed: {reply.message}")
+
+    def _step_or_abandon(self, trainer: Trainer, generation: int) -> float:
+        """One training step on a helper thread; gives up on it when a newer plan arrives."""
+        done: Future[float] = Future()
+
+        def body() -> None:
+            try:
+                done.set_result(trainer.step())
+            except BaseException as exc:  # noqa: B036 - handed to the waiting thread
+                done.set_exception(exc)
+
+        threading.Thread(target=body, name=f"stalwart-step-g{generation}", daemon=True).start()
+        while True:
+            try:
+                return done.result(timeout=0.05)
+            except FutureTimeout:
+                if self._newer_plan_waiting(generation):
+                    raise _PlanChanged() from None
 
     def _restore(self, trainer: Trainer, step: int, rank: int) -> None:
         """Load the committed state of `rank` (in the step's layout) from the daemon."""

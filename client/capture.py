@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -33,7 +33,7 @@ class CaptureTransport(Protocol):
         """Return [(slot_id, fd_socket_path)] of slots holding at least nbytes."""
 
     def send_capture(self, step: int, slot_id: str, metas: list[common_pb2.TensorMeta],
-                     extra: bytes) -> None:
+                     extra: bytes, hints: Sequence[Any] = ()) -> None:
         """Tell the daemon the slot holds `step`; return once it has consumed the slot."""
 
 
@@ -78,8 +78,13 @@ class Capturer:
                        for slot_id, path in self.transport.open_slots(nbytes)]
         self._size = min(s.mapped.size for s in self._slots)
 
-    def capture(self, step: int, tensors: Sequence[StateTensor], extra: dict) -> None:
-        """Schedule a snapshot of `tensors` (and the small JSON-able `extra`) for step."""
+    def capture(self, step: int, tensors: Sequence[StateTensor], extra: dict,
+                hints: Sequence[Any] = ()) -> None:
+        """Schedule a snapshot of `tensors` (and the small JSON-able `extra`) for step.
+
+        `hints` (stalwart.v1 AdamWHint) describe the optimizer update; they only make
+        the daemon's deltas smaller.
+        """
         started = time.perf_counter()
         self.before_update()
         for f in [f for f in self._sent if f.done()]:
@@ -95,7 +100,7 @@ class Capturer:
             self._prepare_cuda(slot)
         snapshot = list(tensors)
         self._copied = self._copier.submit(self._copy_then_send, step, slot, snapshot, metas,
-                                           payload, on_cuda)
+                                           payload, on_cuda, list(hints))
         self.stats.stalls_s.append(time.perf_counter() - started)
 
     def _prepare_cuda(self, slot: _SlotState) -> None:
@@ -109,7 +114,8 @@ class Capturer:
         self._stream.wait_stream(torch.cuda.current_stream())
 
     def _copy_then_send(self, step: int, slot: _SlotState, tensors: list[StateTensor],
-                        metas: list[common_pb2.TensorMeta], extra: bytes, on_cuda: bool) -> None:
+                        metas: list[common_pb2.TensorMeta], extra: bytes, on_cuda: bool,
+                        hints: list[Any]) -> None:
         if not slot.free.wait(timeout=600):
             raise TimeoutError(f"daemon did not consume slot {slot.mapped.slot_id} in 600 s")
         slot.free.clear()
@@ -121,12 +127,12 @@ class Capturer:
         else:
             pack_into(slot.buffer, tensors, metas)
         self.stats.copies_s.append(time.perf_counter() - t0)
-        self._sent.append(self._sender.submit(self._send, step, slot, metas, extra))
+        self._sent.append(self._sender.submit(self._send, step, slot, metas, extra, hints))
 
     def _send(self, step: int, slot: _SlotState, metas: list[common_pb2.TensorMeta],
-              extra: bytes) -> None:
+              extra: bytes, hints: list[Any]) -> None:
         try:
-            self.transport.send_capture(step, slot.mapped.slot_id, metas, extra)
+            self.transport.send_capture(step, slot.mapped.slot_id, metas, extra, hints)
         finally:
             slot.free.set()
 

@@ -255,10 +255,12 @@ class DaemonClient:
     # other calls ---------------------------------------------------------
 
     def report_failure(self, kind: common_pb2.FailureEvent.Kind.ValueType, subject: str,
-                       evidence: str) -> common_pb2.Ack:
-        """Report what a client-side detector saw (collective hang, GPU fault)."""
-        event = common_pb2.FailureEvent(kind=kind, subject=subject, evidence=evidence,
-                                        generation=self.generation, reporter=self.rank_id)
+                       evidence: str, generation: int | None = None) -> common_pb2.Ack:
+        """Report what a client-side detector saw (collective hang, GPU fault) in
+        `generation` (default: the newest this client knows)."""
+        event = common_pb2.FailureEvent(
+            kind=kind, subject=subject, evidence=evidence, reporter=self.rank_id,
+            generation=self.generation if generation is None else generation)
         return self._call("report_failure", self._rank_stub().ReportFailure, event)
 
     def call(self, what: str, method: str, request: Any, **kwargs: Any) -> Any:

@@ -14,6 +14,7 @@ import torch
 
 from stalwart.client.state_layout import StateTensor
 from stalwart.client.trainer import Trainer
+from stalwart.v1 import manifest_pb2
 
 STATE_FORMAT = 1
 
@@ -58,6 +59,27 @@ def state_tensors(trainer: Trainer) -> tuple[list[StateTensor], dict[str, Any]]:
              "scaler": trainer.scaler.state_dict(), "data": trainer.data.state_dict(),
              "param_groups": groups, "layout": trainer.layout()}
     return out, extra
+
+
+def adamw_hints(trainer: Trainer) -> list[manifest_pb2.AdamWHint]:
+    """How AdamW moved each parameter in the last step, named as in `state_tensors`."""
+    opt, hints = trainer.optimizer, []
+    if not isinstance(opt, torch.optim.AdamW):
+        return hints
+    names = {id(p): n for n, p in trainer.stage.named_parameters()}
+    for group in opt.param_groups:
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            state = opt.state.get(p, {})
+            name = names.get(id(p))
+            if name is None or "step" not in state:
+                continue
+            hints.append(manifest_pb2.AdamWHint(
+                param=f"model/{name}", exp_avg=f"optim/{name}/exp_avg",
+                exp_avg_sq=f"optim/{name}/exp_avg_sq", lr=float(group["lr"]), beta1=beta1,
+                beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                step=int(state["step"])))
+    return hints
 
 
 def load_state(trainer: Trainer, tensors: dict[str, torch.Tensor], extra: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +50,19 @@ def _fault_hook(spec: dict[str, Any], rank: int, node: int):
               if (f["target"] == "rank" and f["index"] == rank)
               or (f["target"] == "node" and f["index"] == node)]
     daemon_pid = int(os.environ.get("STALWART_DAEMON_PID", "0"))
+    fault_log = os.environ.get("STALWART_FAULT_LOG", "")
 
     def on_step(step: int, loss: float) -> None:
+        print(f"[step] {step} loss {loss:.6f}", flush=True)  # the demo follows these lines
         for f in faults:
             if f["step"] != step:
                 continue
             print(f"[fault] {f['kind']} {f['target']}:{f['index']} at step {step}",
                   file=sys.stderr, flush=True)
+            if fault_log:
+                record = {**f, "time_unix": time.time(), "pid": os.getpid()}
+                path = Path(fault_log) / f"fault-{os.getpid()}.json"
+                path.write_text(json.dumps(record))
             if f["kind"] == "kill" and f["target"] == "node" and daemon_pid:
                 os.kill(daemon_pid, signal.SIGKILL)
             if f["kind"] == "kill":

@@ -109,6 +109,13 @@ class Job:
         except StaleGeneration as exc:
             log.info("plan not installed: %s", exc)
             return
+        if previous.assignments:
+            # The new generation re-captures the steps after resume_step: what the old one
+            # prepared for them must not become a delta base.
+            dropped = self.snapshots.store.discard_after(plan.resume_step)
+            if dropped:
+                log.warning("discarded committed steps past the resume point",
+                            extra={"steps": dropped, "resume_step": plan.resume_step})
         self.metrics.plan.info({
             "generation": str(plan.generation), "dp": str(plan.layout.dp),
             "pp": str(plan.layout.pp), "tp": str(plan.layout.tp),

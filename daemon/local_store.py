@@ -388,6 +388,10 @@ class LocalStore:
         if not manifests:
             return []
         kept = mf.retained_steps(manifests, self.retain)
+        # Prepared-but-uncommitted deltas, and the next capture of every rank, apply to
+        # chains that may be older than the newest `retain` steps: keep those chains too.
+        for ref in [*self._pending.values(), *self._refs.values()]:
+            kept.update(s for s in manifests if ref.root <= s <= ref.step)
         latest = max(manifests)
         dropped = [s for s in manifests if s not in kept]
         for s in dropped:

@@ -66,8 +66,10 @@ class SnapshotPath:
         self.store = LocalStore(data_dir, job_id=config.job_id, chunk_bytes=snap.chunk_bytes,
                                 base_every=snap.base_every, retain=snap.retain,
                                 executor=self._encoders, metrics=metrics)
-        # One thread owns the store: encode, prepare, commit and read never interleave.
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="store")
+        # Encodes, prepares and reads run side by side (the store is thread-safe); commits
+        # get their own thread so a backlog of captures never delays publishing a step.
+        self._io = ThreadPoolExecutor(2, thread_name_prefix="store")
+        self._commit_io = ThreadPoolExecutor(1, thread_name_prefix="commit")
         self.s3 = None
         if config.s3.bucket:
             self.s3 = S3Tier(bucket=config.s3.bucket, job_id=config.job_id,
@@ -92,11 +94,16 @@ class SnapshotPath:
         self.fd_server.stop()
         self.pool.close()
         self._io.shutdown(wait=True)
+        self._commit_io.shutdown(wait=True)
         self._encoders.shutdown(wait=True)
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._io, lambda: fn(*args, **kw))
+
+    async def _run_commit(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._commit_io, lambda: fn(*args, **kw))
 
     # RankService handlers -----------------------------------------------------
 
@@ -137,7 +144,7 @@ class SnapshotPath:
         prepared = await self._run(
             self.store.encode, request.step, request.coord.rank,
             memoryview(slot.view)[:total], list(request.tensors), coord=request.coord,
-            extra=request.extra, node=self.node)
+            extra=request.extra, node=self.node, adamw=list(request.adamw))
         self.metrics.captured_bytes.inc(total)
         log.debug("captured", extra={"step": request.step, "rank": request.coord.rank,
                                      "bytes": total, "encode_s": time.perf_counter() - t0})
@@ -150,6 +157,8 @@ class SnapshotPath:
                             generation: int, layout: Any, prepared: Any) -> None:
         if previous is not None:
             await asyncio.gather(previous, return_exceptions=True)  # keep step order
+        if generation < self.registry.generation:
+            return  # the job moved on while this capture was encoded; it will not commit
         try:
             state = await self._run(self.store.prepare, step, prepared)
             state = await self._protect(step, generation, state, prepared.payloads)
@@ -220,7 +229,7 @@ class SnapshotPath:
 
     async def commit(self, manifest: manifest_pb2.Manifest) -> None:
         """Phase two, sent by the coordinator to every daemon."""
-        await self._run(self.store.commit, manifest, local_node=self.node)
+        await self._run_commit(self.store.commit, manifest, local_node=self.node)
         if self.s3 is not None and self.node == min(p.node for p in self.peers()):
             await self.s3.put_manifest(manifest.step, manifest.SerializeToString(
                 deterministic=True))

@@ -333,3 +333,37 @@ def test_sigkill_mid_commit_leaves_the_previous_step_restorable(tmp_path: Path,
         for rank in range(2):
             assert store.read_rank(step, rank) == state(step, rank, scale=4)
     assert not list(store.root.rglob("*.tmp"))  # torn writes were swept on open
+
+
+def _drift(step: int, rank: int) -> bytes:
+    """A state that changes a little each step, so every capture is a small delta."""
+    buf = bytearray(state(1, rank))
+    for i in range(step):
+        buf[(i * 977) % len(buf)] ^= 0xFF
+    return bytes(buf)
+
+
+def test_a_step_that_an_uncommitted_delta_needs_survives_retention(tmp_path: Path) -> None:
+    """Captures are pipelined: step 5 is encoded against step 3 while step 4 (encoded
+    earlier, against step 2) commits. Retention must not drop step 3 under step 5."""
+    store = LocalStore(tmp_path, retain=1, base_every=100, **SMALL)
+    layout = common_pb2.ParallelLayout(dp=2, pp=1, tp=1)
+
+    def prepare(step: int) -> list[manifest_pb2.RankState]:
+        return [store.prepare(step, store.encode(
+            step, r, _drift(step, r), tensors(), coord=common_pb2.RankCoord(rank=r, dp=r)))
+            for r in range(2)]
+
+    def commit(step: int, ranks: list[manifest_pb2.RankState]) -> None:
+        store.commit(build_manifest(job_id="default", step=step, generation=1, layout=layout,
+                                    ranks=ranks))
+
+    for step in (1, 2):
+        commit(step, prepare(step))
+    third, fourth = prepare(3), prepare(4)  # both deltas against step 2
+    commit(3, third)
+    fifth = prepare(5)                      # a delta against step 3
+    assert {c.base_step for r in fifth for c in r.chunks} == {3}
+    commit(4, fourth)                       # retention now looks at step 4's chain only
+    commit(5, fifth)
+    assert [store.read_rank(5, r) for r in range(2)] == [_drift(5, r) for r in range(2)]

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from stalwart.client.model import PRESETS, with_overrides
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.trainer import TrainConfig, Trainer
-from stalwart.client.trainer_state import load_state, state_tensors
+from stalwart.client.trainer_state import adamw_hints, load_state, state_tensors
 
 CFG = TrainConfig(model=with_overrides(PRESETS["tiny"], d_model=32, n_layer=2, n_head=2,
                                        d_ff=64, seq_len=16),
@@ -58,3 +58,16 @@ def test_extra_record_survives_a_json_round_trip():
     b = _trainer(1)
     load_state(b, snapshot, json.loads(json.dumps(extra)))
     assert b.step() == expected
+
+
+def test_adamw_hints_name_captured_tensors_with_the_step_lr():
+    t = _trainer(0)
+    t.step()
+    t.step()
+    tensors, _ = state_tensors(t)
+    names = {s.name for s in tensors}
+    hints = adamw_hints(t)
+    assert len(hints) == len(list(t.stage.parameters()))
+    for h in hints:
+        assert {h.param, h.exp_avg, h.exp_avg_sq} <= names
+        assert h.step == 2 and h.lr == CFG.lr_at(1)

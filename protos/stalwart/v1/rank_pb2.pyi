@@ -225,6 +225,7 @@ class CaptureRequest(_message.Message):
     EXTRA_FIELD_NUMBER: _builtins.int
     COORD_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
+    ADAMW_FIELD_NUMBER: _builtins.int
     rank_id: _builtins.str
     generation: _builtins.int
     step: _builtins.int
@@ -237,6 +238,10 @@ class CaptureRequest(_message.Message):
     def coord(self) -> _common_pb2.RankCoord: ...
     @_builtins.property
     def layout(self) -> _common_pb2.ParallelLayout: ...
+    @_builtins.property
+    def adamw(self) -> _containers.RepeatedCompositeFieldContainer[_manifest_pb2.AdamWHint]:
+        """how the optimizer moved each parameter (better deltas)"""
+
     def __init__(
         self,
         *,
@@ -248,10 +253,11 @@ class CaptureRequest(_message.Message):
         extra: _builtins.bytes = ...,
         coord: _common_pb2.RankCoord | None = ...,
         layout: _common_pb2.ParallelLayout | None = ...,
+        adamw: _abc.Iterable[_manifest_pb2.AdamWHint] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["coord", b"coord", "layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coord", b"coord", "extra", b"extra", "generation", b"generation", "layout", b"layout", "rank_id", b"rank_id", "slot_id", b"slot_id", "step", b"step", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adamw", b"adamw", "coord", b"coord", "extra", b"extra", "generation", b"generation", "layout", b"layout", "rank_id", b"rank_id", "slot_id", b"slot_id", "step", b"step", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,244 @@
+"""`stalwart demo`: a local cluster trains the GPT on real text, failures are injected,
+Stalwart detects, re-plans, rebuilds, restores and training continues; a summary
+gives each phase's time and the steps lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+FAULT = re.compile(r"^(rank|node):(\d+)@step:(\d+)$")
+
+
+def _fault(kind: str):
+    def parse(text: str) -> dict[str, Any]:
+        m = FAULT.match(text)
+        if not m:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: write rank:R@step:S or node:N@step:S, e.g. rank:1@step:10")
+        return {"kind": kind, "target": m[1], "index": int(m[2]), "step": int(m[3])}
+    return parse
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--nodes", type=int, default=2, help="daemons, each standing for one node")
+    a("--ranks-per-node", type=int, default=2, help="training ranks per node")
+    a("--spares", type=int, default=1, help="spare ranks waiting for a role")
+    a("--dp", type=int, default=2)
+    a("--pp", type=int, default=2)
+    a("--tp", type=int, default=1)
+    a("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    a("--microbatches", type=int, default=None, help="per pipeline round (default: pp)")
+    a("--steps", type=int, default=40)
+    a("--seed", type=int, default=0)
+    a("--model", choices=["tiny", "small", "medium"], default="tiny")
+    a("--global-batch", type=int, default=8)
+    a("--kill", type=_fault("kill"), action="append", default=[],
+      help="SIGKILL rank R (or node N: its daemon and ranks) after step S; repeatable")
+    a("--hang", type=_fault("hang"), action="append", default=[],
+      help="make rank R stop answering after step S; repeatable")
+    a("--no-faults", action="store_true",
+      help="inject nothing (default without --kill/--hang: kill rank 1 at a third of the run)")
+    a("--collective-timeout", type=float, default=10.0,
+      help="seconds a collective may wait before it counts as a hang")
+    a("--timeout", type=float, default=900.0, help="seconds for the whole demo")
+    a("--workdir", type=Path, default=None, help="keep logs and snapshots here")
+    a("--json", dest="json_path", type=Path, default=None, help="write the summary here")
+
+
+def _spec(args: argparse.Namespace, faults: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"model": args.model, "train": {"global_batch": args.global_batch, "seed": args.seed},
+            "layout": {"dp": args.dp, "pp": args.pp, "tp": args.tp, "schedule": args.schedule,
+                       "microbatches": args.microbatches or args.pp},
+            "steps": args.steps, "faults": faults,
+            "collective_timeout_s": args.collective_timeout}
+
+
+def _say(t0: float, text: str) -> None:
+    print(f"[{time.monotonic() - t0:7.2f}s] {text}", flush=True)
+
+
+class _Follower:
+    """Reads the `[step] N loss L` lines the ranks print."""
+
+    def __init__(self) -> None:
+        self.offsets: dict[Path, int] = {}
+        self.losses: dict[int, float] = {}
+
+    def poll(self, paths: list[Path]) -> None:
+        for path in paths:
+            if not path.exists():
+                continue
+            with open(path, "rb") as f:
+                f.seek(self.offsets.get(path, 0))
+                chunk = f.read()
+            cut = chunk.rfind(b"\n") + 1
+            self.offsets[path] = self.offsets.get(path, 0) + cut
+            for line in chunk[:cut].decode("utf-8", "replace").splitlines():
+                if line.startswith("[step] "):
+                    _, step, _, loss = line.split()
+                    self.losses[int(step)] = float(loss)
+
+
+def run(args: argparse.Namespace) -> int:
+    from stalwart.client.local_cluster import ClusterError, LocalCluster
+
+    world = args.dp * args.pp * args.tp
+    if args.nodes * args.ranks_per_node < world:
+        print(f"stalwart demo: {args.nodes} nodes x {args.ranks_per_node} ranks hold "
+              f"{args.nodes * args.ranks_per_node} ranks, but dp*pp*tp = {world}; raise "
+              "--nodes or --ranks-per-node", file=sys.stderr)
+        return 2
+    faults = args.kill + args.hang
+    if not faults and not args.no_faults:
+        faults = [{"kind": "kill", "target": "rank", "index": min(1, world - 1),
+                   "step": max(2, args.steps // 3)}]
+    t0 = time.monotonic()
+    cluster = LocalCluster(nodes=args.nodes, workdir=args.workdir)
+    cluster.env["STALWART_FAULT_LOG"] = str(cluster.workdir)
+    print(f"Stalwart demo: {args.nodes} nodes, {world} ranks (dp={args.dp} pp={args.pp} "
+          f"tp={args.tp}, {args.schedule}), {args.spares} spare(s), model {args.model}, "
+          f"{args.steps} steps, snapshot every step")
+    for f in faults:
+        print(f"  will {f['kind']} {f['target']} {f['index']} after step {f['step']}")
+    print(f"  logs and snapshots: {cluster.workdir}")
+    try:
+        cluster.start_daemons()
+        _say(t0, f"{args.nodes} daemons up; coordinator {cluster.coordinator().name}")
+        cluster.launch(_spec(args, faults), world, args.spares, args.ranks_per_node)
+        _say(t0, f"{world} ranks and {args.spares} spare(s) launched")
+        summary = _watch(cluster, args, t0, faults)
+    except ClusterError as exc:
+        print(f"stalwart demo: {exc}; logs are in {cluster.workdir}", file=sys.stderr)
+        cluster.close(keep_workdir=True)
+        return 1
+    cluster.close(keep_workdir=args.workdir is not None)
+    _print_summary(summary)
+    if args.json_path is not None:
+        args.json_path.parent.mkdir(parents=True, exist_ok=True)
+        args.json_path.write_text(json.dumps(summary, indent=2) + "\n")
+        print(f"summary written to {args.json_path}")
+    return 0 if summary["completed"] else 1
+
+
+def _watch(cluster: Any, args: argparse.Namespace, t0: float,
+           faults: list[dict[str, Any]]) -> dict[str, Any]:
+    follow = _Follower()
+    seen_failures: set[tuple[str, int]] = set()
+    generation, committed, shown_step = 0, 0, 0
+    committed_at: list[tuple[float, int]] = []  # (unix time, latest committed step)
+    plans: list[dict[str, Any]] = []
+    deadline = time.monotonic() + args.timeout
+    while cluster.running() and time.monotonic() < deadline:
+        follow.poll([r.log_path for r in cluster.ranks])
+        statuses = [n.status() for n in cluster.daemons if n.alive]
+        coord = next((s for s in statuses if s is not None and any(
+            d.coordinator and d.node == s.node for d in s.daemons)), None)
+        for st in statuses:
+            for f in st.recent_failures if st else ():
+                key = (f.subject, f.kind)
+                if key not in seen_failures:
+                    seen_failures.add(key)
+                    _say(t0, f"DETECTED {_kind(f.kind)} of {f.subject} by {st.node}: "
+                             f"{f.evidence}")
+        if coord is not None:
+            if coord.latest_committed_step != committed:
+                committed = coord.latest_committed_step
+                committed_at.append((time.time(), committed))
+            if coord.generation > generation:
+                if generation:
+                    plan = coord.plan
+                    _say(t0, f"NEW PLAN generation {coord.generation}: {plan.reason or '-'}; "
+                             f"resume from committed step {plan.resume_step}")
+                    plans.append({"generation": coord.generation, "reason": plan.reason,
+                                  "resume_step": plan.resume_step, "time_unix": time.time(),
+                                  "stop": plan.stop, "stop_message": plan.stop_message})
+                    if plan.stop:
+                        _say(t0, f"STOP: {plan.stop_message}")
+                generation = coord.generation
+        if follow.losses:
+            step = max(follow.losses)
+            if step >= shown_step + max(1, args.steps // 10) or step == args.steps > shown_step:
+                shown_step = step
+                _say(t0, f"step {step:4d}  loss {follow.losses[step]:.4f}  "
+                         f"committed {committed}  generation {generation}")
+        time.sleep(0.25)
+    follow.poll([r.log_path for r in cluster.ranks])
+    return _summarise(cluster, args, faults, follow, plans, committed_at,
+                      time.monotonic() - t0)
+
+
+def _kind(code: int) -> str:
+    from stalwart.v1 import common_pb2
+
+    return common_pb2.FailureEvent.Kind.Name(code).lower()
+
+
+def _summarise(cluster: Any, args: argparse.Namespace, faults: list[dict[str, Any]],
+               follow: _Follower, plans: list[dict[str, Any]],
+               committed_at: list[tuple[float, int]], elapsed: float) -> dict[str, Any]:
+    from stalwart.client.trainer import param_digest
+
+    results = [(r, r.result()) for r in cluster.ranks]
+    finished = [res for _, res in results if res and res.get("losses")]
+    losses: dict[int, float] = {}
+    for res in finished:
+        losses.update({int(k): v for k, v in res["losses"].items()})
+    hashes: dict[str, str] = {}
+    for res in finished:
+        if res.get("coord", {}).get("dp") == 0:
+            hashes.update(res.get("param_hashes", {}))
+    fired = sorted((json.loads(p.read_text()) for p in cluster.workdir.glob("fault-*.json")),
+                   key=lambda f: f["time_unix"])
+    recoveries = []
+    for fault, plan in zip(fired, plans, strict=False):
+        gens = [g for res in finished for g in res.get("generations", [])
+                if g["generation"] == plan["generation"]]
+        before = [c for t, c in committed_at if t <= fault["time_unix"]]
+        committed_before = before[-1] if before else 0
+        first = max((g["first_step_unix"] or 0 for g in gens), default=0)
+        recoveries.append({
+            "kind": f"{fault['kind']} {fault['target']}:{fault['index']}",
+            "fault_step": fault["step"], "resume_step": plan["resume_step"],
+            "lost_steps": max(0, committed_before - plan["resume_step"]),
+            "redone_steps": max(0, fault["step"] - plan["resume_step"]),
+            "detect_plan_s": round(plan["time_unix"] - fault["time_unix"], 3),
+            "rebuild_s": max((g["rebuild_s"] for g in gens), default=None),
+            "restore_s": max((g["restore_s"] for g in gens), default=None),
+            "mttr_s": round(first - fault["time_unix"], 3) if first else None,
+            "reason": plan["reason"]})
+    completed = bool(losses) and max(losses) == args.steps and len(losses) == args.steps
+    return {"completed": completed, "elapsed_s": round(elapsed, 2),
+            "losses": [losses[s] for s in sorted(losses)],
+            "param_digest": param_digest(hashes) if completed and hashes else None,
+            "lost_steps": sum(r["lost_steps"] for r in recoveries),
+            "recoveries": recoveries,
+            "stopped": next((p["stop_message"] for p in plans if p["stop"]), ""),
+            "layout": {"dp": args.dp, "pp": args.pp, "tp": args.tp}, "steps": args.steps}
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    print("\n=== summary ===")
+    losses = s["losses"]
+    if losses:
+        every = max(1, len(losses) // 8)
+        print("loss: " + "  ".join(f"{i + 1}:{losses[i]:.3f}"
+                                   for i in range(0, len(losses), every)) +
+              f"  {len(losses)}:{losses[-1]:.3f}")
+    for r in s["recoveries"]:
+        print(f"recovery from {r['kind']} after step {r['fault_step']}: resumed at committed "
+              f"step {r['resume_step']} (lost {r['lost_steps']}, redone {r['redone_steps']}); "
+              f"detect+plan {r['detect_plan_s']} s, rebuild {r['rebuild_s']} s, restore "
+              f"{r['restore_s']} s, fault to first step {r['mttr_s']} s")
+    if s["stopped"]:
+        print(f"stopped: {s['stopped']}")
+    print(f"committed steps lost: {s['lost_steps']}; training "
+          f"{'completed' if s['completed'] else 'did NOT complete'} in {s['elapsed_s']} s; "
+          f"param_digest {s['param_digest']}")
