@@ -21,6 +21,7 @@ from typing import Any
 
 from stalwart.client.capture import Capturer
 from stalwart.client.daemon_client import DaemonClient, DaemonUnavailable
+from stalwart.client.data import load_corpus
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.state_layout import unpack
 from stalwart.client.trainer import TrainConfig, Trainer
@@ -96,6 +97,7 @@ class ElasticAgent:
         self.on_step = on_step
         self.result = AgentResult()
         self._plans: queue.Queue[common_pb2.Plan] = queue.Queue()
+        self._corpus: bytes | None = None  # loaded once, reused by every generation
         self._newest = 0
 
     # plans ----------------------------------------------------------------------
@@ -187,7 +189,9 @@ class ElasticAgent:
         trainer = capturer = None
         abandoned = False
         try:
-            trainer = Trainer(dims, cfg.train,
+            if self._corpus is None:
+                self._corpus = load_corpus(cfg.train.corpus_bytes)
+            trainer = Trainer(dims, cfg.train, corpus=self._corpus,
                               stage_bounds=[(s.first_layer, s.last_layer) for s in lay.stages]
                               or None, schedule=lay.schedule or "1f1b",
                               microbatches=lay.microbatches or 1,

@@ -137,6 +137,8 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
     plans: list[dict[str, Any]] = []
     deadline = time.monotonic() + args.timeout
     while cluster.running() and time.monotonic() < deadline:
+        if _finished(cluster, args.steps) >= args.dp * args.pp * args.tp:
+            break  # every role is done; what still runs is a spare that never got one
         follow.poll([r.log_path for r in cluster.ranks])
         statuses = [n.status() for n in cluster.daemons if n.alive]
         coord = next((s for s in statuses if s is not None and any(
@@ -173,6 +175,16 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
     follow.poll([r.log_path for r in cluster.ranks])
     return _summarise(cluster, args, faults, follow, plans, committed_at,
                       time.monotonic() - t0)
+
+
+def _finished(cluster: Any, steps: int) -> int:
+    """Rank processes that exited after training every step."""
+    done = 0
+    for r in cluster.ranks:
+        if r.proc.poll() == 0:
+            res = r.result() or {}
+            done += str(steps) in res.get("losses", {})
+    return done
 
 
 def _kind(code: int) -> str:

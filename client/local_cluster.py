@@ -55,6 +55,7 @@ class Node:
     data_dir: Path
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
+    metrics_port: int = 0
 
     @property
     def socket(self) -> Path:
@@ -94,6 +95,7 @@ class LocalCluster:
     nodes: int = 2
     workdir: Path | None = None
     daemon_settings: dict[str, Any] = field(default_factory=dict)
+    metrics: bool = False  # serve /metrics from every daemon on a free port
     env: dict[str, str] = field(default_factory=dict)
     daemons: list[Node] = field(default_factory=list)
     ranks: list[RankProc] = field(default_factory=list)
@@ -124,8 +126,10 @@ class LocalCluster:
             wait_until(self._membership_agreed, timeout_s, "the daemons to see each other")
 
     def _spawn_daemon(self, node: Node, peers: list[str]) -> None:
+        node.metrics_port = free_port() if self.metrics else 0
         cfg = {"node": node.name, "listen": node.address, "data_dir": str(node.data_dir),
-               "unix_socket": str(node.socket), "metrics_port": 0, "log_format": "json",
+               "unix_socket": str(node.socket), "metrics_port": node.metrics_port,
+               "log_format": "json",
                "peers": peers, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0,
                **self.daemon_settings}
         config_path = node.data_dir / "stalwart.toml"
