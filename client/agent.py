@@ -81,11 +81,11 @@ class GrpcCaptureTransport:
         return [(sid, reply.fd_socket) for sid in (reply.slot_ids or [reply.slot_id])]
 
     def send_capture(self, step: int, slot_id: str, metas: list[common_pb2.TensorMeta],
-                     extra: bytes, hints: Sequence[Any] = ()) -> None:
+                     extra: bytes, hints: Sequence[Any] = (), stall_s: float = 0.0) -> None:
         self.daemon.call("capture", "Capture", rank_pb2.CaptureRequest(
             rank_id=self.daemon.rank_id, generation=self.generation, step=step,
             slot_id=slot_id, tensors=metas, extra=extra, coord=self.coord, layout=self.layout,
-            adamw=hints), timeout=120)
+            adamw=hints, stall_s=stall_s), timeout=120)
 
 
 class ElasticAgent:

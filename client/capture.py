@@ -33,8 +33,9 @@ class CaptureTransport(Protocol):
         """Return [(slot_id, fd_socket_path)] of slots holding at least nbytes."""
 
     def send_capture(self, step: int, slot_id: str, metas: list[common_pb2.TensorMeta],
-                     extra: bytes, hints: Sequence[Any] = ()) -> None:
-        """Tell the daemon the slot holds `step`; return once it has consumed the slot."""
+                     extra: bytes, hints: Sequence[Any] = (), stall_s: float = 0.0) -> None:
+        """Tell the daemon the slot holds `step`; return once it has consumed the slot.
+        `stall_s` is how long the previous capture blocked training (for metrics)."""
 
 
 @dataclass
@@ -132,7 +133,8 @@ class Capturer:
     def _send(self, step: int, slot: _SlotState, metas: list[common_pb2.TensorMeta],
               extra: bytes, hints: list[Any]) -> None:
         try:
-            self.transport.send_capture(step, slot.mapped.slot_id, metas, extra, hints)
+            stall = self.stats.stalls_s[-2] if len(self.stats.stalls_s) > 1 else 0.0
+            self.transport.send_capture(step, slot.mapped.slot_id, metas, extra, hints, stall)
         finally:
             slot.free.set()
 

@@ -159,6 +159,8 @@ class Job:
 
     def _on_failure(self, failure: Failure) -> None:
         self._failures.put_nowait(failure)
+        if failure.kind is FailureKind.PEER_LOST:
+            asyncio.get_running_loop().create_task(self.snapshots.on_peer_lost(failure.subject))
 
     async def _decide_forever(self) -> None:
         while True:

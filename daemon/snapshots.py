@@ -146,6 +146,8 @@ class SnapshotPath:
             memoryview(slot.view)[:total], list(request.tensors), coord=request.coord,
             extra=request.extra, node=self.node, adamw=list(request.adamw))
         self.metrics.captured_bytes.inc(total)
+        if request.step > 1:
+            self.metrics.capture_stall.labels(request.rank_id).observe(request.stall_s)
         log.debug("captured", extra={"step": request.step, "rank": request.coord.rank,
                                      "bytes": total, "encode_s": time.perf_counter() - t0})
         previous = self._durable.get(request.rank_id)
@@ -168,6 +170,10 @@ class SnapshotPath:
         except Exception:
             log.exception("step could not be made durable; it will not commit",
                           extra={"step": step, "rank": prepared.state.rank})
+
+    async def on_peer_lost(self, node: str) -> None:
+        """A daemon is gone: its shards must be re-created elsewhere (repair)."""
+        log.warning("peer lost; its shards are not yet re-created", extra={"peer": node})
 
     # erasure coding -----------------------------------------------------------
 
