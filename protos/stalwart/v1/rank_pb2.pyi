@@ -345,7 +345,7 @@ class RestoreRequest(_message.Message):
     RANK_FIELD_NUMBER: _builtins.int
     rank_id: _builtins.str
     step: _builtins.int
-    """0 = latest committed"""
+    """0 = newest committed step that is still recoverable"""
     rank: _builtins.int
     """which rank's state (in the step's layout)"""
     def __init__(
@@ -370,8 +370,11 @@ class RestorePiece(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
     offset: _builtins.int
     data: _builtins.bytes
+    step: _builtins.int
+    """first piece only: the step restored (answers step = 0)"""
     @_builtins.property
     def state(self) -> _manifest_pb2.RankState:
         """first piece only: metadata"""
@@ -382,10 +385,11 @@ class RestorePiece(_message.Message):
         state: _manifest_pb2.RankState | None = ...,
         offset: _builtins.int = ...,
         data: _builtins.bytes = ...,
+        step: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "offset", b"offset", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "offset", b"offset", "state", b"state", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
