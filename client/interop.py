@@ -1,0 +1,355 @@
+"""`stalwart export` / `stalwart import`: committed steps <-> standard PyTorch checkpoints.
+
+Export reads every rank of a committed step (from a running daemon, or offline from a
+store directory), reassembles full-size tensors from the TP shards and pipeline stages
+of data-parallel replica 0, and writes them with torch.save or torch.distributed.checkpoint.
+Import reads such a file (tensors only) and commits it as a (1,1,1) step of a local store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import pickle
+import socket
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from stalwart.v1 import manifest_pb2
+
+CONFIGURE_TAKES_NAME = True
+EXTRA_KEY = "stalwart/extra"  # JSON (step, data position, scaler, hyperparameters) as uint8
+FORMATS = ("state_dict", "dcp")
+
+# Checkpoint keys, the snapshot's own names:
+#   model/<canonical param>        full parameter, e.g. model/layers.1.attn.qkv.weight
+#   optim/<canonical param>/<key>  AdamW state: exp_avg, exp_avg_sq (full size), step
+#   rng/cpu                        CPU generator state of rank 0
+#   stalwart/extra                 the rest, as JSON bytes
+
+
+class InteropError(RuntimeError):
+    """A checkpoint or step cannot be exported or imported; the message says why."""
+
+
+# --- reading a committed step ---------------------------------------------------------
+
+
+def read_from_daemon(step: int, target: str | None = None
+                     ) -> list[tuple[manifest_pb2.RankState, bytes]]:
+    """Every rank's record and state bytes of committed `step` (0: the latest) through the
+    daemon's Restore calls; the step's world size comes from rank 0's layout record."""
+    from stalwart.client.daemon_client import DaemonClient
+
+    client = DaemonClient(target)
+    try:
+        first = client.restore(step, 0)
+        layout = json.loads(first[0].extra.decode())["layout"]
+        world = layout["dp"] * layout["pp"] * layout["tp"]
+        step = step or json.loads(first[0].extra.decode())["step"]
+        return [first, *(client.restore(step, r) for r in range(1, world))]
+    finally:
+        client.close(leaving=False)
+
+
+def read_from_store(data_dir: Path, job_id: str, step: int
+                    ) -> list[tuple[manifest_pb2.RankState, bytes]]:
+    """The same, offline from a store no daemon is writing (every chunk must be on disk)."""
+    from stalwart.daemon.local_store import LocalStore
+
+    _refuse_live_daemon(data_dir)
+    if not (data_dir / "snapshots" / job_id / "manifests").is_dir():
+        raise InteropError(f"{data_dir} holds no snapshots of job {job_id!r} "
+                           f"(no {data_dir}/snapshots/{job_id}/manifests)")
+    store = LocalStore(data_dir, job_id=job_id, ram_bytes=0)
+    step = step or store.latest_committed() or 0
+    manifest = store.load_manifest(step)
+    return [(r, store.read_rank(step, r.rank)) for r in manifest.ranks]
+
+
+def _refuse_live_daemon(data_dir: Path) -> None:
+    path = data_dir / "daemon.sock"
+    if not path.exists():
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(str(path))
+        except OSError:
+            return  # a stale socket file of a stopped daemon
+    raise InteropError(f"a daemon is running on {data_dir}; export through it with "
+                       f"--socket {path} instead of reading its store directly")
+
+
+def assemble_full(ranks: list[tuple[manifest_pb2.RankState, bytes]]) -> dict[str, torch.Tensor]:
+    """Full-size model and optimizer tensors (plus rank 0's RNG and extra) of one step."""
+    from stalwart.client.reshard import Piece, Want, assemble
+    from stalwart.client.state_layout import unpack
+
+    pieces: dict[str, list[Piece]] = {}
+    extras = []
+    for state, data in sorted(ranks, key=lambda r: r[0].rank):
+        if state.coord.dp != 0:
+            continue  # data-parallel replicas hold identical copies
+        tensors = unpack(data, list(state.tensors))
+        extras.append(json.loads(state.extra.decode()))
+        for meta in state.tensors:
+            if meta.name.startswith(("model/", "optim/")) or (
+                    meta.name.startswith("rng/") and state.rank == 0):
+                pieces.setdefault(meta.name, []).append(Piece(
+                    meta.name, tensors[meta.name], tuple(meta.global_shape),
+                    tuple(meta.offsets)))
+    if not extras:
+        raise InteropError("the step has no rank of data-parallel replica 0")
+    out = {}
+    for name, group in pieces.items():
+        shape = group[0].global_shape
+        out[name] = assemble(Want(name, shape, (0,) * len(shape), shape), group)
+    out[EXTRA_KEY] = _json_tensor(_full_extra(extras, out))
+    return out
+
+
+def _full_extra(extras: list[dict[str, Any]], tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """Rank 0's extra, its layout rewritten as the single-rank layout of the full state."""
+    extra = dict(extras[0])
+    layers = _layer_count(tensors)
+    shard_dims: dict[str, Any] = {}
+    for e in extras:
+        shard_dims.update(e.get("layout", {}).get("shard_dims", {}))
+    extra["layout"] = {"dp": 1, "pp": 1, "tp": 1, "coords": {"dp": 0, "pp": 0, "tp": 0},
+                       "stage_bounds": [[0, layers - 1]], "schedule": "1f1b",
+                       "microbatches": 1, "grad_accum": 1, "shard_dims": shard_dims}
+    return extra
+
+
+def _layer_count(tensors: Mapping[str, Any]) -> int:
+    layers = [int(n.split("/")[1].split(".")[1]) for n in tensors if n.startswith("model/")]
+    if not layers:
+        raise InteropError("the checkpoint holds no model parameters (model/layers.N.*)")
+    return max(layers) + 1
+
+
+def _json_tensor(value: Any) -> torch.Tensor:
+    import torch
+
+    return torch.frombuffer(bytearray(json.dumps(value, sort_keys=True).encode()),
+                            dtype=torch.uint8)
+
+
+# --- writing and reading checkpoint files ---------------------------------------------
+
+
+def save(tensors: dict[str, torch.Tensor], path: Path, fmt: str) -> None:
+    """torch.save of the plain dict, or a single-process DCP save into directory `path`."""
+    import torch
+
+    if fmt == "state_dict":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(tensors, tmp)
+        tmp.replace(path)
+    elif fmt == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+    else:
+        raise InteropError(f"unknown format {fmt!r}; use one of {FORMATS}")
+
+
+def load(path: Path) -> dict[str, torch.Tensor]:
+    """Tensors of a torch.save file (weights_only) or a DCP directory, by flat '/' name."""
+    if path.is_dir():
+        return _load_dcp(path)
+    import torch
+
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0][:200]
+        raise InteropError(
+            f"{path} holds Python objects besides tensors ({first}); stalwart import loads "
+            "only with torch.load(weights_only=True). Re-save it as a dict of tensors, e.g. "
+            "torch.save(model.state_dict(), PATH)") from None
+    if not isinstance(obj, Mapping):
+        raise InteropError(f"{path} holds a {type(obj).__name__}, not a dict of tensors")
+    return _flatten(obj, path)
+
+
+def _flatten(obj: Mapping[str, Any], path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    import torch
+
+    out: dict[str, torch.Tensor] = {}
+    for key, value in obj.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, path, name + "/"))
+        elif torch.is_tensor(value):
+            out[name] = value
+        else:
+            raise InteropError(f"{path}: entry {name!r} is a {type(value).__name__}, not a "
+                               "tensor; keep only tensors in the checkpoint")
+    return out
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP writes its index as a pickle; allow only DCP's metadata classes and torch types."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        if module.startswith("torch.distributed.checkpoint.") or module == "torch":
+            found = super().find_class(module, name)
+            safe = (isinstance(found, type) and module != "torch") or isinstance(
+                found, torch.dtype | torch.layout | torch.memory_format) or found is torch.Size
+            if safe:
+                return found
+        if (module, name) in (("collections", "OrderedDict"), ("builtins", "set")):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
+
+
+def _load_dcp(path: Path) -> dict[str, torch.Tensor]:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+
+    class SafeReader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            with open(Path(self.path) / ".metadata", "rb") as f:
+                metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    reader = SafeReader(str(path))
+    try:
+        metadata = reader.read_metadata()
+    except (pickle.UnpicklingError, FileNotFoundError) as exc:
+        raise InteropError(f"{path} is not a DCP checkpoint stalwart can read safely: "
+                           f"{exc}") from None
+    out = {}
+    for name, meta in metadata.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            raise InteropError(f"{path}: entry {name!r} is not a tensor; keep only tensors")
+        out[name] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    return out
+
+
+# --- committing a checkpoint as a step -------------------------------------------------
+
+
+def commit_checkpoint(tensors: dict[str, torch.Tensor], data_dir: Path, step: int,
+                      job_id: str = "default") -> None:
+    """Write `tensors` as committed `step` of layout (1,1,1) in the store under data_dir."""
+    from stalwart.client.state_layout import StateTensor, describe, pack_into
+    from stalwart.core import manifest as mf
+    from stalwart.daemon.local_store import LocalStore
+    from stalwart.v1 import common_pb2
+
+    _refuse_live_daemon(data_dir)
+    named = {(k if k.startswith(("model/", "optim/", "rng/", "stalwart/")) else f"model/{k}"): v
+             for k, v in tensors.items()}
+    unknown = [k for k in named if k.startswith("model/") and not _is_layer_name(k)]
+    if unknown:
+        raise InteropError(f"entries {unknown[:3]} are not parameters of the Stalwart GPT "
+                           "(model/layers.N.*); export from Stalwart or rename them")
+    layers = _layer_count(named)
+    extra = _extra_for(named, step, layers)
+    states = [StateTensor(k, v.detach().contiguous(), _layer_of(k))
+              for k, v in sorted(named.items()) if k != EXTRA_KEY]
+    metas, nbytes = describe(states)
+    import torch
+
+    buffer = torch.zeros(nbytes, dtype=torch.uint8)
+    pack_into(buffer, states, metas)
+    store = LocalStore(data_dir, job_id=job_id, ram_bytes=0)
+    if step in store.committed_steps():
+        raise InteropError(f"step {step} is already committed in {store.root}; choose another "
+                           "--step or another --data-dir")
+    layout = common_pb2.ParallelLayout(
+        dp=1, pp=1, tp=1, schedule="1f1b", microbatches=1, grad_accum=1,
+        stages=[common_pb2.StageBounds(first_layer=0, last_layer=layers - 1)])
+    prepared = store.encode(step, 0, buffer.numpy(), metas, coord=common_pb2.RankCoord(rank=0),
+                            extra=json.dumps(extra, sort_keys=True).encode())
+    state = store.prepare(step, prepared)
+    store.commit(mf.build_manifest(job_id=job_id, step=step, generation=0, layout=layout,
+                                   ranks=[state], base_step=prepared.root_step))
+
+
+def _is_layer_name(key: str) -> bool:
+    parts = key.split("/")[1].split(".")
+    return len(parts) >= 3 and parts[0] == "layers" and parts[1].isdigit()
+
+
+def _layer_of(key: str) -> int:
+    return int(key.split("/")[1].split(".")[1]) if key.startswith(("model/", "optim/")) else -1
+
+
+def _extra_for(named: Mapping[str, torch.Tensor], step: int, layers: int) -> dict[str, Any]:
+    """The checkpoint's own extra (from a Stalwart export), else what a foreign one implies:
+    no data position, scaler or optimizer hyperparameters (the job's defaults apply)."""
+    if EXTRA_KEY in named:
+        extra = json.loads(bytes(named[EXTRA_KEY].numpy()).decode())
+        extra["step"] = step
+        return extra
+    return {"format": 1, "step": step, "imported": True, "scaler": None, "data": None,
+            "param_groups": None,
+            "layout": {"dp": 1, "pp": 1, "tp": 1, "coords": {"dp": 0, "pp": 0, "tp": 0},
+                       "stage_bounds": [[0, layers - 1]], "schedule": "1f1b",
+                       "microbatches": 1, "grad_accum": 1, "shard_dims": {}}}
+
+
+# --- the CLI ---------------------------------------------------------------------------
+
+
+def configure(parser: argparse.ArgumentParser, name: str = "export") -> None:
+    parser.set_defaults(interop=name)
+    parser.add_argument("path", type=Path, help="checkpoint file (state_dict) or directory (dcp)")
+    parser.add_argument("--job", default=os.environ.get("STALWART_JOB_ID") or "default",
+                        help="job id of the snapshots (default: $STALWART_JOB_ID or 'default')")
+    if name == "export":
+        parser.add_argument("--step", type=int, default=0,
+                            help="committed step to export (default: the latest)")
+        parser.add_argument("--format", choices=FORMATS, default="state_dict",
+                            help="torch.save dict of tensors, or torch.distributed.checkpoint")
+        source = parser.add_mutually_exclusive_group()
+        source.add_argument("--socket", type=Path,
+                            help="Unix socket of a running daemon (default: $STALWART_UNIX_SOCKET"
+                                 " or /var/lib/stalwart/daemon.sock)")
+        source.add_argument("--data-dir", type=Path,
+                            help="read the store offline (no daemon running on it)")
+    else:
+        parser.add_argument("--data-dir", type=Path, required=True,
+                            help="daemon data directory to write the step into (offline)")
+        parser.add_argument("--step", type=int, required=True, help="step number to commit")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.interop == "export":
+            if args.data_dir is not None:
+                ranks = read_from_store(args.data_dir, args.job, args.step)
+            else:
+                ranks = read_from_daemon(args.step, f"unix:{args.socket}" if args.socket
+                                         else None)
+            tensors = assemble_full(ranks)
+            save(tensors, args.path, args.format)
+            step = json.loads(bytes(tensors[EXTRA_KEY].numpy()).decode())["step"]
+            print(f"exported step {step} ({len(tensors)} tensors) to {args.path}")
+        else:
+            tensors = load(args.path)
+            commit_checkpoint(tensors, args.data_dir, args.step, args.job)
+            print(f"imported {len(tensors)} tensors as step {args.step} of job {args.job!r} "
+                  f"in {args.data_dir}")
+    except (RuntimeError, FileNotFoundError, ValueError) as exc:  # InteropError, daemon, chunks
+        print(f"stalwart {args.interop}: {exc}", file=sys.stderr)
+        return 1
+    return 0
