@@ -23,6 +23,9 @@ FLAGS = {
     "job_id": ("ID", "job this daemon serves (default 'default')"),
     "log_format": ("json|text", "log format (default: json unless stderr is a terminal)"),
     "log_level": ("LEVEL", "DEBUG, INFO, WARNING or ERROR (default INFO)"),
+    "tls.cert": ("FILE", "PEM certificate of this daemon; turns on mutual TLS on --listen"),
+    "tls.key": ("FILE", "PEM private key of --tls-cert"),
+    "tls.ca": ("FILE", "PEM CA that signs every daemon and operator of the cluster"),
 }
 
 
@@ -30,7 +33,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML configuration file")
     for key, (metavar, help_) in FLAGS.items():
         # Values stay strings here so the config module reports every bad value alike.
-        parser.add_argument(f"--{key.replace('_', '-')}", dest=key, metavar=metavar, help=help_)
+        flag = key.replace("_", "-").replace(".", "-")
+        parser.add_argument(f"--{flag}", dest=key, metavar=metavar, help=help_)
 
 
 def config_from_args(args: argparse.Namespace) -> DaemonConfig:

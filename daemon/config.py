@@ -288,7 +288,7 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
         if value is None:
             continue
         section, _, key = dotted.rpartition(".")
-        _set(merged, section, key, value, f"from --{key.replace('_', '-')}")
+        _set(merged, section, key, value, f"from --{dotted.replace('_', '-').replace('.', '-')}")
     return _build(merged)
 
 

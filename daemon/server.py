@@ -31,6 +31,8 @@ from stalwart.daemon.operator_service import OperatorServicer
 from stalwart.daemon.peer_service import PeerServicer, gossip_forever
 from stalwart.daemon.rank_service import RankServicer
 from stalwart.daemon.registry import Registry
+from stalwart.daemon.tls import ReloadingServerCredentials, TlsError, channel_credentials
+from stalwart.daemon.tls import enabled as tls_enabled
 from stalwart.v1 import operator_pb2, operator_pb2_grpc, peer_pb2, peer_pb2_grpc, rank_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon")
@@ -85,6 +87,7 @@ class Daemon:
         self._metrics_http: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.tls: ReloadingServerCredentials | None = None
 
     # lifecycle -----------------------------------------------------------
 
@@ -94,6 +97,11 @@ class Daemon:
         _make_dir(self.data_dir, "data_dir")
         _make_dir(self.unix_socket.parent, "unix_socket")
         _clear_stale_socket(self.unix_socket)
+        if tls_enabled(cfg.tls):
+            try:
+                self.tls = ReloadingServerCredentials(cfg.tls)
+            except TlsError as e:
+                raise DaemonStartError(str(e)) from None
         server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -116,12 +124,17 @@ class Daemon:
         reflection.enable_server_reflection(
             [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
 
-        port = _bind(server, cfg.listen, "listen")
+        port = _bind(server, cfg.listen, "listen",
+                     self.tls.credentials if self.tls is not None else None)
         host = cfg.listen.rpartition(":")[0]
         if host.strip("[]") in ("0.0.0.0", "::", ""):
             host = socket.gethostname()  # peers cannot dial a wildcard address
         self.address = self.membership.self_address = self.operator.address = f"{host}:{port}"
         _bind(server, f"unix:{self.unix_socket}", "unix_socket")
+        # The kernel lets only this uid and group (and root) connect; the deployment puts
+        # the ranks in the daemon's group. Other users never reach the RPCs.
+        os.chmod(self.unix_socket, 0o660)
+        self.job.snapshots.fd_server.metrics = self.metrics
         await server.start()
         await self.job.start()
 
@@ -182,8 +195,12 @@ class Daemon:
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
             # round_robin: a seed that is a DNS name for many daemons reaches each in turn.
-            self._channels[address] = grpc.aio.insecure_channel(
-                address, options=[("grpc.lb_policy_name", "round_robin")])
+            options = [("grpc.lb_policy_name", "round_robin")]
+            if tls_enabled(self.config.tls):
+                self._channels[address] = grpc.aio.secure_channel(
+                    address, channel_credentials(self.config.tls), options=options)
+            else:
+                self._channels[address] = grpc.aio.insecure_channel(address, options=options)
         return self._channels[address]
 
     def peer_info(self) -> peer_pb2.PeerInfo:
@@ -232,10 +249,15 @@ def _clear_stale_socket(path: Path) -> None:
         f"unix_socket: another daemon is serving on {path}; stop it or choose another path")
 
 
-def _bind(server: grpc.aio.Server, target: str, key: str) -> int:
-    """Add an endpoint; returns the bound TCP port (1 for a Unix socket)."""
+def _bind(server: grpc.aio.Server, target: str, key: str,
+          credentials: grpc.ServerCredentials | None = None) -> int:
+    """Add an endpoint (TLS when credentials are given); returns the bound TCP port
+    (1 for a Unix socket)."""
     try:
-        port = server.add_insecure_port(target)
+        if credentials is None:
+            port = server.add_insecure_port(target)
+        else:
+            port = server.add_secure_port(target, credentials)
     except RuntimeError:
         port = 0
     if port == 0:

@@ -17,6 +17,9 @@ import socket
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from stalwart.daemon.peercred import peer_cred, refusal
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +133,16 @@ class SlotPool:
 
 
 class FdServer:
-    """Hands a slot's fd to a local process that names the slot (and the token)."""
+    """Hands a slot's fd to a local process that names the slot (and the token).
 
-    def __init__(self, pool: SlotPool, path: Path) -> None:
+    The caller must also pass the uid check of peercred.refusal: a slot holds the
+    model's state, so a process of another user never gets its fd.
+    """
+
+    def __init__(self, pool: SlotPool, path: Path, metrics: Any = None) -> None:
         self.pool = pool
         self.path = path
+        self.metrics = metrics  # stalwart.daemon.metrics.Metrics: counts refused callers
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -143,7 +151,7 @@ class FdServer:
         self.path.unlink(missing_ok=True)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(str(self.path))
-        os.chmod(self.path, 0o600)
+        os.chmod(self.path, 0o660)  # ranks may run as another user in the daemon's group
         sock.listen(64)
         sock.settimeout(0.2)  # lets the loop notice stop() promptly
         self._sock = sock
@@ -167,14 +175,24 @@ class FdServer:
                 except (OSError, ValueError) as exc:
                     log.warning("fd request failed: %s", exc)
 
+    def _refused(self, conn: socket.socket, reason: str, message: str) -> None:
+        if self.metrics is not None:
+            self.metrics.auth_refused.labels(reason).inc()
+        log.warning("fd request refused: %s", message)
+        conn.sendall(f"ERR {message}\n".encode())
+
     def _answer(self, conn: socket.socket) -> None:
+        why = refusal(peer_cred(conn))
+        if why:
+            self._refused(conn, "uid", why)
+            return
         request = conn.recv(MAX_REQUEST).decode("ascii", "replace").split()
         if len(request) not in (1, 2):
             conn.sendall(b"ERR malformed request; send '<slot_id> [token]'\n")
             return
         slot_id, token = request[0], (request[1] if len(request) == 2 else "")
-        if self.pool.token and not secrets.compare_digest(token, self.pool.token):
-            conn.sendall(b"ERR wrong or missing job token\n")
+        if self.pool.token and not secrets.compare_digest(token.encode(), self.pool.token.encode()):
+            self._refused(conn, "token", "wrong or missing job token; set STALWART_TOKEN")
             return
         try:
             slot = self.pool.get(slot_id)

@@ -1,0 +1,147 @@
+"""Mutual TLS on the daemon's TCP endpoint: only certificates of the cluster CA get in."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+
+from stalwart.daemon.cli import config_from_args, configure
+from stalwart.daemon.config import DaemonConfig, TlsConfig
+from stalwart.daemon.server import Daemon, DaemonStartError
+from stalwart.v1 import operator_pb2, operator_pb2_grpc
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "make-certs.sh"
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,
+                                reason="scripts/make-certs.sh needs the openssl command")
+
+
+def make_certs(directory: Path, *names: str) -> Path:
+    subprocess.run(["bash", str(SCRIPT), str(directory), *names], check=True,
+                   capture_output=True, timeout=60)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two independent CAs: the cluster's and a stranger's, each with a daemon and operator."""
+    base = tmp_path_factory.mktemp("pki")
+    return {"cluster": make_certs(base / "cluster", "node1=127.0.0.1,localhost", "operator"),
+            "other": make_certs(base / "other", "node1=127.0.0.1,localhost", "operator")}
+
+
+def daemon_config(tmp_path: Path, tls: TlsConfig) -> DaemonConfig:
+    return DaemonConfig(node="node1", listen="127.0.0.1:0", metrics_port=0,
+                        data_dir=str(tmp_path / "d"), unix_socket=str(tmp_path / "d.sock"),
+                        heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0, tls=tls)
+
+
+def tls_of(directory: Path, name: str = "node1") -> TlsConfig:
+    return TlsConfig(cert=str(directory / f"{name}.pem"), key=str(directory / f"{name}.key"),
+                     ca=str(directory / "ca.pem"))
+
+
+def credentials(ca: Path, cert_dir: Path | None, name: str = "operator"
+                ) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(
+        root_certificates=ca.read_bytes(),
+        private_key=(cert_dir / f"{name}.key").read_bytes() if cert_dir else None,
+        certificate_chain=(cert_dir / f"{name}.pem").read_bytes() if cert_dir else None)
+
+
+async def status_code(address: str, creds: grpc.ChannelCredentials | None) -> str:
+    """"OK" when Status answers, else the gRPC status code name."""
+    channel = (grpc.aio.insecure_channel(address) if creds is None
+               else grpc.aio.secure_channel(address, creds))
+    async with channel:
+        try:
+            await operator_pb2_grpc.OperatorServiceStub(channel).Status(
+                operator_pb2.StatusRequest(), timeout=5.0)
+        except grpc.aio.AioRpcError as e:
+            return e.code().name
+    return "OK"
+
+
+def run_with_daemon(config: DaemonConfig, body) -> object:
+    async def main() -> object:
+        daemon = Daemon(config)
+        await daemon.start()
+        try:
+            return await body(daemon)
+        finally:
+            await daemon.stop(grace_s=0)
+    return asyncio.run(main())
+
+
+def test_daemon_with_mtls_admits_only_clients_with_a_certificate_of_the_cluster_ca(
+        tmp_path: Path, pki: dict[str, Path]) -> None:
+    cluster, other = pki["cluster"], pki["other"]
+
+    async def body(daemon: Daemon) -> dict[str, str]:
+        a = daemon.address
+        return {
+            "cluster cert": await status_code(a, credentials(cluster / "ca.pem", cluster)),
+            "no cert": await status_code(a, credentials(cluster / "ca.pem", None)),
+            "other CA's cert": await status_code(a, credentials(cluster / "ca.pem", other)),
+            "plaintext": await status_code(a, None),
+        }
+
+    seen = run_with_daemon(daemon_config(tmp_path, tls_of(cluster)), body)
+    assert seen == {"cluster cert": "OK", "no cert": "UNAVAILABLE",
+                    "other CA's cert": "UNAVAILABLE", "plaintext": "UNAVAILABLE"}
+
+
+def test_rotated_certificate_files_are_served_to_new_connections_without_a_restart(
+        tmp_path: Path, pki: dict[str, Path]) -> None:
+    live = tmp_path / "live"
+    shutil.copytree(pki["cluster"], live)
+    other = pki["other"]
+
+    async def body(daemon: Daemon) -> tuple[str, str, int]:
+        before = await status_code(daemon.address, credentials(live / "ca.pem", live))
+        # Rotate to the other CA's files (a new cluster PKI), as an operator would.
+        for name in ("node1.pem", "node1.key", "ca.pem"):
+            tmp = live / f".{name}.new"
+            shutil.copyfile(other / name, tmp)
+            os.replace(tmp, live / name)
+        after = await status_code(daemon.address, credentials(other / "ca.pem", other))
+        assert daemon.tls is not None
+        return before, after, daemon.tls.reloads
+
+    before, after, reloads = run_with_daemon(daemon_config(tmp_path, tls_of(live)), body)
+    assert (before, after) == ("OK", "OK")
+    assert reloads == 1
+
+
+def test_daemons_talk_to_each_other_over_mtls(tmp_path: Path, pki: dict[str, Path]) -> None:
+    cluster = pki["cluster"]
+
+    async def body(daemon: Daemon) -> str:
+        stub = operator_pb2_grpc.OperatorServiceStub(daemon._channel(daemon.address))
+        reply = await stub.Status(operator_pb2.StatusRequest(), timeout=5.0)
+        return reply.node
+
+    assert run_with_daemon(daemon_config(tmp_path, tls_of(cluster)), body) == "node1"
+
+
+def test_a_missing_ca_file_stops_the_start_with_a_message_naming_the_key(
+        tmp_path: Path, pki: dict[str, Path]) -> None:
+    tls = TlsConfig(cert=str(pki["cluster"] / "node1.pem"),
+                    key=str(pki["cluster"] / "node1.key"), ca=str(tmp_path / "nope.pem"))
+    with pytest.raises(DaemonStartError, match=r"tls\.ca: cannot read .*nope\.pem"):
+        run_with_daemon(daemon_config(tmp_path, tls), lambda d: asyncio.sleep(0))
+
+
+def test_tls_flags_set_the_tls_section() -> None:
+    import argparse
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    args = parser.parse_args(["--tls-cert", "/c.pem", "--tls-key", "/k.pem",
+                              "--tls-ca", "/ca.pem"])
+    assert config_from_args(args).tls == TlsConfig("/c.pem", "/k.pem", "/ca.pem")
