@@ -1,0 +1,352 @@
+"""Shrink a plan onto the surviving ranks: fewer DP replicas, fewer pipeline stages with
+a re-balanced partition, or both, chosen by predicted step time; among equally fast
+layouts the one that moves the fewest layers. TP degree and the global batch stay fixed.
+
+The same search widens a plan when ranks join (see `stalwart.core.grow`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from stalwart.core.decide import Coord, Layout, Member, PlanState
+from stalwart.core.partition import partition, uniform
+
+__all__ = ["ElasticConfig", "ElasticPlanner", "ShrinkMemoryError", "ShrinkResult",
+           "plan_layout", "plan_shrink", "predicted_step"]
+
+# Predicted step times within this fraction count as equal; fewer moved layers then win.
+_TIE = 1e-9
+
+
+class ShrinkMemoryError(ValueError):
+    """No layout of the survivors fits the model in the per-device memory cap."""
+
+    def __init__(self, message: str, shortfall_bytes: float) -> None:
+        super().__init__(message)
+        self.shortfall_bytes = shortfall_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElasticConfig:
+    """What the elastic planner knows about the model and the devices."""
+
+    costs: tuple[float, ...]
+    """Per-layer cost of one micro-batch (seconds or FLOPs, e.g. client.model.layer_costs)."""
+    mem: tuple[float, ...] | None = None
+    """Per-layer static bytes on one rank (its TP shard of parameters, grads, optimizer)."""
+    act: tuple[float, ...] | None = None
+    """Per-layer activation bytes of one micro-batch on one rank."""
+    mem_cap: float | None = None
+    """Bytes of memory per device; None: memory is not checked."""
+    layer_bytes: tuple[float, ...] | None = None
+    """Per-layer bytes a rank receives when it gains the layer (for bytes_moved)."""
+    speeds: Mapping[str, float] = field(default_factory=dict)
+    """rank_id -> speed factor (default 1); a stage runs at its slowest rank."""
+    keep_microbatches: bool = True
+    """Keep the micro-batches per pipeline round and raise gradient accumulation (when
+    still >= the stage count); otherwise use the fastest count."""
+    max_assignments: int = 20_000
+    """Beyond this many rank-to-stage assignments per layout, search a greedy subset."""
+
+
+@dataclass(frozen=True)
+class ShrinkResult:
+    """The chosen plan and what it costs to reach it."""
+
+    plan: PlanState
+    predicted_step: float
+    """ga x (microbatches + pp - 1) x bottleneck, in the unit of the costs."""
+    predicted_before: float
+    """The same prediction for the plan before the change (all its ranks alive)."""
+    layers_moved: int
+    """(rank, layer) pairs whose TP shard the rank must receive."""
+    layers_moved_naive: int
+    """The same count for a from-scratch partition with ranks placed in rank order."""
+    receive: dict[str, tuple[int, ...]]
+    """rank_id -> layers it must receive (its TP shard of each)."""
+    sources: dict[int, tuple[str, ...]]
+    """layer -> surviving rank_ids that hold a shard of it."""
+    bytes_moved: float
+    considered: tuple[dict, ...] = ()
+
+    @property
+    def speed_ratio(self) -> float:
+        """Predicted steps/s after over before (< 1 for a shrink)."""
+        return self.predicted_before / self.predicted_step if self.predicted_step else 1.0
+
+    def predicted_steps_per_s(self, measured_before: float) -> float:
+        """Steps/s predicted for the new plan, calibrated by the measured old steps/s."""
+        return measured_before * self.speed_ratio
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One TP group of the pool: ranks by tp index, and the layers all of them hold."""
+
+    members: tuple[Member, ...]
+    held: tuple[int, int] | None
+    speed: float
+    old_dp: int
+
+    @property
+    def kind(self) -> tuple:
+        return (self.held, self.speed)
+
+
+def predicted_step(costs: Sequence[float], layout: Layout, speeds: Sequence[float]) -> float:
+    """Step time of `layout` (stage speeds given) in the unit of the costs."""
+    stages = layout.stages or tuple(uniform(len(costs), layout.pp))
+    worst = max(sum(costs[a:b + 1]) / s for (a, b), s in zip(stages, speeds, strict=True))
+    return layout.grad_accum * (layout.microbatches + layout.pp - 1) * worst
+
+
+def _groups(state: PlanState, pool: list[Member], speeds: Mapping[str, float],
+            n_layers: int) -> list[_Group]:
+    """Intact TP groups keep their holdings; other pool ranks form fresh groups per node."""
+    lay, alive = state.layout, {m.rank_id for m in pool}
+    stages = lay.stages or tuple(uniform(n_layers, lay.pp))
+    out, used = [], set()
+    cells: dict[tuple[int, int], list[Member]] = {}
+    for m in state.members:
+        if m.coord is not None:
+            cells.setdefault((m.coord.dp, m.coord.pp), []).append(m)
+    for (d, p), ms in sorted(cells.items()):
+        ms.sort(key=lambda m: m.coord.tp)
+        if all(m.rank_id in alive for m in ms) and len({m.node for m in ms}) == 1:
+            out.append(_Group(tuple(ms), stages[p], min(speeds.get(m.rank_id, 1.0) for m in ms), d))
+            used.update(m.rank_id for m in ms)
+    rest = sorted((m for m in pool if m.rank_id not in used),
+                  key=lambda m: (m.node, m.coord is None, m.rank_id))
+    for _, on_node in itertools.groupby(rest, key=lambda m: m.node):
+        ms = list(on_node)
+        for i in range(0, len(ms) - lay.tp + 1, lay.tp):
+            chunk = tuple(ms[i:i + lay.tp])
+            out.append(_Group(chunk, None, min(speeds.get(m.rank_id, 1.0) for m in chunk), -1))
+    return out
+
+
+def _microbatches(old: Layout, dp: int, pp: int, keep: bool) -> tuple[int, int] | None:
+    """(microbatches, grad_accum) that keep dp x ga x m fixed with m >= pp, or None."""
+    total = old.dp * old.grad_accum * old.microbatches
+    if total % dp:
+        return None
+    per_replica = total // dp
+    if keep and old.microbatches >= pp and per_replica % old.microbatches == 0:
+        return old.microbatches, per_replica // old.microbatches
+    if per_replica < pp:
+        return None
+    return per_replica, 1
+
+
+def _assignments(kinds: Counter, dp: int, pp: int) -> Iterator[tuple[tuple, ...]]:
+    """Every way to give each stage a multiset of dp group kinds (stage order matters)."""
+    order = sorted(kinds, key=repr)
+
+    def rec(stage: int, left: Counter) -> Iterator[list[tuple]]:
+        if stage == pp:
+            yield []
+            return
+        for combo in itertools.combinations_with_replacement(order, dp):
+            need = Counter(combo)
+            if all(left[k] >= c for k, c in need.items()):
+                for tail in rec(stage + 1, left - need):
+                    yield [combo, *tail]
+    for a in rec(0, Counter(kinds)):
+        yield tuple(a)
+
+
+def _greedy_assignments(kinds: Counter, dp: int, pp: int) -> Iterator[tuple[tuple, ...]]:
+    """A few monotone assignments (kinds in layer order) for pools too big to enumerate."""
+    flat = [k for k in sorted(kinds, key=lambda k: (k[0] is None, k[0] or (0, 0), -k[1]))
+            for _ in range(kinds[k])]
+    for skip in range(len(flat) - dp * pp + 1):
+        chosen = flat[:dp * pp - skip] + flat[len(flat) - skip:] if skip else flat[:dp * pp]
+        chosen.sort(key=lambda k: (k[0] is None, k[0] or (0, 0)))
+        yield tuple(tuple(chosen[s * dp:(s + 1) * dp]) for s in range(pp))
+
+
+def _lacks(held: tuple[int, int] | None, layer: int) -> bool:
+    return held is None or not held[0] <= layer <= held[1]
+
+
+@dataclass
+class _Best:
+    key: tuple[float, int, int]
+    dp: int
+    pp: int
+    micro: tuple[int, int]
+    assignment: tuple[tuple, ...]
+    stages: tuple[tuple[int, int], ...]
+
+
+def _better(step: float, moved: int, changed: int, best: _Best | None) -> bool:
+    if best is None:
+        return True
+    b_step, b_moved, b_changed = best.key
+    if step < b_step * (1 - _TIE):
+        return True
+    return step <= b_step * (1 + _TIE) and (moved, changed) < (b_moved, b_changed)
+
+
+def plan_layout(state: PlanState, failed: frozenset[str], config: ElasticConfig, *,
+                dp_range: tuple[int, int], pp_range: tuple[int, int]) -> ShrinkResult:
+    """The fastest layout of the surviving members and spares of `state` with dp and pp in
+    the given inclusive ranges, moving the fewest layers among equally fast ones.
+
+    Raises ShrinkMemoryError when no layout fits the memory cap.
+    """
+    costs, old, tp = list(config.costs), state.layout, state.layout.tp
+    pool = [m for m in (*state.members, *state.spares) if m.rank_id not in failed]
+    groups = _groups(state, pool, config.speeds, len(costs))
+    kinds = Counter(g.kind for g in groups)
+    best: _Best | None = None
+    considered, shortfalls = [], []
+    for pp in range(pp_range[0], min(pp_range[1], len(costs), len(groups)) + 1):
+        for dp in range(dp_range[0], min(dp_range[1], len(groups) // pp) + 1):
+            micro = _microbatches(old, dp, pp, config.keep_microbatches)
+            if micro is None:
+                continue
+            m, ga = micro
+            cand = _assignments(kinds, dp, pp)
+            count = math.comb(len(kinds) + dp - 1, dp) ** pp
+            if count > config.max_assignments:
+                cand = _greedy_assignments(kinds, dp, pp)
+            local: _Best | None = None
+            for assignment in cand:
+                speeds = [min(k[1] for k in combo) for combo in assignment]
+                move = [[float(tp * sum(_lacks(k[0], i) for k in combo))
+                         for i in range(len(costs))] for combo in assignment]
+                try:
+                    part = partition(costs, pp, speeds, mem=config.mem, act=config.act,
+                                     mem_cap=config.mem_cap, micro_batches=m, move_costs=move)
+                except ValueError as exc:
+                    shortfalls.append((dp, pp, m, speeds, str(exc)))
+                    break  # memory does not depend on which ranks hold the stages
+                step = ga * (m + pp - 1) * part.bottleneck
+                moved = int(sum(move[j][i] for i, j in enumerate(part.owners())))
+                changed = sum(k[0] != part.stages[s] for s, combo in enumerate(assignment)
+                              for k in combo)
+                if _better(step, moved, changed, local):
+                    local = _Best((step, moved, changed), dp, pp, micro, assignment, part.stages)
+            if local is not None:
+                considered.append({"dp": dp, "pp": pp, "microbatches": m, "grad_accum": ga,
+                                   "predicted_step": local.key[0], "layers_moved": local.key[1]})
+                if _better(*local.key, best):
+                    best = local
+    if best is None:
+        raise _memory_error(state, pool, config, shortfalls)
+    return _result(state, failed, pool, groups, best, config, tuple(considered))
+
+
+def _memory_error(state: PlanState, pool: list[Member], config: ElasticConfig,
+                  shortfalls: list[tuple]) -> ShrinkMemoryError:
+    if not shortfalls or config.mem_cap is None:
+        return ShrinkMemoryError(
+            f"no layout fits the {len(pool)} surviving ranks with tp={state.layout.tp} and a "
+            "global batch that divides among them; register a spare rank", 0.0)
+    best_short, best_text = math.inf, ""
+    for dp, pp, m, speeds, text in shortfalls:
+        lo, hi = 0.0, float(sum(config.mem or ()) + sum(config.act or ()) * pp)
+        while hi - lo > 1.0:
+            mid = (lo + hi) / 2
+            try:
+                partition(list(config.costs), pp, speeds, mem=config.mem, act=config.act,
+                          mem_cap=config.mem_cap + mid, micro_batches=m)
+                hi = mid
+            except ValueError:
+                lo = mid
+        if hi < best_short:
+            best_short, best_text = hi, f"dp={dp} pp={pp}: {text}"
+    return ShrinkMemoryError(
+        f"cannot shrink onto the {len(pool)} surviving ranks: the model does not fit in "
+        f"{config.mem_cap:,.0f} bytes per device; the closest layout is short by "
+        f"{math.ceil(best_short):,} bytes ({best_text}). Register a spare rank, raise the "
+        "memory cap, or recompute activations.", math.ceil(best_short))
+
+
+def _result(state: PlanState, failed: frozenset[str], pool: list[Member], groups: list[_Group],
+            best: _Best, config: ElasticConfig, considered: tuple[dict, ...]) -> ShrinkResult:
+    old, tp = state.layout, state.layout.tp
+    m, ga = best.micro
+    free: dict[tuple, list[_Group]] = {}
+    for g in sorted(groups, key=lambda g: g.old_dp):
+        free.setdefault(g.kind, []).append(g)
+    members, receive, naive_slots = [], {}, []
+    for s, combo in enumerate(best.assignment):
+        chosen = [free[k].pop(0) for k in combo]
+        # A group keeps its DP index where it can (its RNG stream and data share).
+        slots: dict[int, _Group] = {}
+        for g in chosen:
+            if 0 <= g.old_dp < best.dp and g.old_dp not in slots:
+                slots[g.old_dp] = g
+        rest = [g for g in chosen if g not in slots.values()]
+        for d in range(best.dp):
+            if d not in slots:
+                slots[d] = rest.pop(0)
+        a, b = best.stages[s]
+        for d, g in sorted(slots.items()):
+            for t, mem in enumerate(g.members):
+                rank = (s * best.dp + d) * tp + t
+                members.append(Member(mem.rank_id, mem.node, Coord(rank, d, s, t)))
+                need = tuple(i for i in range(a, b + 1) if _lacks(g.held, i))
+                if need:
+                    receive[mem.rank_id] = need
+    used = {m.rank_id for m in members}
+    members.sort(key=lambda x: x.coord.rank)
+    layout = Layout(dp=best.dp, pp=best.pp, tp=tp, stages=best.stages, schedule=old.schedule,
+                    microbatches=m, grad_accum=ga)
+    spares = tuple(Member(x.rank_id, x.node) for x in pool if x.rank_id not in used)
+    reason = (f"{'shrink' if len(members) < old.world_size else 'widen'} dp={old.dp} pp={old.pp}"
+              f" tp={tp} -> dp={best.dp} pp={best.pp} tp={tp}, stages {list(best.stages)}, "
+              f"grad_accum {old.grad_accum} -> {ga}, {best.key[1]} layers moved")
+    plan = PlanState(generation=state.generation, layout=layout, members=tuple(members),
+                     spares=spares, resume_step=state.resume_step, reason=reason)
+    naive_slots = sorted(groups, key=lambda g: min(x.coord.rank if x.coord else 10**9
+                                                   for x in g.members))[:best.dp * best.pp]
+    naive_bounds = partition(list(config.costs), best.pp, mem=config.mem, act=config.act,
+                             mem_cap=config.mem_cap, micro_batches=m).stages
+    naive = sum(tp * _lacks(g.held, i) for n, g in enumerate(naive_slots)
+                for i in range(naive_bounds[n // best.dp][0], naive_bounds[n // best.dp][1] + 1))
+    held = {g.members[0].rank_id: g.held for g in groups}
+    sources = {i: tuple(x.rank_id for g in groups for x in g.members
+                        if not _lacks(held[g.members[0].rank_id], i))
+               for i in range(len(config.costs))}
+    per_layer = config.layer_bytes or (0.0,) * len(config.costs)
+    before_speeds = [min((config.speeds.get(x.rank_id, 1.0) for x in state.members
+                          if x.coord and x.coord.pp == s), default=1.0) for s in range(old.pp)]
+    return ShrinkResult(
+        plan=plan, predicted_step=best.key[0],
+        predicted_before=predicted_step(config.costs, old, before_speeds),
+        layers_moved=best.key[1], layers_moved_naive=naive, receive=receive, sources=sources,
+        bytes_moved=float(sum(per_layer[i] for v in receive.values() for i in v)),
+        considered=considered)
+
+
+def plan_shrink(state: PlanState, failed: frozenset[str], config: ElasticConfig) -> ShrinkResult:
+    """The best plan on the survivors of `failed` (spares included) with at most the
+    current DP replicas and pipeline stages: what the job ran on already fitted."""
+    lost = failed & {m.rank_id for m in state.members}
+    if not lost:
+        raise ValueError(f"none of {sorted(failed)} holds a role; nothing to shrink")
+    lay = state.layout
+    return plan_layout(state, failed, config, dp_range=(1, lay.dp), pp_range=(1, lay.pp))
+
+
+class ElasticPlanner:
+    """`core.decide.ShrinkPlanner` adapter; the last full result stays in `last`."""
+
+    def __init__(self, config: ElasticConfig) -> None:
+        self.config = config
+        self.last: ShrinkResult | None = None
+
+    def __call__(self, state: PlanState, failed: frozenset[str],
+                 committed_step: int) -> PlanState | None:
+        result = plan_shrink(state, failed, self.config)
+        self.last = result
+        return dataclasses.replace(result.plan, resume_step=committed_step)
