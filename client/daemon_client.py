@@ -51,6 +51,29 @@ def default_target(env: Mapping[str, str] | None = None) -> str:
     return f"unix:{DEFAULT_SOCKET}"
 
 
+def tls_credentials(env: Mapping[str, str] | None = None) -> grpc.ChannelCredentials | None:
+    """Mutual-TLS credentials for a daemon's TCP port from $STALWART_TLS_CERT, _KEY and _CA
+    (PEM files, as made by scripts/make-certs.sh), or None when they are unset."""
+    env = os.environ if env is None else env
+    names = ("STALWART_TLS_CERT", "STALWART_TLS_KEY", "STALWART_TLS_CA")
+    if not any(env.get(n) for n in names):
+        return None
+    missing = [n for n in names if not env.get(n)]
+    if missing:
+        raise DaemonUnavailable(f"TLS needs all of {', '.join(names)}; {', '.join(missing)} "
+                                "not set")
+    files = []
+    for name in names:
+        try:
+            with open(env[name], "rb") as f:
+                files.append(f.read())
+        except OSError as e:
+            raise DaemonUnavailable(f"${name}: cannot read {env[name]} ({e.strerror})") from None
+    cert, key, ca = files
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                        certificate_chain=cert)
+
+
 # Every live client, so fork hooks can pause their heartbeats (see _before_fork).
 _clients: weakref.WeakSet[DaemonClient] = weakref.WeakSet()
 
@@ -135,16 +158,25 @@ class DaemonClient:
             if self._channel is None:
                 # A private subchannel pool: the global one would hand a forked child
                 # the parent's connection, whose socket belongs to the parent.
-                self._channel = grpc.insecure_channel(
-                    self.target, options=[("grpc.use_local_subchannel_pool", 1)])
+                options = [("grpc.use_local_subchannel_pool", 1)]
+                creds = tls_credentials()
+                if creds is not None and not self.target.startswith("unix:"):
+                    self._channel = grpc.secure_channel(self.target, creds, options=options)
+                else:
+                    self._channel = grpc.insecure_channel(self.target, options=options)
             return self._channel
 
     def _rank_stub(self) -> rank_pb2_grpc.RankServiceStub:
         return rank_pb2_grpc.RankServiceStub(self._ensure_process())
 
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        # The daemon checks the job token on every rank call, not only at Register.
+        return (("stalwart-token", self.token),) if self.token else ()
+
     def _call(self, what: str, fn: Callable[..., Any], request: Any, **kwargs: Any) -> Any:
         try:
-            return fn(request, timeout=kwargs.pop("timeout", self.rpc_timeout_s), **kwargs)
+            return fn(request, timeout=kwargs.pop("timeout", self.rpc_timeout_s),
+                      metadata=self._metadata(), **kwargs)
         except grpc.RpcError as e:
             code = e.code()  # type: ignore[attr-defined]
             detail = e.details()  # type: ignore[attr-defined]
@@ -274,7 +306,8 @@ class DaemonClient:
         state: manifest_pb2.RankState | None = None
         data = bytearray()
         try:
-            for piece in self._rank_stub().Restore(request, timeout=timeout_s):
+            for piece in self._rank_stub().Restore(request, timeout=timeout_s,
+                                                   metadata=self._metadata()):
                 if piece.HasField("state"):
                     state = piece.state
                     data = bytearray(state.total_bytes)
@@ -291,7 +324,7 @@ class DaemonClient:
         """Plan changes as they happen (blocks between them; cancel by closing the client)."""
         known = self.generation if known_generation is None else known_generation
         request = rank_pb2.WatchPlanRequest(rank_id=self.rank_id, known_generation=known)
-        yield from self._rank_stub().WatchPlan(request)
+        yield from self._rank_stub().WatchPlan(request, metadata=self._metadata())
 
     def status(self) -> operator_pb2.StatusReply:
         """The daemon's view of the job (as `stalwart status` shows it)."""

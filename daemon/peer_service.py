@@ -19,7 +19,9 @@ import grpc
 
 from stalwart.core.failures import Failure
 from stalwart.daemon.membership import Membership
+from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.registry import Registry, StaleGeneration
+from stalwart.daemon.validate import admit
 from stalwart.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon.peer_service")
@@ -27,18 +29,23 @@ log = logging.getLogger("stalwart.daemon.peer_service")
 
 class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     def __init__(self, membership: Membership, registry: Registry,
-                 me: Callable[[], peer_pb2.PeerInfo], steps: Any = None) -> None:
+                 me: Callable[[], peer_pb2.PeerInfo], steps: Any = None,
+                 metrics: Metrics | None = None, job_id: str = "") -> None:
         self.membership, self.registry, self.me = membership, registry, me
+        self.metrics = metrics or Metrics()  # counts refused requests
+        self.job_id = job_id  # when set, step messages of other jobs are refused
         # Object with async PrepareStep/CommitStep(request, context): the commit path.
         self.steps = steps
 
     async def Gossip(self, request: peer_pb2.PeerInfo,
                      context: grpc.aio.ServicerContext) -> peer_pb2.Membership:
+        await admit(context, self.metrics, request)
         self.membership.observe(request)
         return self.membership.to_proto(self.me())
 
     async def InstallPlan(self, request: common_pb2.Plan,
                           context: grpc.aio.ServicerContext) -> common_pb2.Ack:
+        await admit(context, self.metrics, request)
         try:
             self.registry.install_plan(request)
         except StaleGeneration as e:
@@ -47,6 +54,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
 
     async def ReportFailure(self, request: common_pb2.FailureEvent,
                             context: grpc.aio.ServicerContext) -> common_pb2.Ack:
+        await admit(context, self.metrics, request)
         if request.generation and request.generation < self.registry.generation:
             return common_pb2.Ack(
                 accepted=False, message=f"report is from generation {request.generation}; "
@@ -60,21 +68,34 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
 
     async def Announce(self, request: peer_pb2.RankAnnouncement,
                        context: grpc.aio.ServicerContext) -> common_pb2.Ack:
+        await admit(context, self.metrics, request)
         if self.steps is None:
             await _not_here(context, "Announce")
         return await self.steps.Announce(request, context)
 
     async def PrepareStep(self, request: peer_pb2.PrepareStepRequest,
                           context: grpc.aio.ServicerContext) -> peer_pb2.PrepareStepReply:
+        await admit(context, self.metrics, request)
+        await self._same_job(context, request.job_id)
         if self.steps is None:
             await _not_here(context, "PrepareStep")
         return await self.steps.PrepareStep(request, context)
 
     async def CommitStep(self, request: peer_pb2.CommitStepRequest,
                          context: grpc.aio.ServicerContext) -> peer_pb2.CommitStepReply:
+        await admit(context, self.metrics, request)
+        await self._same_job(context, request.manifest.job_id)
         if self.steps is None:
             await _not_here(context, "CommitStep")
         return await self.steps.CommitStep(request, context)
+
+    async def _same_job(self, context: grpc.aio.ServicerContext, job_id: str) -> None:
+        if self.job_id and job_id != self.job_id:
+            self.metrics.auth_refused.labels("job").inc()
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"step message of job {job_id!r} sent to a daemon of job {self.job_id!r}; "
+                "check the peers list: daemons of different jobs must not be peers")
 
 
 async def _not_here(context: grpc.aio.ServicerContext, method: str) -> NoReturn:

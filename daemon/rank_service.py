@@ -25,6 +25,7 @@ from stalwart.daemon.registry import (
     StaleGeneration,
     UnknownRank,
 )
+from stalwart.daemon.validate import admit, metadata_token, token_matches
 from stalwart.v1 import common_pb2, rank_pb2, rank_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon.rank_service")
@@ -54,12 +55,14 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
 
     async def Register(self, request: rank_pb2.RegisterRequest,
                        context: grpc.aio.ServicerContext) -> rank_pb2.RegisterReply:
-        if self.config.token and request.token != self.config.token:
+        given = request.token or metadata_token(context)
+        if self.config.token and not token_matches(given, self.config.token):
             self.metrics.auth_refused.labels("token").inc()
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
-                f"rank pid {request.pid} sent {'a wrong' if request.token else 'no'} job token; "
+                f"rank pid {request.pid} sent {'a wrong' if given else 'no'} job token; "
                 "set STALWART_TOKEN to the daemon's token")
+        await admit(context, self.metrics, request)
         if request.job_id and request.job_id != self.config.job_id:
             self.metrics.auth_refused.labels("job").inc()
             await context.abort(
@@ -91,6 +94,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
 
     async def Heartbeat(self, request: rank_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> rank_pb2.HeartbeatReply:
+        await admit(context, self.metrics, request, self.config.token)
         try:
             self.registry.heartbeat(request.rank_id, request.generation, request.step,
                                     request.step_time_s, leaving=request.leaving)
@@ -100,6 +104,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
 
     async def WatchPlan(self, request: rank_pb2.WatchPlanRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[rank_pb2.PlanEvent]:
+        await admit(context, self.metrics, request, self.config.token)
         known = request.known_generation
         while not self.stopping.is_set():
             plan = await self.registry.plan_after(known, WATCH_WAKE_S)
@@ -111,6 +116,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
 
     async def ReportFailure(self, request: common_pb2.FailureEvent,
                             context: grpc.aio.ServicerContext) -> common_pb2.Ack:
+        await admit(context, self.metrics, request, self.config.token)
         if request.generation and request.generation < self.registry.generation:
             return common_pb2.Ack(
                 accepted=False,
@@ -127,24 +133,28 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
 
     async def OpenSlot(self, request: rank_pb2.OpenSlotRequest,
                        context: grpc.aio.ServicerContext) -> rank_pb2.OpenSlotReply:
+        await admit(context, self.metrics, request, self.config.token)
         if self.snapshots is None:
             await _not_here(context, "OpenSlot")
         return await self.snapshots.OpenSlot(request, context)
 
     async def Capture(self, request: rank_pb2.CaptureRequest,
                       context: grpc.aio.ServicerContext) -> rank_pb2.CaptureReply:
+        await admit(context, self.metrics, request, self.config.token)
         if self.snapshots is None:
             await _not_here(context, "Capture")
         return await self.snapshots.Capture(request, context)
 
     async def WaitCommitted(self, request: rank_pb2.WaitCommittedRequest,
                             context: grpc.aio.ServicerContext) -> rank_pb2.WaitCommittedReply:
+        await admit(context, self.metrics, request, self.config.token)
         if self.snapshots is None:
             await _not_here(context, "WaitCommitted")
         return await self.snapshots.WaitCommitted(request, context)
 
     async def Restore(self, request: rank_pb2.RestoreRequest,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[rank_pb2.RestorePiece]:
+        await admit(context, self.metrics, request, self.config.token)
         if self.snapshots is None:
             await _not_here(context, "Restore")
         async for piece in self.snapshots.Restore(request, context):

@@ -113,7 +113,8 @@ class Daemon:
             RankServicer(cfg, self.registry, self.metrics, self.stopping,
                          snapshots=self.job.snapshots, on_register=self.job.on_register), server)
         peer_pb2_grpc.add_PeerServiceServicer_to_server(
-            PeerServicer(self.membership, self.registry, self.peer_info, steps=self.job), server)
+            PeerServicer(self.membership, self.registry, self.peer_info, steps=self.job,
+                         metrics=self.metrics, job_id=cfg.job_id), server)
         operator_pb2_grpc.add_OperatorServiceServicer_to_server(self.operator, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = list(SERVICES)

@@ -1,0 +1,262 @@
+"""Checks every RPC's request before a handler acts on it: sizes, counts, ranges, identifiers.
+
+A request that fails a check is refused with INVALID_ARGUMENT and a message
+naming the field, its value and the allowed range; a caller without the job's
+token is refused with UNAUTHENTICATED. Refusals are counted in
+stalwart_auth_refused_total{reason}.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable
+from typing import Any, NoReturn
+
+import grpc
+
+from stalwart.daemon.shard_service import validate_id
+from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, rank_pb2
+
+TOKEN_METADATA = "stalwart-token"  # gRPC metadata key that carries the job token
+MAX_STEP = 10**12 - 1          # steps are stored as 12 zero-padded digits
+MAX_GENERATION = 2**53         # exact in JSON and float; far beyond any real job
+MAX_WORLD = 1 << 20            # ranks in a job
+MAX_TEXT = 4096                # characters of free text (evidence, messages, hostnames)
+MAX_NAME = 256                 # characters of a name or identifier
+MAX_TENSORS = 1 << 20          # tensors in one capture
+MAX_EXTRA_BYTES = 4 << 20      # JSON side data of a capture (RNG states, data position)
+MAX_SLOT_BYTES = 1 << 40       # one shared-memory slot
+MAX_LIST = 1 << 16             # entries of any other repeated field (peers, rank ids, labels)
+MAX_WAIT_S = 3600.0            # longest a caller may ask the daemon to wait (seconds)
+
+
+class InvalidRequest(ValueError):
+    """A request field is out of range; str() names the field and what is allowed."""
+
+
+def _fail(message: str) -> NoReturn:
+    raise InvalidRequest(message)
+
+
+def in_range(value: int | float, low: int | float, high: int | float, what: str) -> None:
+    if not low <= value <= high:  # also false for NaN
+        _fail(f"{what} must be in [{low}, {high}], got {value}")
+
+
+def text(value: str, what: str, limit: int = MAX_TEXT) -> None:
+    if len(value) > limit:
+        _fail(f"{what} is {len(value)} characters, more than the {limit} allowed")
+
+
+def count(items: Iterable[Any] | Any, what: str, limit: int = MAX_LIST) -> None:
+    n = len(items)
+    if n > limit:
+        _fail(f"{what} has {n} entries, more than the {limit} allowed")
+
+
+def identifier(value: str, what: str, *, optional: bool = False) -> None:
+    """A safe identifier: no path separators beyond '/', no '..', no leading '.' or '-'."""
+    if optional and not value:
+        return
+    try:
+        validate_id(value, what)
+    except ValueError as e:
+        _fail(str(e))
+
+
+def rank_id(value: str, what: str = "rank_id") -> None:
+    """Rank ids are "<node>/<pid>": a name, a slash, digits."""
+    text(value, what, MAX_NAME)
+
+
+def _layout(layout: common_pb2.ParallelLayout, what: str = "layout") -> None:
+    for name in ("dp", "pp", "tp", "microbatches", "grad_accum"):
+        in_range(getattr(layout, name), 0, MAX_WORLD, f"{what}.{name}")
+    count(layout.stages, f"{what}.stages")
+    text(layout.schedule, f"{what}.schedule", MAX_NAME)
+
+
+def _plan(plan: common_pb2.Plan) -> None:
+    in_range(plan.generation, 0, MAX_GENERATION, "plan.generation")
+    in_range(plan.resume_step, 0, MAX_STEP, "plan.resume_step")
+    _layout(plan.layout, "plan.layout")
+    count(plan.assignments, "plan.assignments", MAX_WORLD)
+    for a in plan.assignments:
+        rank_id(a.rank_id, "plan.assignments.rank_id")
+        text(a.node, "plan.assignments.node", MAX_NAME)
+    text(plan.reason, "plan.reason")
+    text(plan.stop_message, "plan.stop_message")
+
+
+def _failure(event: common_pb2.FailureEvent) -> None:
+    in_range(event.generation, 0, MAX_GENERATION, "generation")
+    text(event.subject, "subject", MAX_NAME)
+    text(event.evidence, "evidence")
+    text(event.reporter, "reporter", MAX_NAME)
+
+
+def manifest_ids(state: manifest_pb2.RankState, what: str) -> None:
+    """Chunk ids and shard locations end up in file paths and S3 keys: keep them safe."""
+    count(state.chunks, f"{what}.chunks", MAX_TENSORS)
+    for chunk in state.chunks:
+        identifier(chunk.chunk_id, f"{what} chunk_id")
+        count(chunk.shards, f"{what} chunk {chunk.chunk_id} shards", 1024)
+        for shard in chunk.shards:
+            identifier(shard.location, f"{what} shard location", optional=True)
+            text(shard.node, f"{what} shard node", MAX_NAME)
+
+
+def manifest(m: manifest_pb2.Manifest) -> None:
+    in_range(m.step, 0, MAX_STEP, "manifest.step")
+    in_range(m.generation, 0, MAX_GENERATION, "manifest.generation")
+    count(m.ranks, "manifest.ranks", MAX_WORLD)
+    for r in m.ranks:
+        manifest_ids(r, f"manifest rank {r.rank}")
+
+
+def request(message: Any) -> None:
+    """Raise InvalidRequest unless every field of `message` is within its limits."""
+    check = _CHECKS.get(type(message))
+    if check is not None:
+        check(message)
+
+
+def _register(r: rank_pb2.RegisterRequest) -> None:
+    text(r.job_id, "job_id", MAX_NAME)
+    in_range(r.pid, 1, 2**31 - 1, "pid")
+    in_range(r.rank, -1, MAX_WORLD, "rank")
+    in_range(r.world_size, 0, MAX_WORLD, "world_size")
+    in_range(r.local_rank, 0, MAX_WORLD, "local_rank")
+    text(r.hostname, "hostname", MAX_NAME)
+    text(r.device, "device", MAX_NAME)
+    _layout(r.layout)
+
+
+def _heartbeat(r: rank_pb2.HeartbeatRequest) -> None:
+    rank_id(r.rank_id)
+    in_range(r.generation, 0, MAX_GENERATION, "generation")
+    in_range(r.step, 0, MAX_STEP, "step")
+    in_range(r.step_time_s, 0.0, 1e9, "step_time_s")
+
+
+def _open_slot(r: rank_pb2.OpenSlotRequest) -> None:
+    rank_id(r.rank_id)
+    in_range(r.nbytes, 1, MAX_SLOT_BYTES, "nbytes")
+
+
+def _capture(r: rank_pb2.CaptureRequest) -> None:
+    rank_id(r.rank_id)
+    in_range(r.generation, 0, MAX_GENERATION, "generation")
+    in_range(r.step, 0, MAX_STEP, "step")
+    text(r.slot_id, "slot_id", MAX_NAME)
+    count(r.tensors, "tensors", MAX_TENSORS)
+    count(r.adamw, "adamw", MAX_TENSORS)
+    if len(r.extra) > MAX_EXTRA_BYTES:
+        _fail(f"extra is {len(r.extra)} bytes, more than the {MAX_EXTRA_BYTES} allowed")
+    for t in r.tensors:
+        text(t.name, "tensor name", MAX_NAME)
+        in_range(t.nbytes, 0, MAX_SLOT_BYTES, f"tensor {t.name!r} nbytes")
+        in_range(t.offset, 0, MAX_SLOT_BYTES, f"tensor {t.name!r} offset")
+        count(t.shape, f"tensor {t.name!r} shape", 64)
+        if any(d < 0 for d in t.shape):
+            _fail(f"tensor {t.name!r} has a negative dimension in shape {list(t.shape)}")
+    in_range(r.coord.rank, 0, MAX_WORLD, "coord.rank")
+    _layout(r.layout)
+    in_range(r.stall_s, 0.0, 1e9, "stall_s")
+
+
+def _wait_committed(r: rank_pb2.WaitCommittedRequest) -> None:
+    in_range(r.step, 0, MAX_STEP, "step")
+    in_range(r.timeout_s, 0.0, MAX_WAIT_S, "timeout_s")
+
+
+def _restore(r: rank_pb2.RestoreRequest) -> None:
+    rank_id(r.rank_id)
+    in_range(r.step, 0, MAX_STEP, "step")
+    in_range(r.rank, 0, MAX_WORLD, "rank")
+
+
+def _watch_plan(r: rank_pb2.WatchPlanRequest) -> None:
+    rank_id(r.rank_id)
+    in_range(r.known_generation, 0, MAX_GENERATION, "known_generation")
+
+
+def _peer_info(r: peer_pb2.PeerInfo) -> None:
+    text(r.node, "node", MAX_NAME)
+    text(r.address, "address", MAX_NAME)
+    count(r.labels, "labels", 16)
+    for k, v in r.labels.items():
+        text(k, "label name", MAX_NAME)
+        text(v, f"label {k}", MAX_NAME)
+    in_range(r.generation, 0, MAX_GENERATION, "generation")
+    count(r.rank_ids, "rank_ids", MAX_WORLD)
+    for rid in r.rank_ids:
+        rank_id(rid, "rank_ids")
+
+
+def _announce(r: peer_pb2.RankAnnouncement) -> None:
+    text(r.node, "node", MAX_NAME)
+    rank_id(r.rank_id)
+    in_range(r.rank, -1, MAX_WORLD, "rank")
+    in_range(r.world_size, 0, MAX_WORLD, "world_size")
+    _layout(r.layout)
+    in_range(r.generation, 0, MAX_GENERATION, "generation")
+
+
+def _prepare(r: peer_pb2.PrepareStepRequest) -> None:
+    text(r.job_id, "job_id", MAX_NAME)
+    in_range(r.step, 0, MAX_STEP, "step")
+    in_range(r.generation, 0, MAX_GENERATION, "generation")
+    text(r.node, "node", MAX_NAME)
+    count(r.ranks, "ranks", MAX_WORLD)
+    for state in r.ranks:
+        manifest_ids(state, f"rank {state.rank}")
+    _layout(r.layout)
+
+
+_CHECKS: dict[type, Any] = {
+    rank_pb2.RegisterRequest: _register,
+    rank_pb2.HeartbeatRequest: _heartbeat,
+    rank_pb2.OpenSlotRequest: _open_slot,
+    rank_pb2.CaptureRequest: _capture,
+    rank_pb2.WaitCommittedRequest: _wait_committed,
+    rank_pb2.RestoreRequest: _restore,
+    rank_pb2.WatchPlanRequest: _watch_plan,
+    common_pb2.FailureEvent: _failure,
+    common_pb2.Plan: _plan,
+    peer_pb2.PeerInfo: _peer_info,
+    peer_pb2.RankAnnouncement: _announce,
+    peer_pb2.PrepareStepRequest: _prepare,
+    peer_pb2.CommitStepRequest: lambda r: manifest(r.manifest),
+}
+
+
+def token_matches(given: str, expected: str) -> bool:
+    """Constant-time comparison of job tokens (any characters)."""
+    return secrets.compare_digest(given.encode(), expected.encode())
+
+
+def metadata_token(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == TOKEN_METADATA:
+            return value if isinstance(value, str) else value.decode("utf-8", "replace")
+    return ""
+
+
+async def admit(context: grpc.aio.ServicerContext, metrics: Any, message: Any,
+                token: str = "", given_token: str | None = None) -> None:
+    """Abort the call unless the caller has the job token (when one is set) and `message`
+    is within limits. `given_token` overrides the metadata (Register carries it inline)."""
+    if token:
+        given = metadata_token(context) if given_token is None else given_token
+        if not token_matches(given, token):
+            metrics.auth_refused.labels("token").inc()
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{'a wrong' if given else 'no'} job token; ranks must run with STALWART_TOKEN "
+                "set to the daemon's token")
+    try:
+        request(message)
+    except InvalidRequest as e:
+        metrics.auth_refused.labels("invalid").inc()
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
