@@ -1,0 +1,163 @@
+"""State for a rank's new role after a plan change: which old ranks' captured states hold
+its layers, and the named tensors plus `extra` record that `load_state` accepts,
+assembled from those states whatever the old (dp, pp, tp) and stage bounds were.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stalwart.client.reshard import Piece, Want, assemble
+from stalwart.client.state_layout import unpack
+from stalwart.v1 import common_pb2
+
+__all__ = ["OldLayout", "Role", "fetch_and_assemble", "needed_ranks", "relayout"]
+
+
+@dataclass(frozen=True)
+class OldLayout:
+    """The layout that captured the step: degrees and inclusive stage bounds."""
+
+    dp: int
+    pp: int
+    tp: int
+    stages: tuple[tuple[int, int], ...]
+
+    def rank_of(self, dp: int, pp: int, tp: int) -> int:
+        return (pp * self.dp + dp) * self.tp + tp
+
+    @classmethod
+    def from_proto(cls, lay: common_pb2.ParallelLayout) -> OldLayout:
+        return cls(lay.dp, lay.pp, lay.tp,
+                   tuple((s.first_layer, s.last_layer) for s in lay.stages))
+
+
+@dataclass(frozen=True)
+class Role:
+    """A rank of the new layout: its stage's layers and its TP and DP position."""
+
+    first: int
+    last: int
+    tp: int = 0
+    tp_size: int = 1
+    dp: int = 0
+
+
+def _tp_overlaps(old_t: int, old_size: int, new_t: int, new_size: int) -> bool:
+    """Whether TP shard old_t of old_size overlaps shard new_t of new_size (as fractions)."""
+    return old_t * new_size < (new_t + 1) * old_size and new_t * old_size < (old_t + 1) * new_size
+
+
+def needed_ranks(old: OldLayout, role: Role, *, local: Iterable[int] = ()) -> list[int]:
+    """Old ranks whose states together hold every layer shard of `role`, one replica per
+    (stage, tp shard): a `local` one (already in this process) first, then the replica
+    with the role's DP index (its RNG stream), then DP replica 0."""
+    local = set(local)
+    out = []
+    for s, (a, b) in enumerate(old.stages):
+        if b < role.first or a > role.last:
+            continue
+        for t in range(old.tp):
+            if not _tp_overlaps(t, old.tp, role.tp, role.tp_size):
+                continue
+            replicas = [old.rank_of(d, s, t) for d in range(old.dp)]
+            mine = old.rank_of(role.dp, s, t) if role.dp < old.dp else None
+            out.append(min(replicas, key=lambda r, mine=mine: (
+                r not in local, r != mine, r != old.rank_of(0, s, t), r)))
+    return sorted(out)
+
+
+def _param_of(name: str) -> str:
+    """`model/layers.3.q.weight` and `optim/layers.3.q.weight/exp_avg` -> the parameter."""
+    return name.split("/")[1]
+
+
+def _shard_dim(meta: common_pb2.TensorMeta, shard_dims: Mapping[str, int | None]) -> int | None:
+    for d, (n, g) in enumerate(zip(meta.shape, meta.global_shape, strict=True)):
+        if n != g:
+            return d
+    return shard_dims.get(_param_of(meta.name)) if meta.global_shape else None
+
+
+def relayout(role: Role, states: Mapping[int, tuple[Sequence[common_pb2.TensorMeta],
+                                                     Mapping[str, torch.Tensor], dict[str, Any]]],
+             old: OldLayout) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors and `extra` of `role` from old ranks' states (rank -> metas, tensors by
+    name, extra), as `client.trainer_state.load_state` takes them for the new layout.
+
+    Optimizer moments of TP-sharded parameters are sliced like the parameters; the
+    per-parameter `step` scalars and replicated tensors are copied whole.
+    """
+    if not states:
+        raise ValueError("no old rank states given; fetch needed_ranks(...) first")
+    metas: dict[str, common_pb2.TensorMeta] = {}
+    pieces: dict[str, list[Piece]] = {}
+    shard_dims: dict[str, int | None] = {}
+    for _, _, extra in states.values():
+        shard_dims.update(extra.get("layout", {}).get("shard_dims", {}))
+    for _, (rank_metas, tensors, _) in sorted(states.items()):
+        for m in rank_metas:
+            if not m.name.startswith(("model/", "optim/")):
+                continue
+            if not role.first <= m.layer <= role.last:
+                continue
+            metas.setdefault(m.name, m)
+            pieces.setdefault(m.name, []).append(Piece(
+                m.name, tensors[m.name], tuple(m.global_shape), tuple(m.offsets)))
+    present = {m.layer for m in metas.values()}
+    missing = sorted(set(range(role.first, role.last + 1)) - present)
+    if missing:
+        raise ValueError(f"the given old ranks {sorted(states)} hold no state of layers "
+                         f"{missing}; fetch needed_ranks(...) for the role")
+    out: dict[str, torch.Tensor] = {}
+    for name, m in metas.items():
+        gshape = tuple(m.global_shape)
+        offs, shape = [0] * len(gshape), list(gshape)
+        dim = _shard_dim(m, shard_dims)
+        if dim is not None and role.tp_size > 1:
+            if gshape[dim] % role.tp_size:
+                raise ValueError(f"{name}: dimension {dim} of {gshape} does not split into "
+                                 f"tp={role.tp_size} shards")
+            shape[dim] = gshape[dim] // role.tp_size
+            offs[dim] = shape[dim] * role.tp
+        out[name] = assemble(Want(name, gshape, tuple(offs), tuple(shape)), pieces[name])
+    source = _rng_source(role, states, old)
+    src_metas, src_tensors, src_extra = states[source]
+    for m in src_metas:
+        if m.name.startswith("rng/"):
+            out[m.name] = src_tensors[m.name].clone()
+    extra = copy.deepcopy(src_extra)
+    extra.pop("layout", None)  # it described the old rank; the new Trainer reports its own
+    return out, extra
+
+
+def _rng_source(role: Role, states: Mapping[int, Any], old: OldLayout) -> int:
+    """An old rank with the role's DP index (its RNG stream) when one was fetched."""
+    def dp_of(rank: int) -> int:
+        return (rank // old.tp) % old.dp
+    same = [r for r in sorted(states) if dp_of(r) == role.dp]
+    return same[0] if same else min(states)
+
+
+def fetch_and_assemble(daemon: Any, step: int, old: OldLayout, role: Role, *,
+                       local: Mapping[int, tuple[Sequence[common_pb2.TensorMeta],
+                                                 Mapping[str, torch.Tensor], dict[str, Any]]]
+                       | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Restore the old ranks `role` needs for committed `step` through `daemon`
+    (a DaemonClient) unless held in `local`, then assemble the role's state."""
+    local = dict(local or {})
+    states = {}
+    for rank in needed_ranks(old, role, local=local):
+        if rank in local:
+            states[rank] = local[rank]
+            continue
+        record, data = daemon.restore(step, rank)
+        metas = list(record.tensors)
+        states[rank] = (metas, unpack(data, metas), json.loads(record.extra.decode()))
+    return relayout(role, states, old)
