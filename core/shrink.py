@@ -252,9 +252,10 @@ def _memory_error(state: PlanState, pool: list[Member], config: ElasticConfig,
             "global batch that divides among them; register a spare rank", 0.0)
     best_short, best_text = math.inf, ""
     for dp, pp, m, speeds, text in shortfalls:
-        lo, hi = 0.0, float(sum(config.mem or ()) + sum(config.act or ()) * pp)
-        while hi - lo > 1.0:
-            mid = (lo + hi) / 2
+        # Whole bytes: the smallest extra cap that fits lies in (lo, hi].
+        lo, hi = 0, math.ceil(sum(config.mem or ()) + sum(config.act or ()) * m)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
             try:
                 partition(list(config.costs), pp, speeds, mem=config.mem, act=config.act,
                           mem_cap=config.mem_cap + mid, micro_batches=m)
@@ -266,8 +267,8 @@ def _memory_error(state: PlanState, pool: list[Member], config: ElasticConfig,
     return ShrinkMemoryError(
         f"cannot shrink onto the {len(pool)} surviving ranks: the model does not fit in "
         f"{config.mem_cap:,.0f} bytes per device; the closest layout is short by "
-        f"{math.ceil(best_short):,} bytes ({best_text}). Register a spare rank, raise the "
-        "memory cap, or recompute activations.", math.ceil(best_short))
+        f"{best_short:,} bytes ({best_text}). Register a spare rank, raise the memory cap, or "
+        "recompute activations.", best_short)
 
 
 def _result(state: PlanState, failed: frozenset[str], pool: list[Member], groups: list[_Group],

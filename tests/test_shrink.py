@@ -1,0 +1,177 @@
+"""Shrinking onto the survivors: fastest layout, same global batch, fewest layers moved."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stalwart.core.decide import Coord, Layout, Member, PlanDecision, PlanState, decide
+from stalwart.core.failures import Failure, FailureKind
+from stalwart.core.partition import partition
+from stalwart.core.shrink import ElasticConfig, ElasticPlanner, ShrinkMemoryError, plan_shrink
+
+COSTS = (1.0,) + (3.0,) * 8 + (5.0,)  # embedding, 8 blocks, heavy head
+
+
+def grid(dp: int, pp: int, tp: int, stages, *, per_node: int = 1, microbatches: int | None = None,
+         grad_accum: int = 1) -> PlanState:
+    """Ranks r0.. in client order (tp fastest, then dp, pp slowest), per_node to a node."""
+    members = [Member(f"r{r}", f"n{r // per_node}", Coord(r, d, p, t))
+               for r, (p, d, t) in enumerate(itertools.product(range(pp), range(dp), range(tp)))]
+    lay = Layout(dp, pp, tp, stages=tuple(stages), microbatches=microbatches or pp,
+                 grad_accum=grad_accum)
+    return PlanState(1, lay, tuple(members))
+
+
+def held(state: PlanState, rank_id: str) -> set[int]:
+    m = next(m for m in state.members if m.rank_id == rank_id)
+    a, b = state.layout.stages[m.coord.pp]
+    return set(range(a, b + 1))
+
+
+def test_losing_a_stage_of_four_continues_on_three_with_a_rebalanced_partition():
+    before = grid(1, 4, 1, partition(COSTS, 4).stages)
+    result = plan_shrink(before, frozenset({"r2"}), ElasticConfig(costs=COSTS))
+    lay = result.plan.layout
+    assert (lay.dp, lay.pp, lay.tp) == (1, 3, 1)
+    assert max(sum(COSTS[a:b + 1]) for a, b in lay.stages) == partition(COSTS, 3).bottleneck
+    assert lay.grad_accum * lay.microbatches * lay.dp == 4  # the global batch is unchanged
+    assert [m.rank_id for m in result.plan.members] == ["r0", "r1", "r3"]
+    for rank_id, layers in result.receive.items():
+        assert not set(layers) & held(before, rank_id)  # nobody re-fetches what it holds
+    assert result.layers_moved == sum(len(v) for v in result.receive.values())
+    assert result.layers_moved <= result.layers_moved_naive
+    lost = held(before, "r2")
+    assert lost <= {i for v in result.receive.values() for i in v}
+    assert all("r2" not in holders for holders in result.sources.values())
+
+
+def test_losing_a_replica_halves_dp_and_doubles_accumulation_moving_nothing():
+    # Each device holds at most 6 of the 10 layers: the model needs two stages.
+    config = ElasticConfig(costs=COSTS, mem=(1.0,) * 10, mem_cap=6.0)
+    before = grid(2, 2, 1, partition(COSTS, 2).stages, per_node=2)
+    result = plan_shrink(before, frozenset({"r1"}), config)
+    lay = result.plan.layout
+    assert (lay.dp, lay.pp, lay.tp) == (1, 2, 1)
+    assert (lay.microbatches, lay.grad_accum) == (2, 2)
+    assert lay.stages == before.layout.stages
+    assert result.layers_moved == 0 and result.receive == {}
+    assert [m.rank_id for m in result.plan.members] == ["r0", "r2"]
+    assert [s.rank_id for s in result.plan.spares] == ["r3"]
+    assert result.speed_ratio == pytest.approx(0.5)
+
+
+def test_tensor_parallel_groups_stay_inside_one_node():
+    # (1,3,2) on three nodes, one TP group each; losing one rank on n0 and one on n1
+    # leaves two lone ranks that must not form a TP group across nodes.
+    before = grid(1, 3, 2, partition(COSTS, 3).stages, per_node=2)
+    result = plan_shrink(before, frozenset({"r0", "r3"}), ElasticConfig(costs=COSTS))
+    lay = result.plan.layout
+    assert (lay.dp, lay.pp, lay.tp) == (1, 1, 2)
+    by_group: dict[tuple[int, int], set[str]] = {}
+    for m in result.plan.members:
+        by_group.setdefault((m.coord.dp, m.coord.pp), set()).add(m.node)
+    assert all(len(nodes) == 1 for nodes in by_group.values())
+    assert {m.rank_id for m in result.plan.members} == {"r4", "r5"}
+    # The intact group keeps its TP indices, so its own shards stay put.
+    assert {m.rank_id: m.coord.tp for m in result.plan.members} == {"r4": 0, "r5": 1}
+
+
+def test_a_slow_survivor_gets_a_lighter_stage():
+    before = grid(1, 4, 1, partition(COSTS, 4).stages)
+    config = ElasticConfig(costs=COSTS, speeds={"r3": 0.5})
+    result = plan_shrink(before, frozenset({"r1"}), config)
+    work = {m.rank_id: sum(COSTS[a:b + 1]) for m in result.plan.members
+            for a, b in [result.plan.layout.stages[m.coord.pp]]}
+    assert work["r3"] < min(work["r0"], work["r2"])
+
+
+def test_bytes_moved_counts_each_received_layer():
+    before = grid(1, 4, 1, partition(COSTS, 4).stages)
+    per_layer = tuple(float(100 * (i + 1)) for i in range(len(COSTS)))
+    result = plan_shrink(before, frozenset({"r2"}),
+                         ElasticConfig(costs=COSTS, layer_bytes=per_layer))
+    assert result.bytes_moved == sum(per_layer[i] for v in result.receive.values() for i in v)
+
+
+def test_too_little_memory_fails_naming_the_shortfall_in_bytes():
+    before = grid(1, 2, 1, partition(COSTS, 2).stages)
+    config = ElasticConfig(costs=COSTS, mem=(1000.0,) * 10, mem_cap=6000.0)
+    with pytest.raises(ShrinkMemoryError) as err:
+        plan_shrink(before, frozenset({"r1"}), config)
+    assert err.value.shortfall_bytes == 4000
+    assert "short by 4,000 bytes" in str(err.value)
+    assert "6,000 bytes per device" in str(err.value)
+
+
+def test_the_planner_plugs_into_decide_as_a_shrink():
+    before = grid(1, 4, 1, partition(COSTS, 4).stages)
+    planner = ElasticPlanner(ElasticConfig(costs=COSTS))
+    failure = Failure(FailureKind.PROCESS_EXIT, "r1", "killed", generation=1)
+    decision = decide(before, [failure], committed_step=17, shrink_planner=planner)
+    assert isinstance(decision, PlanDecision) and decision.kind == "shrink"
+    assert decision.plan.generation == 2 and decision.plan.resume_step == 17
+    assert decision.plan.layout.pp == 3 and "layers moved" in decision.plan.reason
+    assert planner.last is not None and planner.last.plan.layout == decision.plan.layout
+
+
+# -- fewest layers moved among the fastest plans, against brute force ------------------
+
+def _micro(old: Layout, dp: int, pp: int) -> tuple[int, int] | None:
+    total = old.dp * old.grad_accum * old.microbatches
+    if total % dp:
+        return None
+    per = total // dp
+    if old.microbatches >= pp and per % old.microbatches == 0:
+        return old.microbatches, per // old.microbatches
+    return (per, 1) if per >= pp else None
+
+
+def _splits(n: int, p: int):
+    for cuts in itertools.combinations(range(1, n), p - 1):
+        edges = (0, *cuts, n)
+        yield [(edges[j], edges[j + 1] - 1) for j in range(p)]
+
+
+def brute_force(state: PlanState, failed: set[str], costs) -> tuple[float, int]:
+    """(fastest step, fewest moved at that speed) over every layout, mapping and split."""
+    old = state.layout
+    alive = [m for m in state.members if m.rank_id not in failed]
+    holds = {m.rank_id: held(state, m.rank_id) for m in alive}
+    best = (math.inf, math.inf)
+    for pp in range(1, old.pp + 1):
+        for dp in range(1, old.dp + 1):
+            micro = _micro(old, dp, pp)
+            if micro is None or dp * pp > len(alive) or pp > len(costs):
+                continue
+            m, ga = micro
+            for chosen in itertools.permutations(alive, dp * pp):
+                for split in _splits(len(costs), pp):
+                    step = ga * (m + pp - 1) * max(sum(costs[a:b + 1]) for a, b in split)
+                    moved = sum(i not in holds[r.rank_id] for k, r in enumerate(chosen)
+                                for i in range(split[k // dp][0], split[k // dp][1] + 1))
+                    if step < best[0] * (1 - 1e-9):
+                        best = (step, moved)
+                    elif step <= best[0] * (1 + 1e-9):
+                        best = (best[0], min(best[1], moved))
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), dp=st.integers(1, 2), pp=st.integers(2, 3),
+       n=st.integers(3, 6), micro=st.integers(1, 3))
+def test_fewest_layers_moved_among_the_fastest_plans_matches_brute_force(data, dp, pp, n, micro):
+    costs = tuple(data.draw(st.lists(st.integers(1, 5), min_size=n, max_size=n)))
+    cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), min_size=pp - 1, max_size=pp - 1)))
+    edges = (0, *cuts, n)
+    stages = [(edges[j], edges[j + 1] - 1) for j in range(pp)]
+    before = grid(dp, pp, 1, stages, microbatches=max(pp, micro))
+    victim = f"r{data.draw(st.integers(0, dp * pp - 1))}"
+    result = plan_shrink(before, frozenset({victim}), ElasticConfig(costs=costs))
+    step, moved = brute_force(before, {victim}, costs)
+    assert result.predicted_step == pytest.approx(step, rel=1e-9)
+    assert result.layers_moved == moved
