@@ -263,7 +263,8 @@ def _memory_error(state: PlanState, pool: list[Member], config: ElasticConfig,
             except ValueError:
                 lo = mid
         if hi < best_short:
-            best_short, best_text = hi, f"dp={dp} pp={pp}: {text}"
+            # Keep partition's account of the stage; the advice follows once, below.
+            best_short, best_text = hi, f"dp={dp} pp={pp}: {text.split('; raise')[0]}"
     return ShrinkMemoryError(
         f"cannot shrink onto the {len(pool)} surviving ranks: the model does not fit in "
         f"{config.mem_cap:,.0f} bytes per device; the closest layout is short by "
