@@ -1,0 +1,233 @@
+"""`stalwart bench capture`: how long a capture blocks training, against the baselines.
+
+One run, one model state (GPT parameters + AdamW moments): the real Capturer hands the
+state to a real daemon every step while training continues; the baselines on the same
+state are a plain memory copy (the floor), torch.save and DCP's async_save. Last, the
+tiny model trains with and without a capture every step, interleaved, in one process.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+
+def _model(preset: str, batch: int, seq_len: int | None = None, seed: int = 0):
+    """A full GPT on one rank with AdamW, and a function that trains one step."""
+    import torch
+
+    from stalwart.client.data import TextBatches, load_corpus
+    from stalwart.client.model import PRESETS, GPTStage, with_overrides
+
+    cfg = PRESETS[preset]
+    if seq_len is not None:
+        cfg = with_overrides(cfg, seq_len=seq_len)
+    torch.manual_seed(seed)
+    model = GPTStage(cfg, 0, cfg.num_layers - 1, seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    data = TextBatches(load_corpus(1 << 20), cfg.seq_len, seed=seed)
+
+    def step() -> float:
+        x, y = data.next_batch(batch)
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    step()  # AdamW allocates its moments on the first step
+    return model, opt, step
+
+
+def _state(model, opt) -> dict[str, Any]:
+    """Parameters and optimizer moments by snapshot name (live references)."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[f"model/{name}"] = p.detach()
+        for key, t in sorted(opt.state[p].items()):
+            out[f"optim/{name}/{key}"] = t
+    return out
+
+
+def _state_tensors(state: dict[str, Any]) -> list:
+    from stalwart.client.state_layout import StateTensor
+
+    return [StateTensor(name, t) for name, t in state.items()]
+
+
+def _best(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _copy_floor(state: dict[str, Any], repeats: int) -> tuple[float, float]:
+    """Bandwidth of one flat copy of the state's bytes into warm memory (bytes/s), floor (s)."""
+    import torch
+
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)  # zeros touches every page
+    seconds = _best(lambda: dst.copy_(src), repeats)
+    return nbytes / seconds, seconds
+
+
+def _torch_save(state: dict[str, Any], folder: Path, repeats: int) -> float:
+    import torch
+
+    return median(_best(lambda: torch.save(state, folder / "state.pt"), 1)
+                  for _ in range(repeats))
+
+
+def _dcp_async_stall(state: dict[str, Any], folder: Path, repeats: int) -> tuple[float, float]:
+    """Median time async_save blocks the caller, and median time until it is durable (s)."""
+    import torch.distributed.checkpoint as dcp
+
+    stalls, totals = [], []
+    for i in range(repeats):
+        writer = dcp.FileSystemWriter(str(folder / f"dcp-{i}"))
+        t0 = time.perf_counter()
+        future = dcp.async_save(state, storage_writer=writer, no_dist=True)
+        stalls.append(time.perf_counter() - t0)
+        future.result()
+        totals.append(time.perf_counter() - t0)
+        shutil.rmtree(folder / f"dcp-{i}", ignore_errors=True)
+    return median(stalls), median(totals)
+
+
+class _DaemonRank:
+    """This process registered as the only rank of a one-daemon job, with a Capturer."""
+
+    def __init__(self, workdir: Path) -> None:
+        from stalwart.client.agent import GrpcCaptureTransport
+        from stalwart.client.capture import Capturer
+        from stalwart.client.daemon_client import DaemonClient
+        from stalwart.client.local_cluster import LocalCluster, wait_until
+        from stalwart.v1 import common_pb2
+
+        self.cluster = LocalCluster(nodes=1, workdir=workdir)
+        self.cluster.start_daemons()
+        node = self.cluster.daemons[0]
+        self.client = DaemonClient(f"unix:{node.socket}")
+        layout = common_pb2.ParallelLayout(dp=1, pp=1, tp=1, schedule="1f1b", microbatches=1,
+                                           grad_accum=1)
+        self.client.register(env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"},
+                             layout=layout)
+        self.client.start_heartbeats()
+        generation = wait_until(lambda: self.client.status().generation, 60.0,
+                                "the daemon's first plan")
+        self.client.generation = generation
+        transport = GrpcCaptureTransport(self.client, common_pb2.RankCoord(rank=0), layout,
+                                         generation)
+        self.capturer = Capturer(transport)
+        self.step = 0  # step numbers keep rising across phases, as the daemon expects
+
+    def train(self, model, opt, step: Callable[[], float], steps: int, capture: bool
+              ) -> list[float]:
+        """Wall time of each training step (capture included when on), seconds."""
+        state = _state(model, opt)
+
+        def wait_for_copy(*_: Any) -> None:
+            self.capturer.before_update()  # the optimizer is about to overwrite the copy
+
+        hook = opt.register_step_pre_hook(wait_for_copy) if capture else None
+        times = []
+        try:
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                step()
+                self.step += 1
+                if capture:
+                    self.capturer.capture(self.step, _state_tensors(state),
+                                          {"step": self.step})
+                times.append(time.perf_counter() - t0)
+            if capture:
+                self.capturer.before_update()  # the last copy's wait belongs to its step
+        finally:
+            if hook is not None:
+                hook.remove()
+        return times
+
+    def close(self) -> None:
+        try:
+            self.capturer.close()
+            self.client.close()
+        finally:
+            self.cluster.close()
+
+
+def _progress(text: str) -> None:
+    print(f"[bench capture] {text}", file=sys.stderr, flush=True)
+
+
+def run(quick: bool) -> dict:
+    import torch
+
+    preset, batch, seq = ("tiny", 4, 64) if quick else ("small", 4, 128)
+    steps, repeats = (6, 2) if quick else (12, 3)
+    folder = Path(tempfile.mkdtemp(prefix="stalwart-bench-capture-"))
+    rank = _DaemonRank(folder / "cluster")
+    _progress("daemon up, rank registered")
+    try:
+        model, opt, step = _model(preset, batch, seq)
+        state = _state(model, opt)
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        bandwidth, floor_s = _copy_floor(state, repeats + 2)
+        save_s = _torch_save(state, folder, repeats)
+        dcp_stall_s, dcp_total_s = _dcp_async_stall(state, folder, repeats)
+
+        _progress(f"baselines done ({nbytes / 1e6:.0f} MB state); capturing {steps} steps")
+        rank.train(model, opt, step, steps, capture=True)
+        stalls = rank.capturer.stats.stalls_s[1:]  # the first opens and pre-faults the slots
+        copies = rank.capturer.stats.copies_s[1:]
+        stall_s = median(stalls)
+
+        _progress("step overhead on the tiny model")
+        tiny_model, tiny_opt, tiny_step = _model("tiny", 4, 64, seed=1)
+        plain, captured, tiny_stalls = [], [], []
+        for _ in range(2 if quick else 4):  # interleaved blocks: drift hits both sides
+            plain += rank.train(tiny_model, tiny_opt, tiny_step, 5, capture=False)
+            before = len(rank.capturer.stats.stalls_s)
+            captured += rank.train(tiny_model, tiny_opt, tiny_step, 5, capture=True)[1:]
+            tiny_stalls += rank.capturer.stats.stalls_s[before + 1:]
+        tiny_bytes = rank.capturer.stats.bytes_per_capture
+    finally:
+        rank.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    return {
+        "model": {"preset": preset, "batch": batch, "seq_len": seq,
+                  "parameters": sum(p.numel() for p in model.parameters())},
+        "state_bytes": nbytes,
+        "captures": len(stalls),
+        "stall_s": round(stall_s, 6),
+        "stall_max_s": round(max(stalls), 6),
+        "background_copy_s": round(median(copies), 6),
+        "copy_bandwidth_bytes_per_s": round(bandwidth),
+        "memcpy_floor_s": round(floor_s, 6),
+        "torch_save_s": round(save_s, 6),
+        "dcp_async_save_stall_s": round(dcp_stall_s, 6),
+        "dcp_async_save_total_s": round(dcp_total_s, 6),
+        "stall_vs_dcp_async": round(stall_s / dcp_stall_s, 4),
+        "stall_vs_torch_save": round(stall_s / save_s, 4),
+        "stall_vs_memcpy_floor": round(stall_s / floor_s, 4),
+        "tiny": {"state_bytes": tiny_bytes, "steps_each": len(plain),
+                 "step_s_without_capture": round(median(plain), 6),
+                 "step_s_with_capture": round(median(captured), 6),
+                 "stall_s": round(median(tiny_stalls), 6)},
+        "step_overhead_pct": round(100 * (median(captured) / median(plain) - 1), 2),
+        "torch_threads": torch.get_num_threads(),
+        "notes": "stall_s: median time the training thread is blocked per capture "
+                 "(capture() call plus the wait before the next optimizer.step()), real "
+                 "Capturer -> daemon subprocess, first capture (slot set-up) excluded. "
+                 "step_overhead_pct: tiny GPT, capture every step vs none, interleaved "
+                 "blocks in one process; the daemon's encoding shares the machine's cores.",
+    }
