@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from stalwart.core.costs import CostProfile
 from stalwart.core.decide import Coord, Layout, Member, PlanState
 from stalwart.core.partition import partition, uniform
 
@@ -53,6 +54,28 @@ class ElasticConfig:
     still >= the stage count); otherwise use the fastest count."""
     max_assignments: int = 20_000
     """Beyond this many rank-to-stage assignments per layout, search a greedy subset."""
+
+    @classmethod
+    def from_profile(cls, profile: CostProfile, *, tp: int = 1, mem_cap: float | None = None,
+                     recompute: str = "none", bytes_per_param: float = 16.0,
+                     state_bytes_per_param: float = 12.0,
+                     speeds: Mapping[str, float] | None = None) -> ElasticConfig:
+        """A config from a layer profile (analytic `gpt_profile` or measured), torch-free
+        so the coordinator can build it. Block layers are split over `tp` ranks; the
+        embedding and head are counted whole (replicated). bytes_per_param: memory per
+        parameter (weights, grads, optimizer); state_bytes_per_param: what a rank receives
+        (fp32 weights and two AdamW moments = 12)."""
+        split = [tp if x.kind == "block" else 1 for x in profile.layers]
+        return cls(
+            costs=tuple(c / k for c, k in zip(profile.costs(recompute=recompute), split,
+                                              strict=True)),
+            mem=tuple(x.params * bytes_per_param / k for x, k in zip(profile.layers, split,
+                                                                      strict=True)),
+            act=tuple(a / k for a, k in zip(profile.act_bytes(recompute), split, strict=True)),
+            mem_cap=mem_cap,
+            layer_bytes=tuple(x.params * state_bytes_per_param / k
+                              for x, k in zip(profile.layers, split, strict=True)),
+            speeds=dict(speeds or {}))
 
 
 @dataclass(frozen=True)

@@ -175,3 +175,21 @@ def test_fewest_layers_moved_among_the_fastest_plans_matches_brute_force(data, d
     step, moved = brute_force(before, {victim}, costs)
     assert result.predicted_step == pytest.approx(step, rel=1e-9)
     assert result.layers_moved == moved
+
+
+def test_a_config_from_the_analytic_profile_refuses_a_shrink_that_cannot_fit():
+    from stalwart.core.costs import GPTShape, gpt_profile
+
+    profile = gpt_profile(GPTShape(vocab=32000, d_model=1024, n_layers=8, n_heads=16,
+                                   seq=1024))
+    per_layer = ElasticConfig.from_profile(profile)
+    need = max(m + 2 * a for m, a in zip(per_layer.mem, per_layer.act, strict=True))
+    total = sum(per_layer.mem) + sum(per_layer.act) * 2
+    cap = (total + need) / 2  # fits on two stages, not on one
+    config = ElasticConfig.from_profile(profile, mem_cap=cap)
+    before = grid(1, 2, 1, partition(config.costs, 2, mem=config.mem, act=config.act,
+                                     mem_cap=cap).stages)
+    with pytest.raises(ShrinkMemoryError, match="short by") as err:
+        plan_shrink(before, frozenset({"r0"}), config)
+    # One stage of 1F1B holds one micro-batch of activations.
+    assert err.value.shortfall_bytes == math.ceil(sum(config.mem) + sum(config.act) - cap)
