@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import grpc
 
 from stalwart.core.placement import S3, Node, place_chunk
+from stalwart.daemon import repair
 from stalwart.daemon.checksum import crc32c
 from stalwart.daemon.coder import ZfecCodec, default_km
 from stalwart.daemon.config import DaemonConfig
@@ -27,14 +28,17 @@ from stalwart.daemon.local_store import CorruptChunkError, LocalStore
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.registry import Registry
 from stalwart.daemon.s3_tier import S3Tier
+from stalwart.daemon.scrub import Scrubber
 from stalwart.daemon.shard_client import ShardClient
 from stalwart.daemon.shard_reader import BeyondToleranceError, ShardReader
 from stalwart.daemon.slots import FdServer, SlotError, SlotPool
-from stalwart.v1 import manifest_pb2, peer_pb2, rank_pb2
+from stalwart.v1 import manifest_pb2, peer_pb2, peer_pb2_grpc, rank_pb2
 
 log = logging.getLogger("stalwart.daemon.snapshots")
 
 PIECE_BYTES = 1 << 20       # restore stream message size
+GAUGE_EVERY_S = 5.0         # refresh of the shard-state and protection-margin gauges
+PUSH_TIMEOUT_S = 10.0       # a repaired manifest sent to one peer
 DEFAULT_SLOT_BUDGET = 8 << 30  # bytes of shared memory for all ranks when ram_bytes is 0
 T = TypeVar("T")
 
@@ -79,18 +83,31 @@ class SnapshotPath:
         self._committed = asyncio.Condition()
         self._durable: dict[str, asyncio.Task[None]] = {}  # per rank: last durability task
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.repairer = repair.Repairer(
+            node=self.node, store=self.store, metrics=metrics, live=self._live_nodes,
+            client=lambda node: self._client(self._peer(node)), reader=self._reader,
+            publish=self._publish, s3_available=self.s3 is not None)
+        self.scrubber = Scrubber(node=self.node, job_id=config.job_id,
+                                 shard_dir=data_dir / "shards", store=self.store,
+                                 metrics=metrics, reader=self._reader, put_local=self._put_local)
+        self._background: list[asyncio.Task[None]] = []
+        self._push_channels: dict[str, grpc.aio.Channel] = {}
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.fd_server.start()
+        self._background = [asyncio.create_task(self.scrubber.forever(), name="scrub"),
+                            asyncio.create_task(self._gauges_forever(), name="shard-gauges")]
 
     async def stop(self) -> None:
-        tasks = list(self._durable.values())
+        tasks = list(self._durable.values()) + self._background
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for c in self._clients.values():
             await c.close()
+        for ch in self._push_channels.values():
+            await ch.close()
         self.fd_server.stop()
         self.pool.close()
         self._io.shutdown(wait=True)
@@ -172,8 +189,10 @@ class SnapshotPath:
                           extra={"step": step, "rank": prepared.state.rank})
 
     async def on_peer_lost(self, node: str) -> None:
-        """A daemon is gone: its shards must be re-created elsewhere (repair)."""
-        log.warning("peer lost; its shards are not yet re-created", extra={"peer": node})
+        """A daemon is gone: the repair leader re-creates its shards on live daemons."""
+        log.warning("peer lost", extra={"peer": node, "repair_leader": self.repairer.is_leader()})
+        await self.repairer.run()
+        await asyncio.to_thread(self.status_storage)
 
     # erasure coding -----------------------------------------------------------
 
@@ -183,6 +202,24 @@ class SnapshotPath:
             c = self._clients[peer.node] = ShardClient(peer.address, job_id=self.config.job_id,
                                                        metrics=self.metrics)
         return c
+
+    def _peer(self, node: str) -> Peer:
+        peer = next((p for p in self.peers() if p.node == node), None)
+        if peer is None:
+            raise LookupError(f"daemon {node} is not a live member of this job")
+        return peer
+
+    def _live_nodes(self) -> list[Node]:
+        return [Node(p.node, p.labels) for p in self.peers()]
+
+    def _reader(self) -> ShardReader:
+        return ShardReader(node=self.node,
+                           peers={p.node: self._client(p) for p in self.peers()},
+                           s3=self.s3, metrics=self.metrics)
+
+    async def _put_local(self, sid: str, body: bytes, step: int, generation: int) -> None:
+        await self._client(self._peer(self.node)).put(sid, body, step=step,
+                                                      generation=generation, crc=crc32c(body))
 
     def coding(self, nodes: int) -> tuple[int, int]:
         """(k, m) for this many live daemons: the configured code when it fits."""
@@ -234,7 +271,16 @@ class SnapshotPath:
     # commit -------------------------------------------------------------------
 
     async def commit(self, manifest: manifest_pb2.Manifest) -> None:
-        """Phase two, sent by the coordinator to every daemon."""
+        """Phase two, sent by the coordinator to every daemon; also a repaired manifest
+        (same step, new shard holders) sent by the repair leader."""
+        if manifest.step in self.store.committed_steps():
+            await self._run_commit(repair.install_repaired, self.store, manifest)
+            return
+        latest = self.store.latest_committed()
+        if latest is not None and manifest.step < latest:
+            # New steps always commit above the latest one (discard_after lowers it first),
+            # so this is a repaired copy of a step retired here: nothing to update.
+            return
         await self._run_commit(self.store.commit, manifest, local_node=self.node)
         if self.s3 is not None and self.node == min(p.node for p in self.peers()):
             await self.s3.put_manifest(manifest.step, manifest.SerializeToString(
@@ -265,44 +311,138 @@ class SnapshotPath:
             message="" if reached() else f"step {request.step} not committed within "
             f"{request.timeout_s or 30.0:g} s; latest committed is {latest}")
 
+    # repair and its state ------------------------------------------------------
+
+    async def _publish(self, manifest: manifest_pb2.Manifest) -> None:
+        """Replace a repaired step's manifest here and on every other live daemon."""
+        await self._run_commit(repair.install_repaired, self.store, manifest)
+        request = peer_pb2.CommitStepRequest(manifest=manifest)
+        for p in self.peers():
+            if p.node == self.node:
+                continue
+            ch = self._push_channels.get(p.address)
+            if ch is None:
+                ch = self._push_channels[p.address] = grpc.aio.insecure_channel(p.address)
+            try:
+                await peer_pb2_grpc.PeerServiceStub(ch).CommitStep(request,
+                                                                   timeout=PUSH_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("repaired manifest not delivered; that daemon keeps the old "
+                            "holders", extra={"peer": p.node, "step": manifest.step,
+                                              "error": exc.details()})
+
+    async def _gauges_forever(self) -> None:
+        while True:
+            await asyncio.sleep(GAUGE_EVERY_S)
+            try:
+                await asyncio.to_thread(self.status_storage)
+            except Exception:
+                log.exception("shard gauges not updated")
+
+    def status_storage(self) -> dict[str, str]:
+        """Entries for StatusReply.storage (shards by state, protection, repair, scrub);
+        refreshes the matching gauges on the way."""
+        manifests = self.store.committed_manifests()
+        lost = self.repairer.lost(manifests)
+        counts = repair.shard_counts(manifests, lost, self.repairer.state.running)
+        for state, n in counts.items():
+            self.metrics.shards.labels(state).set(n)
+        out = {"shards": ", ".join(f"{n} {state}" for state, n in counts.items())}
+        latest = max(manifests, default=None)
+        if latest is not None and counts["healthy"] + counts["missing"] + counts["repairing"]:
+            margin = repair.margin(manifests, latest, lost)
+            self.metrics.protection_margin.set(margin)
+            out["protection"] = (f"step {latest} survives {margin} more node losses"
+                                 if margin >= 0 else f"step {latest} is not recoverable from "
+                                 "shards alone")
+        state = self.repairer.state
+        out["repair"] = (f"running, {state.pending} shards pending" if state.running
+                         else state.last) + f"; {state.repaired} re-created since start"
+        if lost - {S3}:
+            out["repair"] += f"; lost holders: {', '.join(sorted(lost - {S3}))}"
+        out["scrub"] = self.scrubber.state.last
+        return out
+
     # restore ------------------------------------------------------------------
 
     def _fetch_chunk(self, chunk: manifest_pb2.ChunkRecord) -> bytes:
         """Called from the store thread for a chunk this daemon does not hold."""
         assert self.loop is not None
-        reader = ShardReader(node=self.node,
-                             peers={p.node: self._client(p) for p in self.peers()},
-                             s3=self.s3, metrics=self.metrics)
-        fut = asyncio.run_coroutine_threadsafe(reader.read_chunk(chunk), self.loop)
+        fut = asyncio.run_coroutine_threadsafe(self._reader().read_chunk(chunk), self.loop)
         return fut.result(timeout=120)
 
     async def Restore(self, request: rank_pb2.RestoreRequest,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[rank_pb2.RestorePiece]:
-        step = request.step or self.store.latest_committed()
-        if step is None:
+        manifests = await self._run(self.store.committed_manifests)
+        if not manifests:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 "no step is committed yet; nothing to restore")
-        try:
-            manifest = await self._run(self.store.load_manifest, step)
-        except FileNotFoundError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        state = next((r for r in manifest.ranks if r.rank == request.rank), None)
-        if state is None:
+        if request.step and request.step not in manifests:
             await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"step {step} has no rank {request.rank} (its layout has "
-                                f"{len(manifest.ranks)} ranks)")
-        t0 = time.perf_counter()
-        try:
-            data = await self._run(self.store.read_rank, step, request.rank,
-                                   fetch=self._fetch_chunk)
-        except BeyondToleranceError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"step {step} rank {request.rank}: {exc}")
-        except CorruptChunkError as exc:
-            await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
-        self.metrics.recovery_phase.labels("restore_read").observe(time.perf_counter() - t0)
-        yield rank_pb2.RestorePiece(state=state)
-        view = memoryview(data)
-        for offset in range(0, len(view), PIECE_BYTES):
-            yield rank_pb2.RestorePiece(offset=offset,
-                                        data=bytes(view[offset:offset + PIECE_BYTES]))
+                                f"step {request.step} is not committed here; committed: "
+                                f"{sorted(manifests)[-5:]}")
+        lost = self.repairer.lost(manifests)
+        # step 0: the newest committed step that the surviving holders can still rebuild.
+        steps = [request.step] if request.step else (
+            repair.recoverable(manifests, lost, self.node) or [max(manifests)])
+        for step in steps:
+            if step not in (steps[0], steps[-1]) and not repair.step_recoverable(
+                    manifests, step, lost, self.node):
+                continue  # a holder failed while reading a newer step; skip what needs it
+            state = next((r for r in manifests[step].ranks if r.rank == request.rank), None)
+            if state is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    f"step {step} has no rank {request.rank} (its layout has "
+                                    f"{len(manifests[step].ranks)} ranks)")
+            t0 = time.perf_counter()
+            try:
+                data = await self._run(self.store.read_rank, step, request.rank,
+                                       fetch=self._fetch_chunk)
+            except BeyondToleranceError as exc:
+                lost |= _failed_holders(manifests, exc)
+                if request.step or step == steps[-1]:
+                    await self._beyond_tolerance(context, step, request.rank, exc, manifests,
+                                                 lost)
+                continue
+            except CorruptChunkError as exc:
+                await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+            self.metrics.recovery_phase.labels("restore_read").observe(
+                time.perf_counter() - t0)
+            yield rank_pb2.RestorePiece(state=state, step=step)
+            view = memoryview(data)
+            for offset in range(0, len(view), PIECE_BYTES):
+                yield rank_pb2.RestorePiece(offset=offset,
+                                            data=bytes(view[offset:offset + PIECE_BYTES]))
+            return
+
+    async def _beyond_tolerance(self, context: grpc.aio.ServicerContext, step: int, rank: int,
+                                exc: BeyondToleranceError, manifests: repair.Manifests,
+                                lost: set[str]) -> None:
+        """Abort naming the newest step still recoverable; its number also travels in the
+        trailing metadata `stalwart-recoverable-step` (absent when none is)."""
+        older = repair.recoverable({s: m for s, m in manifests.items() if s < step}, lost,
+                                   self.node)
+        gone = ", ".join(sorted(lost - {S3})) or "none known"
+        where = "surviving shards" + (" and S3" if self.s3 is not None else "")
+        if older:
+            context.set_trailing_metadata((("stalwart-recoverable-step", str(older[0])),))
+            advice = (f"The newest step still recoverable (from {where}) is {older[0]}: "
+                      f"restore it with RestoreRequest.step={older[0]}, or step=0 for the "
+                      "newest recoverable step.")
+        else:
+            advice = (f"No committed step is recoverable from {where}: bring back one of the "
+                      "lost daemons with its data_dir, or restore from an external checkpoint.")
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"step {step} rank {rank} cannot be restored: more daemons are lost "
+                            f"than the erasure code tolerates (lost: {gone}). {exc} {advice}")
+
+
+def _failed_holders(manifests: repair.Manifests, exc: BeyondToleranceError) -> set[str]:
+    """Nodes whose shards of the chunk named by `exc` could not be read."""
+    for m in manifests.values():
+        for r in m.ranks:
+            for c in r.chunks:
+                if c.chunk_id == exc.chunk_id:
+                    return {rec.node for rec in c.shards
+                            if rec.index in exc.unavailable and rec.node != S3}
+    return set()

@@ -1,0 +1,244 @@
+"""Repair and recoverability: what the committed steps still survive, and re-creating the
+shards a lost daemon held from any k survivors onto live daemons.
+
+One daemon drives repair: the live daemon with the smallest name (the rule that also picks
+the S3 manifest writer), so no election is needed and, if it dies, the next one takes over
+on its own peer-lost event. A repaired manifest is the committed one with new shard
+holders, re-sealed; it replaces the old file atomically on every live daemon (CommitStep).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+
+from stalwart.core import manifest as mf
+from stalwart.core.placement import S3, Node, decodable, repair_plan, step_margin
+from stalwart.daemon.checksum import crc32c
+from stalwart.daemon.local_store import LocalStore
+from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.shard_client import ShardClient
+from stalwart.daemon.shard_reader import ShardReader, placement_of
+from stalwart.v1 import manifest_pb2
+
+log = logging.getLogger("stalwart.daemon.repair")
+
+Manifests = Mapping[int, manifest_pb2.Manifest]
+
+
+# recoverability (pure) ----------------------------------------------------------------
+
+def holders(manifests: Manifests) -> set[str]:
+    """Every node (and "s3") named as a shard holder by the committed manifests."""
+    return {rec.node for m in manifests.values() for r in m.ranks for c in r.chunks
+            for rec in c.shards}
+
+
+def chunk_readable(rank: manifest_pb2.RankState, chunk: manifest_pb2.ChunkRecord,
+                   lost: set[str], local_node: str) -> bool:
+    """A chunk can be read here: from this node's own disk copy, or from k live shards."""
+    if rank.node == local_node:
+        return True
+    return bool(chunk.shards) and decodable(placement_of(chunk), lost)
+
+
+def step_recoverable(manifests: Manifests, step: int, lost: set[str], local_node: str) -> bool:
+    """Every chunk of every rank of `step` and of the bases and deltas it applies to."""
+    try:
+        chain = mf.plan_chain(dict(manifests), step)
+    except mf.ManifestError:
+        return False
+    return all(chunk_readable(r, c, lost, local_node)
+               for s in chain for r in manifests[s].ranks for c in r.chunks)
+
+
+def recoverable(manifests: Manifests, lost: set[str], local_node: str) -> list[int]:
+    """Committed steps still recoverable with `lost` gone, newest first."""
+    return [s for s in sorted(manifests, reverse=True)
+            if step_recoverable(manifests, s, lost, local_node)]
+
+
+def margin(manifests: Manifests, step: int, lost: set[str]) -> int:
+    """Further node losses `step` (with its chain) survives on shards alone (-1: none)."""
+    chain = mf.plan_chain(dict(manifests), step)
+    chunks = [placement_of(c) for s in chain for r in manifests[s].ranks for c in r.chunks
+              if c.shards]
+    return step_margin(chunks, lost) if chunks else -1
+
+
+def same_but_holders(old: manifest_pb2.Manifest, new: manifest_pb2.Manifest) -> bool:
+    """True when `new` differs from `old` only in which node holds each shard."""
+    def bare(m: manifest_pb2.Manifest) -> tuple[bytes, list[tuple]]:
+        copy = manifest_pb2.Manifest()
+        copy.CopyFrom(m)
+        copy.ClearField("digest")
+        shards = []
+        for r in copy.ranks:
+            for c in r.chunks:
+                shards.append(sorted((s.index, s.location, s.size, s.crc32c) for s in c.shards))
+                del c.shards[:]
+        return copy.SerializeToString(deterministic=True), shards
+
+    return bare(old) == bare(new)
+
+
+def install_repaired(store: LocalStore, manifest: manifest_pb2.Manifest) -> bool:
+    """Replace a committed manifest with its repaired copy, atomically; False when the
+    step is not committed here (never committed, or already retired)."""
+    mf.validate(manifest)
+    mf.verify_digest(manifest)
+    with store._lock:  # noqa: SLF001 - same lock as commit and retention
+        path = store._manifest_path(manifest.step)  # noqa: SLF001
+        if not path.exists():
+            return False
+        data = manifest.SerializeToString(deterministic=True)
+        old = manifest_pb2.Manifest.FromString(path.read_bytes())
+        if not same_but_holders(old, manifest):
+            raise ValueError(f"step {manifest.step} is already committed with a different "
+                             "manifest (not just new shard holders); refusing to replace it")
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        store._manifests[manifest.step] = manifest  # noqa: SLF001
+        return True
+
+
+# repair (I/O) ----------------------------------------------------------------------------
+
+@dataclass
+class RepairState:
+    """What `stalwart status` and the metrics show about repair."""
+
+    pending: int = 0                 # shards still to re-create in the current pass
+    repaired: int = 0                # shards re-created since the daemon started
+    running: bool = False
+    last: str = "no repair needed so far"
+    unrecoverable: list[str] = field(default_factory=list)  # chunk ids below k shards
+
+
+Publish = Callable[[manifest_pb2.Manifest], Awaitable[None]]
+
+
+class Repairer:
+    """Re-creates shards of lost daemons; `run()` is safe to call on every peer loss."""
+
+    def __init__(self, *, node: str, store: LocalStore, metrics: Metrics,
+                 live: Callable[[], list[Node]], client: Callable[[str], ShardClient],
+                 reader: Callable[[], ShardReader], publish: Publish,
+                 s3_available: bool) -> None:
+        self.node, self.store, self.metrics = node, store, metrics
+        self.live, self.client, self.reader, self.publish = live, client, reader, publish
+        self.s3_available = s3_available
+        self.state = RepairState()
+        self._lock = asyncio.Lock()
+        self._again = False
+
+    def lost(self, manifests: Manifests) -> set[str]:
+        """Holders named by the manifests that are not live (and S3 when not configured)."""
+        names = {n.name for n in self.live()}
+        gone = {h for h in holders(manifests) if h != S3 and h not in names}
+        return gone if self.s3_available else gone | {S3}
+
+    def is_leader(self) -> bool:
+        return self.node == min(n.name for n in self.live())
+
+    async def run(self) -> None:
+        """Repair passes until no loss arrived during the last one (leader only)."""
+        self._again = True
+        if self._lock.locked():
+            return  # the running pass will go again
+        async with self._lock:
+            while self._again:
+                self._again = False
+                if not self.is_leader():
+                    return
+                try:
+                    await self._pass()
+                except Exception as exc:
+                    self.state.last = f"repair pass failed: {exc}"
+                    log.exception("repair pass failed")
+                finally:
+                    self.state.running = False
+                    self.state.pending = 0
+                    self.metrics.repair_pending.set(0)
+
+    async def _pass(self) -> None:
+        manifests = await asyncio.to_thread(self.store.committed_manifests)
+        lost = self.lost(manifests)
+        live = self.live()
+        work = []
+        unrecoverable: set[str] = set()
+        for step in sorted(manifests, reverse=True):  # newest first: it matters most
+            for r in manifests[step].ranks:
+                for c in r.chunks:
+                    if not c.shards:
+                        continue
+                    plan = repair_plan([placement_of(c)], lost - {S3}, live)
+                    unrecoverable.update(plan.unrecoverable)
+                    if plan.tasks:
+                        work.append((step, c.chunk_id, {t.index: t.target for t in plan.tasks}))
+        self.state.unrecoverable = sorted(unrecoverable)
+        total = sum(len(w[2]) for w in work)
+        if not work:
+            if unrecoverable:
+                self.state.last = (f"{len(unrecoverable)} chunks have fewer than k shards left; "
+                                   "they cannot be repaired")
+            return
+        self.state.running, self.state.pending = True, total
+        self.metrics.repair_pending.set(total)
+        started = time.monotonic()
+        log.warning("repair started", extra={"lost": sorted(lost), "shards": total})
+        reader = self.reader()
+        by_step: dict[int, dict[str, dict[int, str]]] = {}
+        for step, chunk_id, targets in work:
+            by_step.setdefault(step, {})[chunk_id] = targets
+        done = 0
+        for step, chunks in by_step.items():
+            repaired = manifest_pb2.Manifest()
+            repaired.CopyFrom(manifests[step])
+            for r in repaired.ranks:
+                for c in r.chunks:
+                    if c.chunk_id in chunks:
+                        await self._repair_chunk(reader, step, repaired.generation, c,
+                                                 chunks[c.chunk_id], lost)
+                        done += len(chunks[c.chunk_id])
+                        self.state.pending = total - done
+                        self.metrics.repair_pending.set(total - done)
+            await self.publish(mf.seal(repaired))
+        self.state.last = (f"re-created {done} shards of {len(by_step)} steps after losing "
+                           f"{', '.join(sorted(lost - {S3}))} in "
+                           f"{time.monotonic() - started:.1f} s")
+        log.warning("repair finished", extra={"shards": done, "steps": sorted(by_step)})
+
+    async def _repair_chunk(self, reader: ShardReader, step: int, generation: int,
+                            chunk: manifest_pb2.ChunkRecord, targets: dict[int, str],
+                            lost: set[str]) -> None:
+        """Rebuild shards `targets` {index: node} of `chunk`, store them, and record the
+        new holders in `chunk` (in place)."""
+        bodies = await reader.recreate_shards(chunk, sorted(targets))
+        records = {rec.index: rec for rec in chunk.shards if rec.node in lost}
+        for index, target in targets.items():
+            rec = records[index]
+            body = bodies[index]
+            await self.client(target).put(rec.location or f"{chunk.chunk_id}.{index}", body,
+                                           step=step, generation=generation, crc=crc32c(body))
+            rec.node = target
+            self.state.repaired += 1
+            self.metrics.repaired_shards.inc()
+
+
+def shard_counts(manifests: Manifests, lost: set[str], repairing: bool) -> dict[str, int]:
+    """Shard records by state: healthy (live holder), missing, repairing."""
+    missing = sum(rec.node in lost for m in manifests.values() for r in m.ranks
+                  for c in r.chunks for rec in c.shards)
+    total = sum(len(c.shards) for m in manifests.values() for r in m.ranks for c in r.chunks)
+    return {"healthy": total - missing, "missing": 0 if repairing else missing,
+            "repairing": missing if repairing else 0}
+
