@@ -37,6 +37,16 @@ class OldLayout:
         return cls(lay.dp, lay.pp, lay.tp,
                    tuple((s.first_layer, s.last_layer) for s in lay.stages))
 
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> OldLayout:
+        """The layout a captured rank recorded in its `extra` (Trainer.layout())."""
+        lay = extra.get("layout")
+        if not lay or "stage_bounds" not in lay:
+            raise ValueError("the captured state does not record its layout; pass the "
+                             "layout of the plan that committed the step")
+        return cls(int(lay["dp"]), int(lay["pp"]), int(lay["tp"]),
+                   tuple((int(a), int(b)) for a, b in lay["stage_bounds"]))
+
 
 @dataclass(frozen=True)
 class Role:
@@ -145,19 +155,29 @@ def _rng_source(role: Role, states: Mapping[int, Any], old: OldLayout) -> int:
     return same[0] if same else min(states)
 
 
-def fetch_and_assemble(daemon: Any, step: int, old: OldLayout, role: Role, *,
+def fetch_and_assemble(daemon: Any, step: int, old: OldLayout | None, role: Role, *,
                        local: Mapping[int, tuple[Sequence[common_pb2.TensorMeta],
                                                  Mapping[str, torch.Tensor], dict[str, Any]]]
                        | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Restore the old ranks `role` needs for committed `step` through `daemon`
-    (a DaemonClient) unless held in `local`, then assemble the role's state."""
-    local = dict(local or {})
-    states = {}
-    for rank in needed_ranks(old, role, local=local):
-        if rank in local:
-            states[rank] = local[rank]
-            continue
+    (a DaemonClient) unless held in `local`, then assemble the role's state.
+
+    Without `old` (a rank that was a spare does not know it), old rank 0 is fetched
+    first and its recorded layout is used.
+    """
+    states = dict(local or {})
+
+    def fetch(rank: int) -> None:
         record, data = daemon.restore(step, rank)
         metas = list(record.tensors)
         states[rank] = (metas, unpack(data, metas), json.loads(record.extra.decode()))
-    return relayout(role, states, old)
+
+    if old is None:
+        if 0 not in states:
+            fetch(0)
+        old = OldLayout.from_extra(states[0][2])
+    need = needed_ranks(old, role, local=states)
+    for rank in need:
+        if rank not in states:
+            fetch(rank)
+    return relayout(role, {r: states[r] for r in need}, old)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -14,11 +15,12 @@ from hypothesis import strategies as st
 
 from stalwart.client.model import PRESETS, GPTStage, with_overrides
 from stalwart.client.parallel_dims import ParallelDims
-from stalwart.client.relayout import OldLayout, Role, needed_ranks, relayout
-from stalwart.client.state_layout import StateTensor, describe
+from stalwart.client.relayout import OldLayout, Role, fetch_and_assemble, needed_ranks, relayout
+from stalwart.client.state_layout import StateTensor, describe, pack_into
 from stalwart.client.trainer import TrainConfig, Trainer
 from stalwart.client.trainer_state import load_state, state_tensors
 from stalwart.core.partition import uniform
+from stalwart.v1 import manifest_pb2
 
 CFG = TrainConfig(model=with_overrides(PRESETS["tiny"], d_model=32, n_layer=4, n_head=2,
                                        d_ff=64, seq_len=16),
@@ -74,8 +76,10 @@ def split(full: list[StateTensor], extra: dict, old: OldLayout) -> dict[int, tup
             parts.append(StateTensor(s.name, piece, s.layer, tuple(s.tensor.shape), tuple(offs)))
         metas, _ = describe(parts)
         rank_extra = copy.deepcopy(extra)
-        rank_extra["layout"] = {"shard_dims": {n: v for n, v in dims.items()
-                                               if a <= int(n.split(".")[1]) <= b}}
+        rank_extra["layout"] = {
+            "dp": old.dp, "pp": old.pp, "tp": old.tp, "coords": {"dp": d, "pp": p, "tp": t},
+            "stage_bounds": [list(x) for x in old.stages],
+            "shard_dims": {n: v for n, v in dims.items() if a <= int(n.split(".")[1]) <= b}}
         out[old.rank_of(d, p, t)] = (metas, {s.name: s.tensor for s in parts}, rank_extra)
     return out
 
@@ -201,3 +205,32 @@ def test_any_old_layout_relays_into_any_role_exactly(trained, dp, pp, tp, new_pp
     assert got.keys() - {"rng/cpu"} == want.keys()
     for name, t in want.items():
         assert torch.equal(got[name], t), name
+
+
+class FakeDaemon:
+    """Serves old ranks' states as DaemonClient.restore does: (RankState, bytes)."""
+
+    def __init__(self, states: dict[int, tuple]) -> None:
+        self.states, self.calls = states, []
+
+    def restore(self, step: int, rank: int) -> tuple[manifest_pb2.RankState, bytes]:
+        self.calls.append((step, rank))
+        metas, tensors, extra = self.states[rank]
+        parts = [StateTensor(m.name, tensors[m.name]) for m in metas]
+        _, total = describe(parts)
+        buf = torch.zeros(total, dtype=torch.uint8)
+        pack_into(buf, parts, metas)
+        record = manifest_pb2.RankState(rank=rank, tensors=metas, total_bytes=total,
+                                        extra=json.dumps(extra).encode())
+        return record, bytes(buf.numpy())
+
+
+def test_a_former_spare_learns_the_old_layout_from_rank_zero_and_fetches_the_rest(trained):
+    old = _old(2, 2, 1)
+    daemon = FakeDaemon(split(trained.full, trained.extra, old))
+    role = Role(0, LAYERS - 1, dp=0)
+    tensors, extra = fetch_and_assemble(daemon, 7, None, role)
+    assert daemon.calls == [(7, 0), (7, 2)]
+    b = _trainer(102)
+    load_state(b, tensors, extra)
+    assert b.step() == trained.next_loss
