@@ -22,6 +22,10 @@ from prometheus_client import (
 STALL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 IO_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+SHARD_STATES = ("healthy", "missing", "repairing")
+RECOVERY_OUTCOMES = ("completed", "stopped")
+RECOVERY_PHASES = ("plan", "rebuild", "restore", "restore_read")
+SCRUB_TIERS = ("ram", "disk", "local", "peer", "s3", "scrub")
 
 
 @dataclass
@@ -117,3 +121,13 @@ class Metrics:
         # Security
         self.auth_refused = Counter(
             "stalwart_auth_refused_total", "Refused callers by reason.", ["reason"], registry=r)
+        # Known label values show from the first scrape, at 0, so panels and alerts
+        # see "none yet" instead of "no data".
+        for state in SHARD_STATES:
+            self.shards.labels(state)
+        for outcome in RECOVERY_OUTCOMES:
+            self.recoveries.labels(outcome)
+        for phase in RECOVERY_PHASES:
+            self.recovery_phase.labels(phase)
+        for tier in SCRUB_TIERS:
+            self.scrub_errors.labels(tier)

@@ -97,7 +97,8 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         await admit(context, self.metrics, request, self.config.token)
         try:
             self.registry.heartbeat(request.rank_id, request.generation, request.step,
-                                    request.step_time_s, leaving=request.leaving)
+                                    request.step_time_s, leaving=request.leaving,
+                                    recovery_phases=dict(request.recovery_phase_s))
         except (UnknownRank, RankFenced, StaleGeneration) as e:
             await context.abort(_REFUSALS[type(e)], str(e))
         return rank_pb2.HeartbeatReply(generation=self.registry.generation)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stalwart.core.failures import Failure, FailureKind
+from stalwart.core.straggler import StragglerConfig, StragglerDetector
 from stalwart.daemon.liveness import (
     ALIVE,
     DEAD,
@@ -32,6 +33,8 @@ SPARE = "spare"
 LEFT = "left"  # stopped cleanly (final heartbeat with leaving=True)
 KEEP_DEAD = 256  # dead or departed ranks kept for `stalwart status` before the oldest is dropped
 KEEP_FAILURES = 100
+STRAGGLER_WINDOW_HEARTBEATS = 4  # heartbeat intervals per straggler window (at least 2 s)
+RANK_PHASES = ("rebuild", "restore")  # recovery phases a rank times and reports
 
 
 class RegistryError(Exception):
@@ -92,12 +95,19 @@ class Registry:
     failures: deque[Failure] = field(default_factory=lambda: deque(maxlen=KEEP_FAILURES))
     _listeners: list[Callable[[Failure], None]] = field(default_factory=list)
     _plan_changed: asyncio.Event = field(default_factory=asyncio.Event)
+    stragglers: StragglerDetector = field(default_factory=lambda: StragglerDetector(
+        StragglerConfig(mark_as_failure=True)))
+    _window_end: float | None = None
+    _straggling: set[str] = field(default_factory=set)
+    _phases_seen: set[tuple[str, int]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         # Every state and failure kind shows from the first scrape, at 0.
         self._update_gauges()
         for kind in FailureKind:
             self.metrics.failures.labels(kind.name.lower())
+        self.stragglers.reporter = self.node
+        self.stragglers.generation = self.generation
 
     # ranks ---------------------------------------------------------------
 
@@ -119,10 +129,13 @@ class Registry:
         return record
 
     def heartbeat(self, rank_id: str, generation: int, step: int, step_time_s: float,
-                  leaving: bool = False) -> RankRecord:
+                  leaving: bool = False,
+                  recovery_phases: dict[str, float] | None = None) -> RankRecord:
         """Record a heartbeat; refuses unknown ranks, dead ranks and older generations.
 
         A `leaving` heartbeat ends the rank's watch without counting as a failure.
+        `recovery_phases` (seconds by phase) are the rank's timings of joining
+        `generation`; each is observed once per rank and generation.
         """
         record = self._ranks.get(rank_id)
         if record is None:
@@ -137,7 +150,10 @@ class Registry:
                 f"heartbeat of rank {rank_id} is from generation {generation}, but the job is "
                 f"at generation {self.generation}; fetch the new plan (WatchPlan) and rejoin")
         record.last_heartbeat = self.clock()
+        if step > record.step and step_time_s > 0:  # a new step finished: one sample
+            self.stragglers.observe(rank_id, step_time_s)
         record.step, record.step_time_s = step, step_time_s
+        self._observe_phases(rank_id, generation, recovery_phases or {})
         if leaving:
             record.state, record.cause = LEFT, "left cleanly"
             self._forget_series(record.rank_id)
@@ -150,7 +166,17 @@ class Registry:
         self.metrics.heartbeats.inc()
         self.metrics.training_step.labels(rank_id).set(step)
         self.metrics.step_time.labels(rank_id).set(step_time_s)
+        if rank_id not in self._straggling:
+            self.metrics.straggler.labels(rank_id).set(0)
         return record
+
+    def _observe_phases(self, rank_id: str, generation: int, phases: dict[str, float]) -> None:
+        if not phases or (rank_id, generation) in self._phases_seen:
+            return
+        self._phases_seen.add((rank_id, generation))
+        for phase, seconds in phases.items():
+            if phase in RANK_PHASES and seconds >= 0:
+                self.metrics.recovery_phase.labels(phase).observe(seconds)
 
     def ranks(self) -> list[RankRecord]:
         return sorted(self._ranks.values(), key=lambda r: (r.spare, r.rank, r.rank_id))
@@ -184,7 +210,29 @@ class Registry:
                 log.warning("rank heartbeat late", extra={"rank_id": record.rank_id,
                                                           "age_s": round(age, 3)})
         self._update_gauges()
+        found += self._judge_stragglers()
         return found
+
+    def _judge_stragglers(self) -> list[Failure]:
+        """Close a straggler window every few heartbeat intervals; flag and report."""
+        now = self.clock()
+        window_s = max(2.0, STRAGGLER_WINDOW_HEARTBEATS * self.heartbeat_interval_s)
+        if self._window_end is None:
+            self._window_end = now + window_s
+        if now < self._window_end:
+            return []
+        self._window_end = now + window_s
+        verdict = self.stragglers.close_window()
+        for report in verdict.new:
+            self._straggling.add(report.rank_id)
+            self.metrics.straggler.labels(report.rank_id).set(1)
+            log.warning("straggler", extra={"rank_id": report.rank_id,
+                                            "evidence": report.evidence()})
+        for rank_id in verdict.cleared:
+            self._straggling.discard(rank_id)
+            if rank_id in self._ranks:
+                self.metrics.straggler.labels(rank_id).set(0)
+        return [self.report(f) for f in verdict.failures]
 
     def _declare_dead(self, record: RankRecord, kind: FailureKind, evidence: str) -> Failure:
         record.state, record.cause = DEAD, f"{kind.name.lower()}: {evidence}"
@@ -193,7 +241,10 @@ class Registry:
                                    reporter=self.node, details={"pid": record.pid}))
 
     def _forget_series(self, rank_id: str) -> None:
-        for series in (self.metrics.training_step, self.metrics.step_time):
+        self.stragglers.forget(rank_id)
+        self._straggling.discard(rank_id)
+        for series in (self.metrics.training_step, self.metrics.step_time,
+                       self.metrics.straggler):
             try:
                 series.remove(rank_id)
             except KeyError:
@@ -237,6 +288,7 @@ class Registry:
                 f"generation {self.generation}")
         self.previous_plan = self.current_plan()
         self.generation, self.plan = plan.generation, plan
+        self.stragglers.generation = plan.generation
         self.metrics.generation.set(self.generation)
         log.info("plan installed", extra={"generation": self.generation, "reason": plan.reason})
         self._plan_changed.set()

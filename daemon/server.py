@@ -29,6 +29,7 @@ from stalwart.daemon.membership import Membership
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.operator_service import OperatorServicer
 from stalwart.daemon.peer_service import PeerServicer, gossip_forever
+from stalwart.daemon.protection import ProtectionWatch
 from stalwart.daemon.rank_service import RankServicer
 from stalwart.daemon.registry import Registry
 from stalwart.daemon.tls import ReloadingServerCredentials, TlsError, channel_credentials
@@ -83,6 +84,7 @@ class Daemon:
         self.job = Job(config, self.registry, self.membership, self.metrics, self.data_dir,
                        lambda: self.address, self._channel)
         self.operator.decorators.append(self.job.decorate_status)
+        self.protection = ProtectionWatch(self.job.snapshots.store, self.job.nodes, self.metrics)
         self._server: grpc.aio.Server | None = None
         self._metrics_http: Any = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -153,6 +155,7 @@ class Daemon:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._tasks = [
             asyncio.create_task(self._detect_forever(), name="detect"),
+            asyncio.create_task(self._watch_protection_forever(), name="protection"),
             asyncio.create_task(gossip_forever(
                 self.membership, self.peer_info, self._channel, cfg.heartbeat_interval_s,
                 self.stopping), name="gossip"),
@@ -192,6 +195,15 @@ class Daemon:
             except Exception:  # a detector bug must not stop detection of everything else
                 log.exception("liveness check failed")
             await asyncio.sleep(tick_s)
+
+    async def _watch_protection_forever(self) -> None:
+        """Recount shards and the protection margin once per heartbeat interval."""
+        while not self.stopping.is_set():
+            try:
+                self.protection.update()
+            except Exception:  # a counting bug must not stop the daemon
+                log.exception("protection census failed")
+            await asyncio.sleep(self.config.heartbeat_interval_s)
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:

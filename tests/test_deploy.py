@@ -28,6 +28,7 @@ from dashboard_queries import (
 )
 
 from stalwart.daemon.config import load_config
+from stalwart.daemon.metrics import Metrics
 
 UNIT = ROOT / "deploy" / "systemd" / "stalwart.service"
 K8S = sorted((ROOT / "deploy" / "k8s").glob("*.yaml"))
@@ -233,6 +234,20 @@ def test_operations_guide_documents_every_series() -> None:
                                                                   "_sum"))}
     undocumented = {n for n in exported if f"`{n}`" not in guide}
     assert not undocumented, f"add to the metrics catalogue in docs/operations.md: {undocumented}"
+
+
+def test_metrics_catalogue_lists_exactly_the_series_of_metrics_py_with_their_types() -> None:
+    guide = (ROOT / "docs" / "operations.md").read_text()
+    section = guide.split("## Metrics catalogue", 1)[1].split("\n## ", 1)[0]
+    documented = {}
+    for row in section.splitlines():
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`stalwart_"):
+            documented[cells[0].strip("`")] = cells[1]
+    suffix = {"counter": "_total", "info": "_info"}
+    exported = {f.name + suffix.get(f.type, ""): f.type
+                for f in Metrics().registry.collect() if f.name.startswith("stalwart_")}
+    assert documented == exported
 
 
 def test_grafana_provisioning_points_at_the_dashboards() -> None:

@@ -108,11 +108,32 @@ Global___RegisterReply: _TypeAlias = RegisterReply  # noqa: Y015
 class HeartbeatRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class RecoveryPhaseSEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     RANK_ID_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     STEP_TIME_S_FIELD_NUMBER: _builtins.int
     LEAVING_FIELD_NUMBER: _builtins.int
+    RECOVERY_PHASE_S_FIELD_NUMBER: _builtins.int
     rank_id: _builtins.str
     generation: _builtins.int
     step: _builtins.int
@@ -120,6 +141,12 @@ class HeartbeatRequest(_message.Message):
     """wall time of the last completed step"""
     leaving: _builtins.bool
     """last heartbeat of a rank that stops cleanly: not a failure"""
+    @_builtins.property
+    def recovery_phase_s(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Seconds this rank spent joining `generation`, by phase ("rebuild": new process
+        groups, "restore": state loaded); sent after a re-plan, observed once per generation.
+        """
+
     def __init__(
         self,
         *,
@@ -128,10 +155,11 @@ class HeartbeatRequest(_message.Message):
         step: _builtins.int = ...,
         step_time_s: _builtins.float = ...,
         leaving: _builtins.bool = ...,
+        recovery_phase_s: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "leaving", b"leaving", "rank_id", b"rank_id", "step", b"step", "step_time_s", b"step_time_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "leaving", b"leaving", "rank_id", b"rank_id", "recovery_phase_s", b"recovery_phase_s", "step", b"step", "step_time_s", b"step_time_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

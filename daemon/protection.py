@@ -1,0 +1,49 @@
+"""Keeps the protection series current: shards by state and the protection margin.
+
+Re-counts the newest committed step (and the bases it needs) whenever the step or
+the set of live daemons changes, so a lost peer shows at once as missing shards
+and a smaller margin.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from stalwart.core import manifest as mf
+from stalwart.core.protection import Census, census
+from stalwart.daemon.local_store import LocalStore
+from stalwart.daemon.metrics import Metrics
+
+log = logging.getLogger("stalwart.daemon.protection")
+
+
+class ProtectionWatch:
+    """Call `update()` periodically from the daemon's event loop."""
+
+    def __init__(self, store: LocalStore, live_nodes: Callable[[], list[str]],
+                 metrics: Metrics) -> None:
+        self.store, self.live_nodes, self.metrics = store, live_nodes, metrics
+        self._seen: tuple[int | None, frozenset[str]] | None = None
+        self.last: Census | None = None
+
+    def update(self) -> Census | None:
+        """Recount if the newest committed step or the live daemons changed."""
+        latest = self.store.latest_committed()
+        live = frozenset(self.live_nodes())
+        if (latest, live) == self._seen:
+            return self.last
+        if latest is None:
+            self._seen = (latest, live)
+            return None
+        try:
+            manifests = self.store.committed_manifests()
+            chain = mf.plan_chain(manifests, latest)
+        except (FileNotFoundError, KeyError, mf.ManifestError):
+            return self.last  # a step was discarded or retired meanwhile: next tick
+        self.last = census((manifests[s] for s in chain), set(live))
+        self._seen = (latest, live)
+        self.metrics.shards.labels("healthy").set(self.last.healthy)
+        self.metrics.shards.labels("missing").set(self.last.missing)
+        self.metrics.protection_margin.set(self.last.margin)
+        return self.last
