@@ -1,0 +1,279 @@
+"""`stalwart bench recovery`: time from SIGKILL of one rank to the first completed training
+step after recovery (MTTR), Stalwart (warm spare, in-process rebuild, restore of the last
+committed every-step snapshot) against the usual practice (torchrun restarts every rank, which
+load the last torch.distributed.checkpoint save), on the same model, layout and machine.
+
+Each Stalwart trial is a fresh local cluster (2 daemons, dp=2 x pp=2, one spare) and one kill;
+the baseline is one torchrun job that is killed once per restart round.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+MODEL = "tiny"
+TRAIN = {"global_batch": 8, "seed": 0}
+LAYOUT = {"dp": 2, "pp": 2, "tp": 1, "schedule": "1f1b", "microbatches": 2}
+WORLD = LAYOUT["dp"] * LAYOUT["pp"] * LAYOUT["tp"]
+RANKS_PER_NODE = 2
+KILL_STEP = 6
+"""Stalwart trials kill after this step (captures are warm, commits are flowing)."""
+EXTRA_STEPS = 4
+"""Steps trained after the kill step, so the recovered job is seen training on."""
+CKPT_EVERY = 10
+"""Baseline checkpoint interval (steps): a common choice for DCP saves, which stall training
+while they write; each baseline kill lands half an interval after a save, the expected loss."""
+TRIAL_TIMEOUT_S = 300.0
+
+
+def run(quick: bool) -> dict[str, Any]:
+    trials = 3 if quick else 5
+    root = Path(tempfile.mkdtemp(prefix="stalwart-bench-recovery-"))
+    ours = [_our_trial(i, root / f"ours-{i}") for i in range(trials)]
+    base = _baseline(trials, root / "baseline")
+    return _figures(ours, base, root)
+
+
+# Stalwart -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Watch:
+    """What the benchmark sees while a trial runs (wall-clock unix seconds)."""
+
+    failures: dict[tuple[str, int], float] = field(default_factory=dict)
+    committed: list[tuple[float, int]] = field(default_factory=list)
+    step_first_seen: dict[int, float] = field(default_factory=dict)
+    step_times: list[float] = field(default_factory=list)
+    offsets: dict[Path, int] = field(default_factory=dict)
+
+    def poll(self, cluster: Any) -> None:
+        now = time.time()
+        for node in cluster.daemons:
+            st = node.status(timeout_s=1.0) if node.alive else None
+            if st is None:
+                continue
+            for f in st.recent_failures:
+                key = (f.subject, f.kind)
+                t = f.time_unix_ms / 1000
+                self.failures[key] = min(self.failures.get(key, t), t)
+            self.committed.append((now, st.latest_committed_step))
+            self.step_times += [r.step_time_s for r in st.ranks if r.step_time_s > 0]
+        for r in cluster.ranks:
+            self._follow(r.log_path, now)
+
+    def _follow(self, path: Path, now: float) -> None:
+        if not path.exists():
+            return
+        with open(path, "rb") as f:
+            f.seek(self.offsets.get(path, 0))
+            chunk = f.read()
+        cut = chunk.rfind(b"\n") + 1
+        self.offsets[path] = self.offsets.get(path, 0) + cut
+        for line in chunk[:cut].decode("utf-8", "replace").splitlines():
+            if line.startswith("[step] "):
+                self.step_first_seen.setdefault(int(line.split()[1]), now)
+
+
+def _our_trial(index: int, workdir: Path) -> dict[str, Any]:
+    """One fresh cluster, one SIGKILL of rank (index % 3) + 1 after KILL_STEP."""
+    from stalwart.client.local_cluster import LocalCluster
+
+    victim = 1 + index % (WORLD - 1)
+    steps = KILL_STEP + EXTRA_STEPS
+    spec = {"model": MODEL, "train": TRAIN, "layout": LAYOUT, "steps": steps,
+            "faults": [{"kind": "kill", "target": "rank", "index": victim, "step": KILL_STEP}],
+            "collective_timeout_s": 10.0}
+    cluster = LocalCluster(nodes=WORLD // RANKS_PER_NODE, workdir=workdir)
+    cluster.env["STALWART_FAULT_LOG"] = str(workdir)
+    watch = _Watch()
+    try:
+        cluster.start_daemons()
+        cluster.launch(spec, WORLD, spares=1, ranks_per_node=RANKS_PER_NODE)
+        deadline = time.monotonic() + TRIAL_TIMEOUT_S
+        while _finished(cluster, steps) < WORLD:
+            if time.monotonic() > deadline or not cluster.running():
+                raise RuntimeError(f"Stalwart trial {index} did not finish {steps} steps within "
+                                   f"{TRIAL_TIMEOUT_S:g} s; logs are in {workdir}")
+            watch.poll(cluster)
+            time.sleep(0.1)
+        watch.poll(cluster)
+        results = [res for r in cluster.ranks if (res := r.result())]
+    finally:
+        cluster.close(keep_workdir=True)
+    return _our_recovery(index, victim, workdir, watch, results)
+
+
+def _finished(cluster: Any, steps: int) -> int:
+    """Rank processes that exited after training every step."""
+    return sum(1 for r in cluster.ranks if r.proc.poll() == 0
+               and str(steps) in (r.result() or {}).get("losses", {}))
+
+
+def _our_recovery(index: int, victim: int, workdir: Path, watch: _Watch,
+                  results: list[dict[str, Any]]) -> dict[str, Any]:
+    faults = [json.loads(p.read_text()) for p in workdir.glob("fault-*.json")]
+    if len(faults) != 1:
+        raise RuntimeError(f"Stalwart trial {index}: expected one fault record in {workdir}, "
+                           f"found {len(faults)}")
+    fault_t, fault_step = faults[0]["time_unix"], faults[0]["step"]
+    # The recovery is over with the first generation in which every role trained a step.
+    by_gen: dict[int, list[dict[str, Any]]] = {}
+    for res in results:
+        for g in res.get("generations", []):
+            by_gen.setdefault(g["generation"], []).append(g)
+    done = sorted(g for g, recs in by_gen.items() if g > 1 and len(recs) == WORLD
+                  and all(r["first_step_unix"] for r in recs))
+    if not done:
+        raise RuntimeError(f"Stalwart trial {index}: no generation after the kill trained a "
+                           f"step on all {WORLD} roles; logs are in {workdir}")
+    recs = by_gen[done[0]]
+    detected = min((t for t in watch.failures.values() if t >= fault_t - 0.5), default=None)
+    if detected is None:
+        raise RuntimeError(f"Stalwart trial {index}: no daemon reported the failure")
+    # Phase ends are the last rank's: each phase is over when every role is past it.
+    planned = max(r["plan_received_unix"] for r in recs)
+    rebuilt = max(r["plan_received_unix"] + r["rebuild_s"] for r in recs)
+    restored = max(r["plan_received_unix"] + r["rebuild_s"] + r["restore_s"] for r in recs)
+    first = max(r["first_step_unix"] for r in recs)
+    resume = recs[0]["resume_step"]
+    committed_before = max((s for t, s in watch.committed if t <= planned), default=0)
+    detected = max(detected, fault_t)
+    caught_up = watch.step_first_seen.get(fault_step + 1)
+    return {"victim_rank": victim, "fault_step": fault_step, "resume_step": resume,
+            "generations_used": len([g for g in by_gen if g > 1]),
+            "mttr_s": first - fault_t, "detect_s": detected - fault_t,
+            "plan_s": planned - detected, "rebuild_s": rebuilt - planned,
+            "restore_s": restored - rebuilt, "first_step_s": first - restored,
+            "rebuild_by_rank_s": sorted(r["rebuild_s"] for r in recs),
+            "restore_by_rank_s": sorted(r["restore_s"] for r in recs),
+            "lost_steps": max(0, committed_before - resume),
+            "redone_steps": max(0, fault_step - resume),
+            "catch_up_s": caught_up - fault_t if caught_up else None,
+            "step_s": median(watch.step_times) if watch.step_times else None,
+            "losses": _losses(results)}
+
+
+def _losses(results: list[dict[str, Any]]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for res in results:
+        out.update({int(k): v for k, v in res.get("losses", {}).items()})
+    return out
+
+
+# baseline -------------------------------------------------------------------------------
+
+
+def _baseline(trials: int, workdir: Path) -> list[dict[str, Any]]:
+    """One torchrun job; restart round r is killed half an interval after its second save."""
+    from stalwart.bench.recovery_baseline import run_baseline
+
+    kills = [{"round": r, "rank": 1 + r % (WORLD - 1),
+              "step": CKPT_EVERY * (r + 1) + CKPT_EVERY // 2} for r in range(trials)]
+    spec = {"model": MODEL, "train": TRAIN, "layout": LAYOUT, "kills": kills,
+            "steps": CKPT_EVERY * (trials + 1), "ckpt_every": CKPT_EVERY}
+    events = run_baseline(spec, workdir, timeout_s=TRIAL_TIMEOUT_S * trials)
+    return [_baseline_recovery(events, k) for k in kills]
+
+
+def _baseline_recovery(events: list[dict[str, Any]], kill: dict[str, Any]) -> dict[str, Any]:
+    fault = next(e for e in events if e["event"] == "fault" and e["round"] == kill["round"])
+    after = [e for e in events if e["round"] == kill["round"] + 1]
+
+    def latest(kind: str) -> float:
+        return max(e["time_unix"] for e in after if e["event"] == kind)
+
+    restored = next(e["step"] for e in after if e["event"] == "restored")
+    first = max(min(e["time_unix"] for e in after if e["event"] == "step" and e["rank"] == r)
+                for r in range(WORLD))
+    caught = [e["time_unix"] for e in after
+              if e["event"] == "step" and e["step"] == kill["step"] + 1]
+    t0 = fault["time_unix"]
+    spawned = min(e["time_unix"] for e in after if e["event"] == "process_start")
+    return {"victim_rank": kill["rank"], "fault_step": kill["step"], "resume_step": restored,
+            "mttr_s": first - t0, "restart_s": spawned - t0,
+            "import_s": latest("imported") - spawned, "rebuild_s": latest("built")
+            - latest("imported"), "restore_s": latest("restored") - latest("built"),
+            "first_step_s": first - latest("restored"),
+            "lost_steps": kill["step"] - restored, "redone_steps": kill["step"] - restored,
+            "catch_up_s": max(caught) - t0 if len(caught) == WORLD else None}
+
+
+# figures --------------------------------------------------------------------------------
+
+
+def _med(rows: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return round(median(values), 3) if values else None
+
+
+def _figures(ours: list[dict[str, Any]], base: list[dict[str, Any]],
+             root: Path) -> dict[str, Any]:
+    base_losses = _baseline_losses(root / "baseline" / "events")
+    our_losses: dict[int, float] = {}
+    for t in ours:
+        our_losses.update(t.pop("losses"))
+    common = sorted(set(our_losses) & set(base_losses))
+    mttr, base_mttr = _med(ours, "mttr_s"), _med(base, "mttr_s")
+    figures = {
+        "model": MODEL, "layout": LAYOUT, "global_batch": TRAIN["global_batch"],
+        "trials": len(ours), "workdir": str(root),
+        "mttr_s": mttr,
+        **{k: _med(ours, k) for k in ("detect_s", "plan_s", "rebuild_s", "restore_s",
+                                      "first_step_s", "catch_up_s", "step_s")},
+        "lost_steps": max(t["lost_steps"] for t in ours),
+        "redone_steps": _med(ours, "redone_steps"),
+        "baseline": "torchrun --max-restarts (all ranks restarted) + last DCP checkpoint",
+        "baseline_ckpt_every_steps": CKPT_EVERY,
+        "baseline_mttr_s": base_mttr,
+        **{f"baseline_{k}": _med(base, k) for k in ("restart_s", "import_s", "rebuild_s",
+                                                    "restore_s", "first_step_s",
+                                                    "catch_up_s")},
+        "baseline_lost_steps": _med(base, "lost_steps"),
+        "baseline_save_s": _baseline_save_s(root / "baseline" / "events"),
+        "mttr_speedup": round(base_mttr / mttr, 2) if mttr and base_mttr else None,
+        "same_losses_as_baseline": bool(common) and all(
+            our_losses[s] == base_losses[s] for s in common),
+        "compared_loss_steps": len(common),
+        "trials_ours": [_rounded(t) for t in ours],
+        "trials_baseline": [_rounded(t) for t in base],
+    }
+    return figures
+
+
+def _baseline_losses(events_dir: Path) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for path in events_dir.glob("rank0-round*.jsonl"):
+        for line in path.read_text().splitlines():
+            e = json.loads(line)
+            if e["event"] == "step":
+                out[e["step"]] = e["loss"]
+    return out
+
+
+def _baseline_save_s(events_dir: Path) -> float | None:
+    """Median wall time of one DCP save (slowest rank), seconds the baseline's training
+    stalls every CKPT_EVERY steps."""
+    saves: dict[tuple[str, int], float] = {}
+    for path in events_dir.glob("rank*-round*.jsonl"):
+        rnd = path.stem.split("-")[1]
+        for line in path.read_text().splitlines():
+            e = json.loads(line)
+            if e["event"] == "saved":
+                key = (rnd, e["step"])
+                saves[key] = max(saves.get(key, 0.0), e["save_s"])
+    return round(median(saves.values()), 3) if saves else None
+
+
+def _rounded(row: dict[str, Any]) -> dict[str, Any]:
+    def r(v: Any) -> Any:
+        if isinstance(v, float):
+            return round(v, 3)
+        return [r(x) for x in v] if isinstance(v, list) else v
+    return {k: r(v) for k, v in row.items()}
