@@ -9,13 +9,15 @@ Import reads such a file (tensors only) and commits it as a (1,1,1) step of a lo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
 import pickle
 import socket
 import sys
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -157,9 +159,18 @@ def save(tensors: dict[str, torch.Tensor], path: Path, fmt: str) -> None:
     elif fmt == "dcp":
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+        with _single_process():
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
     else:
         raise InteropError(f"unknown format {fmt!r}; use one of {FORMATS}")
+
+
+@contextlib.contextmanager
+def _single_process() -> Iterator[None]:
+    """DCP warns that no process group exists; one process is what export/import want."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def load(path: Path) -> dict[str, torch.Tensor]:
@@ -197,19 +208,27 @@ def _flatten(obj: Mapping[str, Any], path: Path, prefix: str = "") -> dict[str, 
     return out
 
 
+# Plain data constructors DCP's index also names (a layout by name, the checkpoint's path).
+_SAFE_GLOBALS = {("collections", "OrderedDict"), ("builtins", "set"),
+                 ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                 ("pathlib", "PurePosixPath"),
+                 ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """DCP writes its index as a pickle; allow only DCP's metadata classes and torch types."""
 
     def find_class(self, module: str, name: str) -> Any:
         import torch
 
-        if module.startswith("torch.distributed.checkpoint.") or module == "torch":
+        if module in ("torch.distributed.checkpoint.metadata", "torch"):
             found = super().find_class(module, name)
+            # Metadata's dataclasses and enums only build plain records.
             safe = (isinstance(found, type) and module != "torch") or isinstance(
                 found, torch.dtype | torch.layout | torch.memory_format) or found is torch.Size
             if safe:
                 return found
-        if (module, name) in (("collections", "OrderedDict"), ("builtins", "set")):
+        if (module, name) in _SAFE_GLOBALS:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
 
@@ -239,7 +258,8 @@ def _load_dcp(path: Path) -> dict[str, torch.Tensor]:
         if not isinstance(meta, TensorStorageMetadata):
             raise InteropError(f"{path}: entry {name!r} is not a tensor; keep only tensors")
         out[name] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-    dcp.load(out, storage_reader=reader, no_dist=True)
+    with _single_process():
+        dcp.load(out, storage_reader=reader, no_dist=True)
     return out
 
 
