@@ -3,6 +3,7 @@ import` reads them back into a store; neither ever unpickles arbitrary objects."
 
 from __future__ import annotations
 
+import json
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,11 +11,18 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from stalwart.cli import main
 from stalwart.client import interop
 from stalwart.client.local_cluster import LocalCluster
-from stalwart.client.trainer import _tensor_sha256
+from stalwart.client.model import PRESETS, with_overrides
+from stalwart.client.parallel_dims import ParallelDims
+from stalwart.client.state_layout import describe, pack_into, unpack
+from stalwart.client.trainer import TrainConfig, Trainer, _tensor_sha256
+from stalwart.client.trainer_state import load_state, state_tensors
+from stalwart.daemon.local_store import LocalStore
+from stalwart.v1 import common_pb2, manifest_pb2
 
 STEPS = 3
 # Other tests load the 2 cores: a late heartbeat here is not the failure under test.
@@ -125,3 +133,35 @@ def test_export_refuses_to_read_the_store_of_a_running_daemon(
         trained: dict[str, Any], tmp_path: Path) -> None:
     with pytest.raises(interop.InteropError, match="--socket"):
         interop.read_from_store(trained["data_dir"], "default", STEPS)
+
+
+def test_an_imported_export_resumes_training_with_identical_losses(tmp_path: Path) -> None:
+    cfg = TrainConfig(model=with_overrides(PRESETS["tiny"], d_model=32, n_layer=2, n_head=2,
+                                           d_ff=64, seq_len=16),
+                      global_batch=4, corpus_bytes=1 << 16, seed=3)
+
+    def trainer(generation: int) -> Trainer:
+        return Trainer(ParallelDims(dp=1, pp=1, tp=1).build(dist.HashStore(), 0, generation),
+                       cfg)
+
+    a = trainer(0)
+    for _ in range(3):
+        a.step()
+    tensors, extra = state_tensors(a)
+    metas, nbytes = describe(tensors)
+    buffer = torch.zeros(nbytes, dtype=torch.uint8)
+    pack_into(buffer, tensors, metas)
+    state = manifest_pb2.RankState(rank=0, coord=common_pb2.RankCoord(rank=0), tensors=metas,
+                                   extra=json.dumps(extra).encode())
+    interop.save(interop.assemble_full([(state, buffer.numpy().tobytes())]),
+                 tmp_path / "ckpt.pt", "state_dict")
+    expected = [a.step() for _ in range(2)]
+
+    assert main(["import", str(tmp_path / "ckpt.pt"), "--data-dir", str(tmp_path / "store"),
+                 "--step", "3"]) == 0
+    store = LocalStore(tmp_path / "store")
+    record = store.load_manifest(3).ranks[0]
+    b = trainer(1)
+    load_state(b, unpack(store.read_rank(3, 0), list(record.tensors)),
+               json.loads(record.extra))
+    assert [b.step() for _ in range(2)] == expected
