@@ -33,7 +33,7 @@ TRIAL_TIMEOUT_S = 300.0
 
 
 def run(quick: bool) -> dict[str, Any]:
-    trials = 3 if quick else 5
+    trials = 2 if quick else 5  # each side; a Stalwart trial is a fresh cluster (~20-40 s)
     root = Path(tempfile.mkdtemp(prefix="stalwart-bench-recovery-"))
     ours = [_our_trial(i, root / f"ours-{i}") for i in range(trials)]
     base = _baseline(trials, root / "baseline")
@@ -106,6 +106,8 @@ def _our_trial(index: int, workdir: Path) -> dict[str, Any]:
         watch.poll(cluster)
         results = [res for r in cluster.ranks if (res := r.result())]
     finally:
+        for node in cluster.daemons:  # their state is not needed; SIGTERM waits for drains
+            cluster.kill_daemon(node)
         cluster.close(keep_workdir=True)
     return _our_recovery(index, victim, workdir, watch, results)
 
