@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from stalwart.core import manifest as mf
-from stalwart.core.placement import S3, Node, decodable, repair_plan, step_margin
+from stalwart.core.placement import S3, Node, decodable, repair_plan
 from stalwart.daemon.checksum import crc32c
 from stalwart.daemon.local_store import LocalStore
 from stalwart.daemon.metrics import Metrics
@@ -60,14 +60,6 @@ def recoverable(manifests: Manifests, lost: set[str], local_node: str) -> list[i
     """Committed steps still recoverable with `lost` gone, newest first."""
     return [s for s in sorted(manifests, reverse=True)
             if step_recoverable(manifests, s, lost, local_node)]
-
-
-def margin(manifests: Manifests, step: int, lost: set[str]) -> int:
-    """Further node losses `step` (with its chain) survives on shards alone (-1: none)."""
-    chain = mf.plan_chain(dict(manifests), step)
-    chunks = [placement_of(c) for s in chain for r in manifests[s].ranks for c in r.chunks
-              if c.shards]
-    return step_margin(chunks, lost) if chunks else -1
 
 
 def same_but_holders(old: manifest_pb2.Manifest, new: manifest_pb2.Manifest) -> bool:
@@ -166,8 +158,7 @@ class Repairer:
                     log.exception("repair pass failed")
                 finally:
                     self.state.running = False
-                    self.state.pending = 0
-                    self.metrics.repair_pending.set(0)
+                    self._pending(0)
 
     async def _pass(self) -> None:
         manifests = await asyncio.to_thread(self.store.committed_manifests)
@@ -191,8 +182,8 @@ class Repairer:
                 self.state.last = (f"{len(unrecoverable)} chunks have fewer than k shards left; "
                                    "they cannot be repaired")
             return
-        self.state.running, self.state.pending = True, total
-        self.metrics.repair_pending.set(total)
+        self.state.running = True
+        self._pending(total)
         started = time.monotonic()
         log.warning("repair started", extra={"lost": sorted(lost), "shards": total})
         reader = self.reader()
@@ -209,13 +200,17 @@ class Repairer:
                         await self._repair_chunk(reader, step, repaired.generation, c,
                                                  chunks[c.chunk_id], lost)
                         done += len(chunks[c.chunk_id])
-                        self.state.pending = total - done
-                        self.metrics.repair_pending.set(total - done)
+                        self._pending(total - done)
             await self.publish(mf.seal(repaired))
         self.state.last = (f"re-created {done} shards of {len(by_step)} steps after losing "
                            f"{', '.join(sorted(lost - {S3}))} in "
                            f"{time.monotonic() - started:.1f} s")
         log.warning("repair finished", extra={"shards": done, "steps": sorted(by_step)})
+
+    def _pending(self, shards: int) -> None:
+        self.state.pending = shards
+        self.metrics.repair_pending.set(shards)
+        self.metrics.shards.labels("repairing").set(shards)
 
     async def _repair_chunk(self, reader: ShardReader, step: int, generation: int,
                             chunk: manifest_pb2.ChunkRecord, targets: dict[int, str],
@@ -232,13 +227,4 @@ class Repairer:
             rec.node = target
             self.state.repaired += 1
             self.metrics.repaired_shards.inc()
-
-
-def shard_counts(manifests: Manifests, lost: set[str], repairing: bool) -> dict[str, int]:
-    """Shard records by state: healthy (live holder), missing, repairing."""
-    missing = sum(rec.node in lost for m in manifests.values() for r in m.ranks
-                  for c in r.chunks for rec in c.shards)
-    total = sum(len(c.shards) for m in manifests.values() for r in m.ranks for c in r.chunks)
-    return {"healthy": total - missing, "missing": 0 if repairing else missing,
-            "repairing": missing if repairing else 0}
 

@@ -19,7 +19,9 @@ from typing import Any, TypeVar
 
 import grpc
 
+from stalwart.core import manifest as mf
 from stalwart.core.placement import S3, Node, place_chunk
+from stalwart.core.protection import census
 from stalwart.daemon import repair
 from stalwart.daemon.checksum import crc32c
 from stalwart.daemon.coder import ZfecCodec, default_km
@@ -37,7 +39,6 @@ from stalwart.v1 import manifest_pb2, peer_pb2, peer_pb2_grpc, rank_pb2
 log = logging.getLogger("stalwart.daemon.snapshots")
 
 PIECE_BYTES = 1 << 20       # restore stream message size
-GAUGE_EVERY_S = 5.0         # refresh of the shard-state and protection-margin gauges
 PUSH_TIMEOUT_S = 10.0       # a repaired manifest sent to one peer
 DEFAULT_SLOT_BUDGET = 8 << 30  # bytes of shared memory for all ranks when ram_bytes is 0
 T = TypeVar("T")
@@ -96,8 +97,7 @@ class SnapshotPath:
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.fd_server.start()
-        self._background = [asyncio.create_task(self.scrubber.forever(), name="scrub"),
-                            asyncio.create_task(self._gauges_forever(), name="shard-gauges")]
+        self._background = [asyncio.create_task(self.scrubber.forever(), name="scrub")]
 
     async def stop(self) -> None:
         tasks = list(self._durable.values()) + self._background
@@ -192,7 +192,6 @@ class SnapshotPath:
         """A daemon is gone: the repair leader re-creates its shards on live daemons."""
         log.warning("peer lost", extra={"peer": node, "repair_leader": self.repairer.is_leader()})
         await self.repairer.run()
-        await asyncio.to_thread(self.status_storage)
 
     # erasure coding -----------------------------------------------------------
 
@@ -331,35 +330,25 @@ class SnapshotPath:
                             "holders", extra={"peer": p.node, "step": manifest.step,
                                               "error": exc.details()})
 
-    async def _gauges_forever(self) -> None:
-        while True:
-            await asyncio.sleep(GAUGE_EVERY_S)
-            try:
-                await asyncio.to_thread(self.status_storage)
-            except Exception:
-                log.exception("shard gauges not updated")
-
     def status_storage(self) -> dict[str, str]:
-        """Entries for StatusReply.storage (shards by state, protection, repair, scrub);
-        refreshes the matching gauges on the way."""
+        """Entries for StatusReply.storage: shards and protection of the newest committed
+        step (with the bases it needs), repair and scrub progress."""
         manifests = self.store.committed_manifests()
-        lost = self.repairer.lost(manifests)
-        counts = repair.shard_counts(manifests, lost, self.repairer.state.running)
-        for state, n in counts.items():
-            self.metrics.shards.labels(state).set(n)
-        out = {"shards": ", ".join(f"{n} {state}" for state, n in counts.items())}
-        latest = max(manifests, default=None)
-        if latest is not None and counts["healthy"] + counts["missing"] + counts["repairing"]:
-            margin = repair.margin(manifests, latest, lost)
-            self.metrics.protection_margin.set(margin)
-            out["protection"] = (f"step {latest} survives {margin} more node losses"
-                                 if margin >= 0 else f"step {latest} is not recoverable from "
-                                 "shards alone")
+        live = {p.node for p in self.peers()}
         state = self.repairer.state
+        out = {}
+        latest = max(manifests, default=None)
+        if latest is not None:
+            c = census((manifests[s] for s in mf.plan_chain(manifests, latest)), live)
+            out["shards"] = (f"step {latest} and its bases: {c.healthy} healthy, {c.missing} "
+                             f"missing, {state.pending} repairing")
+            out["protection"] = (f"step {latest} survives {c.margin} more daemon losses"
+                                 if c.margin >= 0 else f"step {latest} is not recoverable now")
         out["repair"] = (f"running, {state.pending} shards pending" if state.running
-                         else state.last) + f"; {state.repaired} re-created since start"
-        if lost - {S3}:
-            out["repair"] += f"; lost holders: {', '.join(sorted(lost - {S3}))}"
+                         else state.last) + f"; {state.repaired} shards re-created since start"
+        gone = self.repairer.lost(manifests) - {S3}
+        if gone:
+            out["repair"] += f"; lost holders: {', '.join(sorted(gone))}"
         out["scrub"] = self.scrubber.state.last
         return out
 

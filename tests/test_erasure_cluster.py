@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import signal
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -56,6 +57,15 @@ def recoverable(found: dict[int, manifest_pb2.Manifest], lost: set[str]) -> list
                    for r in found[t].ranks for c in r.chunks)]
 
 
+def scrape(node: Node) -> dict[str, float]:
+    """The daemon's Prometheus samples {"name{labels}": value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics",
+                                timeout=5) as reply:
+        text = reply.read().decode()
+    return {name: float(value) for name, _, value in
+            (line.rpartition(" ") for line in text.splitlines() if not line.startswith("#"))}
+
+
 def train(cluster: LocalCluster) -> dict[int, bytes]:
     """Run the rank to the end; the state of every committed step as the rank's own daemon
     (node-0, which holds the chunks on its disk) returns it."""
@@ -78,6 +88,7 @@ def cluster(tmp_path: Path):
 
     def make(nodes: int, env: dict[str, str] | None = None, **settings) -> LocalCluster:
         c = LocalCluster(nodes=nodes, workdir=tmp_path / f"c{len(made)}", env=env or {},
+                         metrics=True,
                          daemon_settings={"erasure": {"k": K, "m": M},
                                           "snapshot": {"base_every": 3, "retain": 5},
                                           **settings})
@@ -179,6 +190,10 @@ def test_lost_daemon_is_repaired_so_m_more_losses_are_survived(cluster) -> None:
     wait_until(repaired, 60, "the repair leader to re-create the lost daemon's shards")
     assert all(len({rec.node for rec in ch.shards}) == K + M
                for m in manifests(reader).values() for r in m.ranks for ch in r.chunks)
+    leader = scrape(c.daemons[0])  # the live daemon with the smallest name drives repair
+    assert leader["stalwart_repaired_shards_total"] > 0
+    assert leader["stalwart_repair_pending_shards"] == 0
+    assert leader['stalwart_shards{state="repairing"}'] == 0
     # m-tolerance is back: m more daemons may go and every step still restores bitwise.
     for n in c.daemons[1:3]:
         c.kill_daemon(n)
