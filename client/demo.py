@@ -40,10 +40,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--seed", type=int, default=0)
     a("--model", choices=["tiny", "small", "medium"], default="tiny")
     a("--global-batch", type=int, default=8)
+    a("--model-overrides", type=json.loads, default={},
+      help='JSON of GPTConfig fields to change, e.g. \'{"d_model": 32, "n_layer": 2}\'')
     a("--kill", type=_fault("kill"), action="append", default=[],
       help="SIGKILL rank R (or node N: its daemon and ranks) after step S; repeatable")
     a("--hang", type=_fault("hang"), action="append", default=[],
       help="make rank R stop answering after step S; repeatable")
+    a("--gpu-fault", type=_fault("gpu"), action="append", default=[],
+      help="inject an NVML Xid 79 on rank R's device after step S; repeatable")
     a("--no-faults", action="store_true",
       help="inject nothing (default without --kill/--hang: kill rank 1 at a third of the run)")
     a("--collective-timeout", type=float, default=10.0,
@@ -54,7 +58,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _spec(args: argparse.Namespace, faults: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"model": args.model, "train": {"global_batch": args.global_batch, "seed": args.seed},
+    return {"model": args.model, "model_overrides": args.model_overrides,
+            "train": {"global_batch": args.global_batch, "seed": args.seed},
             "layout": {"dp": args.dp, "pp": args.pp, "tp": args.tp, "schedule": args.schedule,
                        "microbatches": args.microbatches or args.pp},
             "steps": args.steps, "faults": faults,
@@ -96,7 +101,13 @@ def run(args: argparse.Namespace) -> int:
               f"{args.nodes * args.ranks_per_node} ranks, but dp*pp*tp = {world}; raise "
               "--nodes or --ranks-per-node", file=sys.stderr)
         return 2
-    faults = args.kill + args.hang
+    per_round = args.dp * (args.microbatches or args.pp)
+    if args.global_batch % per_round:
+        print(f"stalwart demo: --global-batch {args.global_batch} does not split into dp="
+              f"{args.dp} x {args.microbatches or args.pp} micro-batches; choose a multiple "
+              f"of {per_round}", file=sys.stderr)
+        return 2
+    faults = args.kill + args.hang + args.gpu_fault
     if not faults and not args.no_faults:
         faults = [{"kind": "kill", "target": "rank", "index": min(1, world - 1),
                    "step": max(2, args.steps // 3)}]
@@ -200,7 +211,8 @@ def _summarise(cluster: Any, args: argparse.Namespace, faults: list[dict[str, An
 
     results = [(r, r.result()) for r in cluster.ranks]
     finished = [res for _, res in results if res and res.get("losses")]
-    losses: dict[int, float] = {}
+    # Killed ranks leave no result file, but their printed losses count for their steps.
+    losses: dict[int, float] = dict(follow.losses)
     for res in finished:
         losses.update({int(k): v for k, v in res["losses"].items()})
     hashes: dict[str, str] = {}

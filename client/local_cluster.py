@@ -135,11 +135,13 @@ class LocalCluster:
         config_path = node.data_dir / "stalwart.toml"
         config_path.write_text(_toml(cfg))
         node.log_path = node.data_dir / "daemon.log"
+        # Writing a spec such as "xid:79@1" here makes the daemon's GPU monitor see it.
+        inject = {"STALWART_NVML_INJECT": str(node.data_dir / "nvml-inject")}
         with open(node.log_path, "ab") as log:
             node.proc = subprocess.Popen(
                 [sys.executable, "-m", "stalwart.cli", "daemon", "--config", str(config_path)],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, **self.env})
+                env={**os.environ, **self.env, **inject})
 
     def _membership_agreed(self) -> bool:
         for node in self.daemons:
@@ -192,6 +194,7 @@ class LocalCluster:
                    "STALWART_UNIX_SOCKET": str(node.socket),
                    "STALWART_NODE_INDEX": str(node.index),
                    "STALWART_DAEMON_PID": str(node.proc.pid if node.proc else 0),
+                   "STALWART_NVML_INJECT_FILE": str(node.data_dir / "nvml-inject"),
                    "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
             log_path = self.workdir / f"{name}.log"
             result_path = self.workdir / f"{name}.json"

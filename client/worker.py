@@ -53,7 +53,7 @@ def _fault_hook(spec: dict[str, Any], rank: int, node: int):
     fault_log = os.environ.get("STALWART_FAULT_LOG", "")
 
     def on_step(step: int, loss: float) -> None:
-        print(f"[step] {step} loss {loss:.6f}", flush=True)  # the demo follows these lines
+        print(f"[step] {step} loss {loss!r}", flush=True)  # the demo follows these lines
         for f in faults:
             if f["step"] != step:
                 continue
@@ -69,6 +69,11 @@ def _fault_hook(spec: dict[str, Any], rank: int, node: int):
                 os.kill(os.getpid(), signal.SIGKILL)
             if f["kind"] == "hang":
                 threading.Event().wait()  # alive, heartbeating, never answering
+            if f["kind"] == "gpu":
+                # An Xid 79 (GPU fell off the bus) on this rank's device, as NVML reports it.
+                Path(os.environ["STALWART_NVML_INJECT_FILE"]).write_text(
+                    f"xid:79@{os.environ.get('LOCAL_RANK', '0')}")
+                threading.Event().wait()  # a rank on a dead GPU makes no more progress
     return on_step
 
 

@@ -80,13 +80,23 @@ class Coordinator:
 
     # membership ---------------------------------------------------------------
 
+    def take_over(self, installed: common_pb2.Plan) -> None:
+        """This daemon became coordinator: continue from the plan every daemon installed.
+
+        Spares are re-announced by their daemons; prepares sent to the old coordinator
+        are lost, so those steps are skipped rather than waited for.
+        """
+        if self.plan is None and installed.assignments and not installed.stop:
+            self.plan = PlanState.from_proto(installed)
+            log.warning("took over as coordinator", extra={"generation": installed.generation})
+
     async def announce(self, a: peer_pb2.RankAnnouncement) -> None:
         """A rank registered with some daemon: form the first plan once the world is here."""
         async with self._lock:
             self.announced[a.rank_id] = a
             if self.plan is None:
                 await self._maybe_form_first_plan()
-            elif a.rank < 0 or a.rank_id not in {m.rank_id for m in self.plan.members}:
+            elif a.rank_id not in {m.rank_id for m in self.plan.members}:
                 spare = Member(a.rank_id, a.node)
                 if spare not in self.plan.spares:
                     self.plan = PlanState(
@@ -206,6 +216,14 @@ class Coordinator:
                 lay = self.layouts[step]
                 world = max(1, lay.dp) * max(1, lay.pp) * max(1, lay.tp)
                 if len(self.pending[step]) < world:
+                    if self._complete_after(step):
+                        # Every rank prepares in step order, so a complete later step means
+                        # this one's missing prepares are lost (they went to a coordinator
+                        # that died): skip it instead of blocking every later commit.
+                        log.warning("step skipped: some ranks' prepares were lost",
+                                    extra={"step": step, "have": sorted(self.pending[step])})
+                        del self.pending[step]
+                        continue
                     return  # steps commit in order; a later one waits for this one
                 manifest = mf.build_manifest(
                     job_id=self.job_id, step=step, generation=self.generations[step],
@@ -231,6 +249,15 @@ class Coordinator:
                 self.layouts.pop(step, None)
                 self.generations.pop(step, None)
                 latest = step
+
+
+    def _complete_after(self, step: int) -> bool:
+        for s, ranks in self.pending.items():
+            lay = self.layouts.get(s)
+            if s > step and lay is not None and len(ranks) >= (
+                    max(1, lay.dp) * max(1, lay.pp) * max(1, lay.tp)):
+                return True
+        return False
 
 
 class StaleStep(RuntimeError):

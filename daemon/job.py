@@ -21,6 +21,7 @@ from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.coordinator import Coordinator, StaleStep
 from stalwart.daemon.membership import SUSPECT, UP, Membership
 from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.nvml import GpuHealthMonitor
 from stalwart.daemon.registry import RankRecord, Registry, StaleGeneration
 from stalwart.daemon.snapshots import Peer, SnapshotPath
 from stalwart.v1 import common_pb2, manifest_pb2, operator_pb2, peer_pb2, peer_pb2_grpc
@@ -46,18 +47,63 @@ class Job:
         self.coordinator = Coordinator(config.node, config.job_id, metrics, self,
                                        self.snapshots.store.latest_committed)
         self._failures: asyncio.Queue[Failure] = asyncio.Queue()
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._coordinator_seen = ""
+        self._unsent: list[Failure] = []  # reports the coordinator never received
+        self.gpus = GpuHealthMonitor(registry.report, node=config.node,
+                                     device_ranks=self._ranks_on_device,
+                                     generation=lambda: registry.generation,
+                                     poll_interval_s=min(2.0, config.heartbeat_interval_s))
         registry.on_failure(self._on_failure)
 
     async def start(self) -> None:
         await self.snapshots.start()
-        self._task = asyncio.create_task(self._decide_forever(), name="coordinator")
+        await self.gpus.start()
+        self._tasks = [asyncio.create_task(self._decide_forever(), name="coordinator"),
+                       asyncio.create_task(self._follow_coordinator(), name="follow")]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.gpus.stop()
         await self.snapshots.stop()
+
+    def _ranks_on_device(self, index: int) -> list[str]:
+        """rank_ids of live local ranks on GPU `index` (by device, else by local rank)."""
+        out = []
+        for r in self.registry.ranks():
+            device = r.device.split(":")
+            on = int(device[1]) == index if len(device) == 2 and device[1].isdigit() \
+                else r.local_rank == index
+            if on and r.state != "dead":
+                out.append(r.rank_id)
+        return out
+
+    async def _follow_coordinator(self) -> None:
+        """When the coordinator changes, tell the new one about this node's ranks."""
+        interval = self.config.heartbeat_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            current = self.membership.coordinator()
+            if current == self._coordinator_seen:
+                continue
+            first = not self._coordinator_seen
+            self._coordinator_seen = current
+            if first:
+                continue
+            log.warning("coordinator changed", extra={"coordinator": current})
+            if current == self.node:
+                self.coordinator.take_over(self.registry.current_plan())
+            unsent, self._unsent = self._unsent, []
+            for failure in unsent:
+                self._failures.put_nowait(failure)
+            for record in self.registry.ranks():
+                if record.state in ("alive", "late"):
+                    try:
+                        await self.on_register(record, common_pb2.ParallelLayout())
+                    except (grpc.aio.AioRpcError, LookupError) as exc:
+                        log.warning("re-announce failed: %s", exc)
 
     # who is who -----------------------------------------------------------------
 
@@ -150,6 +196,7 @@ class Job:
 
     async def announce(self, a: peer_pb2.RankAnnouncement) -> None:
         if self.is_coordinator():
+            self.coordinator.take_over(self.registry.current_plan())
             await self.coordinator.announce(a)
             return
         coordinator = self.membership.coordinator()
@@ -182,11 +229,19 @@ class Job:
 
     async def _handle(self, failures: list[Failure]) -> None:
         if self.is_coordinator():
+            self.coordinator.take_over(self.registry.current_plan())
             await self.coordinator.on_failures(failures)
             return
-        stub = self._peer_stub(self.membership.coordinator())
-        for f in failures:
-            await stub.ReportFailure(f.to_proto(), timeout=RPC_TIMEOUT_S)
+        for i, f in enumerate(failures):
+            try:
+                await self._peer_stub(self.membership.coordinator()).ReportFailure(
+                    f.to_proto(), timeout=RPC_TIMEOUT_S)
+            except (grpc.aio.AioRpcError, LookupError) as exc:
+                # The coordinator may be the thing that died: resend to its successor.
+                log.warning("failure report not delivered; will resend to the next "
+                            "coordinator: %s", exc)
+                self._unsent.extend(failures[i:])
+                return
 
     # phase one --------------------------------------------------------------------
 
