@@ -62,6 +62,36 @@ def recoverable(manifests: Manifests, lost: set[str], local_node: str) -> list[i
             if step_recoverable(manifests, s, lost, local_node)]
 
 
+def failed_holders(manifests: Manifests, chunk_id: str, unavailable: Mapping[int, str]
+                   ) -> set[str]:
+    """Nodes whose shards (indices in `unavailable`) of chunk `chunk_id` could not be read."""
+    for m in manifests.values():
+        for r in m.ranks:
+            for c in r.chunks:
+                if c.chunk_id == chunk_id:
+                    return {rec.node for rec in c.shards
+                            if rec.index in unavailable and rec.node != S3}
+    return set()
+
+
+def beyond_tolerance(step: int, rank: int, why: str, manifests: Manifests, lost: set[str],
+                     local_node: str, s3: bool) -> tuple[str, int | None]:
+    """The error for a step that cannot be rebuilt, and the newest older step that can."""
+    older = recoverable({s: m for s, m in manifests.items() if s < step}, lost, local_node)
+    gone = ", ".join(sorted(lost - {S3})) or "none known"
+    where = "surviving shards" + (" and S3" if s3 else "")
+    if older:
+        advice = (f"The newest step still recoverable (from {where}) is {older[0]}: restore "
+                  f"it with RestoreRequest.step={older[0]}, or step=0 for the newest "
+                  "recoverable step.")
+    else:
+        advice = (f"No committed step is recoverable from {where}: bring back one of the lost "
+                  "daemons with its data_dir, or restore from an external checkpoint.")
+    return (f"step {step} rank {rank} cannot be restored: more daemons are lost than the "
+            f"erasure code tolerates (lost: {gone}). {why} {advice}",
+            older[0] if older else None)
+
+
 def same_but_holders(old: manifest_pb2.Manifest, new: manifest_pb2.Manifest) -> bool:
     """True when `new` differs from `old` only in which node holds each shard."""
     def bare(m: manifest_pb2.Manifest) -> tuple[bytes, list[tuple]]:

@@ -388,7 +388,7 @@ class SnapshotPath:
                 data = await self._run(self.store.read_rank, step, request.rank,
                                        fetch=self._fetch_chunk)
             except BeyondToleranceError as exc:
-                lost |= _failed_holders(manifests, exc)
+                lost |= repair.failed_holders(manifests, exc.chunk_id, exc.unavailable)
                 if request.step or step == steps[-1]:
                     await self._beyond_tolerance(context, step, request.rank, exc, manifests,
                                                  lost)
@@ -409,29 +409,8 @@ class SnapshotPath:
                                 lost: set[str]) -> None:
         """Abort naming the newest step still recoverable; its number also travels in the
         trailing metadata `stalwart-recoverable-step` (absent when none is)."""
-        older = repair.recoverable({s: m for s, m in manifests.items() if s < step}, lost,
-                                   self.node)
-        gone = ", ".join(sorted(lost - {S3})) or "none known"
-        where = "surviving shards" + (" and S3" if self.s3 is not None else "")
-        if older:
-            context.set_trailing_metadata((("stalwart-recoverable-step", str(older[0])),))
-            advice = (f"The newest step still recoverable (from {where}) is {older[0]}: "
-                      f"restore it with RestoreRequest.step={older[0]}, or step=0 for the "
-                      "newest recoverable step.")
-        else:
-            advice = (f"No committed step is recoverable from {where}: bring back one of the "
-                      "lost daemons with its data_dir, or restore from an external checkpoint.")
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"step {step} rank {rank} cannot be restored: more daemons are lost "
-                            f"than the erasure code tolerates (lost: {gone}). {exc} {advice}")
-
-
-def _failed_holders(manifests: repair.Manifests, exc: BeyondToleranceError) -> set[str]:
-    """Nodes whose shards of the chunk named by `exc` could not be read."""
-    for m in manifests.values():
-        for r in m.ranks:
-            for c in r.chunks:
-                if c.chunk_id == exc.chunk_id:
-                    return {rec.node for rec in c.shards
-                            if rec.index in exc.unavailable and rec.node != S3}
-    return set()
+        message, newest = repair.beyond_tolerance(step, rank, str(exc), manifests, lost,
+                                                  self.node, self.s3 is not None)
+        if newest is not None:
+            context.set_trailing_metadata((("stalwart-recoverable-step", str(newest)),))
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)

@@ -21,11 +21,11 @@ import pytest
 from stalwart.client.local_cluster import LocalCluster, Node, wait_until
 from stalwart.core import manifest as mf
 from stalwart.core.placement import decodable
+from stalwart.daemon import repair
 from stalwart.daemon.checksum import crc32c
+from stalwart.daemon.local_store import LocalStore
 from stalwart.daemon.shard_reader import placement_of
-from stalwart.v1 import manifest_pb2, rank_pb2, rank_pb2_grpc
-
-pytestmark = pytest.mark.multiprocess
+from stalwart.v1 import common_pb2, manifest_pb2, rank_pb2, rank_pb2_grpc
 
 K, M = 2, 2
 STEPS = 7
@@ -103,6 +103,7 @@ def cluster(tmp_path: Path):
         c.close()
 
 
+@pytest.mark.multiprocess
 def test_m_lost_restore_bitwise_and_m_plus_one_names_the_newest_recoverable(cluster) -> None:
     # No peer is declared lost during this test: repair must not move shards around.
     c = cluster(6, heartbeat_timeout_s=300.0)
@@ -137,6 +138,7 @@ def test_m_lost_restore_bitwise_and_m_plus_one_names_the_newest_recoverable(clus
     assert restore(reader, 0) == (newest, reference[newest])
 
 
+@pytest.mark.multiprocess
 def test_corrupt_shard_and_frozen_peer_are_read_around(cluster) -> None:
     c = cluster(4, heartbeat_timeout_s=300.0)
     reference = train(c)
@@ -165,6 +167,7 @@ def test_corrupt_shard_and_frozen_peer_are_read_around(cluster) -> None:
         c.daemons[2].proc.send_signal(signal.SIGCONT)
 
 
+@pytest.mark.multiprocess
 def test_lost_daemon_is_repaired_so_m_more_losses_are_survived(cluster) -> None:
     c = cluster(5, env={"STALWART_SCRUB_INTERVAL_S": "1"})
     reference = train(c)
@@ -199,3 +202,57 @@ def test_lost_daemon_is_repaired_so_m_more_losses_are_survived(cluster) -> None:
         c.kill_daemon(n)
     for step, want in reference.items():
         assert restore(reader, step) == (step, want), f"step {step} after repair and 2 losses"
+
+
+# In-process: recoverability, repaired manifests -------------------------------------------
+
+def _step(step: int, base: int, holders: list[str], node: str = "node-0"
+          ) -> manifest_pb2.Manifest:
+    """A one-rank manifest whose single chunk has shards 0..3 on `holders` (k=2, m=2)."""
+    codec = manifest_pb2.ZSTD if base == step else manifest_pb2.XOR_DELTA_ZSTD
+    chunk = manifest_pb2.ChunkRecord(chunk_id=f"s{step}", size=4, stored_size=4, codec=codec,
+                                     base_step=base, k=K, m=M)
+    for i, h in enumerate(holders):
+        chunk.shards.add(index=i, node=h, location=f"s{step}.{i}", size=2, crc32c=i)
+    rank = manifest_pb2.RankState(rank=0, node=node, chunks=[chunk], total_bytes=4,
+                                  coord=common_pb2.RankCoord(rank=0))
+    return mf.build_manifest(job_id="default", step=step, generation=1,
+                             layout=common_pb2.ParallelLayout(dp=1, pp=1, tp=1), ranks=[rank])
+
+
+def test_a_delta_is_recoverable_only_while_its_base_is() -> None:
+    found = {1: _step(1, 1, ["a", "b", "c", "d"]), 2: _step(2, 1, ["c", "d", "e", "f"]),
+             3: _step(3, 3, ["a", "b", "e", "f"])}
+    # Losing a, b, c leaves step 2 three of its own shards but only one of its base's.
+    assert repair.recoverable(found, {"a", "b", "c"}, "elsewhere") == [3]
+    assert repair.recoverable(found, {"a", "e", "f"}, "elsewhere") == [2, 1]
+    assert repair.recoverable(found, {"e", "f"}, "elsewhere") == [3, 2, 1]
+    # The capturing node reads its own disk copy whatever happened to the shards.
+    assert repair.recoverable(found, {"a", "b", "c"}, "node-0") == [3, 2, 1]
+
+
+def test_beyond_tolerance_names_the_newest_older_recoverable_step() -> None:
+    found = {1: _step(1, 1, ["a", "b", "c", "d"]), 2: _step(2, 2, ["b", "c", "d", "e"])}
+    message, newest = repair.beyond_tolerance(2, 0, "why", found, {"b", "c", "d"}, "x", False)
+    assert newest is None and "No committed step is recoverable" in message
+    message, newest = repair.beyond_tolerance(2, 0, "why", found, {"c", "d", "e"}, "x", True)
+    assert newest == 1
+    assert "newest step still recoverable (from surviving shards and S3) is 1" in message
+    assert "lost: c, d, e" in message
+
+
+def test_a_repaired_manifest_replaces_only_shard_holders(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    old = _step(5, 5, ["a", "b", "c", "d"], node="elsewhere")
+    store.commit(old, local_node="node-0")
+    moved = manifest_pb2.Manifest()
+    moved.CopyFrom(old)
+    moved.ranks[0].chunks[0].shards[2].node = "e"
+    assert repair.install_repaired(store, mf.seal(moved))
+    assert LocalStore(tmp_path).load_manifest(5).ranks[0].chunks[0].shards[2].node == "e"
+    other = manifest_pb2.Manifest()
+    other.CopyFrom(moved)
+    other.ranks[0].chunks[0].shards[2].crc32c = 99
+    with pytest.raises(ValueError, match="not just new shard holders"):
+        repair.install_repaired(store, mf.seal(other))
+    assert not repair.install_repaired(store, _step(6, 6, ["a", "b", "c", "d"]))
