@@ -10,9 +10,11 @@ the baseline is one torchrun job that is killed once per restart round.
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -32,12 +34,38 @@ while they write; each baseline kill lands half an interval after a save, the ex
 TRIAL_TIMEOUT_S = 300.0
 
 
+DEFINITIONS = {
+    "mttr_s": "SIGKILL of one rank -> every role of the job has completed a training step "
+              "again (median of trials; each trial one fresh kill)",
+    "detect_s": "kill -> first failure event a daemon recorded",
+    "plan_s": "-> the last role of the new generation received its plan",
+    "rebuild_s": "-> the last role built its process groups and trainer",
+    "restore_s": "-> the last role loaded the resume step's state",
+    "first_step_s": "-> the last role completed its first step",
+    "catch_up_s": "kill -> the step after the killed one completed (redone steps included)",
+    "lost_steps": "committed steps discarded by the recovery (worst trial)",
+    "redone_steps": "steps trained again: the kill came after steps not yet committed",
+    "baseline_restart_s": "kill -> torchrun started the first fresh rank process",
+    "baseline_import_s": "-> the last rank imported torch and stalwart",
+    "baseline_rebuild_s": "-> the last rank joined the process group, built groups and trainer",
+    "baseline_restore_s": "-> the last rank loaded the newest complete DCP checkpoint",
+    "baseline_lost_steps": f"steps since that checkpoint (saved every {CKPT_EVERY} steps, "
+                           f"killed {CKPT_EVERY // 2} steps after a save: the expected loss)",
+    "baseline_save_s": "one synchronous DCP save (slowest rank): the stall every interval",
+}
+
+
 def run(quick: bool) -> dict[str, Any]:
     trials = 2 if quick else 5  # each side; a Stalwart trial is a fresh cluster (~20-40 s)
     root = Path(tempfile.mkdtemp(prefix="stalwart-bench-recovery-"))
+    load_before = os.getloadavg()[0]
     ours = [_our_trial(i, root / f"ours-{i}") for i in range(trials)]
     base = _baseline(trials, root / "baseline")
-    return _figures(ours, base, root)
+    figures = _figures(ours, base, root)
+    # Other work on the machine stretches process start-up most: say how busy it was.
+    figures["load_average_1m"] = [round(load_before, 1), round(os.getloadavg()[0], 1)]
+    figures["definitions"] = DEFINITIONS
+    return figures
 
 
 # Stalwart -------------------------------------------------------------------------------
@@ -173,7 +201,7 @@ def _losses(results: list[dict[str, Any]]) -> dict[int, float]:
 
 
 def _baseline(trials: int, workdir: Path) -> list[dict[str, Any]]:
-    """One torchrun job; restart round r is killed half an interval after its second save."""
+    """One torchrun job; restart round r is killed half an interval after a save."""
     from stalwart.bench.recovery_baseline import run_baseline
 
     kills = [{"round": r, "rank": 1 + r % (WORLD - 1),
@@ -215,6 +243,11 @@ def _med(rows: list[dict[str, Any]], key: str) -> float | None:
     return round(median(values), 3) if values else None
 
 
+def _range(rows: list[dict[str, Any]], key: str) -> list[float]:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return [round(min(values), 3), round(max(values), 3)] if values else []
+
+
 def _figures(ours: list[dict[str, Any]], base: list[dict[str, Any]],
              root: Path) -> dict[str, Any]:
     base_losses = _baseline_losses(root / "baseline" / "events")
@@ -226,19 +259,20 @@ def _figures(ours: list[dict[str, Any]], base: list[dict[str, Any]],
     figures = {
         "model": MODEL, "layout": LAYOUT, "global_batch": TRAIN["global_batch"],
         "trials": len(ours), "workdir": str(root),
-        "mttr_s": mttr,
+        "mttr_s": mttr, "mttr_range_s": _range(ours, "mttr_s"),
         **{k: _med(ours, k) for k in ("detect_s", "plan_s", "rebuild_s", "restore_s",
                                       "first_step_s", "catch_up_s", "step_s")},
         "lost_steps": max(t["lost_steps"] for t in ours),
         "redone_steps": _med(ours, "redone_steps"),
         "baseline": "torchrun --max-restarts (all ranks restarted) + last DCP checkpoint",
         "baseline_ckpt_every_steps": CKPT_EVERY,
-        "baseline_mttr_s": base_mttr,
+        "baseline_mttr_s": base_mttr, "baseline_mttr_range_s": _range(base, "mttr_s"),
         **{f"baseline_{k}": _med(base, k) for k in ("restart_s", "import_s", "rebuild_s",
                                                     "restore_s", "first_step_s",
                                                     "catch_up_s")},
         "baseline_lost_steps": _med(base, "lost_steps"),
         "baseline_save_s": _baseline_save_s(root / "baseline" / "events"),
+        "baseline_step_s": _baseline_step_s(root / "baseline" / "events"),
         "mttr_speedup": round(base_mttr / mttr, 2) if mttr and base_mttr else None,
         "same_losses_as_baseline": bool(common) and all(
             our_losses[s] == base_losses[s] for s in common),
@@ -271,6 +305,17 @@ def _baseline_save_s(events_dir: Path) -> float | None:
                 key = (rnd, e["step"])
                 saves[key] = max(saves.get(key, 0.0), e["save_s"])
     return round(median(saves.values()), 3) if saves else None
+
+
+def _baseline_step_s(events_dir: Path) -> float | None:
+    """Median time of one training step on rank 0, intervals with a save left out."""
+    gaps = []
+    for path in events_dir.glob("rank0-round*.jsonl"):
+        steps = [json.loads(line) for line in path.read_text().splitlines()]
+        steps = [e for e in steps if e["event"] == "step"]
+        gaps += [b["time_unix"] - a["time_unix"] for a, b in pairwise(steps)
+                 if a["step"] % CKPT_EVERY]
+    return round(median(gaps), 3) if gaps else None
 
 
 def _rounded(row: dict[str, Any]) -> dict[str, Any]:
