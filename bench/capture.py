@@ -130,14 +130,16 @@ class _DaemonRank:
                                          generation)
         self.capturer = Capturer(transport)
         self.step = 0  # step numbers keep rising across phases, as the daemon expects
+        self.copy_waits_s: list[float] = []  # blocked in before_update, per optimizer step
 
-    def train(self, model, opt, step: Callable[[], float], steps: int, capture: bool
-              ) -> list[float]:
-        """Wall time of each training step (capture included when on), seconds."""
+    def train(self, model, opt, step: Callable[[], float], steps: int, capture: bool,
+              every: int = 1) -> list[float]:
+        """Wall time of each training step (capture, every `every` steps, included), s."""
         state = _state(model, opt)
 
         def wait_for_copy(*_: Any) -> None:
-            self.capturer.before_update()  # the optimizer is about to overwrite the copy
+            # The optimizer is about to overwrite what is being copied.
+            self.copy_waits_s.append(self.capturer.before_update())
 
         hook = opt.register_step_pre_hook(wait_for_copy) if capture else None
         times = []
@@ -146,7 +148,7 @@ class _DaemonRank:
                 t0 = time.perf_counter()
                 step()
                 self.step += 1
-                if capture:
+                if capture and self.step % every == 0:
                     self.capturer.capture(self.step, _state_tensors(state),
                                           {"step": self.step})
                 times.append(time.perf_counter() - t0)
@@ -186,10 +188,18 @@ def run(quick: bool) -> dict:
         dcp_stall_s, dcp_total_s = _dcp_async_stall(state, folder, repeats)
 
         _progress(f"baselines done ({nbytes / 1e6:.0f} MB state); capturing {steps} steps")
-        rank.train(model, opt, step, steps, capture=True)
+        rank.train(model, opt, step, 2, capture=False)  # warm-up: first steps run slow
+        step_with_s = median(rank.train(model, opt, step, steps, capture=True)[1:])
         stalls = rank.capturer.stats.stalls_s[1:]  # the first opens and pre-faults the slots
         copies = rank.capturer.stats.copies_s[1:]
+        waits = rank.copy_waits_s[2:]  # per optimizer step; 0 when the copy was done
         stall_s = median(stalls)
+        step_s = median(rank.train(model, opt, step, 3, capture=False))
+        # Every 3rd step gives the daemon time to encode between captures (an odd period,
+        # so that the capturer's two slots, chosen by step parity, alternate).
+        before = len(rank.capturer.stats.stalls_s)
+        rank.train(model, opt, step, steps, capture=True, every=3)
+        sparse_stalls = rank.capturer.stats.stalls_s[before + 1:]
 
         _progress("step overhead on the tiny model")
         tiny_model, tiny_opt, tiny_step = _model("tiny", 4, 64, seed=1)
@@ -210,6 +220,11 @@ def run(quick: bool) -> dict:
         "captures": len(stalls),
         "stall_s": round(stall_s, 6),
         "stall_max_s": round(max(stalls), 6),
+        "stall_waiting_for_copy_s": round(median(waits), 6),
+        "handoff_s": round(max(0.0, stall_s - median(waits)), 6),
+        "stall_s_capture_every_3_steps": round(median(sparse_stalls), 6),
+        "step_s_without_capture": round(step_s, 6),
+        "step_s_with_capture": round(step_with_s, 6),
         "background_copy_s": round(median(copies), 6),
         "copy_bandwidth_bytes_per_s": round(bandwidth),
         "memcpy_floor_s": round(floor_s, 6),
@@ -229,5 +244,9 @@ def run(quick: bool) -> dict:
                  "(capture() call plus the wait before the next optimizer.step()), real "
                  "Capturer -> daemon subprocess, first capture (slot set-up) excluded. "
                  "step_overhead_pct: tiny GPT, capture every step vs none, interleaved "
-                 "blocks in one process; the daemon's encoding shares the machine's cores.",
+                 "blocks in one process; the daemon's encoding shares the machine's cores. "
+                 "handoff_s: the rest (describe the state, hand the slot over). "
+                 "stall_waiting_for_copy_s: part of the stall spent before optimizer.step() "
+                 "waiting for the copy, which itself waits for a slot the daemon has not "
+                 "finished encoding (backpressure when encoding is slower than a step).",
     }
