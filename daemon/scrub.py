@@ -1,7 +1,8 @@
 """Background scrub: re-verify the CRC32C of every shard this daemon stores, periodically.
 
 A shard that fails is deleted (peers then read around it at once instead of after a
-DATA_LOSS answer) and re-created here from k good shards elsewhere.
+DATA_LOSS answer) and re-created here from k good shards elsewhere. Shards of steps
+older than every retained step are deleted first (retention of the shard store).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class ScrubState:
     passes: int = 0
     bad: int = 0              # shards found corrupt since the daemon started
     recreated: int = 0
+    retired: int = 0          # shards of retired steps deleted
     last: str = "no pass yet"
 
 
@@ -61,6 +63,10 @@ class Scrubber:
             return []
         shards = ShardStore(self.shard_dir)
         started = time.monotonic()
+        steps = await asyncio.to_thread(self.store.committed_steps)
+        if steps:
+            retired = await asyncio.to_thread(shards.delete, self.job_id, [], steps[0])
+            self.state.retired += retired
         bad_paths = await asyncio.to_thread(shards.scrub)
         prefix = self.job_id + "/"
         bad = [p[len(prefix):] for p in bad_paths if p.startswith(prefix)]
@@ -74,7 +80,8 @@ class Scrubber:
                 await self._recreate(sid)
         self.state.last = (f"pass {self.state.passes} took {time.monotonic() - started:.1f} s: "
                            f"{len(bad)} corrupt; {self.state.bad} corrupt and "
-                           f"{self.state.recreated} re-created since start")
+                           f"{self.state.recreated} re-created since start; "
+                           f"{self.state.retired} shards of retired steps deleted")
         return bad
 
     async def _recreate(self, sid: str) -> None:

@@ -277,8 +277,10 @@ class SnapshotPath:
             return
         latest = self.store.latest_committed()
         if latest is not None and manifest.step < latest:
-            # New steps always commit above the latest one (discard_after lowers it first),
-            # so this is a repaired copy of a step retired here: nothing to update.
+            # New steps commit above the latest one (discard_after lowers it first), so
+            # this is a repaired copy of a step retired here: nothing to update.
+            log.info("repaired manifest of a step not kept here ignored",
+                     extra={"step": manifest.step})
             return
         await self._run_commit(self.store.commit, manifest, local_node=self.node)
         if self.s3 is not None and self.node == min(p.node for p in self.peers()):
@@ -314,7 +316,8 @@ class SnapshotPath:
 
     async def _publish(self, manifest: manifest_pb2.Manifest) -> None:
         """Replace a repaired step's manifest here and on every other live daemon."""
-        await self._run_commit(repair.install_repaired, self.store, manifest)
+        if not await self._run_commit(repair.install_repaired, self.store, manifest):
+            return  # retired or discarded meanwhile: the other daemons drop it too
         request = peer_pb2.CommitStepRequest(manifest=manifest)
         for p in self.peers():
             if p.node == self.node:
