@@ -290,6 +290,7 @@ class Registry:
         self.generation, self.plan = plan.generation, plan
         self.stragglers.generation = plan.generation
         self.metrics.generation.set(self.generation)
+        self.metrics.plan.info(plan_labels(plan))
         log.info("plan installed", extra={"generation": self.generation, "reason": plan.reason})
         self._plan_changed.set()
         self._plan_changed = asyncio.Event()
@@ -315,3 +316,11 @@ class Registry:
         """Wake plan watchers without a change (used at shutdown so streams end at once)."""
         self._plan_changed.set()
         self._plan_changed = asyncio.Event()
+
+
+def plan_labels(plan: common_pb2.Plan) -> dict[str, str]:
+    """The plan as labels of `stalwart_plan_info`."""
+    lay = plan.layout
+    return {"generation": str(plan.generation), "dp": str(lay.dp), "pp": str(lay.pp),
+            "tp": str(lay.tp), "schedule": lay.schedule,
+            "stages": " ".join(f"{s.first_layer}-{s.last_layer}" for s in lay.stages)}

@@ -25,11 +25,14 @@ SCRIPTS = Path(__file__).resolve().parent
 SCRAPE_S = 1.0
 
 
-def tiny_spec(steps: int, kill_rank: int, kill_step: int) -> dict[str, Any]:
-    """A dp=2 x pp=2 job on a tiny GPT that SIGKILLs `kill_rank` after `kill_step`."""
-    return {"model": "tiny",
-            "model_overrides": {"d_model": 32, "n_layer": 2, "n_head": 2, "d_ff": 64,
-                                "seq_len": 16},
+SMALLEST = {"d_model": 32, "n_layer": 2, "n_head": 2, "d_ff": 64, "seq_len": 16}
+
+
+def tiny_spec(steps: int, kill_rank: int, kill_step: int,
+              overrides: dict[str, int] | None = None) -> dict[str, Any]:
+    """A dp=2 x pp=2 job on the tiny GPT (shrunk by `overrides`) that SIGKILLs
+    `kill_rank` after `kill_step`."""
+    return {"model": "tiny", "model_overrides": overrides or {},
             "train": {"global_batch": 8, "corpus_bytes": 65536, "seed": 0},
             "layout": {"dp": 2, "pp": 2, "tp": 1, "schedule": "1f1b", "microbatches": 2},
             "steps": steps, "collective_timeout_s": 10.0,
@@ -74,6 +77,12 @@ def start_prometheus(targets: list[str], root: Path, port: int) -> subprocess.Po
     return proc
 
 
+def any_rank_registered(cluster: Any) -> float | None:
+    """Unix time now, once some daemon lists a rank (polled at 0.2 s)."""
+    registered = any(status.ranks for n in cluster.daemons if (status := n.status()))
+    return time.time() if registered else None
+
+
 def roles_done(cluster: Any, steps: int, world: int) -> bool:
     """Every role trained the last step (the killed rank's role through its spare)."""
     done = 0
@@ -97,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("docs/overview-dashboard.png"))
     parser.add_argument("--dashboard", default="overview", help="overview, faults or storage")
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--kill-step", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--kill-step", type=int, default=6)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for the job")
     parser.add_argument("--workdir", type=Path, default=None, help="keep logs here")
     args = parser.parse_args(argv)
@@ -117,13 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         prometheus = start_prometheus(
             [f"127.0.0.1:{n.metrics_port}" for n in cluster.daemons], workdir / "prom", port)
         url = f"http://127.0.0.1:{port}"
-        begun = time.time()
-        time.sleep(3 * SCRAPE_S)  # a few idle scrapes before training, so graphs show the start
         cluster.launch(tiny_spec(args.steps, 1, args.kill_step), world=4, spares=1)
+        # The picture starts a few scrapes before the first rank registers (torch start-up
+        # before that is idle time) and ends a few scrapes after the last step.
+        begun = wait("a rank to register", lambda: any_rank_registered(cluster), 120)
         wait("every role to finish training", lambda: roles_done(cluster, args.steps, 4),
              args.timeout)
         time.sleep(3 * SCRAPE_S)  # the last values reach Prometheus
-        minutes = (time.time() - begun) / 60
+        minutes = (time.time() - begun + 3 * SCRAPE_S) / 60
         with_data = render_dashboard.render(url, args.dashboard, args.out, minutes, None)
         print(f"wrote {args.out} ({with_data} panels with data) from a {args.steps}-step run "
               f"with rank 1 killed after step {args.kill_step}; logs in {cluster.workdir}")
