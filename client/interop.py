@@ -64,7 +64,7 @@ def read_from_daemon(step: int, target: str | None = None
 def read_from_store(data_dir: Path, job_id: str, step: int
                     ) -> list[tuple[manifest_pb2.RankState, bytes]]:
     """The same, offline from a store no daemon is writing (every chunk must be on disk)."""
-    from stalwart.daemon.local_store import LocalStore
+    from stalwart.daemon.local_store import CorruptChunkError, LocalStore
 
     _refuse_live_daemon(data_dir)
     if not (data_dir / "snapshots" / job_id / "manifests").is_dir():
@@ -73,7 +73,15 @@ def read_from_store(data_dir: Path, job_id: str, step: int
     store = LocalStore(data_dir, job_id=job_id, ram_bytes=0)
     step = step or store.latest_committed() or 0
     manifest = store.load_manifest(step)
-    return [(r, store.read_rank(step, r.rank)) for r in manifest.ranks]
+    out = []
+    for r in manifest.ranks:
+        try:
+            out.append((r, store.read_rank(step, r.rank)))
+        except CorruptChunkError as exc:
+            raise InteropError(f"{exc}. Rank {r.rank} was captured on node {r.node!r}; its "
+                               "chunks may live on that node's disk or as erasure shards: "
+                               "export through a running daemon with --socket") from None
+    return out
 
 
 def _refuse_live_daemon(data_dir: Path) -> None:

@@ -165,3 +165,11 @@ def test_an_imported_export_resumes_training_with_identical_losses(tmp_path: Pat
     load_state(b, unpack(store.read_rank(3, 0), list(record.tensors)),
                json.loads(record.extra))
     assert [b.step() for _ in range(2)] == expected
+
+
+def test_offline_export_names_the_rank_whose_chunks_are_not_on_this_disk(tmp_path: Path) -> None:
+    interop.commit_checkpoint({"model/layers.0.tok.weight": torch.arange(6.0).view(2, 3)},
+                              tmp_path, step=5)
+    LocalStore(tmp_path).chunk_path(5, 0, 0).unlink()
+    with pytest.raises(interop.InteropError, match="Rank 0 .* --socket"):
+        interop.read_from_store(tmp_path, "default", 5)
