@@ -78,10 +78,10 @@ class Scrubber:
             await asyncio.to_thread(shards.delete, self.job_id, bad, 0)
             for sid in bad:
                 await self._recreate(sid)
-        self.state.last = (f"pass {self.state.passes} took {time.monotonic() - started:.1f} s: "
-                           f"{len(bad)} corrupt; {self.state.bad} corrupt and "
-                           f"{self.state.recreated} re-created since start; "
-                           f"{self.state.retired} shards of retired steps deleted")
+        st = self.state
+        st.last = (f"pass {st.passes} ({time.monotonic() - started:.1f} s): {len(bad)} corrupt "
+                   f"shards; since start {st.bad} corrupt, {st.recreated} re-created, "
+                   f"{st.retired} of retired steps deleted")
         return bad
 
     async def _recreate(self, sid: str) -> None:
