@@ -52,8 +52,9 @@ class ElasticConfig:
     keep_microbatches: bool = True
     """Keep the micro-batches per pipeline round and raise gradient accumulation (when
     still >= the stage count); otherwise use the fastest count."""
-    max_assignments: int = 20_000
-    """Beyond this many rank-to-stage assignments per layout, search a greedy subset."""
+    max_assignments: int = 300
+    """Rank-to-stage assignments tried per (dp, pp): all of them when there are no more,
+    else a local search from greedy ones within this many (each costs one partition)."""
 
     @classmethod
     def from_profile(cls, profile: CostProfile, *, tp: int = 1, mem_cap: float | None = None,
@@ -217,6 +218,72 @@ def _better(step: float, moved: int, changed: int, best: _Best | None) -> bool:
     return step <= b_step * (1 + _TIE) and (moved, changed) < (b_moved, b_changed)
 
 
+def _evaluate(assignment: tuple[tuple, ...], costs: list[float], tp: int,
+              config: ElasticConfig, micro: tuple[int, int]) -> _Best:
+    """Time, layers moved and stage changes of one rank-kind-to-stage assignment, with
+    the partition that moves the fewest layers among the fastest (ValueError: no fit)."""
+    m, ga = micro
+    pp, dp = len(assignment), len(assignment[0])
+    speeds = [min(k[1] for k in combo) for combo in assignment]
+    move = [[float(tp * sum(_lacks(k[0], i) for k in combo)) for i in range(len(costs))]
+            for combo in assignment]
+    part = partition(costs, pp, speeds, mem=config.mem, act=config.act, mem_cap=config.mem_cap,
+                     micro_batches=m, move_costs=move)
+    moved = int(sum(move[j][i] for i, j in enumerate(part.owners())))
+    changed = sum(k[0] != part.stages[s] for s, combo in enumerate(assignment) for k in combo)
+    return _Best((ga * (m + pp - 1) * part.bottleneck, moved, changed), dp, pp, micro,
+                 assignment, part.stages)
+
+
+def _pick(best: _Best | None, other: _Best | None) -> _Best | None:
+    if other is None:
+        return best
+    return other if _better(*other.key, best) else best
+
+
+def _improve(best: _Best, kinds: Counter, costs: list[float], tp: int, config: ElasticConfig,
+             micro: tuple[int, int], budget: list[int]) -> _Best:
+    """Local search from a greedy assignment: swap kinds between neighbouring stages or
+    with unused ranks while that helps and budget[0] evaluations are left (pools too big
+    to enumerate)."""
+    improved = True
+    while improved and budget[0] > 0:
+        improved = False
+        cur = best.assignment
+        used = Counter(k for combo in cur for k in combo)
+        unused = [k for k in kinds if kinds[k] > used[k]]
+        tries = []
+        for s in range(len(cur)):
+            for k1 in set(cur[s]):
+                swaps = [(s + 1, k2) for k2 in set(cur[s + 1]) if k2 != k1] \
+                    if s + 1 < len(cur) else []
+                for t, k2 in swaps:
+                    tries.append(_swap(cur, {s: (k1, k2), t: (k2, k1)}))
+                tries += [_swap(cur, {s: (k1, k2)}) for k2 in unused if k2 != k1]
+        for cand in tries:
+            if budget[0] <= 0:
+                break
+            budget[0] -= 1
+            other = _evaluate(cand, costs, tp, config, micro)
+            if _better(*other.key, best):
+                best, improved = other, True
+                break
+    return best
+
+
+def _swap(assignment: tuple[tuple, ...], change: dict[int, tuple]) -> tuple[tuple, ...]:
+    """`assignment` with one kind replaced per stage: change[stage] = (old kind, new kind)."""
+    out = []
+    for s, combo in enumerate(assignment):
+        if s in change:
+            old, new = change[s]
+            combo = list(combo)
+            combo[combo.index(old)] = new
+            combo = tuple(sorted(combo, key=repr))
+        out.append(combo)
+    return tuple(out)
+
+
 def plan_layout(state: PlanState, failed: frozenset[str], config: ElasticConfig, *,
                 dp_range: tuple[int, int], pp_range: tuple[int, int]) -> ShrinkResult:
     """The fastest layout of the surviving members and spares of `state` with dp and pp in
@@ -230,38 +297,38 @@ def plan_layout(state: PlanState, failed: frozenset[str], config: ElasticConfig,
     kinds = Counter(g.kind for g in groups)
     best: _Best | None = None
     considered, shortfalls = [], []
+    fastest = max((g.speed for g in groups), default=1.0)
+    layouts = []
     for pp in range(pp_range[0], min(pp_range[1], len(costs), len(groups)) + 1):
         for dp in range(dp_range[0], min(dp_range[1], len(groups) // pp) + 1):
             micro = _microbatches(old, dp, pp, config.keep_microbatches)
-            if micro is None:
-                continue
-            m, ga = micro
-            cand = _assignments(kinds, dp, pp)
-            count = math.comb(len(kinds) + dp - 1, dp) ** pp
-            if count > config.max_assignments:
-                cand = _greedy_assignments(kinds, dp, pp)
-            local: _Best | None = None
-            for assignment in cand:
-                speeds = [min(k[1] for k in combo) for combo in assignment]
-                move = [[float(tp * sum(_lacks(k[0], i) for k in combo))
-                         for i in range(len(costs))] for combo in assignment]
-                try:
-                    part = partition(costs, pp, speeds, mem=config.mem, act=config.act,
-                                     mem_cap=config.mem_cap, micro_batches=m, move_costs=move)
-                except ValueError as exc:
-                    shortfalls.append((dp, pp, m, speeds, str(exc)))
-                    break  # memory does not depend on which ranks hold the stages
-                step = ga * (m + pp - 1) * part.bottleneck
-                moved = int(sum(move[j][i] for i, j in enumerate(part.owners())))
-                changed = sum(k[0] != part.stages[s] for s, combo in enumerate(assignment)
-                              for k in combo)
-                if _better(step, moved, changed, local):
-                    local = _Best((step, moved, changed), dp, pp, micro, assignment, part.stages)
-            if local is not None:
-                considered.append({"dp": dp, "pp": pp, "microbatches": m, "grad_accum": ga,
-                                   "predicted_step": local.key[0], "layers_moved": local.key[1]})
-                if _better(*local.key, best):
-                    best = local
+            if micro is not None:
+                # No split beats an even share on the fastest device, nor the largest layer.
+                floor = max(sum(costs) / pp, max(costs)) / fastest
+                layouts.append((micro[1] * (micro[0] + pp - 1) * floor, dp, pp, micro))
+    for floor, dp, pp, micro in sorted(layouts):
+        if best is not None and floor > best.key[0] * (1 + _TIE):
+            break  # this and every later layout is slower than the best found
+        m, ga = micro
+        exact = math.comb(len(kinds) + dp - 1, dp) ** pp <= config.max_assignments
+        local: _Best | None = None
+        try:
+            if exact:
+                for assignment in _assignments(kinds, dp, pp):
+                    local = _pick(local, _evaluate(assignment, costs, tp, config, micro))
+            else:
+                budget = [config.max_assignments]  # evaluations left for this (dp, pp)
+                for assignment in _greedy_assignments(kinds, dp, pp):
+                    start = _evaluate(assignment, costs, tp, config, micro)
+                    local = _pick(local, _improve(start, kinds, costs, tp, config, micro,
+                                                  budget))
+        except ValueError as exc:  # memory does not depend on which ranks hold a stage
+            speeds = [1.0] * pp
+            shortfalls.append((dp, pp, m, speeds, str(exc)))
+        if local is not None:
+            considered.append({"dp": dp, "pp": pp, "microbatches": m, "grad_accum": ga,
+                               "predicted_step": local.key[0], "layers_moved": local.key[1]})
+            best = _pick(best, local)
     if best is None:
         raise _memory_error(state, pool, config, shortfalls)
     return _result(state, failed, pool, groups, best, config, tuple(considered))

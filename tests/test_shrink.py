@@ -193,3 +193,15 @@ def test_a_config_from_the_analytic_profile_refuses_a_shrink_that_cannot_fit():
         plan_shrink(before, frozenset({"r0"}), config)
     # One stage of 1F1B holds one micro-batch of activations.
     assert err.value.shortfall_bytes == math.ceil(sum(config.mem) + sum(config.act) - cap)
+
+
+def test_pools_too_big_to_enumerate_still_get_the_fastest_plan_and_move_less_than_naive():
+    costs = tuple(float(1 + i % 3) for i in range(16))
+    before = grid(4, 4, 1, partition(costs, 4).stages, per_node=4)
+    config = ElasticConfig(costs=costs, max_assignments=50)
+    result = plan_shrink(before, frozenset({"r5"}), config)
+    lay = result.plan.layout
+    exact = partition(costs, lay.pp).bottleneck
+    assert result.predicted_step == pytest.approx(
+        lay.grad_accum * (lay.microbatches + lay.pp - 1) * exact)
+    assert result.layers_moved <= result.layers_moved_naive
