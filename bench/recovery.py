@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ def run(quick: bool) -> dict[str, Any]:
     ours = [_our_trial(i, root / f"ours-{i}") for i in range(trials)]
     base = _baseline(trials, root / "baseline")
     figures = _figures(ours, base, root)
+    shutil.rmtree(root, ignore_errors=True)  # snapshots and checkpoints: ~1 GB; kept on errors
     # Other work on the machine stretches process start-up most: say how busy it was.
     figures["load_average_1m"] = [round(load_before, 1), round(os.getloadavg()[0], 1)]
     figures["definitions"] = DEFINITIONS
@@ -258,7 +260,7 @@ def _figures(ours: list[dict[str, Any]], base: list[dict[str, Any]],
     mttr, base_mttr = _med(ours, "mttr_s"), _med(base, "mttr_s")
     figures = {
         "model": MODEL, "layout": LAYOUT, "global_batch": TRAIN["global_batch"],
-        "trials": len(ours), "workdir": str(root),
+        "trials": len(ours),
         "mttr_s": mttr, "mttr_range_s": _range(ours, "mttr_s"),
         **{k: _med(ours, k) for k in ("detect_s", "plan_s", "rebuild_s", "restore_s",
                                       "first_step_s", "catch_up_s", "step_s")},
