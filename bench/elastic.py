@@ -48,7 +48,6 @@ def _planner_case(name: str, costs: tuple[float, ...], layer_bytes: tuple[float,
         result = plan_shrink(state, frozenset({f"r{victim}"}), config)
         times.append(time.perf_counter() - t0)
     lay = result.plan.layout
-    naive_bytes = _naive_bytes(state, result, costs, layer_bytes)
     return {
         "case": name, "before": {"dp": dp, "pp": pp, "stages": [list(s) for s in
                                                                   state.layout.stages]},
@@ -57,24 +56,10 @@ def _planner_case(name: str, costs: tuple[float, ...], layer_bytes: tuple[float,
                   "microbatches": lay.microbatches, "grad_accum": lay.grad_accum},
         "replan_s": round(statistics.median(times), 6),
         "layers_moved": result.layers_moved, "layers_moved_naive": result.layers_moved_naive,
-        "bytes_moved": int(result.bytes_moved), "bytes_moved_naive": int(naive_bytes),
+        "bytes_moved": int(result.bytes_moved), "bytes_moved_naive": int(result.bytes_moved_naive),
         "predicted_speed_ratio": round(result.speed_ratio, 4),
         "receive": {k: list(v) for k, v in result.receive.items()},
     }
-
-
-def _naive_bytes(state: PlanState, result: Any, costs: tuple[float, ...],
-                 layer_bytes: tuple[float, ...]) -> float:
-    """Bytes moved by the from-scratch split with survivors in rank order."""
-    lay = result.plan.layout
-    bounds = partition(list(costs), lay.pp).stages
-    alive = [m for m in state.members if m.rank_id in {x.rank_id for x in result.plan.members}]
-    total = 0.0
-    for k, m in enumerate(sorted(alive, key=lambda m: m.coord.rank)):
-        a, b = bounds[k // lay.dp]
-        held = state.layout.stages[m.coord.pp]
-        total += sum(layer_bytes[i] for i in range(a, b + 1) if not held[0] <= i <= held[1])
-    return total
 
 
 def run(quick: bool) -> dict:

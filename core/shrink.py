@@ -97,6 +97,7 @@ class ShrinkResult:
     sources: dict[int, tuple[str, ...]]
     """layer -> surviving rank_ids that hold a shard of it."""
     bytes_moved: float
+    bytes_moved_naive: float
     considered: tuple[dict, ...] = ()
 
     @property
@@ -369,7 +370,7 @@ def _result(state: PlanState, failed: frozenset[str], pool: list[Member], groups
     free: dict[tuple, list[_Group]] = {}
     for g in sorted(groups, key=lambda g: g.old_dp):
         free.setdefault(g.kind, []).append(g)
-    members, receive, naive_slots = [], {}, []
+    members, receive = [], {}
     for s, combo in enumerate(best.assignment):
         chosen = [free[k].pop(0) for k in combo]
         # A group keeps its DP index where it can (its RNG stream and data share).
@@ -399,24 +400,27 @@ def _result(state: PlanState, failed: frozenset[str], pool: list[Member], groups
               f"grad_accum {old.grad_accum} -> {ga}, {best.key[1]} layers moved")
     plan = PlanState(generation=state.generation, layout=layout, members=tuple(members),
                      spares=spares, resume_step=state.resume_step, reason=reason)
+    # The baseline: a from-scratch split, TP groups placed in their old rank order.
     naive_slots = sorted(groups, key=lambda g: min(x.coord.rank if x.coord else 10**9
                                                    for x in g.members))[:best.dp * best.pp]
     naive_bounds = partition(list(config.costs), best.pp, mem=config.mem, act=config.act,
                              mem_cap=config.mem_cap, micro_batches=m).stages
-    naive = sum(tp * _lacks(g.held, i) for n, g in enumerate(naive_slots)
-                for i in range(naive_bounds[n // best.dp][0], naive_bounds[n // best.dp][1] + 1))
+    naive_need = [i for n, g in enumerate(naive_slots)
+                  for i in range(naive_bounds[n // best.dp][0], naive_bounds[n // best.dp][1] + 1)
+                  for _ in range(tp) if _lacks(g.held, i)]
+    per_layer = config.layer_bytes or (0.0,) * len(config.costs)
     held = {g.members[0].rank_id: g.held for g in groups}
     sources = {i: tuple(x.rank_id for g in groups for x in g.members
                         if not _lacks(held[g.members[0].rank_id], i))
                for i in range(len(config.costs))}
-    per_layer = config.layer_bytes or (0.0,) * len(config.costs)
     before_speeds = [min((config.speeds.get(x.rank_id, 1.0) for x in state.members
                           if x.coord and x.coord.pp == s), default=1.0) for s in range(old.pp)]
     return ShrinkResult(
         plan=plan, predicted_step=best.key[0],
         predicted_before=predicted_step(config.costs, old, before_speeds),
-        layers_moved=best.key[1], layers_moved_naive=naive, receive=receive, sources=sources,
-        bytes_moved=float(sum(per_layer[i] for v in receive.values() for i in v)),
+        layers_moved=best.key[1], layers_moved_naive=len(naive_need), receive=receive,
+        sources=sources, bytes_moved=float(sum(per_layer[i] for v in receive.values() for i in v)),
+        bytes_moved_naive=float(sum(per_layer[i] for i in naive_need)),
         considered=considered)
 
 

@@ -96,6 +96,7 @@ def test_bytes_moved_counts_each_received_layer():
     result = plan_shrink(before, frozenset({"r2"}),
                          ElasticConfig(costs=COSTS, layer_bytes=per_layer))
     assert result.bytes_moved == sum(per_layer[i] for v in result.receive.values() for i in v)
+    assert result.bytes_moved <= result.bytes_moved_naive
 
 
 def test_too_little_memory_fails_naming_the_shortfall_in_bytes():
