@@ -324,8 +324,7 @@ def plan_layout(state: PlanState, failed: frozenset[str], config: ElasticConfig,
                     local = _pick(local, _improve(start, kinds, costs, tp, config, micro,
                                                   budget))
         except ValueError as exc:  # memory does not depend on which ranks hold a stage
-            speeds = [1.0] * pp
-            shortfalls.append((dp, pp, m, speeds, str(exc)))
+            shortfalls.append((dp, pp, m, str(exc)))
         if local is not None:
             considered.append({"dp": dp, "pp": pp, "microbatches": m, "grad_accum": ga,
                                "predicted_step": local.key[0], "layers_moved": local.key[1]})
@@ -342,13 +341,13 @@ def _memory_error(state: PlanState, pool: list[Member], config: ElasticConfig,
             f"no layout fits the {len(pool)} surviving ranks with tp={state.layout.tp} and a "
             "global batch that divides among them; register a spare rank", 0.0)
     best_short, best_text = math.inf, ""
-    for dp, pp, m, speeds, text in shortfalls:
+    for dp, pp, m, text in shortfalls:
         # Whole bytes: the smallest extra cap that fits lies in (lo, hi].
         lo, hi = 0, math.ceil(sum(config.mem or ()) + sum(config.act or ()) * m)
         while hi - lo > 1:
             mid = (lo + hi) // 2
             try:
-                partition(list(config.costs), pp, speeds, mem=config.mem, act=config.act,
+                partition(list(config.costs), pp, mem=config.mem, act=config.act,
                           mem_cap=config.mem_cap + mid, micro_batches=m)
                 hi = mid
             except ValueError:
