@@ -68,6 +68,7 @@ class Capturer:
         self._copied: Future[None] | None = None
         self._sent: list[Future[None]] = []
         self._stream = None  # CUDA side stream, created on first CUDA capture
+        self._next_slot = 0
 
     def _ensure_slots(self, nbytes: int) -> None:
         if self._slots and self._size >= nbytes:
@@ -94,7 +95,9 @@ class Capturer:
         metas, nbytes = describe(tensors)
         self._ensure_slots(nbytes)
         self.stats.bytes_per_capture = nbytes
-        slot = self._slots[step % len(self._slots)]
+        # Round robin, not step parity: captures every k steps must not share one slot.
+        slot = self._slots[self._next_slot % len(self._slots)]
+        self._next_slot += 1
         payload = json.dumps(extra, sort_keys=True).encode()
         on_cuda = any(t.tensor.is_cuda for t in tensors)
         if on_cuda:
