@@ -25,6 +25,7 @@ IO_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.
 SHARD_STATES = ("healthy", "missing", "repairing")
 RECOVERY_OUTCOMES = ("completed", "stopped")
 RECOVERY_PHASES = ("plan", "rebuild", "restore", "restore_read")
+PLAN_CHANGE_KINDS = ("replace", "shrink", "rebuild")  # core.decide.PlanDecision.kind
 SCRUB_TIERS = ("ram", "disk", "local", "peer", "s3", "scrub")
 
 
@@ -129,5 +130,7 @@ class Metrics:
             self.recoveries.labels(outcome)
         for phase in RECOVERY_PHASES:
             self.recovery_phase.labels(phase)
+        for kind in PLAN_CHANGE_KINDS:
+            self.plan_changes.labels(kind)
         for tier in SCRUB_TIERS:
             self.scrub_errors.labels(tier)

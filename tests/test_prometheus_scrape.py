@@ -163,6 +163,8 @@ def test_the_recovery_shows_a_new_generation_and_its_phases(run: Run) -> None:
     # A restore reads state only when a step committed before the kill (load-dependent).
     phases = poll(run, "sum by (phase) (stalwart_recovery_phase_seconds_count) > 0")
     assert "plan" in {s["metric"]["phase"] for s in phases}
+    # The counter child exists at 0 before the re-plan, so its increase is seen.
+    assert poll(run, f'sum(increase(stalwart_plan_changes_total{{kind="replace"}}[{WINDOW}])) > 0')
 
 
 def test_committed_steps_are_protected_against_a_node_loss(run: Run) -> None:
