@@ -99,8 +99,9 @@ def validate(manifest: manifest_pb2.Manifest) -> None:
     if world == 0:
         raise ManifestError(f"step {step}: layout {layout.dp}x{layout.pp}x{layout.tp} is empty")
     ids = [r.rank for r in manifest.ranks]
-    if sorted(ids) != list(range(world)):
-        missing = sorted(set(range(world)) - set(ids))
+    # Count first: a forged layout may claim billions of ranks (no huge range built).
+    if len(ids) != world or sorted(ids) != list(range(world)):
+        missing = sorted(set(range(min(world, len(ids) + 1))) - set(ids))
         raise ManifestError(f"step {step}: ranks {sorted(ids)} do not cover the layout "
                             f"dp={layout.dp} pp={layout.pp} tp={layout.tp} (missing {missing}, "
                             "duplicates possible); a step commits only with every rank")

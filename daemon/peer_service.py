@@ -21,7 +21,7 @@ from stalwart.core.failures import Failure
 from stalwart.daemon.membership import Membership
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.registry import Registry, StaleGeneration
-from stalwart.daemon.validate import admit
+from stalwart.daemon.validate import MAX_PEERS, admit
 from stalwart.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon.peer_service")
@@ -40,6 +40,11 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     async def Gossip(self, request: peer_pb2.PeerInfo,
                      context: grpc.aio.ServicerContext) -> peer_pb2.Membership:
         await admit(context, self.metrics, request)
+        targets = self.membership.targets()
+        if request.address not in targets and len(targets) >= MAX_PEERS:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"this daemon already knows {MAX_PEERS} peers; a cluster that "
+                                "large needs a seed list per rack")
         self.membership.observe(request)
         return self.membership.to_proto(self.me())
 

@@ -25,7 +25,7 @@ from stalwart.daemon.registry import (
     StaleGeneration,
     UnknownRank,
 )
-from stalwart.daemon.validate import admit, metadata_token, token_matches
+from stalwart.daemon.validate import MAX_RANKS_PER_NODE, admit, metadata_token, token_matches
 from stalwart.v1 import common_pb2, rank_pb2, rank_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon.rank_service")
@@ -72,6 +72,10 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         if request.pid <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"pid must be the rank's process id (> 0), got {request.pid}")
+        if len(self.registry.ranks()) >= MAX_RANKS_PER_NODE:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"daemon {self.config.node} already holds {MAX_RANKS_PER_NODE} "
+                                "registrations; stop stray ranks or run another daemon")
         record = self.registry.register(
             pid=request.pid, rank=request.rank, world_size=request.world_size,
             local_rank=request.local_rank, hostname=request.hostname,

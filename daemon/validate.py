@@ -28,6 +28,8 @@ MAX_EXTRA_BYTES = 4 << 20      # JSON side data of a capture (RNG states, data p
 MAX_SLOT_BYTES = 1 << 40       # one shared-memory slot
 MAX_LIST = 1 << 16             # entries of any other repeated field (peers, rank ids, labels)
 MAX_WAIT_S = 3600.0            # longest a caller may ask the daemon to wait (seconds)
+MAX_RANKS_PER_NODE = 4096      # registrations one daemon keeps (a GPU node has a handful)
+MAX_PEERS = 4096               # daemons one daemon gossips with
 
 
 class InvalidRequest(ValueError):
@@ -72,6 +74,8 @@ def rank_id(value: str, what: str = "rank_id") -> None:
 def _layout(layout: common_pb2.ParallelLayout, what: str = "layout") -> None:
     for name in ("dp", "pp", "tp", "microbatches", "grad_accum"):
         in_range(getattr(layout, name), 0, MAX_WORLD, f"{what}.{name}")
+    if layout.dp * layout.pp * layout.tp > MAX_WORLD:
+        _fail(f"{what} {layout.dp}x{layout.pp}x{layout.tp} has more than {MAX_WORLD} ranks")
     count(layout.stages, f"{what}.stages")
     text(layout.schedule, f"{what}.schedule", MAX_NAME)
 
@@ -88,7 +92,17 @@ def _plan(plan: common_pb2.Plan) -> None:
     text(plan.stop_message, "plan.stop_message")
 
 
+def known_enum(message: Any, name: str) -> None:
+    """Proto3 keeps enum numbers this build does not know; refuse them here."""
+    value = getattr(message, name)
+    known = message.DESCRIPTOR.fields_by_name[name].enum_type.values_by_number
+    if value not in known:
+        _fail(f"{name} {value} is unknown; this daemon knows "
+              + ", ".join(f"{v.name}={n}" for n, v in sorted(known.items())))
+
+
 def _failure(event: common_pb2.FailureEvent) -> None:
+    known_enum(event, "kind")
     in_range(event.generation, 0, MAX_GENERATION, "generation")
     text(event.subject, "subject", MAX_NAME)
     text(event.evidence, "evidence")
@@ -109,6 +123,7 @@ def manifest_ids(state: manifest_pb2.RankState, what: str) -> None:
 def manifest(m: manifest_pb2.Manifest) -> None:
     in_range(m.step, 0, MAX_STEP, "manifest.step")
     in_range(m.generation, 0, MAX_GENERATION, "manifest.generation")
+    _layout(m.layout, "manifest.layout")
     count(m.ranks, "manifest.ranks", MAX_WORLD)
     for r in m.ranks:
         manifest_ids(r, f"manifest rank {r.rank}")
@@ -134,6 +149,12 @@ def _register(r: rank_pb2.RegisterRequest) -> None:
 
 def _heartbeat(r: rank_pb2.HeartbeatRequest) -> None:
     rank_id(r.rank_id)
+    # Phase names become metric labels: bound their number and length.
+    phases = getattr(r, "recovery_phase_s", {})
+    count(phases, "recovery_phase_s", 16)
+    for name, seconds in phases.items():
+        text(name, "recovery phase name", 64)
+        in_range(seconds, 0.0, 1e9, f"recovery_phase_s[{name!r}]")
     in_range(r.generation, 0, MAX_GENERATION, "generation")
     in_range(r.step, 0, MAX_STEP, "step")
     in_range(r.step_time_s, 0.0, 1e9, "step_time_s")
@@ -184,6 +205,9 @@ def _watch_plan(r: rank_pb2.WatchPlanRequest) -> None:
 def _peer_info(r: peer_pb2.PeerInfo) -> None:
     text(r.node, "node", MAX_NAME)
     text(r.address, "address", MAX_NAME)
+    host, sep, port = r.address.rpartition(":")
+    if r.address and (not sep or not host or not port.isdigit() or int(port) > 65535):
+        _fail(f"address must be HOST:PORT, got {r.address!r}")
     count(r.labels, "labels", 16)
     for k, v in r.labels.items():
         text(k, "label name", MAX_NAME)
