@@ -23,9 +23,12 @@ from stalwart.client.capture import Capturer
 from stalwart.client.daemon_client import DaemonClient, DaemonUnavailable
 from stalwart.client.data import load_corpus
 from stalwart.client.parallel_dims import ParallelDims
+from stalwart.client.relayout import OldLayout, Role, fetch_and_assemble
 from stalwart.client.state_layout import unpack
 from stalwart.client.trainer import TrainConfig, Trainer
 from stalwart.client.trainer_state import adamw_hints, load_state, state_tensors
+from stalwart.core.costs import GPTShape, gpt_profile
+from stalwart.core.shrink import ElasticConfig
 from stalwart.v1 import common_pb2, rank_pb2
 
 log = logging.getLogger("stalwart.client.agent")
@@ -141,7 +144,7 @@ class ElasticAgent:
 
     def run(self) -> AgentResult:
         reply = self.daemon.register(spare=self.cfg.spare, device=self.cfg.device,
-                                     layout=self.cfg.layout)
+                                     layout=self.cfg.layout, profile=layer_profile(self.cfg))
         self.result.rank_id = reply.rank_id
         self.daemon.start_heartbeats()
         threading.Thread(target=self._watch, name="stalwart-plan-watch", daemon=True).start()
@@ -199,8 +202,10 @@ class ElasticAgent:
             rebuild_s = time.monotonic() - t_rebuild
             t_restore = time.monotonic()
             if plan.resume_step > 0:
-                self._restore(trainer, plan.resume_step, role.coord.rank)
+                self._restore(trainer, plan.resume_step, role.coord)
             restore_s = time.monotonic() - t_restore
+            if plan.generation > 1:
+                self.daemon.report_phases({"rebuild": rebuild_s, "restore": restore_s})
             self.result.coord = {"rank": role.coord.rank, "dp": role.coord.dp,
                                  "pp": role.coord.pp, "tp": role.coord.tp}
             record = {"generation": plan.generation, "resume_step": plan.resume_step,
@@ -282,15 +287,55 @@ class ElasticAgent:
                 if self._newer_plan_waiting(generation):
                     raise _PlanChanged() from None
 
-    def _restore(self, trainer: Trainer, step: int, rank: int) -> None:
-        """Load the committed state of `rank` (in the step's layout) from the daemon."""
-        state, data = self.daemon.restore(step, rank)
-        tensors = unpack(data, list(state.tensors))
-        extra = json.loads(state.extra.decode())
+    def _restore(self, trainer: Trainer, step: int, coord: common_pb2.RankCoord) -> None:
+        """Load this role's state at committed `step` from the daemon.
+
+        Same layout: the state the same rank captured. Another layout (after a shrink or
+        a grow): the layers and TP shards of the new role, assembled from the old ranks
+        that hold them.
+        """
+        first = coord.rank
+        try:
+            record, data = self.daemon.restore(step, first)
+        except DaemonUnavailable:
+            if first == 0:
+                raise
+            first = 0  # a grown plan has more ranks than the step had
+            record, data = self.daemon.restore(step, first)
+        metas = list(record.tensors)
+        tensors = unpack(data, metas)
+        extra = json.loads(record.extra.decode())
+        old = extra.get("layout", {})
+        same = (first == coord.rank and
+                (old.get("dp"), old.get("pp"), old.get("tp")) == (
+                    trainer.dims.dp, trainer.dims.pp, trainer.dims.tp)
+                and [tuple(b) for b in old.get("stage_bounds", [])] == list(trainer.bounds))
+        if not same:
+            lo, hi = trainer.bounds[coord.pp]
+            role = Role(lo, hi, tp=coord.tp, tp_size=trainer.dims.tp, dp=coord.dp)
+            t0 = time.monotonic()
+            tensors, extra = fetch_and_assemble(self.daemon, step, OldLayout.from_extra(extra),
+                                                role, local={first: (metas, tensors, extra)})
+            log.warning("relayout restore: layers %d-%d from the step's %sx%sx%s layout in "
+                        "%.2f s", lo, hi, old.get("dp"), old.get("pp"), old.get("tp"),
+                        time.monotonic() - t0)
         load_state(trainer, tensors, extra)
         if trainer.step_count != step:
             raise RuntimeError(f"restored state is of step {trainer.step_count}, not {step}")
 
+
+
+def layer_profile(cfg: AgentConfig) -> common_pb2.LayerProfile:
+    """Per-layer cost, memory and state bytes of the model, for the elastic planner."""
+    m, lay = cfg.train.model, cfg.layout
+    per_round = max(1, lay.dp) * max(1, lay.microbatches) * max(1, lay.grad_accum)
+    shape = GPTShape(vocab=m.vocab, d_model=m.d_model, n_layers=m.n_layer, n_heads=m.n_head,
+                     seq=m.seq_len, micro_batch=max(1, cfg.train.global_batch // per_round),
+                     d_ff=m.d_ff)
+    elastic = ElasticConfig.from_profile(gpt_profile(shape), tp=max(1, lay.tp))
+    return common_pb2.LayerProfile(costs=elastic.costs, mem_bytes=elastic.mem or (),
+                                   act_bytes=elastic.act or (),
+                                   state_bytes=elastic.layer_bytes or ())
 
 
 _GROUP_FAILURE_HINTS = ("connection closed", "connection reset", "broken pipe", "timed out",

@@ -189,19 +189,25 @@ class DaemonClient:
 
     def register(self, *, spare: bool = False, device: str = "cpu",
                  env: Mapping[str, str] | None = None,
-                 layout: common_pb2.ParallelLayout | None = None) -> rank_pb2.RegisterReply:
+                 layout: common_pb2.ParallelLayout | None = None,
+                 profile: common_pb2.LayerProfile | None = None) -> rank_pb2.RegisterReply:
         """Announce this process to the daemon with its torchrun RANK/WORLD_SIZE/LOCAL_RANK."""
         rank_env = RankEnv.from_environ(env)
         request = rank_pb2.RegisterRequest(
             job_id=self.job_id, pid=os.getpid(), rank=-1 if spare else rank_env.rank,
             world_size=rank_env.world_size, local_rank=rank_env.local_rank,
             hostname=socket.gethostname(), token=self.token, spare=spare, device=device,
-            layout=layout)
+            layout=layout, profile=profile)
         reply = self._call("register", self._rank_stub().Register, request)
         self.rank_id, self.generation = reply.rank_id, reply.generation
         self.heartbeat_interval_s = reply.heartbeat_interval_s or self.heartbeat_interval_s
         self.fenced = ""
         return reply
+
+    def report_phases(self, phases: Mapping[str, float]) -> None:
+        """Seconds this rank spent in recovery phases of its current generation
+        (`rebuild`, `restore`); heartbeats carry them to the daemon's histograms."""
+        self._phases = dict(phases)
 
     def report_step(self, step: int, step_time_s: float) -> None:
         """Set what the next heartbeat reports: the last completed step and its wall time (s)."""
@@ -213,7 +219,8 @@ class DaemonClient:
             raise DaemonUnavailable("heartbeat before register(): call register() first")
         request = rank_pb2.HeartbeatRequest(
             rank_id=self.rank_id, generation=self.generation, step=self._step,
-            step_time_s=self._step_time_s, leaving=leaving)
+            step_time_s=self._step_time_s, leaving=leaving,
+            recovery_phase_s=getattr(self, "_phases", {}))
         return self._call("heartbeat", self._rank_stub().Heartbeat, request)
 
     def start_heartbeats(self) -> None:

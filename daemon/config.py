@@ -87,6 +87,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "m": Key("int", 1, _at_least(0)),
         "parity_to": Key("str", "peers", _in("peers", "s3", "both")),
     },
+    "elastic": {
+        "shrink": Key("bool", True),
+        "mem_cap_bytes": Key("int", 0, _at_least(0), "bytes per device, 0 = not checked"),
+        "grow_threshold": Key("float", 0.1, _at_least(0.0), "fraction of speed-up"),
+    },
     "snapshot": {
         "base_every": Key("int", 10, _at_least(1)),
         "retain": Key("int", 5, _at_least(1)),
@@ -107,6 +112,16 @@ SCHEMA: dict[str, dict[str, Key]] = {
 class Labels:
     rack: str = ""
     zone: str = ""
+
+
+@dataclass(frozen=True)
+class ElasticSettings:
+    shrink: bool = True
+    """Without a spare, continue on the survivors with a new plan (else stop)."""
+    mem_cap_bytes: int = 0
+    """Memory per device a new plan must fit in (bytes); 0 = not checked."""
+    grow_threshold: float = 0.1
+    """Widen the plan for a joining rank when the predicted speed-up is at least this."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +182,7 @@ class DaemonConfig:
     token: str = ""
     labels: Labels = field(default_factory=Labels)
     erasure: ErasureConfig = field(default_factory=ErasureConfig)
+    elastic: ElasticSettings = field(default_factory=ElasticSettings)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     s3: S3Config = field(default_factory=S3Config)
     tls: TlsConfig = field(default_factory=TlsConfig)
@@ -177,7 +193,8 @@ class DaemonConfig:
 
 
 SECTION_TYPES = {
-    "labels": Labels, "erasure": ErasureConfig, "snapshot": SnapshotConfig,
+    "labels": Labels, "erasure": ErasureConfig, "elastic": ElasticSettings,
+    "snapshot": SnapshotConfig,
     "s3": S3Config, "tls": TlsConfig,
 }
 
@@ -203,6 +220,11 @@ def _coerce(name: str, spec: Key, value: Any, source: str, text: bool) -> Any:
                 return float(value)
             if text:
                 return float(value)
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            if text and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+                return value.lower() in ("true", "1", "yes")
         if kind == "list":
             if isinstance(value, list) and all(isinstance(v, str) for v in value):
                 return [v.strip() for v in value]
@@ -211,7 +233,7 @@ def _coerce(name: str, spec: Key, value: Any, source: str, text: bool) -> Any:
     except ValueError:
         pass
     wanted = {"str": "a string", "int": "an integer", "float": "a number",
-              "list": "a list of strings"}[kind]
+              "list": "a list of strings", "bool": "true or false"}[kind]
     raise ConfigError(f"{name}: must be {wanted}, got {value!r} ({source})")
 
 

@@ -28,6 +28,9 @@ from stalwart.core.decide import (
     decide,
 )
 from stalwart.core.failures import Failure
+from stalwart.core.grow import GrowPolicy
+from stalwart.core.shrink import ElasticConfig, ElasticPlanner, ShrinkMemoryError
+from stalwart.daemon.config import ElasticSettings
 from stalwart.daemon.metrics import Metrics
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
 
@@ -57,6 +60,7 @@ class RecoveryRecord:
     detected_unix: float
     decided_s: float  # seconds from the first failure report to the plan being installed
     message: str = ""
+    layers_moved: int = 0
 
 
 @dataclass
@@ -67,6 +71,9 @@ class Coordinator:
     links: PeerLinks
     latest_committed: Callable[[], int | None]
     shrink_planner: ShrinkPlanner | None = None
+    elastic: ElasticSettings | None = None
+    profile: common_pb2.LayerProfile | None = None
+    original_world: int = 0
     stragglers_fail: bool = False
     plan: PlanState | None = None
     announced: dict[str, peer_pb2.RankAnnouncement] = field(default_factory=dict)
@@ -94,6 +101,8 @@ class Coordinator:
         """A rank registered with some daemon: form the first plan once the world is here."""
         async with self._lock:
             self.announced[a.rank_id] = a
+            if self.profile is None and a.profile.costs:
+                self.profile = a.profile
             if self.plan is None:
                 await self._maybe_form_first_plan()
             elif a.rank_id not in {m.rank_id for m in self.plan.members}:
@@ -104,6 +113,46 @@ class Coordinator:
                         members=self.plan.members, spares=(*self.plan.spares, spare),
                         resume_step=self.plan.resume_step, reason=self.plan.reason)
                     log.info("spare registered", extra={"rank_id": a.rank_id, "node": a.node})
+                    await self._maybe_grow()
+
+    def _elastic_config(self) -> ElasticConfig | None:
+        if self.profile is None or not self.profile.costs:
+            return None
+        p = self.profile
+        cap = self.elastic.mem_cap_bytes if self.elastic else 0
+        return ElasticConfig(costs=tuple(p.costs), mem=tuple(p.mem_bytes) or None,
+                             act=tuple(p.act_bytes) or None, mem_cap=float(cap) or None,
+                             layer_bytes=tuple(p.state_bytes) or None)
+
+    def _shrink_planner(self) -> ElasticPlanner | None:
+        if self.shrink_planner is not None:
+            return self.shrink_planner  # type: ignore[return-value]
+        if self.elastic is not None and not self.elastic.shrink:
+            return None
+        config = self._elastic_config()
+        return ElasticPlanner(config) if config is not None else None
+
+    async def _maybe_grow(self) -> None:
+        """A rank joined: widen a shrunk plan when the predicted gain is worth the pause."""
+        assert self.plan is not None
+        config = self._elastic_config()
+        if (config is None or self._in_flight is not None or not self.plan.spares
+                or self.plan.layout.world_size >= self.original_world):
+            return
+        threshold = self.elastic.grow_threshold if self.elastic else 0.1
+        committed = self.latest_committed() or 0
+        grown = GrowPolicy(config, threshold)(self.plan, committed)
+        if grown is None:
+            return
+        previous = self.plan
+        self.plan = grown
+        await self._install(grown.to_proto())
+        self.metrics.plan_changes.labels("grow").inc()
+        self.recoveries.append(RecoveryRecord(
+            kind="grow", causes=[], old_generation=previous.generation,
+            new_generation=grown.generation, resume_step=committed, detected_unix=time.time(),
+            decided_s=0.0, message=grown.reason))
+        log.info("plan widened", extra={"reason": grown.reason})
 
     async def _maybe_form_first_plan(self) -> None:
         ranked = [a for a in self.announced.values() if a.rank >= 0]
@@ -125,6 +174,7 @@ class Coordinator:
         self.plan = PlanState(generation=1, layout=layout, members=members, spares=spares,
                               resume_step=self.latest_committed() or 0,
                               reason=f"first plan: {world} ranks")
+        self.original_world = world
         await self._install(self.plan.to_proto())
 
     async def _install(self, plan: common_pb2.Plan) -> None:
@@ -148,9 +198,17 @@ class Coordinator:
                             extra={"failures": [f.describe() for f in failures]})
                 return
             committed = self.latest_committed() or 0
-            decision = decide(self.plan, failures, committed, in_flight=self._in_flight,
-                              stragglers_fail=self.stragglers_fail,
-                              shrink_planner=self.shrink_planner)
+            planner = self._shrink_planner()
+            try:
+                decision = decide(self.plan, failures, committed, in_flight=self._in_flight,
+                                  stragglers_fail=self.stragglers_fail, shrink_planner=planner)
+            except ShrinkMemoryError as exc:
+                decision = StopDecision(
+                    self.plan.generation + 1, committed,
+                    f"{exc} Training stops at the last committed step {committed}; nothing "
+                    "committed is lost. Add a node or a spare, or raise [elastic] "
+                    "mem_cap_bytes if the devices have more memory, and restart the job.",
+                    tuple(failures))
             if isinstance(decision, NoChange):
                 self.plan = decision.plan
                 return
@@ -176,6 +234,14 @@ class Coordinator:
                 kind, resume, message = decision.kind, decision.plan.resume_step, \
                     decision.summary()
                 new_gen = decision.generation
+                last = getattr(planner, "last", None)
+                if decision.kind == "shrink" and last is not None:
+                    moved = last.layers_moved
+                    self.metrics.layers_moved.inc(moved)
+                    message += (f"; layout {last.plan.layout.dp}x{last.plan.layout.pp}x"
+                                f"{last.plan.layout.tp}, {moved} layer shards move "
+                                f"({last.bytes_moved / 1e6:.1f} MB), predicted speed "
+                                f"{last.speed_ratio:.2f}x of before")
                 log.info("new plan installed", extra={"summary": message})
             decided = time.monotonic() - t0
             self.metrics.recovery_phase.labels("plan").observe(decided)
@@ -245,6 +311,8 @@ class Coordinator:
                     log.warning("commit not acknowledged by every daemon",
                                 extra={"step": step, "errors": failed})
                 self.metrics.commit_seconds.observe(time.monotonic() - t0)
+                if self.plan is not None and self.generations[step] >= self.plan.generation:
+                    self.recovery_done(self.generations[step])
                 del self.pending[step]
                 self.layouts.pop(step, None)
                 self.generations.pop(step, None)

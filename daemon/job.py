@@ -45,7 +45,8 @@ class Job:
         self.snapshots = SnapshotPath(config, registry, metrics, data_dir, self.peers,
                                       self._send_prepare)
         self.coordinator = Coordinator(config.node, config.job_id, metrics, self,
-                                       self.snapshots.store.latest_committed)
+                                       self.snapshots.store.latest_committed,
+                                       elastic=config.elastic)
         self._failures: asyncio.Queue[Failure] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._coordinator_seen = ""
@@ -132,7 +133,9 @@ class Job:
 
     async def install_plan(self, node: str, plan: common_pb2.Plan) -> None:
         if node == self.node:
-            self.adopt_plan(plan)
+            ack = self.adopt_plan(plan)
+            if not ack.accepted:
+                log.info("plan not installed here: %s", ack.message)
             return
         ack = await self._peer_stub(node).InstallPlan(plan, timeout=RPC_TIMEOUT_S)
         if not ack.accepted:
@@ -147,14 +150,13 @@ class Job:
 
     # plans ------------------------------------------------------------------------
 
-    def adopt_plan(self, plan: common_pb2.Plan) -> None:
+    def adopt_plan(self, plan: common_pb2.Plan) -> common_pb2.Ack:
         """Install a plan here and end local ranks it left out (fencing)."""
         previous = self.registry.current_plan()
         try:
             self.registry.install_plan(plan)
         except StaleGeneration as exc:
-            log.info("plan not installed: %s", exc)
-            return
+            return common_pb2.Ack(accepted=False, message=str(exc))
         if previous.assignments:
             # The new generation re-captures the steps after resume_step: what the old one
             # prepared for them must not become a delta base.
@@ -162,11 +164,6 @@ class Job:
             if dropped:
                 log.warning("discarded committed steps past the resume point",
                             extra={"steps": dropped, "resume_step": plan.resume_step})
-        self.metrics.plan.info({
-            "generation": str(plan.generation), "dp": str(plan.layout.dp),
-            "pp": str(plan.layout.pp), "tp": str(plan.layout.tp),
-            "stages": " ".join(f"{s.first_layer}-{s.last_layer}" for s in plan.layout.stages),
-            "schedule": plan.layout.schedule})
         kept = {a.rank_id for a in plan.assignments}
         for a in previous.assignments:
             if a.spare or a.rank_id in kept or plan.stop:
@@ -174,6 +171,7 @@ class Job:
             record = self.registry.get(a.rank_id)
             if record is not None and record.state != "dead":
                 self._fence(record)
+        return common_pb2.Ack(accepted=True)
 
     def _fence(self, record: RankRecord) -> None:
         """A rank the new plan left out may still run (hung): end it so it cannot interfere."""
@@ -188,10 +186,12 @@ class Job:
 
     # registrations ----------------------------------------------------------------
 
-    async def on_register(self, record: RankRecord, layout: common_pb2.ParallelLayout) -> None:
+    async def on_register(self, record: RankRecord, layout: common_pb2.ParallelLayout,
+                          profile: common_pb2.LayerProfile | None = None) -> None:
         announcement = peer_pb2.RankAnnouncement(
             node=self.node, rank_id=record.rank_id, rank=-1 if record.spare else record.rank,
-            world_size=record.world_size, layout=layout, generation=self.registry.generation)
+            world_size=record.world_size, layout=layout, generation=self.registry.generation,
+            profile=profile)
         await self.announce(announcement)
 
     async def announce(self, a: peer_pb2.RankAnnouncement) -> None:

@@ -393,6 +393,10 @@ class LocalStore:
         for ref in [*self._pending.values(), *self._refs.values()]:
             kept.update(s for s in manifests if ref.root <= s <= ref.step)
         latest = max(manifests)
+        # Other daemons' ranks have chains this store cannot see, and the coordinator
+        # checks them against these manifests: keep every step a recent chain may use.
+        for s in [s for s in manifests if s >= latest - 2 * self.max_chain]:
+            kept.update(mf.plan_chain(manifests, s))
         dropped = [s for s in manifests if s not in kept]
         for s in dropped:
             self._manifest_path(s).unlink()

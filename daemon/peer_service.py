@@ -51,6 +51,8 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     async def InstallPlan(self, request: common_pb2.Plan,
                           context: grpc.aio.ServicerContext) -> common_pb2.Ack:
         await admit(context, self.metrics, request)
+        if self.steps is not None:  # the job fences left-out ranks and drops stale captures
+            return self.steps.adopt_plan(request)
         try:
             self.registry.install_plan(request)
         except StaleGeneration as e:

@@ -44,8 +44,9 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
 
     def __init__(self, config: DaemonConfig, registry: Registry, metrics: Metrics,
                  stopping: asyncio.Event, snapshots: Any = None,
-                 on_register: Callable[[RankRecord, common_pb2.ParallelLayout],
-                                       Awaitable[None]] | None = None) -> None:
+                 on_register: Callable[[RankRecord, common_pb2.ParallelLayout,
+                                        common_pb2.LayerProfile], Awaitable[None]]
+                 | None = None) -> None:
         self.config, self.registry, self.metrics = config, registry, metrics
         self.stopping = stopping
         # Tells the coordinator (through the job) that a rank or spare is here.
@@ -84,7 +85,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             watch_pid=context.peer().startswith("unix:"))
         if self.on_register is not None:
             try:
-                await self.on_register(record, request.layout)
+                await self.on_register(record, request.layout, request.profile)
             except (grpc.aio.AioRpcError, LookupError) as e:
                 detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                 await context.abort(

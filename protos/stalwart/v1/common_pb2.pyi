@@ -341,6 +341,48 @@ class FailureEvent(_message.Message):
 Global___FailureEvent: _TypeAlias = FailureEvent  # noqa: Y015
 
 @_typing.final
+class LayerProfile(_message.Message):
+    """Per-layer figures the elastic planner needs, sent by ranks at registration."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COSTS_FIELD_NUMBER: _builtins.int
+    MEM_BYTES_FIELD_NUMBER: _builtins.int
+    ACT_BYTES_FIELD_NUMBER: _builtins.int
+    STATE_BYTES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def costs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """relative cost of one micro-batch per layer"""
+
+    @_builtins.property
+    def mem_bytes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """static bytes per layer on one rank (its TP shard)"""
+
+    @_builtins.property
+    def act_bytes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """activation bytes of one micro-batch per layer"""
+
+    @_builtins.property
+    def state_bytes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """bytes a rank receives when it gains the layer"""
+
+    def __init__(
+        self,
+        *,
+        costs: _abc.Iterable[_builtins.float] | None = ...,
+        mem_bytes: _abc.Iterable[_builtins.float] | None = ...,
+        act_bytes: _abc.Iterable[_builtins.float] | None = ...,
+        state_bytes: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["act_bytes", b"act_bytes", "costs", b"costs", "mem_bytes", b"mem_bytes", "state_bytes", b"state_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LayerProfile: _TypeAlias = LayerProfile  # noqa: Y015
+
+@_typing.final
 class Ack(_message.Message):
     """Generic acknowledgement for calls whose answer is yes or no and why."""
 

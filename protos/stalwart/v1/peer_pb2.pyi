@@ -30,6 +30,7 @@ class RankAnnouncement(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
+    PROFILE_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     rank_id: _builtins.str
     rank: _builtins.int
@@ -38,6 +39,8 @@ class RankAnnouncement(_message.Message):
     generation: _builtins.int
     @_builtins.property
     def layout(self) -> _common_pb2.ParallelLayout: ...
+    @_builtins.property
+    def profile(self) -> _common_pb2.LayerProfile: ...
     def __init__(
         self,
         *,
@@ -47,10 +50,11 @@ class RankAnnouncement(_message.Message):
         world_size: _builtins.int = ...,
         layout: _common_pb2.ParallelLayout | None = ...,
         generation: _builtins.int = ...,
+        profile: _common_pb2.LayerProfile | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "profile", b"profile"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "layout", b"layout", "node", b"node", "rank", b"rank", "rank_id", b"rank_id", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "layout", b"layout", "node", b"node", "profile", b"profile", "rank", b"rank", "rank_id", b"rank_id", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

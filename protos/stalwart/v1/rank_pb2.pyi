@@ -34,6 +34,7 @@ class RegisterRequest(_message.Message):
     SPARE_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
+    PROFILE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     pid: _builtins.int
     rank: _builtins.int
@@ -50,6 +51,10 @@ class RegisterRequest(_message.Message):
     def layout(self) -> _common_pb2.ParallelLayout:
         """the layout the job starts with (coordinator forms plan 1 from it)"""
 
+    @_builtins.property
+    def profile(self) -> _common_pb2.LayerProfile:
+        """lets the coordinator re-plan on the survivors"""
+
     def __init__(
         self,
         *,
@@ -63,10 +68,11 @@ class RegisterRequest(_message.Message):
         spare: _builtins.bool = ...,
         device: _builtins.str = ...,
         layout: _common_pb2.ParallelLayout | None = ...,
+        profile: _common_pb2.LayerProfile | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "profile", b"profile"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "hostname", b"hostname", "job_id", b"job_id", "layout", b"layout", "local_rank", b"local_rank", "pid", b"pid", "rank", b"rank", "spare", b"spare", "token", b"token", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "hostname", b"hostname", "job_id", b"job_id", "layout", b"layout", "local_rank", b"local_rank", "pid", b"pid", "profile", b"profile", "rank", b"rank", "spare", b"spare", "token", b"token", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
