@@ -8,6 +8,7 @@ checked against a strict grammar so no request can name a path outside the store
 from __future__ import annotations
 
 import asyncio
+import collections
 import errno
 import json
 import os
@@ -25,6 +26,8 @@ from stalwart.v1 import peer_pb2, peer_pb2_grpc
 PIECE_BYTES = 1 << 20
 MAX_SHARD_BYTES = 1 << 30
 MAX_ID_CHARS = 256
+MAX_STREAMS_PER_PEER = 8  # open PutShard/GetShard streams per calling host
+PIECE_IDLE_S = 30.0       # a sender silent this long between pieces is cut off (seconds)
 _PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _META = ".meta.json"
 
@@ -103,20 +106,65 @@ class ShardStore:
         return bad
 
 
+def _peer_host(context: grpc.aio.ServicerContext) -> str:
+    """"ipv4:10.0.0.5:43210" -> "ipv4:10.0.0.5": one budget per host, whatever its ports."""
+    peer = context.peer() or "unknown"
+    return peer if peer.startswith("unix:") else peer.rpartition(":")[0] or peer
+
+
+async def _idle_limited(pieces, idle_s: float):
+    """The pieces of a client stream; TimeoutError if the sender goes quiet for idle_s."""
+    it = pieces.__aiter__()
+    while True:
+        try:
+            piece = await asyncio.wait_for(it.__anext__(), idle_s)
+        except StopAsyncIteration:
+            return
+        yield piece
+
+
 class ShardServicer(peer_pb2_grpc.ShardServiceServicer):
     """stalwart.v1.ShardService backed by a directory on this node."""
 
     def __init__(self, store_dir: Path, metrics: Metrics,
-                 max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+                 max_shard_bytes: int = MAX_SHARD_BYTES,
+                 max_streams_per_peer: int = MAX_STREAMS_PER_PEER,
+                 piece_idle_s: float = PIECE_IDLE_S) -> None:
         self.store = ShardStore(store_dir)
         self.metrics = metrics
         self.max_shard_bytes = max_shard_bytes
+        self.max_streams_per_peer = max_streams_per_peer
+        self.piece_idle_s = piece_idle_s
+        self._open: collections.Counter[str] = collections.Counter()
+
+    async def _admit(self, context: grpc.aio.ServicerContext) -> str:
+        """Count a stream against its peer's limit; RESOURCE_EXHAUSTED (retryable) beyond."""
+        peer = _peer_host(context)
+        if self._open[peer] >= self.max_streams_per_peer:
+            self.metrics.auth_refused.labels("peer_limit").inc()
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{peer} already has {self.max_streams_per_peer} shard transfers open on this "
+                "node; retry when one ends")
+        self._open[peer] += 1
+        return peer
+
+    def _done(self, peer: str) -> None:
+        self._open[peer] -= 1
+        if self._open[peer] <= 0:
+            del self._open[peer]
 
     async def PutShard(self, request_iterator, context: grpc.aio.ServicerContext
                        ) -> peer_pb2.PutShardReply:
         started = time.perf_counter()
+        peer = await self._admit(context)
         try:
-            return await self._receive(request_iterator, context, started)
+            return await self._receive(_idle_limited(request_iterator, self.piece_idle_s),
+                                       context, started)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no shard piece arrived for {self.piece_idle_s:g} s; "
+                                "the sender should retry")
         except (FileExistsError, NotADirectoryError, IsADirectoryError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"shard id clashes with a stored shard's path: {exc.strerror}")
@@ -126,6 +174,8 @@ class ShardServicer(peer_pb2_grpc.ShardServiceServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.INTERNAL,
                 f"cannot store the shard on this node: {exc.strerror}"
                 + ("; free space or raise the quota of the shard store" if full else ""))
+        finally:
+            self._done(peer)
 
     async def _receive(self, request_iterator, context: grpc.aio.ServicerContext,
                        started: float) -> peer_pb2.PutShardReply:
@@ -204,6 +254,15 @@ class ShardServicer(peer_pb2_grpc.ShardServiceServicer):
                        context: grpc.aio.ServicerContext):
         started = time.perf_counter()
         path = await self._checked_path(context, request.job_id, request.shard_id)
+        peer = await self._admit(context)
+        try:
+            async for piece in self._send(request, context, path, started):
+                yield piece
+        finally:
+            self._done(peer)
+
+    async def _send(self, request: peer_pb2.GetShardRequest,
+                    context: grpc.aio.ServicerContext, path: Path, started: float):
         try:
             meta = self.store.meta(path)
             f = path.open("rb")
@@ -244,4 +303,3 @@ class ShardServicer(peer_pb2_grpc.ShardServiceServicer):
             self.metrics.auth_refused.labels("bad_id").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return peer_pb2.DeleteShardsReply(deleted=deleted)
-

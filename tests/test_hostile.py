@@ -236,6 +236,49 @@ def test_a_manifest_naming_a_chunk_outside_the_store_is_refused(open_dir: Path) 
         "INVALID_ARGUMENT: manifest rank 0 chunk_id '../../etc/passwd' is not allowed")
 
 
+# --- slow and greedy peers ------------------------------------------------------------
+
+
+def test_a_peer_gets_a_bounded_number_of_shard_streams_and_a_silent_one_is_cut_off(
+        tmp_path: Path) -> None:
+    metrics = Metrics()
+    servicer = ShardServicer(tmp_path / "shards", metrics, max_streams_per_peer=2,
+                             piece_idle_s=0.5)
+
+    async def main() -> list[str]:
+        server = grpc.aio.server()
+        peer_pb2_grpc.add_ShardServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        never = asyncio.Event()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = peer_pb2_grpc.ShardServiceStub(ch)
+
+                async def stalled(i: int):
+                    header = peer_pb2.ShardHeader(job_id="default", shard_id=f"c{i}.0", size=2)
+                    yield peer_pb2.ShardPiece(header=header, data=b"x")
+                    await never.wait()  # a slow peer: half a shard, then nothing
+
+                held = [stub.PutShard(stalled(i), timeout=10) for i in range(2)]
+                for _ in range(200):  # until the server counts both streams open
+                    if sum(servicer._open.values()) == 2:
+                        break
+                    await asyncio.sleep(0.01)
+                third = await code_of(stub.PutShard(stalled(3), timeout=10))
+                return [third, *[await code_of(h) for h in held]]
+        finally:
+            never.set()
+            await server.stop(0)
+
+    third, *held = asyncio.run(main())
+    assert third.startswith("RESOURCE_EXHAUSTED: ") and "retry" in third
+    assert all(h.startswith("DEADLINE_EXCEEDED: no shard piece arrived") for h in held), held
+    assert refused(metrics, "peer_limit") == 1.0
+    assert servicer._open == {}
+    assert not list((tmp_path / "shards").rglob("*.tmp-*"))
+
+
 # --- a full disk ----------------------------------------------------------------------
 
 
