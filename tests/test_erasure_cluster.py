@@ -256,3 +256,36 @@ def test_a_repaired_manifest_replaces_only_shard_holders(tmp_path: Path) -> None
     with pytest.raises(ValueError, match="not just new shard holders"):
         repair.install_repaired(store, mf.seal(other))
     assert not repair.install_repaired(store, _step(6, 6, ["a", "b", "c", "d"]))
+
+
+def test_status_storage_reports_shards_protection_repair_and_scrub(tmp_path: Path) -> None:
+    import asyncio
+    import dataclasses
+
+    from stalwart.daemon.config import DaemonConfig
+    from stalwart.daemon.metrics import Metrics
+    from stalwart.daemon.registry import Registry
+    from stalwart.daemon.snapshots import Peer, SnapshotPath
+
+    metrics = Metrics()
+    path = SnapshotPath(dataclasses.replace(DaemonConfig(), node="a"),
+                        Registry("a", 1.0, 5.0, metrics), metrics, tmp_path,
+                        lambda: [Peer("a", "127.0.0.1:1", {}), Peer("b", "127.0.0.1:2", {})],
+                        send_prepare=None)  # type: ignore[arg-type]
+    try:
+        path.store.commit(_step(5, 5, ["a", "b", "c", "d"], node="x"), local_node="a")
+        status = path.status_storage()
+        assert status["shards"] == "step 5 and its bases: 2 healthy, 2 missing, 0 repairing"
+        assert status["protection"] == "step 5 survives 0 more daemon losses"
+        assert status["repair"].endswith("lost holders: c, d")
+        # A stored shard that fails its checksum and belongs to no kept step: deleted.
+        shard = path.scrubber.shard_dir / "default" / "old.0"
+        shard.parent.mkdir(parents=True)
+        shard.write_bytes(b"xx")
+        shard.with_name("old.0.meta.json").write_text(
+            '{"size": 2, "crc32c": 1, "step": 9, "generation": 1}')
+        assert asyncio.run(path.scrubber.scrub_once()) == ["old.0"]
+        assert not shard.exists()
+        assert "1 corrupt shards" in path.status_storage()["scrub"]
+    finally:
+        path.pool.close()
