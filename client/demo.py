@@ -50,6 +50,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
       help="inject an NVML Xid 79 on rank R's device after step S; repeatable")
     a("--no-faults", action="store_true",
       help="inject nothing (default without --kill/--hang: kill rank 1 at a third of the run)")
+    a("--no-shrink", action="store_true",
+      help="without a spare, stop at the last committed step instead of shrinking")
+    a("--mem-cap", type=int, default=0,
+      help="bytes per device a shrunk plan must fit in (0: not checked)")
     a("--collective-timeout", type=float, default=10.0,
       help="seconds a collective may wait before it counts as a hang")
     a("--timeout", type=float, default=900.0, help="seconds for the whole demo")
@@ -112,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
         faults = [{"kind": "kill", "target": "rank", "index": min(1, world - 1),
                    "step": max(2, args.steps // 3)}]
     t0 = time.monotonic()
-    cluster = LocalCluster(nodes=args.nodes, workdir=args.workdir)
+    cluster = LocalCluster(nodes=args.nodes, workdir=args.workdir, daemon_settings={
+        "elastic": {"shrink": not args.no_shrink, "mem_cap_bytes": args.mem_cap}})
     cluster.env["STALWART_FAULT_LOG"] = str(cluster.workdir)
     print(f"Stalwart demo: {args.nodes} nodes, {world} ranks (dp={args.dp} pp={args.pp} "
           f"tp={args.tp}, {args.schedule}), {args.spares} spare(s), model {args.model}, "

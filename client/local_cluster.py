@@ -183,26 +183,38 @@ class LocalCluster:
                       for r in range(world)]
         placements += [(-1, self.daemons[self.nodes - 1 - (j % self.nodes)])
                        for j in range(spares)]
-        local_counts: dict[str, int] = {}
         for i, (rank, node) in enumerate(placements):
-            local = local_counts.get(node.name, 0)
-            local_counts[node.name] = local + 1
-            name = f"rank{rank}" if rank >= 0 else f"spare{i - world}"
-            env = {**os.environ, **self.env, "RANK": str(rank), "WORLD_SIZE": str(world),
-                   "LOCAL_RANK": str(local), "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(self.master_port),
-                   "STALWART_UNIX_SOCKET": str(node.socket),
-                   "STALWART_NODE_INDEX": str(node.index),
-                   "STALWART_DAEMON_PID": str(node.proc.pid if node.proc else 0),
-                   "STALWART_NVML_INJECT_FILE": str(node.data_dir / "nvml-inject"),
-                   "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-            log_path = self.workdir / f"{name}.log"
-            result_path = self.workdir / f"{name}.json"
-            with open(log_path, "ab") as log:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "stalwart.client.worker", str(spec_path),
-                     str(result_path)], stdout=log, stderr=subprocess.STDOUT, env=env)
-            self.ranks.append(RankProc(rank, node, proc, result_path, log_path))
+            self._start_rank(rank, node, world, spec_path,
+                             f"rank{rank}" if rank >= 0 else f"spare{i - world}")
+
+    def _start_rank(self, rank: int, node: Node, world: int, spec_path: Path,
+                    name: str) -> None:
+        local = sum(r.node is node for r in self.ranks)
+        env = {**os.environ, **self.env, "RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_RANK": str(local), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(self.master_port),
+               "STALWART_UNIX_SOCKET": str(node.socket),
+               "STALWART_NODE_INDEX": str(node.index),
+               "STALWART_DAEMON_PID": str(node.proc.pid if node.proc else 0),
+               "STALWART_NVML_INJECT_FILE": str(node.data_dir / "nvml-inject"),
+               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        log_path = self.workdir / f"{name}.log"
+        result_path = self.workdir / f"{name}.json"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "stalwart.client.worker", str(spec_path),
+                 str(result_path)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.ranks.append(RankProc(rank, node, proc, result_path, log_path))
+
+    def add_spares(self, count: int = 1, node: int | None = None) -> None:
+        """Start `count` more spare processes (a node coming back, a rank joining late)."""
+        assert self.workdir is not None and self.store is not None, "launch() first"
+        spec_path = self.workdir / "spec.json"
+        world = len([r for r in self.ranks if r.rank >= 0])
+        for _ in range(count):
+            target = self.daemons[self.nodes - 1 if node is None else node]
+            self._start_rank(-1, target, world, spec_path,
+                             f"spare{sum(r.rank < 0 for r in self.ranks)}")
 
     def running(self) -> list[RankProc]:
         return [r for r in self.ranks if r.proc.poll() is None]

@@ -120,8 +120,11 @@ class Coordinator:
             return None
         p = self.profile
         cap = self.elastic.mem_cap_bytes if self.elastic else 0
-        return ElasticConfig(costs=tuple(p.costs), mem=tuple(p.mem_bytes) or None,
-                             act=tuple(p.act_bytes) or None, mem_cap=float(cap) or None,
+        checked = bool(cap) and bool(p.mem_bytes)  # memory is planned only against a cap
+        return ElasticConfig(costs=tuple(p.costs),
+                             mem=tuple(p.mem_bytes) if checked else None,
+                             act=tuple(p.act_bytes) or None if checked else None,
+                             mem_cap=float(cap) if checked else None,
                              layer_bytes=tuple(p.state_bytes) or None)
 
     def _shrink_planner(self) -> ElasticPlanner | None:

@@ -32,7 +32,7 @@ from stalwart.daemon.peer_service import PeerServicer, gossip_forever
 from stalwart.daemon.protection import ProtectionWatch
 from stalwart.daemon.rank_service import RankServicer
 from stalwart.daemon.registry import Registry
-from stalwart.daemon.tls import ReloadingServerCredentials, TlsError, channel_credentials
+from stalwart.daemon.tls import ReloadingServerCredentials, TlsError, aio_channel
 from stalwart.daemon.tls import enabled as tls_enabled
 from stalwart.v1 import operator_pb2, operator_pb2_grpc, peer_pb2, peer_pb2_grpc, rank_pb2_grpc
 
@@ -208,12 +208,8 @@ class Daemon:
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
             # round_robin: a seed that is a DNS name for many daemons reaches each in turn.
-            options = [("grpc.lb_policy_name", "round_robin")]
-            if tls_enabled(self.config.tls):
-                self._channels[address] = grpc.aio.secure_channel(
-                    address, channel_credentials(self.config.tls), options=options)
-            else:
-                self._channels[address] = grpc.aio.insecure_channel(address, options=options)
+            self._channels[address] = aio_channel(
+                address, self.config.tls, options=[("grpc.lb_policy_name", "round_robin")])
         return self._channels[address]
 
     def peer_info(self) -> peer_pb2.PeerInfo:

@@ -117,3 +117,17 @@ def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(
         root_certificates=_read("tls.ca", tls.ca), private_key=_read("tls.key", tls.key),
         certificate_chain=_read("tls.cert", tls.cert))
+
+
+def client_credentials(tls: TlsConfig) -> grpc.ChannelCredentials | None:
+    """Channel credentials for peers when TLS is configured, else None (plaintext)."""
+    return channel_credentials(tls) if enabled(tls) else None
+
+
+def aio_channel(address: str, tls: TlsConfig,
+                options: list[tuple[str, object]] | None = None) -> grpc.aio.Channel:
+    """A grpc.aio channel to a peer daemon: mutual TLS when configured, else plaintext."""
+    creds = client_credentials(tls)
+    if creds is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, creds, options=options)

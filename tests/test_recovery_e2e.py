@@ -102,7 +102,7 @@ def test_the_coordinator_killed_during_recovery_is_succeeded(tmp_path: Path) -> 
 
 def test_without_a_spare_the_job_stops_at_the_last_committed_step(tmp_path: Path) -> None:
     code, summary = demo(tmp_path, "--nodes", "2", "--dp", "2", "--pp", "1", "--spares", "0",
-                         "--kill", "rank:1@step:4")
+                         "--no-shrink", "--kill", "rank:1@step:4")
     assert code == 1 and not summary["completed"]
     assert summary["lost_steps"] == 0
     assert "Training stops at the last committed step" in summary["stopped"]

@@ -1,0 +1,88 @@
+"""Without a spare the job shrinks onto the survivors (same global batch, same
+trajectory) and widens again when a rank joins; real daemons and rank processes."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from test_recovery_e2e import MICRO, demo
+
+from stalwart.client.local_cluster import LocalCluster, wait_until
+
+pytestmark = pytest.mark.multiprocess
+
+FOUR_BLOCKS = json.dumps({**json.loads(MICRO), "n_layer": 4})
+TOLERANCE = 1e-4  # relative: fp32, the same sums in another pipeline/DP arrangement
+
+
+def assert_same_trajectory(losses: list[float], baseline: list[float]) -> None:
+    assert len(losses) == len(baseline)
+    for step, (a, b) in enumerate(zip(losses, baseline, strict=True), start=1):
+        assert abs(a - b) <= TOLERANCE * abs(b), (step, a, b)
+
+
+def test_losing_a_stage_of_four_continues_on_three_rebalanced(tmp_path: Path) -> None:
+    layout = ("--model-overrides", FOUR_BLOCKS, "--nodes", "2", "--dp", "1", "--pp", "4")
+    code, base = demo(tmp_path, *layout, "--spares", "0", "--no-faults", steps=12)
+    assert code == 0
+    code, summary = demo(tmp_path, *layout, "--spares", "0", "--kill", "rank:2@step:5",
+                         steps=12)
+    assert code == 0 and summary["completed"] and summary["lost_steps"] == 0
+    (recovery,) = summary["recoveries"]
+    assert recovery["reason"].startswith("shrink dp=1 pp=4 tp=1 -> dp=1 pp=3 tp=1")
+    assert_same_trajectory(summary["losses"], base["losses"])
+
+
+def test_losing_a_replica_doubles_accumulation(tmp_path: Path) -> None:
+    layout = ("--nodes", "2", "--dp", "2", "--pp", "2")
+    code, base = demo(tmp_path, *layout, "--spares", "0", "--no-faults", steps=10)
+    assert code == 0
+    code, summary = demo(tmp_path, *layout, "--spares", "0", "--kill", "rank:1@step:4",
+                         steps=10)
+    assert code == 0 and summary["completed"] and summary["lost_steps"] == 0
+    (recovery,) = summary["recoveries"]
+    assert "-> dp=1 pp=2 tp=1" in recovery["reason"]
+    assert "grad_accum 1 -> 2" in recovery["reason"]
+    assert_same_trajectory(summary["losses"], base["losses"])
+
+
+def test_a_shrink_without_memory_for_the_model_stops_naming_the_shortfall(
+        tmp_path: Path) -> None:
+    code, summary = demo(tmp_path, "--nodes", "2", "--dp", "1", "--pp", "2", "--spares", "0",
+                         "--mem-cap", "200000", "--kill", "rank:1@step:3", steps=8)
+    assert code == 1 and not summary["completed"] and summary["lost_steps"] == 0
+    assert "bytes" in summary["stopped"] and "short" in summary["stopped"]
+    assert "last committed step" in summary["stopped"]
+
+
+def test_a_rank_that_joins_later_is_admitted_and_the_plan_widened() -> None:
+    spec = {"model": "tiny", "model_overrides": json.loads(FOUR_BLOCKS),
+            "train": {"global_batch": 8, "seed": 0},
+            "layout": {"dp": 1, "pp": 4, "tp": 1, "microbatches": 4}, "steps": 400,
+            "faults": [{"kind": "kill", "target": "rank", "index": 2, "step": 3}],
+            "collective_timeout_s": 4.0}
+    cluster = LocalCluster(nodes=2)
+    try:
+        cluster.start_daemons()
+        cluster.launch(spec, world=4)
+        coord = cluster.daemons[0]
+
+        def generation() -> int:
+            st = coord.status()
+            return st.generation if st is not None else 0
+
+        wait_until(lambda: generation() >= 2, 120, "the shrink after the kill")
+        cluster.add_spares(1, node=1)
+        wait_until(lambda: generation() >= 3, 120, "the joining rank to be admitted")
+        plan = coord.status().plan
+        assert plan.reason.startswith("grow"), plan.reason
+        assert (plan.layout.dp, plan.layout.pp) == (1, 4)
+        started = time.monotonic()
+        wait_until(lambda: (coord.status().latest_committed_step or 0) > plan.resume_step + 2,
+                   120, "training to go on in the widened plan")
+        assert time.monotonic() - started < 120
+    finally:
+        cluster.close()
