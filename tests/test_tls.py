@@ -32,7 +32,8 @@ def make_certs(directory: Path, *names: str) -> Path:
 def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two independent CAs: the cluster's and a stranger's, each with a daemon and operator."""
     base = tmp_path_factory.mktemp("pki")
-    return {"cluster": make_certs(base / "cluster", "node1=127.0.0.1,localhost", "operator"),
+    return {"cluster": make_certs(base / "cluster", "node1=127.0.0.1,localhost",
+                                  "node2=127.0.0.1", "operator"),
             "other": make_certs(base / "other", "node1=127.0.0.1,localhost", "operator")}
 
 
@@ -128,6 +129,38 @@ def test_daemons_talk_to_each_other_over_mtls(tmp_path: Path, pki: dict[str, Pat
         return reply.node
 
     assert run_with_daemon(daemon_config(tmp_path, tls_of(cluster)), body) == "node1"
+
+
+def test_two_daemons_with_mtls_gossip_and_see_each_other_up(
+        tmp_path: Path, pki: dict[str, Path]) -> None:
+    from dataclasses import replace
+
+    from fixtures_daemon import free_port
+
+    ports = [free_port(), free_port()]
+    configs = [replace(daemon_config(tmp_path / name, tls_of(pki["cluster"], name)), node=name,
+                       listen=f"127.0.0.1:{ports[i]}", peers=(f"127.0.0.1:{ports[1 - i]}",))
+               for i, name in enumerate(("node1", "node2"))]
+
+    async def main() -> list[list[str]]:
+        daemons = [Daemon(c) for c in configs]
+        for d in daemons:
+            await d.start()
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 20
+            while loop.time() < deadline:
+                seen = [[p.node for p in d.membership.peers() if p.state == "up"]
+                        for d in daemons]
+                if seen == [["node2"], ["node1"]]:
+                    break
+                await asyncio.sleep(0.05)
+            return seen
+        finally:
+            for d in daemons:
+                await d.stop(grace_s=0)
+
+    assert asyncio.run(main()) == [["node2"], ["node1"]]
 
 
 def test_a_missing_ca_file_stops_the_start_with_a_message_naming_the_key(
