@@ -148,6 +148,11 @@ class ElasticAgent:
         self.result.rank_id = reply.rank_id
         self.daemon.start_heartbeats()
         threading.Thread(target=self._watch, name="stalwart-plan-watch", daemon=True).start()
+        # Work every generation needs, done before any failure: a spare then takes over
+        # in a fraction of a second. The first optimizer pulls in torch._dynamo (~1.5 s).
+        import torch._dynamo  # noqa: F401
+
+        self._corpus = load_corpus(self.cfg.train.corpus_bytes)
         plan = self._next_plan(after=0)
         while True:
             if plan.stop:

@@ -282,6 +282,7 @@ class Job:
         reply.latest_committed_step = latest or 0
         reply.storage["local"] = (f"committed steps {self.snapshots.store.committed_steps()[-5:]}"
                                   f", ram {self.snapshots.store.ram_used()} bytes")
+        reply.storage.update(self.snapshots.status_storage())
         if self.is_coordinator():
             for r in self.coordinator.recoveries[-10:]:
                 reply.plan_changes.add(reason=f"{r.kind}: {r.message}",
