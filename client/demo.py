@@ -152,9 +152,10 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
     committed_at: list[tuple[float, int]] = []  # (unix time, latest committed step)
     plans: list[dict[str, Any]] = []
     deadline = time.monotonic() + args.timeout
+    roles = args.dp * args.pp * args.tp
     while cluster.running() and time.monotonic() < deadline:
-        if _finished(cluster, args.steps) >= args.dp * args.pp * args.tp:
-            break  # every role is done; what still runs is a spare that never got one
+        if _finished(cluster, args.steps) >= roles:
+            break  # every role is done; what still runs is a rank or spare without one
         follow.poll([r.log_path for r in cluster.ranks])
         statuses = [n.status() for n in cluster.daemons if n.alive]
         coord = next((s for s in statuses if s is not None and any(
@@ -167,6 +168,9 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
                     _say(t0, f"DETECTED {_kind(f.kind)} of {f.subject} by {st.node}: "
                              f"{f.evidence}")
         if coord is not None:
+            lay = coord.plan.layout
+            if lay.dp and not coord.plan.stop:
+                roles = lay.dp * lay.pp * max(1, lay.tp)
             if coord.latest_committed_step != committed:
                 committed = coord.latest_committed_step
                 committed_at.append((time.time(), committed))

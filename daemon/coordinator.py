@@ -274,6 +274,9 @@ class Coordinator:
         self.layouts[req.step] = req.layout
         self.generations[req.step] = req.generation
         await self._commit_ready()
+        if self.plan is not None and self.plan.spares and self._in_flight is None:
+            async with self._lock:  # a joiner that came during a recovery
+                await self._maybe_grow()
 
     async def _commit_ready(self) -> None:
         async with self._committing:
