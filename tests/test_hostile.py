@@ -406,9 +406,86 @@ def test_no_pickle_crosses_a_process_boundary_or_touches_storage() -> None:
     assert problems == []
 
 
+def fill(directory: Path) -> Path:
+    """Write a file in `directory` until its filesystem has no space left."""
+    filler = directory / "filler"
+    block = bytes(64 << 10)
+    with open(filler, "wb", buffering=0) as f:  # unbuffered: close has nothing left to write
+        try:
+            while True:
+                f.write(block)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    return filler
+
+
+DISK_FULL_STEPS = 400
+
+
+@pytest.mark.multiprocess
+def test_a_daemon_whose_local_disk_fills_up_keeps_its_last_committed_step(
+        tmp_path: Path) -> None:
+    import signal
+
+    from stalwart.client.local_cluster import LocalCluster, wait_until
+
+    if not is_root:
+        pytest.skip("mounting a tmpfs needs root")
+    cluster = LocalCluster(nodes=1, workdir=tmp_path / "c",
+                           daemon_settings={"snapshot": {"base_every": 4, "retain": 3},
+                                            "heartbeat_timeout_s": 120.0})
+    # The local tier (data_dir/snapshots) on a small disk of its own; logs stay elsewhere.
+    tier = tmp_path / "c" / "node-0" / "snapshots"
+    tier.mkdir(parents=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(tier)],
+                          capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        pytest.skip(f"this container cannot mount a tmpfs: {done.stderr.strip()}")
+    try:
+        cluster.start_daemons()
+        node = cluster.daemons[0]
+        # Long enough that the rank is still training when space comes back.
+        cluster.launch({**OUTAGE_SPEC, "steps": DISK_FULL_STEPS}, world=1)
+        rank = cluster.ranks[0]
+
+        def committed() -> int:
+            st = node.status()
+            return st.latest_committed_step if st is not None else -1
+
+        wait_until(lambda: committed() >= 3, 120, "the first steps to commit")
+        rank.proc.send_signal(signal.SIGSTOP)
+        filler = fill(tier)
+        last = committed()
+        rank.proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: "No space left on device" in node.log_path.read_text(), 60,
+                   "the daemon to log the full disk")
+        rank.proc.send_signal(signal.SIGSTOP)
+        assert committed() == last, "a step committed although the disk was full"
+        trained = max(r.step for r in node.status().ranks)
+        assert trained < DISK_FULL_STEPS - 20, "the rank finished before space came back"
+        # The newest committed step restores while the disk is full.
+        with grpc.insecure_channel(node.address) as ch:
+            pieces = list(rank_pb2_grpc.RankServiceStub(ch).Restore(
+                rank_pb2.RestoreRequest(rank_id="test", step=0, rank=0), timeout=60))
+        assert pieces[0].step >= last and pieces[0].state.total_bytes == sum(
+            len(p.data) for p in pieces[1:])
+        # Space comes back: training ends and its last step commits.
+        filler.unlink()
+        rank.proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: rank.proc.poll() is not None, 180, "the rank to finish")
+        assert rank.proc.returncode == 0, rank.log_path.read_text()[-3000:]
+        assert committed() == DISK_FULL_STEPS
+    finally:
+        for r in cluster.ranks:
+            if r.proc.poll() is None:
+                r.proc.send_signal(signal.SIGCONT)
+        cluster.close()
+        subprocess.run(["umount", "-l", str(tier)], capture_output=True, timeout=30)
+
+
 # --- S3 goes away during training ---------------------------------------------------
 
-OUTAGE_STEPS = 24
+OUTAGE_STEPS = 300  # long enough that training goes on after S3 returns
 OUTAGE_SPEC = {"model": "tiny",
                "model_overrides": {"d_model": 32, "n_layer": 2, "n_head": 2, "d_ff": 64,
                                    "seq_len": 16},
@@ -427,8 +504,10 @@ def test_s3_outage_during_training_loses_no_committed_step_and_catches_up(
           "prefix": s3_location.prefix, "region": s3_location.region}
     cluster = LocalCluster(
         nodes=2, workdir=tmp_path / "c", metrics=True,
+        # A rank held with SIGSTOP must not be declared dead meanwhile: long liveness window.
         daemon_settings={"s3": s3, "erasure": {"k": 1, "m": 1, "parity_to": "both"},
-                         "snapshot": {"base_every": 4, "retain": 100}},
+                         "snapshot": {"base_every": 4, "retain": 400},
+                         "heartbeat_timeout_s": 120.0},
         env={"AWS_ACCESS_KEY_ID": s3_location.access_key,
              "AWS_SECRET_ACCESS_KEY": s3_location.secret_key})
     node0, node1 = None, None
@@ -458,6 +537,11 @@ def test_s3_outage_during_training_loses_no_committed_step_and_catches_up(
             during = committed(node0)
             assert during >= before, "a committed step was lost while S3 was down"
             trained = max(r.step for r in node0.status().ranks)
+            assert trained < OUTAGE_STEPS - 20, "the rank finished before S3 came back"
+            # Every step committed before the outage restores from either daemon, S3 down.
+            for step in range(1, before + 1):
+                for node in (node0, node1):
+                    assert restored_bytes(node.address, step) > 0
         finally:
             s3_server.start()
             rank.proc.send_signal(signal.SIGCONT)
@@ -465,14 +549,6 @@ def test_s3_outage_during_training_loses_no_committed_step_and_catches_up(
         assert rank.proc.returncode == 0, rank.log_path.read_text()[-3000:]
         wait_until(lambda: committed(node0) == OUTAGE_STEPS and committed(node1) == OUTAGE_STEPS,
                    60, "both daemons to commit the last step")
-        # Every step committed before the outage is still restorable, from either daemon.
-        for step in range(1, before + 1):
-            for node in (node0, node1):
-                with grpc.insecure_channel(node.address) as ch:
-                    pieces = list(rank_pb2_grpc.RankServiceStub(ch).Restore(
-                        rank_pb2.RestoreRequest(rank_id="test", step=step, rank=0),
-                        timeout=60))
-                assert pieces[0].state.total_bytes > 0
         # Steps captured after S3 came back all commit; only those in flight during the
         # outage may be missing (they never committed, so nothing committed was lost).
         manifests = node0.data_dir / "snapshots" / "default" / "manifests"
@@ -488,6 +564,16 @@ def test_s3_outage_during_training_loses_no_committed_step_and_catches_up(
         if s3_server.proc is None:
             s3_server.start()
         cluster.close()
+
+
+def restored_bytes(address: str, step: int) -> int:
+    """Size of rank 0's state at `step` as a daemon's Restore RPC returns it (checked)."""
+    with grpc.insecure_channel(address) as ch:
+        pieces = list(rank_pb2_grpc.RankServiceStub(ch).Restore(
+            rank_pb2.RestoreRequest(rank_id="test", step=step, rank=0), timeout=60))
+    size = sum(len(p.data) for p in pieces[1:])
+    assert size == pieces[0].state.total_bytes
+    return size
 
 
 def s3_failures(metrics_port: int) -> float:
