@@ -163,6 +163,25 @@ def test_two_daemons_with_mtls_gossip_and_see_each_other_up(
     assert asyncio.run(main()) == [["node2"], ["node1"]]
 
 
+def test_an_operator_client_reaches_a_tls_daemon_with_the_tls_environment(
+        tmp_path: Path, pki: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    from stalwart.client.daemon_client import DaemonClient
+
+    cluster = pki["cluster"]
+    monkeypatch.setenv("STALWART_TLS_CERT", str(cluster / "operator.pem"))
+    monkeypatch.setenv("STALWART_TLS_KEY", str(cluster / "operator.key"))
+    monkeypatch.setenv("STALWART_TLS_CA", str(cluster / "ca.pem"))
+
+    async def body(daemon: Daemon) -> str:
+        client = DaemonClient(daemon.address)
+        try:
+            return (await asyncio.to_thread(client.status)).node
+        finally:
+            client.close(leaving=False)
+
+    assert run_with_daemon(daemon_config(tmp_path, tls_of(cluster)), body) == "node1"
+
+
 def test_a_missing_ca_file_stops_the_start_with_a_message_naming_the_key(
         tmp_path: Path, pki: dict[str, Path]) -> None:
     tls = TlsConfig(cert=str(pki["cluster"] / "node1.pem"),
