@@ -26,7 +26,9 @@ from stalwart.v1 import peer_pb2, peer_pb2_grpc
 PIECE_BYTES = 1 << 20
 MAX_SHARD_BYTES = 1 << 30
 MAX_ID_CHARS = 256
-MAX_STREAMS_PER_PEER = 8  # open PutShard/GetShard streams per calling host
+# Open PutShard/GetShard streams per calling host: every rank of a big node may push at
+# once, and each stream holds at most ~1 MiB here, so this bounds a peer to ~64 MiB.
+MAX_STREAMS_PER_PEER = 64
 PIECE_IDLE_S = 30.0       # a sender silent this long between pieces is cut off (seconds)
 _PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _META = ".meta.json"
