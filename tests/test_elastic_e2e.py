@@ -61,7 +61,8 @@ def test_a_shrink_without_memory_for_the_model_stops_naming_the_shortfall(
 
 
 def test_a_rank_that_joins_later_is_admitted_and_the_plan_widened() -> None:
-    spec = {"model": "tiny", "model_overrides": json.loads(FOUR_BLOCKS),
+    # Six blocks: four stages beat three in the planner's model, so the joiner pays off.
+    spec = {"model": "tiny", "model_overrides": {**json.loads(MICRO), "n_layer": 6},
             "train": {"global_batch": 8, "seed": 0},
             "layout": {"dp": 1, "pp": 4, "tp": 1, "microbatches": 4}, "steps": 400,
             "faults": [{"kind": "kill", "target": "rank", "index": 2, "step": 3}],
@@ -80,7 +81,7 @@ def test_a_rank_that_joins_later_is_admitted_and_the_plan_widened() -> None:
         cluster.add_spares(1, node=1)
         wait_until(lambda: generation() >= 3, 120, "the joining rank to be admitted")
         plan = coord.status().plan
-        assert plan.reason.startswith("grow"), plan.reason
+        assert plan.reason.startswith("widen dp=1 pp=3 tp=1 -> dp=1 pp=4"), plan.reason
         assert plan.layout.dp * plan.layout.pp == 4  # every rank has a role again
         started = time.monotonic()
         wait_until(lambda: (coord.status().latest_committed_step or 0) > plan.resume_step + 2,
