@@ -39,6 +39,7 @@ from stalwart.v1 import manifest_pb2, peer_pb2, peer_pb2_grpc, rank_pb2
 log = logging.getLogger("stalwart.daemon.snapshots")
 
 PIECE_BYTES = 1 << 20       # restore stream message size
+MAX_BACKLOG = 3             # captures per rank waiting to be encoded before one is skipped
 PUSH_TIMEOUT_S = 10.0       # a repaired manifest sent to one peer
 DEFAULT_SLOT_BUDGET = 8 << 30  # bytes of shared memory for all ranks when ram_bytes is 0
 T = TypeVar("T")
@@ -83,6 +84,7 @@ class SnapshotPath:
         self._clients: dict[str, ShardClient] = {}
         self._committed = asyncio.Condition()
         self._durable: dict[str, asyncio.Task[None]] = {}  # per rank: last durability task
+        self._backlog: dict[str, int] = {}  # per rank: captures copied but not yet encoded
         self.loop: asyncio.AbstractEventLoop | None = None
         self.repairer = repair.Repairer(
             node=self.node, store=self.store, metrics=metrics, live=self._live_nodes,
@@ -157,28 +159,41 @@ class SnapshotPath:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"tensors describe {total} bytes but slot {request.slot_id} "
                                 f"holds {slot.size}")
-        t0 = time.perf_counter()
-        prepared = await self._run(
-            self.store.encode, request.step, request.coord.rank,
-            memoryview(slot.view)[:total], list(request.tensors), coord=request.coord,
-            extra=request.extra, node=self.node, adamw=list(request.adamw))
-        self.metrics.captured_bytes.inc(total)
         if request.step > 1:
             self.metrics.capture_stall.labels(request.rank_id).observe(request.stall_s)
-        log.debug("captured", extra={"step": request.step, "rank": request.coord.rank,
-                                     "bytes": total, "encode_s": time.perf_counter() - t0})
+        backlog = self._backlog.get(request.rank_id, 0)
+        if backlog >= MAX_BACKLOG:
+            # Encoding is behind: skip this step rather than stall training. The step
+            # will not commit; the next one the daemon keeps up with will.
+            self.metrics.captures_skipped.inc()
+            return rank_pb2.CaptureReply(
+                accepted=False, message=f"daemon {self.node} is {backlog} captures behind; "
+                f"step {request.step} is not snapshotted")
+        # Copy out of the slot (memory speed) and hand it back at once; the encode
+        # runs behind, so the rank's next capture finds the slot free.
+        owned = await asyncio.to_thread(bytes, memoryview(slot.view)[:total])
+        self.metrics.captured_bytes.inc(total)
+        self._backlog[request.rank_id] = backlog + 1
         previous = self._durable.get(request.rank_id)
         self._durable[request.rank_id] = asyncio.create_task(self._make_durable(
-            previous, request.step, request.generation, request.layout, prepared))
+            previous, request, owned))
         return rank_pb2.CaptureReply(accepted=True)
 
-    async def _make_durable(self, previous: asyncio.Task[None] | None, step: int,
-                            generation: int, layout: Any, prepared: Any) -> None:
+    async def _make_durable(self, previous: asyncio.Task[None] | None,
+                            request: rank_pb2.CaptureRequest, owned: bytes) -> None:
+        step, generation, layout = request.step, request.generation, request.layout
+        encoded = False
         if previous is not None:
             await asyncio.gather(previous, return_exceptions=True)  # keep step order
-        if generation < self.registry.generation:
-            return  # the job moved on while this capture was encoded; it will not commit
         try:
+            if generation < self.registry.generation:
+                return  # the job moved on while this capture waited; it will not commit
+            prepared = await self._run(
+                self.store.encode, step, request.coord.rank, owned, list(request.tensors),
+                coord=request.coord, extra=request.extra, node=self.node,
+                adamw=list(request.adamw))
+            self._backlog[request.rank_id] -= 1
+            encoded = True
             state = await self._run(self.store.prepare, step, prepared)
             state = await self._protect(step, generation, state, prepared.payloads)
             await self.send_prepare(peer_pb2.PrepareStepRequest(
@@ -186,7 +201,10 @@ class SnapshotPath:
                 ranks=[state], layout=layout))
         except Exception:
             log.exception("step could not be made durable; it will not commit",
-                          extra={"step": step, "rank": prepared.state.rank})
+                          extra={"step": step, "rank": request.coord.rank})
+        finally:
+            if not encoded:
+                self._backlog[request.rank_id] -= 1
 
     async def on_peer_lost(self, node: str) -> None:
         """A daemon is gone: the repair leader re-creates its shards on live daemons."""
