@@ -1,23 +1,34 @@
-"""Shrinking a 4-stage pipeline onto 3 survivors: what the planner decides and how fast,
-how much state moves against re-partitioning from scratch, and (on a local cluster, once
-the coordinator and agent carry layout changes) the pause and the speed after the shrink.
+"""Shrinking a 4-stage pipeline onto 3 survivors (no spare): on a real local cluster, the
+coordinator's decision time, the state moved, the pause and the speed after the shrink
+against the planner's prediction; and the planner alone on a few cases.
 
-Baseline for `layers_moved`: `layers_moved_naive`, a time-optimal partition computed
-without regard to what each survivor holds, with survivors placed in rank order.
+Baselines: `layers_moved_naive`, a time-optimal partition computed without regard to what
+each survivor holds, survivors placed in rank order; `throughput_ratio` divides the
+measured steps/s after the shrink by the measured steps/s before it times the planner's
+predicted speed ratio.
 """
 
 from __future__ import annotations
 
-import os
+import json
+import re
 import statistics
 import time
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 from stalwart.core.decide import Coord, Layout, Member, PlanState
 from stalwart.core.partition import partition
 from stalwart.core.shrink import ElasticConfig, plan_shrink
 
-KILL_RANK, KILL_STEP = 1, 8
+KILL_RANK = 1
+# Four blocks of d_model 64 over seq 64, 8 micro-batches of 2: block compute dominates a
+# step, and the six profile layers (embedding, blocks, head) split well over four stages,
+# worse over three (predicted 0.71x); with 4 micro-batches two stages would win instead.
+MODEL = {"d_model": 64, "n_layer": 4, "n_head": 2, "d_ff": 256, "seq_len": 64}
+STEPS = {False: (15, 25), True: (8, 12)}  # steps before the kill, steps after it
+POLL_S = 0.01
 
 
 def _layer_bytes(cfg: Any) -> tuple[float, ...]:
@@ -62,6 +73,7 @@ def _planner_case(name: str, costs: tuple[float, ...], layer_bytes: tuple[float,
     }
 
 
+
 def run(quick: bool) -> dict:
     from stalwart.client.model import PRESETS, layer_costs
 
@@ -75,102 +87,221 @@ def run(quick: bool) -> dict:
     big_costs = tuple(layer_costs(big))
     cases.append(_planner_case("medium (2,4,1)", big_costs, _layer_bytes(big),
                                2, 4, 3, max(1, repeats // 5)))
-    head = cases[KILL_RANK]
-    out: dict[str, Any] = {
-        "replan_s": head["replan_s"], "layers_moved": head["layers_moved"],
-        "layers_moved_naive": head["layers_moved_naive"], "bytes_moved": head["bytes_moved"],
-        "bytes_moved_naive": head["bytes_moved_naive"],
-        "predicted_speed_ratio": head["predicted_speed_ratio"], "planner_cases": cases,
-    }
-    out.update(_cluster(quick, head))
+    cluster = _cluster_run(quick)
+    keys = ("replan_s", "layers_moved", "layers_moved_naive", "bytes_moved",
+            "bytes_moved_naive", "pause_s", "throughput_ratio")
+    return {**{k: cluster.get(k) for k in keys}, "cluster": cluster,
+            "planner_cases": cases}
+
+
+def _spec(quick: bool) -> dict[str, Any]:
+    """The job: (1,4,1) on the planner's balanced partition, one stage's rank killed."""
+    before, after = STEPS[quick]
+    spec = {"model": "tiny", "model_overrides": MODEL, "train": {"global_batch": 16, "seed": 0},
+            "layout": {"dp": 1, "pp": 4, "tp": 1, "schedule": "1f1b", "microbatches": 8},
+            "steps": before + after, "collective_timeout_s": 10.0,
+            "faults": [{"kind": "kill", "target": "rank", "index": KILL_RANK,
+                        "step": before}]}
+    costs = list(_profile_config(spec).costs)
+    spec["layout"]["stages"] = [list(b) for b in partition(costs, 4).stages]
+    return spec
+
+
+class _StepClock:
+    """When each rank's `[step] N` lines appeared (unix seconds), read as they are printed."""
+
+    def __init__(self) -> None:
+        self.offsets: dict[Path, int] = {}
+        self.seen: dict[Path, list[tuple[int, float]]] = {}
+
+    def poll(self, paths: list[Path]) -> None:
+        now = time.time()
+        for path in paths:
+            if not path.exists():
+                continue
+            with open(path, "rb") as f:
+                f.seek(self.offsets.get(path, 0))
+                chunk = f.read()
+            cut = chunk.rfind(b"\n") + 1
+            self.offsets[path] = self.offsets.get(path, 0) + cut
+            for line in chunk[:cut].decode("utf-8", "replace").splitlines():
+                if line.startswith("[step] "):
+                    self.seen.setdefault(path, []).append((int(line.split()[1]), now))
+
+    def finished(self, steps: int) -> int:
+        """Ranks that printed the last step."""
+        return sum(any(s == steps for s, _ in seen) for seen in self.seen.values())
+
+
+def _cluster_run(quick: bool) -> dict[str, Any]:
+    """Train (1,4,1) without a spare, kill one stage's rank, and time the shrink."""
+    from stalwart.client.local_cluster import ClusterError, LocalCluster
+
+    spec = _spec(quick)
+    steps, clock = spec["steps"], _StepClock()
+    cluster = LocalCluster(nodes=2, metrics=True, daemon_settings={"elastic": {"shrink": True}})
+    cluster.env["STALWART_FAULT_LOG"] = str(cluster.workdir)
+    first_plan, roles, next_status = None, 3, 0.0
+    try:
+        cluster.start_daemons()
+        coord = cluster.coordinator()
+        assert coord is not None
+        cluster.launch(spec, 4, spares=0, ranks_per_node=2)
+        deadline = time.monotonic() + (180 if quick else 360)
+        while time.monotonic() < deadline and cluster.running():
+            clock.poll([r.log_path for r in cluster.ranks])
+            if time.monotonic() >= next_status:  # the plan, at most twice a second
+                next_status = time.monotonic() + 0.5
+                st = coord.status()
+                if st is not None and st.generation == 1 and len(st.plan.assignments) == 4:
+                    first_plan = st.plan
+                if st is not None and st.generation >= 2 and not st.plan.stop:
+                    roles = len([a for a in st.plan.assignments if not a.spare])
+            if clock.finished(steps) >= roles:
+                break  # every rank with a role in the new plan trained the last step
+            time.sleep(POLL_S)
+        # Results are written once a rank's last step is committed; give that a moment.
+        end = time.monotonic() + 20
+        while cluster.running() and time.monotonic() < end:
+            time.sleep(0.1)
+        final = coord.status()
+        scraped = _scrape(coord.metrics_port)
+    except ClusterError as exc:
+        cluster.close(keep_workdir=True)
+        return {"error": f"{exc}; logs in {cluster.workdir}"}
+    assert cluster.workdir is not None
+    faults = [json.loads(p.read_text()) for p in cluster.workdir.glob("fault-*.json")]
+    installed = _plan_installed_unix(coord.log_path)
+    error = _incomplete(first_plan, final, faults, installed, clock.finished(steps), roles,
+                        steps)
+    if error:
+        cluster.close(keep_workdir=True)
+        return {"error": f"{error}; logs in {cluster.workdir}"}
+    results = [r.result() for r in cluster.ranks]
+    cluster.close()
+    return _figures(spec, clock, first_plan, final, faults[0], installed, results, scraped)
+
+
+def _plan_installed_unix(log_path: Path | None) -> float | None:
+    """When the coordinator installed the shrunk plan (its JSON log line), unix seconds."""
+    from datetime import datetime
+
+    for line in log_path.read_text().splitlines() if log_path else ():
+        if '"new plan installed"' in line:
+            ts = json.loads(line)["ts"]
+            return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+    return None
+
+
+def _incomplete(first_plan: Any, final: Any, faults: list, installed: float | None,
+                finished: int, roles: int, steps: int) -> str:
+    """Why the run cannot give figures, or ''."""
+    if first_plan is None:
+        return "the coordinator never showed the first plan"
+    if final is None or final.generation < 2 or installed is None:
+        return "no new plan after the kill"
+    if final.plan.stop:
+        return f"the job stopped instead of shrinking: {final.plan.stop_message}"
+    if len(faults) != 1:
+        return f"expected one fault record, found {len(faults)}"
+    if finished < roles:
+        return f"only {finished} of the new plan's {roles} ranks trained to step {steps}"
+    return ""
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """The coordinator's /metrics as {series with labels: value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
     return out
 
 
-def _cluster(quick: bool, head: dict[str, Any]) -> dict[str, Any]:
-    """pause_s and throughput_ratio from a real local cluster, where the job can shrink."""
-    missing = _missing_wiring()
-    if missing and not os.environ.get("STALWART_BENCH_ELASTIC_CLUSTER"):
-        return {"pause_s": None, "throughput_ratio": None,
-                "cluster": {"skipped": "the running system cannot shrink a job yet",
-                            "missing": missing}}
-    return _cluster_run(quick, head)
+def _step_times(clock: _StepClock, since: float, until: float) -> dict[int, float]:
+    """step -> when every rank that printed it in (since, until] had printed it."""
+    out: dict[int, float] = {}
+    for seen in clock.seen.values():
+        for step, t in seen:
+            if since < t <= until:
+                out[step] = max(out.get(step, 0.0), t)
+    return out
 
 
-def _missing_wiring() -> list[str]:
-    """What the daemon and agent still lack for a layout change (read from their source:
-    the bench must not start a cluster that can only stop)."""
-    import inspect
-
-    from stalwart.client import agent
-    from stalwart.daemon import job
-
-    missing = []
-    if "shrink" not in inspect.getsource(job).lower():
-        missing.append("daemon/job.py does not give the Coordinator a shrink_planner "
-                       "(stalwart.core.shrink.ElasticPlanner)")
-    if "relayout" not in inspect.getsource(agent):
-        missing.append("client/agent.py restores only its own old rank's state; a changed "
-                       "layout needs stalwart.client.relayout.fetch_and_assemble")
-    return missing
+def _rate(times: dict[int, float], skip: int) -> tuple[float, int]:
+    """Steps/s over the steps after the first `skip` (warm-up), and the steps counted."""
+    steps = sorted(times)[skip:]
+    if len(steps) < 3:
+        raise ValueError(f"too few steps to time ({len(steps)})")
+    return (steps[-1] - steps[0]) / (times[steps[-1]] - times[steps[0]]), len(steps)
 
 
-def _cluster_run(quick: bool, head: dict[str, Any]) -> dict[str, Any]:
-    from stalwart.client.local_cluster import ClusterError, LocalCluster
+def _figures(spec: dict[str, Any], clock: _StepClock, first_plan: Any, final: Any,
+             fault: dict[str, Any], installed: float, results: list,
+             scraped: dict[str, float]) -> dict[str, Any]:
+    # The old pipeline is stuck from the kill on: every step line after the plan's
+    # installation is the new generation's.
+    before = _step_times(clock, 0.0, installed)
+    after = _step_times(clock, installed, float("inf"))
+    rate_before, n_before = _rate(before, 2)
+    rate_after, n_after = _rate(after, 2)
+    # The planner on the same plan and profile the coordinator had (no memory cap).
+    state = PlanState.from_proto(first_plan)
+    victim = next(m.rank_id for m in state.members if m.coord.rank == KILL_RANK)
+    config = _profile_config(spec)
+    t0 = time.perf_counter()
+    again = plan_shrink(state, frozenset({victim}), config)
+    planner_s = time.perf_counter() - t0
+    predicted = rate_before * again.speed_ratio
+    new = PlanState.from_proto(final.plan)
+    moved = re.search(r"(\d+) layers moved", final.plan.reason)
+    gen2 = [g for r in results if r for g in r.get("generations", []) if g["generation"] == 2]
+    plan_sum = 'stalwart_recovery_phase_seconds_sum{phase="plan"}'
+    return {
+        "replan_s": round(scraped[plan_sum], 4) if plan_sum in scraped else None,
+        "layers_moved": int(moved[1]) if moved else again.layers_moved,
+        "layers_moved_naive": again.layers_moved_naive,
+        "bytes_moved": int(again.bytes_moved), "bytes_moved_naive": int(again.bytes_moved_naive),
+        "pause_s": round(min(after.values()) - max(before.values()), 3),
+        "throughput_ratio": round(rate_after / predicted, 3),
+        "steps_per_s_before": round(rate_before, 3), "steps_per_s_after": round(rate_after, 3),
+        "steps_per_s_predicted_after": round(predicted, 3),
+        "predicted_speed_ratio": round(again.speed_ratio, 4),
+        "steps_timed": {"before": n_before, "after": n_after},
+        "planner_s": round(planner_s, 6),
+        "planner_matches_coordinator": again.plan.layout.stages == new.layout.stages,
+        "plan_before": {"pp": state.layout.pp, "stages": [list(s) for s in state.layout.stages]},
+        "plan_after": {"pp": new.layout.pp, "stages": [list(s) for s in new.layout.stages],
+                       "grad_accum": new.layout.grad_accum},
+        "reason": final.plan.reason, "resume_step": final.plan.resume_step,
+        "fault_to_first_step_s": round(min(after.values()) - fault["time_unix"], 3),
+        "detect_plan_s": round(installed - fault["time_unix"], 3),
+        # From the survivors' results, written only once their last step committed.
+        "rebuild_s": max((g["rebuild_s"] for g in gen2), default=None),
+        "restore_s": max((g["restore_s"] for g in gen2), default=None),
+        "last_step_committed": final.latest_committed_step >= spec["steps"],
+        "latest_committed_step": final.latest_committed_step,
+        "kill": f"rank:{KILL_RANK}@step:{fault['step']}", "steps": spec["steps"],
+        "model": MODEL, "layer_costs": list(config.costs),
+    }
 
-    steps = 24 if quick else 48
-    spec = {"model": "tiny", "model_overrides": {},
-            "train": {"global_batch": 8, "seed": 0},
-            "layout": {"dp": 1, "pp": 4, "tp": 1, "schedule": "1f1b", "microbatches": 4},
-            "steps": steps, "collective_timeout_s": 10.0,
-            "faults": [{"kind": "kill", "target": "rank", "index": KILL_RANK,
-                        "step": KILL_STEP}]}
-    cluster = LocalCluster(nodes=2)
-    seen: list[tuple[float, int]] = []  # (unix time first seen, newest step)
-    try:
-        cluster.start_daemons()
-        cluster.launch(spec, 4, spares=0, ranks_per_node=2)
-        deadline = time.monotonic() + (240 if quick else 600)
-        while cluster.running() and time.monotonic() < deadline:
-            step = _newest_step(cluster)
-            if step is not None and (not seen or step > seen[-1][1]):
-                seen.append((time.time(), step))
-            if seen and seen[-1][1] >= steps:
-                break
-            time.sleep(0.05)
-    except ClusterError as exc:
-        return {"pause_s": None, "throughput_ratio": None, "cluster": {"error": str(exc)}}
-    finally:
-        cluster.close()
-    return _cluster_figures(seen, steps, head)
 
+def _profile_config(spec: dict[str, Any]) -> ElasticConfig:
+    """The ElasticConfig the coordinator builds from the ranks' layer profile."""
+    from stalwart.client.agent import AgentConfig, layer_profile
+    from stalwart.client.model import PRESETS, with_overrides
+    from stalwart.client.trainer import TrainConfig
+    from stalwart.v1 import common_pb2
 
-def _newest_step(cluster: Any) -> int | None:
-    newest = None
-    for r in cluster.ranks:
-        if not r.log_path.exists():
-            continue
-        for line in r.log_path.read_text(errors="replace").splitlines()[-5:]:
-            if line.startswith("[step] "):
-                step = int(line.split()[1])
-                newest = step if newest is None else max(newest, step)
-    return newest
-
-
-def _cluster_figures(seen: list[tuple[float, int]], steps: int,
-                     head: dict[str, Any]) -> dict[str, Any]:
-    before = [(t, s) for t, s in seen if s <= KILL_STEP]
-    after = [(t, s) for t, s in seen if s > KILL_STEP]
-    if len(before) < 3 or len(after) < 3:
-        return {"pause_s": None, "throughput_ratio": None,
-                "cluster": {"error": f"too few steps observed around the kill "
-                                     f"({len(before)} before, {len(after)} after)",
-                            "reached_step": seen[-1][1] if seen else 0, "steps": steps}}
-    rate_before = (before[-1][1] - before[1][1]) / (before[-1][0] - before[1][0])
-    rate_after = (after[-1][1] - after[1][1]) / (after[-1][0] - after[1][0])
-    predicted = rate_before * head["predicted_speed_ratio"]
-    return {"pause_s": round(after[0][0] - before[-1][0], 3),
-            "throughput_ratio": round(rate_after / predicted, 3),
-            "cluster": {"steps_per_s_before": round(rate_before, 3),
-                        "steps_per_s_after": round(rate_after, 3),
-                        "steps_per_s_predicted_after": round(predicted, 3),
-                        "kill": f"rank:{KILL_RANK}@step:{KILL_STEP}", "steps": steps}}
+    lay = spec["layout"]
+    cfg = AgentConfig(
+        train=TrainConfig(model=with_overrides(PRESETS[spec["model"]], **spec["model_overrides"]),
+                          **spec["train"]),
+        layout=common_pb2.ParallelLayout(dp=lay["dp"], pp=lay["pp"], tp=lay["tp"],
+                                         microbatches=lay["microbatches"]),
+        steps=spec["steps"])
+    p = layer_profile(cfg)
+    return ElasticConfig(costs=tuple(p.costs), layer_bytes=tuple(p.state_bytes) or None)
