@@ -160,8 +160,9 @@ def _cluster_run(quick: bool) -> dict[str, Any]:
             if clock.finished(steps) >= roles:
                 break  # every rank with a role in the new plan trained the last step
             time.sleep(POLL_S)
-        # Results are written once a rank's last step is committed; give that a moment.
-        end = time.monotonic() + 20
+        # Results are written once a rank's last step is committed; give that a moment
+        # (a step that some rank's daemon skipped capturing never commits).
+        end = time.monotonic() + 10
         while cluster.running() and time.monotonic() < end:
             time.sleep(0.1)
         final = coord.status()
@@ -178,8 +179,10 @@ def _cluster_run(quick: bool) -> dict[str, Any]:
         cluster.close(keep_workdir=True)
         return {"error": f"{error}; logs in {cluster.workdir}"}
     results = [r.result() for r in cluster.ranks]
-    cluster.close()
-    return _figures(spec, clock, first_plan, final, faults[0], installed, results, scraped)
+    stalled = final.latest_committed_step < steps  # keep the logs of a commit that stalled
+    cluster.close(keep_workdir=stalled)
+    out = _figures(spec, clock, first_plan, final, faults[0], installed, results, scraped)
+    return {**out, "logs": str(cluster.workdir)} if stalled else out
 
 
 def _plan_installed_unix(log_path: Path | None) -> float | None:
