@@ -141,7 +141,7 @@ def _cluster_run(quick: bool) -> dict[str, Any]:
     steps, clock = spec["steps"], _StepClock()
     cluster = LocalCluster(nodes=2, metrics=True, daemon_settings={"elastic": {"shrink": True}})
     cluster.env["STALWART_FAULT_LOG"] = str(cluster.workdir)
-    first_plan, roles, next_status = None, 3, 0.0
+    first_plan, roles, next_status, keep = None, 3, 0.0, True
     try:
         cluster.start_daemons()
         coord = cluster.coordinator()
@@ -167,22 +167,22 @@ def _cluster_run(quick: bool) -> dict[str, Any]:
             time.sleep(0.1)
         final = coord.status()
         scraped = _scrape(coord.metrics_port)
+        assert cluster.workdir is not None
+        faults = [json.loads(p.read_text()) for p in cluster.workdir.glob("fault-*.json")]
+        installed = _plan_installed_unix(coord.log_path)
+        error = _incomplete(first_plan, final, faults, installed, clock.finished(steps), roles,
+                            steps)
+        if error:
+            return {"error": f"{error}; logs in {cluster.workdir}"}
+        results = [r.result() for r in cluster.ranks]
+        # Keep the logs of a last step that did not commit.
+        keep = final.latest_committed_step < steps
+        out = _figures(spec, clock, first_plan, final, faults[0], installed, results, scraped)
+        return {**out, "logs": str(cluster.workdir)} if keep else out
     except ClusterError as exc:
-        cluster.close(keep_workdir=True)
         return {"error": f"{exc}; logs in {cluster.workdir}"}
-    assert cluster.workdir is not None
-    faults = [json.loads(p.read_text()) for p in cluster.workdir.glob("fault-*.json")]
-    installed = _plan_installed_unix(coord.log_path)
-    error = _incomplete(first_plan, final, faults, installed, clock.finished(steps), roles,
-                        steps)
-    if error:
-        cluster.close(keep_workdir=True)
-        return {"error": f"{error}; logs in {cluster.workdir}"}
-    results = [r.result() for r in cluster.ranks]
-    stalled = final.latest_committed_step < steps  # keep the logs of a commit that stalled
-    cluster.close(keep_workdir=stalled)
-    out = _figures(spec, clock, first_plan, final, faults[0], installed, results, scraped)
-    return {**out, "logs": str(cluster.workdir)} if stalled else out
+    finally:
+        cluster.close(keep_workdir=keep)
 
 
 def _plan_installed_unix(log_path: Path | None) -> float | None:
@@ -273,6 +273,7 @@ def _figures(spec: dict[str, Any], clock: _StepClock, first_plan: Any, final: An
         "steps_per_s_before": round(rate_before, 3), "steps_per_s_after": round(rate_after, 3),
         "steps_per_s_predicted_after": round(predicted, 3),
         "predicted_speed_ratio": round(again.speed_ratio, 4),
+        "measured_speed_ratio": round(rate_after / rate_before, 4),
         "steps_timed": {"before": n_before, "after": n_after},
         "planner_s": round(planner_s, 6),
         "planner_matches_coordinator": again.plan.layout.stages == new.layout.stages,
