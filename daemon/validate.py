@@ -221,6 +221,11 @@ def _peer_info(r: peer_pb2.PeerInfo) -> None:
 def _announce(r: peer_pb2.RankAnnouncement) -> None:
     text(r.node, "node", MAX_NAME)
     rank_id(r.rank_id)
+    # The coordinator keys ranks by id: an id must name its daemon, "<node>/<pid>".
+    node, _, pid = r.rank_id.rpartition("/")
+    if not r.node or node != r.node or not pid.isdigit():
+        _fail(f"rank_id {r.rank_id!r} must be '<node>/<pid>' of the announcing node "
+              f"{r.node!r}")
     in_range(r.rank, -1, MAX_WORLD, "rank")
     in_range(r.world_size, 0, MAX_WORLD, "world_size")
     _layout(r.layout)

@@ -338,8 +338,13 @@ def test_the_manifest_parser_refuses_garbage_with_a_manifest_error(data: bytes) 
         return
 
 
-def test_fuzzing_calls_real_handlers(harness: Harness) -> None:
-    ok = harness.call("RankService", "Register",
-                      rank_pb2.RegisterRequest(pid=os.getpid(), rank=0, world_size=1))
-    bad = harness.call("RankService", "Register", rank_pb2.RegisterRequest(pid=-5))
+def test_fuzzing_calls_real_handlers(tmp_path: Path) -> None:
+    fresh = Harness(tmp_path)  # the module's harness holds whatever the fuzzing left
+    try:
+        with mock.patch("stalwart.daemon.job.os"):
+            ok = fresh.call("RankService", "Register",
+                            rank_pb2.RegisterRequest(pid=os.getpid(), rank=0, world_size=1))
+            bad = fresh.call("RankService", "Register", rank_pb2.RegisterRequest(pid=-5))
+    finally:
+        fresh.close()
     assert (ok, bad) == ("OK", "INVALID_ARGUMENT")
