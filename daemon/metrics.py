@@ -43,10 +43,6 @@ class Metrics:
             "stalwart_capture_stall_seconds",
             "Time a training step was blocked by a capture, per rank.",
             ["rank"], buckets=STALL_BUCKETS, registry=r)
-        self.captures_skipped = Counter(
-            "stalwart_captures_skipped_total",
-            "Captures skipped because encoding was behind (those steps do not commit).",
-            registry=r)
         self.captured_bytes = Counter(
             "stalwart_captured_bytes_total", "State bytes captured from ranks.", registry=r)
         self.stored_bytes = Counter(

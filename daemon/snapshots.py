@@ -39,7 +39,7 @@ from stalwart.v1 import manifest_pb2, peer_pb2, peer_pb2_grpc, rank_pb2
 log = logging.getLogger("stalwart.daemon.snapshots")
 
 PIECE_BYTES = 1 << 20       # restore stream message size
-MAX_BACKLOG = 3             # captures per rank waiting to be encoded before one is skipped
+MAX_BACKLOG = 3             # captures per rank copied but not yet encoded, at most
 PUSH_TIMEOUT_S = 10.0       # a repaired manifest sent to one peer
 DEFAULT_SLOT_BUDGET = 8 << 30  # bytes of shared memory for all ranks when ram_bytes is 0
 T = TypeVar("T")
@@ -85,6 +85,7 @@ class SnapshotPath:
         self._committed = asyncio.Condition()
         self._durable: dict[str, asyncio.Task[None]] = {}  # per rank: last durability task
         self._backlog: dict[str, int] = {}  # per rank: captures copied but not yet encoded
+        self._encoded = asyncio.Condition()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.repairer = repair.Repairer(
             node=self.node, store=self.store, metrics=metrics, live=self._live_nodes,
@@ -161,19 +162,17 @@ class SnapshotPath:
                                 f"holds {slot.size}")
         if request.step > 1:
             self.metrics.capture_stall.labels(request.rank_id).observe(request.stall_s)
-        backlog = self._backlog.get(request.rank_id, 0)
-        if backlog >= MAX_BACKLOG:
-            # Encoding is behind: skip this step rather than stall training. The step
-            # will not commit; the next one the daemon keeps up with will.
-            self.metrics.captures_skipped.inc()
-            return rank_pb2.CaptureReply(
-                accepted=False, message=f"daemon {self.node} is {backlog} captures behind; "
-                f"step {request.step} is not snapshotted")
+        # Backpressure, bounded memory: while encoding is MAX_BACKLOG captures behind,
+        # the slot is held (the rank blocks only if it needs it again). Skipping steps
+        # instead would need every rank to skip the same ones, or no step would commit.
+        async with self._encoded:
+            await self._encoded.wait_for(
+                lambda: self._backlog.get(request.rank_id, 0) < MAX_BACKLOG)
+            self._backlog[request.rank_id] = self._backlog.get(request.rank_id, 0) + 1
         # Copy out of the slot (memory speed) and hand it back at once; the encode
         # runs behind, so the rank's next capture finds the slot free.
         owned = await asyncio.to_thread(bytes, memoryview(slot.view)[:total])
         self.metrics.captured_bytes.inc(total)
-        self._backlog[request.rank_id] = backlog + 1
         previous = self._durable.get(request.rank_id)
         self._durable[request.rank_id] = asyncio.create_task(self._make_durable(
             previous, request, owned))
@@ -192,7 +191,7 @@ class SnapshotPath:
                 self.store.encode, step, request.coord.rank, owned, list(request.tensors),
                 coord=request.coord, extra=request.extra, node=self.node,
                 adamw=list(request.adamw))
-            self._backlog[request.rank_id] -= 1
+            await self._encode_done(request.rank_id)
             encoded = True
             state = await self._run(self.store.prepare, step, prepared)
             state = await self._protect(step, generation, state, prepared.payloads)
@@ -204,7 +203,12 @@ class SnapshotPath:
                           extra={"step": step, "rank": request.coord.rank})
         finally:
             if not encoded:
-                self._backlog[request.rank_id] -= 1
+                await self._encode_done(request.rank_id)
+
+    async def _encode_done(self, rank_id: str) -> None:
+        async with self._encoded:
+            self._backlog[rank_id] -= 1
+            self._encoded.notify_all()
 
     async def on_peer_lost(self, node: str) -> None:
         """A daemon is gone: the repair leader re-creates its shards on live daemons."""
