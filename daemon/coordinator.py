@@ -107,7 +107,7 @@ class Coordinator:
                 await self._maybe_form_first_plan()
             elif a.rank_id not in {m.rank_id for m in self.plan.members}:
                 spare = Member(a.rank_id, a.node)
-                if spare not in self.plan.spares:
+                if a.rank_id not in {s.rank_id for s in self.plan.spares}:
                     self.plan = PlanState(
                         generation=self.plan.generation, layout=self.plan.layout,
                         members=self.plan.members, spares=(*self.plan.spares, spare),

@@ -34,6 +34,7 @@ from stalwart.daemon.scrub import Scrubber
 from stalwart.daemon.shard_client import ShardClient
 from stalwart.daemon.shard_reader import BeyondToleranceError, ShardReader
 from stalwart.daemon.slots import FdServer, SlotError, SlotPool
+from stalwart.daemon.tls import aio_channel, client_credentials
 from stalwart.v1 import manifest_pb2, peer_pb2, peer_pb2_grpc, rank_pb2
 
 log = logging.getLogger("stalwart.daemon.snapshots")
@@ -221,6 +222,8 @@ class SnapshotPath:
         c = self._clients.get(peer.node)
         if c is None or c.address != peer.address:
             c = self._clients[peer.node] = ShardClient(peer.address, job_id=self.config.job_id,
+                                                       credentials=client_credentials(
+                                                           self.config.tls),
                                                        metrics=self.metrics)
         return c
 
@@ -346,7 +349,7 @@ class SnapshotPath:
                 continue
             ch = self._push_channels.get(p.address)
             if ch is None:
-                ch = self._push_channels[p.address] = grpc.aio.insecure_channel(p.address)
+                ch = self._push_channels[p.address] = aio_channel(p.address, self.config.tls)
             try:
                 await peer_pb2_grpc.PeerServiceStub(ch).CommitStep(request,
                                                                    timeout=PUSH_TIMEOUT_S)

@@ -42,9 +42,13 @@ def _target(args: argparse.Namespace) -> str:
 def _ask(target: str, timeout_s: float) -> Any:
     import grpc
 
+    from stalwart.client.daemon_client import tls_credentials
     from stalwart.v1 import operator_pb2, operator_pb2_grpc
 
-    with grpc.insecure_channel(target) as channel:
+    creds = None if target.startswith("unix:") else tls_credentials()
+    channel = (grpc.secure_channel(target, creds) if creds is not None
+               else grpc.insecure_channel(target))
+    with channel:
         stub = operator_pb2_grpc.OperatorServiceStub(channel)
         return stub.Status(operator_pb2.StatusRequest(), timeout=timeout_s)
 
