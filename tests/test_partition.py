@@ -34,7 +34,9 @@ def moved(split, owners) -> int:
     return sum(1 for j, (a, e) in enumerate(split) for i in range(a, e + 1) if owners[i] != j)
 
 
-cost = st.one_of(st.integers(0, 20).map(float), st.floats(0, 50, allow_nan=False))
+# Subnormal costs (below 2.2e-308) defeat the relative rounding slack; no layer costs that.
+cost = st.one_of(st.integers(0, 20).map(float),
+                 st.floats(0, 50, allow_nan=False, allow_subnormal=False))
 
 
 @st.composite
