@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from stalwart.client.local_cluster import StepLog
 from stalwart.core.decide import Coord, Layout, Member, PlanState
 from stalwart.core.partition import partition
 from stalwart.core.shrink import ElasticConfig, plan_shrink
@@ -107,38 +108,12 @@ def _spec(quick: bool) -> dict[str, Any]:
     return spec
 
 
-class _StepClock:
-    """When each rank's `[step] N` lines appeared (unix seconds), read as they are printed."""
-
-    def __init__(self) -> None:
-        self.offsets: dict[Path, int] = {}
-        self.seen: dict[Path, list[tuple[int, float]]] = {}
-
-    def poll(self, paths: list[Path]) -> None:
-        now = time.time()
-        for path in paths:
-            if not path.exists():
-                continue
-            with open(path, "rb") as f:
-                f.seek(self.offsets.get(path, 0))
-                chunk = f.read()
-            cut = chunk.rfind(b"\n") + 1
-            self.offsets[path] = self.offsets.get(path, 0) + cut
-            for line in chunk[:cut].decode("utf-8", "replace").splitlines():
-                if line.startswith("[step] "):
-                    self.seen.setdefault(path, []).append((int(line.split()[1]), now))
-
-    def finished(self, steps: int) -> int:
-        """Ranks that printed the last step."""
-        return sum(any(s == steps for s, _ in seen) for seen in self.seen.values())
-
-
 def _cluster_run(quick: bool) -> dict[str, Any]:
     """Train (1,4,1) without a spare, kill one stage's rank, and time the shrink."""
     from stalwart.client.local_cluster import ClusterError, LocalCluster
 
     spec = _spec(quick)
-    steps, clock = spec["steps"], _StepClock()
+    steps, clock = spec["steps"], StepLog()
     cluster = LocalCluster(nodes=2, metrics=True, daemon_settings={"elastic": {"shrink": True}})
     cluster.env["STALWART_FAULT_LOG"] = str(cluster.workdir)
     first_plan, roles, next_status, keep = None, 3, 0.0, True
@@ -224,7 +199,7 @@ def _scrape(port: int) -> dict[str, float]:
     return out
 
 
-def _step_times(clock: _StepClock, since: float, until: float) -> dict[int, float]:
+def _step_times(clock: StepLog, since: float, until: float) -> dict[int, float]:
     """step -> when every rank that printed it in (since, until] had printed it."""
     out: dict[int, float] = {}
     for seen in clock.seen.values():
@@ -242,7 +217,7 @@ def _rate(times: dict[int, float], skip: int) -> tuple[float, int]:
     return (steps[-1] - steps[0]) / (times[steps[-1]] - times[steps[0]]), len(steps)
 
 
-def _figures(spec: dict[str, Any], clock: _StepClock, first_plan: Any, final: Any,
+def _figures(spec: dict[str, Any], clock: StepLog, first_plan: Any, final: Any,
              fault: dict[str, Any], installed: float, results: list,
              scraped: dict[str, float]) -> dict[str, Any]:
     # The old pipeline is stuck from the kill on: every step line after the plan's

@@ -20,6 +20,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from stalwart.client.local_cluster import StepLog
+
 MODEL = "tiny"
 TRAIN = {"global_batch": 8, "seed": 0}
 LAYOUT = {"dp": 2, "pp": 2, "tp": 1, "schedule": "1f1b", "microbatches": 2}
@@ -79,9 +81,8 @@ class _Watch:
 
     failures: dict[tuple[str, int], float] = field(default_factory=dict)
     committed: list[tuple[float, int]] = field(default_factory=list)
-    step_first_seen: dict[int, float] = field(default_factory=dict)
+    log: StepLog = field(default_factory=StepLog)
     step_times: list[float] = field(default_factory=list)
-    offsets: dict[Path, int] = field(default_factory=dict)
 
     def poll(self, cluster: Any) -> None:
         now = time.time()
@@ -95,20 +96,8 @@ class _Watch:
                 self.failures[key] = min(self.failures.get(key, t), t)
             self.committed.append((now, st.latest_committed_step))
             self.step_times += [r.step_time_s for r in st.ranks if r.step_time_s > 0]
-        for r in cluster.ranks:
-            self._follow(r.log_path, now)
+        self.log.poll([r.log_path for r in cluster.ranks])
 
-    def _follow(self, path: Path, now: float) -> None:
-        if not path.exists():
-            return
-        with open(path, "rb") as f:
-            f.seek(self.offsets.get(path, 0))
-            chunk = f.read()
-        cut = chunk.rfind(b"\n") + 1
-        self.offsets[path] = self.offsets.get(path, 0) + cut
-        for line in chunk[:cut].decode("utf-8", "replace").splitlines():
-            if line.startswith("[step] "):
-                self.step_first_seen.setdefault(int(line.split()[1]), now)
 
 
 def _our_trial(index: int, workdir: Path) -> dict[str, Any]:
@@ -177,7 +166,7 @@ def _our_recovery(index: int, victim: int, workdir: Path, watch: _Watch,
     resume = recs[0]["resume_step"]
     committed_before = max((s for t, s in watch.committed if t <= planned), default=0)
     detected = max(detected, fault_t)
-    caught_up = watch.step_first_seen.get(fault_step + 1)
+    caught_up = watch.log.first_seen(fault_step + 1)
     return {"victim_rank": victim, "fault_step": fault_step, "resume_step": resume,
             "generations_used": len([g for g in by_gen if g > 1]),
             "mttr_s": first - fault_t, "detect_s": detected - fault_t,

@@ -74,28 +74,6 @@ def _say(t0: float, text: str) -> None:
     print(f"[{time.monotonic() - t0:7.2f}s] {text}", flush=True)
 
 
-class _Follower:
-    """Reads the `[step] N loss L` lines the ranks print."""
-
-    def __init__(self) -> None:
-        self.offsets: dict[Path, int] = {}
-        self.losses: dict[int, float] = {}
-
-    def poll(self, paths: list[Path]) -> None:
-        for path in paths:
-            if not path.exists():
-                continue
-            with open(path, "rb") as f:
-                f.seek(self.offsets.get(path, 0))
-                chunk = f.read()
-            cut = chunk.rfind(b"\n") + 1
-            self.offsets[path] = self.offsets.get(path, 0) + cut
-            for line in chunk[:cut].decode("utf-8", "replace").splitlines():
-                if line.startswith("[step] "):
-                    _, step, _, loss = line.split()
-                    self.losses[int(step)] = float(loss)
-
-
 def run(args: argparse.Namespace) -> int:
     from stalwart.client.local_cluster import ClusterError, LocalCluster
 
@@ -146,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _watch(cluster: Any, args: argparse.Namespace, t0: float,
            faults: list[dict[str, Any]]) -> dict[str, Any]:
-    follow = _Follower()
+    from stalwart.client.local_cluster import StepLog
+
+    follow = StepLog()
     seen_failures: set[tuple[str, int]] = set()
     generation, committed, shown_step = 0, 0, 0
     committed_at: list[tuple[float, int]] = []  # (unix time, latest committed step)
@@ -214,7 +194,7 @@ def _kind(code: int) -> str:
 
 
 def _summarise(cluster: Any, args: argparse.Namespace, faults: list[dict[str, Any]],
-               follow: _Follower, plans: list[dict[str, Any]],
+               follow: Any, plans: list[dict[str, Any]],
                committed_at: list[tuple[float, int]], elapsed: float) -> dict[str, Any]:
     from stalwart.client.trainer import param_digest
 
@@ -262,9 +242,8 @@ def _print_summary(s: dict[str, Any]) -> None:
     losses = s["losses"]
     if losses:
         every = max(1, len(losses) // 8)
-        print("loss: " + "  ".join(f"{i + 1}:{losses[i]:.3f}"
-                                   for i in range(0, len(losses), every)) +
-              f"  {len(losses)}:{losses[-1]:.3f}")
+        shown = sorted({*range(0, len(losses), every), len(losses) - 1})
+        print("loss: " + "  ".join(f"{i + 1}:{losses[i]:.3f}" for i in shown))
     for r in s["recoveries"]:
         print(f"recovery from {r['kind']} after step {r['fault_step']}: resumed at committed "
               f"step {r['resume_step']} (lost {r['lost_steps']}, redone {r['redone_steps']}); "

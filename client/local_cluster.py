@@ -47,6 +47,43 @@ def wait_until(check: Callable[[], T], timeout_s: float, what: str, every_s: flo
         time.sleep(every_s)
 
 
+class StepLog:
+    """Follows the `[step] N loss L` lines rank processes print, as they are printed.
+
+    `losses`: step -> global loss; `seen`: log -> [(step, unix time first read)].
+    """
+
+    def __init__(self) -> None:
+        self.offsets: dict[Path, int] = {}
+        self.losses: dict[int, float] = {}
+        self.seen: dict[Path, list[tuple[int, float]]] = {}
+
+    def poll(self, paths: list[Path]) -> None:
+        now = time.time()
+        for path in paths:
+            if not path.exists():
+                continue
+            with open(path, "rb") as f:
+                f.seek(self.offsets.get(path, 0))
+                chunk = f.read()
+            cut = chunk.rfind(b"\n") + 1
+            self.offsets[path] = self.offsets.get(path, 0) + cut
+            for line in chunk[:cut].decode("utf-8", "replace").splitlines():
+                if line.startswith("[step] "):
+                    _, step, _, loss = line.split()
+                    self.losses[int(step)] = float(loss)
+                    self.seen.setdefault(path, []).append((int(step), now))
+
+    def first_seen(self, step: int) -> float | None:
+        """When any rank first printed `step` (unix seconds)."""
+        times = [t for seen in self.seen.values() for s, t in seen if s == step]
+        return min(times) if times else None
+
+    def finished(self, steps: int) -> int:
+        """Logs that printed the last step."""
+        return sum(any(s == steps for s, _ in seen) for seen in self.seen.values())
+
+
 @dataclass
 class Node:
     name: str
@@ -133,7 +170,7 @@ class LocalCluster:
                "peers": peers, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0,
                **self.daemon_settings}
         config_path = node.data_dir / "stalwart.toml"
-        config_path.write_text(_toml(cfg))
+        config_path.write_text(to_toml(cfg))
         node.log_path = node.data_dir / "daemon.log"
         # Writing a spec such as "xid:79@1" here makes the daemon's GPU monitor see it.
         inject = {"STALWART_NVML_INJECT": str(node.data_dir / "nvml-inject")}
@@ -244,7 +281,8 @@ class LocalCluster:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def _toml(settings: dict[str, Any]) -> str:
+def to_toml(settings: dict[str, Any]) -> str:
+    """A TOML document from {key: value, section: {key: value}} (enough for daemon configs)."""
     def value(v: Any) -> str:
         if isinstance(v, bool):
             return "true" if v else "false"

@@ -9,11 +9,9 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -24,6 +22,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from stalwart.client.local_cluster import ClusterError, free_port, to_toml, wait_until
 from stalwart.v1 import operator_pb2, operator_pb2_grpc
 
 T = TypeVar("T")
@@ -31,43 +30,13 @@ START_TIMEOUT_S = 20.0  # generous: other helpers' tests load the same 2 cores
 STOP_TIMEOUT_S = 10.0
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_for(check: Callable[[], T], timeout_s: float, what: str,
              every_s: float = 0.05) -> T:
     """Poll `check` until it returns something truthy; fail naming `what` after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(every_s)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def to_toml(settings: Mapping[str, Any]) -> str:
-    """A TOML document from {key: value, section: {key: value}} (enough for daemon configs)."""
-    top = [f"{k} = {_toml_value(v)}" for k, v in settings.items() if not isinstance(v, dict)]
-    for name, table in settings.items():
-        if isinstance(table, dict):
-            top += ["", f"[{name}]", *(f"{k} = {_toml_value(v)}" for k, v in table.items())]
-    return "\n".join(top) + "\n"
+    try:
+        return wait_until(check, timeout_s, what, every_s)
+    except ClusterError as e:
+        raise AssertionError(str(e)) from None
 
 
 @dataclass
