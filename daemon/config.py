@@ -97,6 +97,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "retain": Key("int", 5, _at_least(1)),
         "chunk_bytes": Key("int", 4 * 1024 * 1024, _at_least(4096)),
         "ram_bytes": Key("int", 0, _at_least(0), "bytes, 0 = no limit"),
+        "disk_quota_bytes": Key("int", 0, _at_least(0), "bytes, 0 = no limit"),
     },
     "s3": {
         "endpoint": Key("str", ""),
@@ -142,6 +143,8 @@ class SnapshotConfig:
     chunk_bytes: int = 4 * 1024 * 1024
     ram_bytes: int = 0
     """Budget for in-memory snapshots (bytes), 0 = no limit."""
+    disk_quota_bytes: int = 0
+    """Most bytes the local tier (snapshots and peers' shards) may hold, 0 = no limit."""
 
 
 @dataclass(frozen=True)

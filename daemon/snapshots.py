@@ -56,6 +56,39 @@ class Peer:
 PrepareSender = Callable[[peer_pb2.PrepareStepRequest], Awaitable[None]]
 
 
+class QuotaExceeded(RuntimeError):
+    """The local tier would hold more than [snapshot] disk_quota_bytes."""
+
+
+class DiskQuota:
+    """Bytes under the local tier's folders against a quota; re-measured every few
+    seconds (a walk of the folders), with the bytes reserved since then added."""
+
+    def __init__(self, roots: list[Path], limit: int, every_s: float = 5.0) -> None:
+        self.roots, self.limit, self.every_s = roots, limit, every_s
+        self._used, self._at = 0, float("-inf")
+
+    def used(self) -> int:
+        if time.monotonic() - self._at > self.every_s:
+            self._used = sum(f.stat().st_size for root in self.roots if root.exists()
+                             for f in root.rglob("*") if f.is_file())
+            self._at = time.monotonic()
+        return self._used
+
+    def reserve(self, nbytes: int) -> None:
+        """Account for `nbytes` about to be written, or raise QuotaExceeded."""
+        if not self.limit:
+            return
+        used = self.used()
+        if used + nbytes > self.limit:
+            raise QuotaExceeded(
+                f"local tier quota exceeded: {used} bytes used + {nbytes} for this step > "
+                f"[snapshot] disk_quota_bytes = {self.limit}; the step is not made durable "
+                "(the last committed step stays restorable). Raise the quota or lower "
+                "[snapshot] retain.")
+        self._used += nbytes
+
+
 class SnapshotPath:
     """Snapshot handlers and stores of one daemon."""
 
@@ -87,6 +120,8 @@ class SnapshotPath:
         self._durable: dict[str, asyncio.Task[None]] = {}  # per rank: last durability task
         self._backlog: dict[str, int] = {}  # per rank: captures copied but not yet encoded
         self._encoded = asyncio.Condition()
+        self.quota = DiskQuota([data_dir / "snapshots", data_dir / "shards"],
+                               config.snapshot.disk_quota_bytes)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.repairer = repair.Repairer(
             node=self.node, store=self.store, metrics=metrics, live=self._live_nodes,
@@ -194,6 +229,7 @@ class SnapshotPath:
                 adamw=list(request.adamw))
             await self._encode_done(request.rank_id)
             encoded = True
+            self.quota.reserve(sum(len(p) for p in prepared.payloads))
             state = await self._run(self.store.prepare, step, prepared)
             state = await self._protect(step, generation, state, prepared.payloads)
             await self.send_prepare(peer_pb2.PrepareStepRequest(
