@@ -32,7 +32,9 @@ from stalwart.v1 import rank_pb2, rank_pb2_grpc
 sys.path.insert(0, str(ROOT / "scripts"))
 from demo_dashboard import SMALLEST, roles_done, start_prometheus, stop, tiny_spec  # noqa: E402
 
-STEPS, KILL_STEP, WORLD = 10, 4, 4
+# Enough steps after the kill that every rank heartbeats a step time before it leaves
+# (a leaving rank's series are dropped), even when recovery takes well under a second.
+STEPS, KILL_STEP, WORLD = 30, 4, 4
 RUN_DEADLINE_S = 240.0
 QUERY_DEADLINE_S = 20.0
 WINDOW = "5s"  # rate windows: five 1 s scrapes
