@@ -82,6 +82,7 @@ class Coordinator:
     generations: dict[int, int] = field(default_factory=dict)
     recoveries: list[RecoveryRecord] = field(default_factory=list)
     _in_flight: PlanDecision | None = None
+    _joined: set[str] = field(default_factory=set)  # ranks that came after the last plan
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _committing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -94,7 +95,12 @@ class Coordinator:
         are lost, so those steps are skipped rather than waited for.
         """
         if self.plan is None and installed.assignments and not installed.stop:
-            self.plan = PlanState.from_proto(installed)
+            try:
+                self.plan = PlanState.from_proto(installed)
+            except ValueError as exc:
+                log.error("cannot take over: the installed plan is inconsistent (%s); "
+                          "waiting for ranks to register", exc)
+                return
             log.warning("took over as coordinator", extra={"generation": installed.generation})
 
     async def announce(self, a: peer_pb2.RankAnnouncement) -> None:
@@ -108,6 +114,7 @@ class Coordinator:
             elif a.rank_id not in {m.rank_id for m in self.plan.members}:
                 spare = Member(a.rank_id, a.node)
                 if a.rank_id not in {s.rank_id for s in self.plan.spares}:
+                    self._joined.add(a.rank_id)
                     self.plan = PlanState(
                         generation=self.plan.generation, layout=self.plan.layout,
                         members=self.plan.members, spares=(*self.plan.spares, spare),
@@ -139,12 +146,14 @@ class Coordinator:
         """A rank joined: widen a shrunk plan when the predicted gain is worth the pause."""
         assert self.plan is not None
         config = self._elastic_config()
-        if (config is None or self._in_flight is not None or not self.plan.spares
+        # Only capacity that came back counts: ranks a shrink left idle were weighed then.
+        if (config is None or self._in_flight is not None or not self._joined
                 or self.plan.layout.world_size >= self.original_world):
             return
         threshold = self.elastic.grow_threshold if self.elastic else 0.1
         committed = self.latest_committed() or 0
         grown = GrowPolicy(config, threshold)(self.plan, committed)
+        self._joined.clear()  # weighed now; the next joiner triggers another look
         if grown is None:
             return
         previous = self.plan
@@ -274,7 +283,7 @@ class Coordinator:
         self.layouts[req.step] = req.layout
         self.generations[req.step] = req.generation
         await self._commit_ready()
-        if self.plan is not None and self.plan.spares and self._in_flight is None:
+        if self.plan is not None and self._joined and self._in_flight is None:
             async with self._lock:  # a joiner that came during a recovery
                 await self._maybe_grow()
 
