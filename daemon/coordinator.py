@@ -83,16 +83,18 @@ class Coordinator:
     recoveries: list[RecoveryRecord] = field(default_factory=list)
     _in_flight: PlanDecision | None = None
     _joined: set[str] = field(default_factory=set)  # ranks that came after the last plan
+    took_over_at: float = float("-inf")  # monotonic time this daemon became coordinator
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _committing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     # membership ---------------------------------------------------------------
 
-    def take_over(self, installed: common_pb2.Plan) -> None:
+    def take_over(self, installed: common_pb2.Plan) -> bool:
         """This daemon became coordinator: continue from the plan every daemon installed.
 
         Spares are re-announced by their daemons; prepares sent to the old coordinator
-        are lost, so those steps are skipped rather than waited for.
+        are lost, so those steps are skipped rather than waited for. True when this call
+        took over.
         """
         if self.plan is None and installed.assignments and not installed.stop:
             try:
@@ -100,8 +102,11 @@ class Coordinator:
             except ValueError as exc:
                 log.error("cannot take over: the installed plan is inconsistent (%s); "
                           "waiting for ranks to register", exc)
-                return
+                return False
             log.warning("took over as coordinator", extra={"generation": installed.generation})
+            self.took_over_at = time.monotonic()
+            return True
+        return False
 
     async def announce(self, a: peer_pb2.RankAnnouncement) -> None:
         """A rank registered with some daemon: form the first plan once the world is here."""

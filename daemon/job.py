@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -230,6 +231,11 @@ class Job:
     async def _handle(self, failures: list[Failure]) -> None:
         if self.is_coordinator():
             self.coordinator.take_over(self.registry.current_plan())
+            # A new coordinator knows only the installed plan: give the other daemons a
+            # few heartbeats to re-announce their spares before deciding.
+            settle = self.coordinator.took_over_at + 3 * self.config.heartbeat_interval_s
+            if (wait := settle - time.monotonic()) > 0:
+                await asyncio.sleep(wait)
             await self.coordinator.on_failures(failures)
             return
         for i, f in enumerate(failures):
