@@ -300,8 +300,7 @@ class Coordinator:
                     del self.pending[step]
                     continue
                 lay = self.layouts[step]
-                world = max(1, lay.dp) * max(1, lay.pp) * max(1, lay.tp)
-                if len(self.pending[step]) < world:
+                if len(self.pending[step]) < _world(lay):
                     if self._complete_after(step):
                         # Every rank prepares in step order, so a complete later step means
                         # this one's missing prepares are lost (they went to a coordinator
@@ -342,14 +341,18 @@ class Coordinator:
     def _complete_after(self, step: int) -> bool:
         for s, ranks in self.pending.items():
             lay = self.layouts.get(s)
-            if s > step and lay is not None and len(ranks) >= (
-                    max(1, lay.dp) * max(1, lay.pp) * max(1, lay.tp)):
+            if s > step and lay is not None and len(ranks) >= _world(lay):
                 return True
         return False
 
 
 class StaleStep(RuntimeError):
     """A prepare from an older generation arrived after a re-plan."""
+
+
+def _world(lay: common_pb2.ParallelLayout) -> int:
+    """Ranks that must prepare a step captured in `lay`."""
+    return max(1, lay.dp) * max(1, lay.pp) * max(1, lay.tp)
 
 
 def _coord(rank: int, layout: Layout) -> Coord:

@@ -147,7 +147,9 @@ class LocalStore:
         layout = b"".join(t.SerializeToString(deterministic=True) for t in tensors)
         ref = self._refs.get(rank)
         # An owned copy: the next delta applies to it, and capture slots get reused.
-        buf = np.frombuffer(data, dtype=np.uint8).copy()
+        buf = np.frombuffer(data, dtype=np.uint8)
+        if not isinstance(data, bytes):  # immutable bytes are already the store's own
+            buf = buf.copy()
         fresh_base = (ref is None or ref.layout != layout or ref.buffer.size != buf.size
                       or step - ref.root >= self.base_every or ref.length >= self.max_chain
                       or ref.delta_bytes > ref.base_bytes or ref.step >= step)

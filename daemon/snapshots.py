@@ -216,31 +216,34 @@ class SnapshotPath:
 
     async def _make_durable(self, previous: asyncio.Task[None] | None,
                             request: rank_pb2.CaptureRequest, owned: bytes) -> None:
-        step, generation, layout = request.step, request.generation, request.layout
-        encoded = False
+        step, generation = request.step, request.generation
         if previous is not None:
             await asyncio.gather(previous, return_exceptions=True)  # keep step order
         try:
-            if generation < self.registry.generation:
+            prepared = await self._encode(request, owned)
+            if prepared is None:
                 return  # the job moved on while this capture waited; it will not commit
-            prepared = await self._run(
-                self.store.encode, step, request.coord.rank, owned, list(request.tensors),
-                coord=request.coord, extra=request.extra, node=self.node,
-                adamw=list(request.adamw))
-            await self._encode_done(request.rank_id)
-            encoded = True
             self.quota.reserve(sum(len(p) for p in prepared.payloads))
             state = await self._run(self.store.prepare, step, prepared)
             state = await self._protect(step, generation, state, prepared.payloads)
             await self.send_prepare(peer_pb2.PrepareStepRequest(
                 job_id=self.config.job_id, step=step, generation=generation, node=self.node,
-                ranks=[state], layout=layout))
+                ranks=[state], layout=request.layout))
         except Exception:
             log.exception("step could not be made durable; it will not commit",
                           extra={"step": step, "rank": request.coord.rank})
+
+    async def _encode(self, request: rank_pb2.CaptureRequest, owned: bytes) -> Any:
+        """Delta-encode one capture (None if its generation is over); frees its backlog."""
+        try:
+            if request.generation < self.registry.generation:
+                return None
+            return await self._run(
+                self.store.encode, request.step, request.coord.rank, owned,
+                list(request.tensors), coord=request.coord, extra=request.extra,
+                node=self.node, adamw=list(request.adamw))
         finally:
-            if not encoded:
-                await self._encode_done(request.rank_id)
+            await self._encode_done(request.rank_id)
 
     async def _encode_done(self, rank_id: str) -> None:
         async with self._encoded:
