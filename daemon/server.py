@@ -279,6 +279,11 @@ def _bind(server: grpc.aio.Server, target: str, key: str,
 async def serve(config: DaemonConfig) -> int:
     """Run a daemon until SIGTERM or SIGINT; returns the process exit code."""
     begun = time.monotonic()
+    # Handlers first: a SIGTERM that lands while the daemon starts still stops it cleanly.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     daemon = Daemon(config)
     try:
         await daemon.start()
@@ -290,10 +295,6 @@ async def serve(config: DaemonConfig) -> int:
         "node": config.node, "address": daemon.address, "unix_socket": str(daemon.unix_socket),
         "metrics_port": config.metrics_port, "peers": list(config.peers),
         "startup_s": round(time.monotonic() - begun, 3)})
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("daemon stopping", extra={"grace_s": GRACE_S})
     await daemon.stop()
