@@ -13,7 +13,7 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 __all__ = ["Election", "EtcdElection", "FixedCoordinator"]
@@ -107,6 +107,36 @@ class EtcdElection:
                                     timeout=self.ttl_s)
         self._lease: Any = None
         self._task: asyncio.Task | None = None
+        self._abandoned: set[asyncio.Task] = set()
+
+    async def _bounded(self, call: Awaitable[Any], timeout_s: float | None = None) -> Any:
+        """Await one etcd call for at most `timeout_s` (default: two lease times).
+
+        asyncio.wait_for is not enough: on timeout or cancellation it waits for the call
+        to finish unwinding, and a cancelled aetcd stream (lease keep-alive, watch) can
+        take forever to do that under load. A call that overruns is cancelled and left
+        to unwind in the background; the caller goes on at once.
+        """
+        task = asyncio.ensure_future(call)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout_s or 2.0 * self.ttl_s)
+        except asyncio.CancelledError:
+            self._abandon(task)
+            raise
+        if not done:
+            self._abandon(task)
+            raise TimeoutError(f"etcd did not answer within {timeout_s or 2.0 * self.ttl_s:.1f} s")
+        return task.result()
+
+    def _abandon(self, task: asyncio.Task) -> None:
+        task.cancel()
+        self._abandoned.add(task)
+        task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task) -> None:
+        self._abandoned.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved, so asyncio does not log it as unhandled
 
     async def start(self) -> None:
         """Begin campaigning in the background; returns at once."""
@@ -116,19 +146,20 @@ class EtcdElection:
         """Stop campaigning; a leader resigns (revokes its lease) so another takes over now."""
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # Bounded: the campaign's own etcd calls are, but do not trust that with a stop.
+            await asyncio.wait({self._task}, timeout=2.0 * self.ttl_s)
         if self._lease is not None:
             with contextlib.suppress(Exception):
-                await self._lease.revoke()
+                await self._bounded(self._lease.revoke())
         if self.is_leader:
             self.is_leader = False
             await _call(self.on_lost, "resigned")
-        await self._client.close()
+        with contextlib.suppress(Exception):
+            await self._bounded(self._client.close())
 
     async def leader(self) -> str | None:
         """The current leader's name, or None while the seat is empty."""
-        got = await self._client.get(self.key)
+        got = await self._bounded(self._client.get(self.key))
         return got.value.decode() if got is not None else None
 
     async def write(self, name: str, value: bytes) -> bool:
@@ -138,16 +169,16 @@ class EtcdElection:
         if not self.is_leader:
             return False
         c = self._client
-        ok, _ = await c.transaction(
+        ok, _ = await self._bounded(c.transaction(
             compare=[c.transactions.create(self.key) == self.term],
             success=[c.transactions.put(self._state_key(name), value)],
             failure=[],
-        )
+        ))
         return ok
 
     async def read(self, name: str) -> bytes | None:
         """Coordinator state stored under `name` by any leader, or None."""
-        got = await self._client.get(self._state_key(name))
+        got = await self._bounded(self._client.get(self._state_key(name)))
         return got.value if got is not None else None
 
     def _state_key(self, name: str) -> bytes:
@@ -177,16 +208,16 @@ class EtcdElection:
 
     async def _try_acquire(self) -> bool:
         c = self._client
-        self._lease = await c.lease(self.ttl_s)
-        ok, responses = await c.transaction(
+        self._lease = await self._bounded(c.lease(self.ttl_s))
+        ok, responses = await self._bounded(c.transaction(
             compare=[c.transactions.create(self.key) == 0],
             success=[c.transactions.put(self.key, self.candidate.encode(), lease=self._lease)],
             failure=[],
-        )
+        ))
         if ok:
             self.term = responses[0].response_put.header.revision
             return True
-        await self._lease.revoke()
+        await self._bounded(self._lease.revoke())
         self._lease = None
         return False
 
@@ -197,9 +228,9 @@ class EtcdElection:
             await asyncio.sleep(self.ttl_s / 3)
             sent = time.monotonic()
             try:
-                reply = await asyncio.wait_for(
+                reply = await self._bounded(
                     self._client.refresh_lease(self._lease.id),
-                    timeout=max(0.1, self.ttl_s - (sent - last_ok)))
+                    max(0.1, self.ttl_s - (sent - last_ok)))
             except (TimeoutError, self._aetcd.ClientError) as exc:
                 if time.monotonic() - last_ok >= self.ttl_s:
                     return f"could not renew the lease within {self.ttl_s} s ({exc!r})"
@@ -210,10 +241,11 @@ class EtcdElection:
             last_ok = sent
 
     async def _wait_vacancy(self) -> None:
-        got = await self._client.get(self.key)
+        got = await self._bounded(self._client.get(self.key))
         if got is None:
             return
-        with contextlib.suppress(self._aetcd.WatchTimeoutError):
+        with contextlib.suppress(self._aetcd.WatchTimeoutError, TimeoutError):
             # From the revision after the one read, so a delete in between is not missed.
-            await self._client.watch_once(self.key, timeout=self.ttl_s * 2,
-                                          start_revision=got.header.revision + 1)
+            await self._bounded(self._client.watch_once(self.key, timeout=self.ttl_s * 2,
+                                                        start_revision=got.header.revision + 1),
+                                self.ttl_s * 3)
