@@ -13,16 +13,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-FAULT = re.compile(r"^(rank|node):(\d+)@step:(\d+)$")
+FAULT = re.compile(r"^(?:(rank|node):(\d+)|(coordinator))@step:(\d+)$")
 
 
 def _fault(kind: str):
     def parse(text: str) -> dict[str, Any]:
         m = FAULT.match(text)
-        if not m:
+        if not m or (m[3] and kind != "kill"):
             raise argparse.ArgumentTypeError(
-                f"{text!r}: write rank:R@step:S or node:N@step:S, e.g. rank:1@step:10")
-        return {"kind": kind, "target": m[1], "index": int(m[2]), "step": int(m[3])}
+                f"{text!r}: write rank:R@step:S or node:N@step:S (kill also takes "
+                "coordinator@step:S), e.g. rank:1@step:10")
+        if m[3]:  # resolved to a node once the daemons have chosen their coordinator
+            return {"kind": kind, "target": "coordinator", "index": -1, "step": int(m[4])}
+        return {"kind": kind, "target": m[1], "index": int(m[2]), "step": int(m[4])}
     return parse
 
 
@@ -43,7 +46,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--model-overrides", type=json.loads, default={},
       help='JSON of GPTConfig fields to change, e.g. \'{"d_model": 32, "n_layer": 2}\'')
     a("--kill", type=_fault("kill"), action="append", default=[],
-      help="SIGKILL rank R (or node N: its daemon and ranks) after step S; repeatable")
+      help="SIGKILL rank R (or node N: its daemon and ranks; or the node whose daemon "
+           "coordinates) after step S; repeatable")
     a("--hang", type=_fault("hang"), action="append", default=[],
       help="make rank R stop answering after step S; repeatable")
     a("--gpu-fault", type=_fault("gpu"), action="append", default=[],
@@ -57,6 +61,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--collective-timeout", type=float, default=10.0,
       help="seconds a collective may wait before it counts as a hang")
     a("--timeout", type=float, default=900.0, help="seconds for the whole demo")
+    a("--etcd", default="", metavar="HOST:PORT",
+      help="elect the coordinator through this etcd server (default: smallest node name)")
     a("--workdir", type=Path, default=None, help="keep logs and snapshots here")
     a("--json", dest="json_path", type=Path, default=None, help="write the summary here")
 
@@ -94,18 +100,28 @@ def run(args: argparse.Namespace) -> int:
         faults = [{"kind": "kill", "target": "rank", "index": min(1, world - 1),
                    "step": max(2, args.steps // 3)}]
     t0 = time.monotonic()
-    cluster = LocalCluster(nodes=args.nodes, workdir=args.workdir, daemon_settings={
-        "elastic": {"shrink": not args.no_shrink, "mem_cap_bytes": args.mem_cap}})
+    settings: dict[str, Any] = {
+        "elastic": {"shrink": not args.no_shrink, "mem_cap_bytes": args.mem_cap}}
+    if args.etcd:
+        settings["etcd"] = args.etcd
+    cluster = LocalCluster(nodes=args.nodes, workdir=args.workdir, daemon_settings=settings)
     cluster.env["STALWART_FAULT_LOG"] = str(cluster.workdir)
     print(f"Stalwart demo: {args.nodes} nodes, {world} ranks (dp={args.dp} pp={args.pp} "
           f"tp={args.tp}, {args.schedule}), {args.spares} spare(s), model {args.model}, "
           f"{args.steps} steps, snapshot every step")
     for f in faults:
-        print(f"  will {f['kind']} {f['target']} {f['index']} after step {f['step']}")
+        who = f["target"] if f["index"] < 0 else f"{f['target']} {f['index']}"
+        print(f"  will {f['kind']} {who} after step {f['step']}")
     print(f"  logs and snapshots: {cluster.workdir}")
     try:
         cluster.start_daemons()
-        _say(t0, f"{args.nodes} daemons up; coordinator {cluster.coordinator().name}")
+        coordinator = cluster.coordinator()
+        _say(t0, f"{args.nodes} daemons up; coordinator {coordinator.name}"
+                 + (f" (elected through etcd at {args.etcd})" if args.etcd else ""))
+        for f in faults:
+            if f["target"] == "coordinator":
+                f.update(target="node", index=coordinator.index)
+                _say(t0, f"  the coordinator fault will kill node {coordinator.index}")
         cluster.launch(_spec(args, faults), world, args.spares, args.ranks_per_node)
         _say(t0, f"{world} ranks and {args.spares} spare(s) launched")
         summary = _watch(cluster, args, t0, faults)
@@ -131,6 +147,7 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
     generation, committed, shown_step = 0, 0, 0
     committed_at: list[tuple[float, int]] = []  # (unix time, latest committed step)
     plans: list[dict[str, Any]] = []
+    coordinators: list[str] = []  # each daemon that coordinated, in order
     deadline = time.monotonic() + args.timeout
     roles = args.dp * args.pp * args.tp
     while cluster.running() and time.monotonic() < deadline:
@@ -148,6 +165,10 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
                     _say(t0, f"DETECTED {_kind(f.kind)} of {f.subject} by {st.node}: "
                              f"{f.evidence}")
         if coord is not None:
+            if not coordinators or coordinators[-1] != coord.node:
+                if coordinators:
+                    _say(t0, f"COORDINATOR is now {coord.node}")
+                coordinators.append(coord.node)
             lay = coord.plan.layout
             if lay.dp and not coord.plan.stop:
                 roles = lay.dp * lay.pp * max(1, lay.tp)
@@ -173,8 +194,13 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
                          f"committed {committed}  generation {generation}")
         time.sleep(0.25)
     follow.poll([r.log_path for r in cluster.ranks])
-    return _summarise(cluster, args, faults, follow, plans, committed_at,
-                      time.monotonic() - t0)
+    last = cluster.coordinator()  # a hand-over in the last poll interval counts too
+    if last is not None and (not coordinators or coordinators[-1] != last.name):
+        coordinators.append(last.name)
+    summary = _summarise(cluster, args, faults, follow, plans, committed_at,
+                         time.monotonic() - t0)
+    summary["coordinators"] = coordinators
+    return summary
 
 
 def _finished(cluster: Any, steps: int) -> int:

@@ -161,6 +161,8 @@ class LocalCluster:
                        f"daemon {node.name} to answer on {node.address}")
         if self.nodes > 1:
             wait_until(self._membership_agreed, timeout_s, "the daemons to see each other")
+        wait_until(lambda: self.coordinator() is not None, timeout_s,
+                   "a daemon to take the coordinator role")
 
     def _spawn_daemon(self, node: Node, peers: list[str]) -> None:
         node.metrics_port = free_port() if self.metrics else 0
@@ -188,8 +190,13 @@ class LocalCluster:
         return True
 
     def coordinator(self) -> Node | None:
-        live = [n for n in self.daemons if n.alive]
-        return min(live, key=lambda n: n.name) if live else None
+        """The live daemon that says it coordinates (elected through etcd, or by default
+        the smallest live node name); None when no live daemon says so."""
+        for node in self.daemons:
+            st = node.status() if node.alive else None
+            if st is not None and any(d.coordinator and d.node == st.node for d in st.daemons):
+                return node
+        return None
 
     def kill_daemon(self, node: Node) -> None:
         if node.proc is not None and node.proc.poll() is None:

@@ -53,6 +53,10 @@ def _host_port(v: str) -> str | None:
     return None
 
 
+def _optional_host_port(v: str) -> str | None:
+    return _host_port(v) if v else None
+
+
 def _host_ports(v: list[str]) -> str | None:
     for item in v:
         if _host_port(item):
@@ -80,6 +84,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "heartbeat_interval_s": Key("float", 1.0, _at_least(0.01)),
         "heartbeat_timeout_s": Key("float", 5.0, _at_least(0.02)),
         "token": Key("str", ""),
+        "etcd": Key("str", "", _optional_host_port,
+                    "HOST:PORT of etcd to elect the coordinator (default: the smallest "
+                    "live node name coordinates)"),
+        "etcd_lease_s": Key("int", 3, _at_least(2)),
     },
     "labels": {"rack": Key("str", ""), "zone": Key("str", "")},
     "erasure": {
@@ -183,6 +191,10 @@ class DaemonConfig:
     heartbeat_timeout_s: float = 5.0
     """A rank silent for this long (seconds) is declared dead."""
     token: str = ""
+    etcd: str = ""
+    """HOST:PORT of an etcd server: the coordinator is elected there (a lease of
+    `etcd_lease_s` seconds). Empty: the smallest live node name coordinates."""
+    etcd_lease_s: int = 3
     labels: Labels = field(default_factory=Labels)
     erasure: ErasureConfig = field(default_factory=ErasureConfig)
     elastic: ElasticSettings = field(default_factory=ElasticSettings)

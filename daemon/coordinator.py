@@ -43,6 +43,10 @@ class PeerLinks(Protocol):
     def nodes(self) -> list[str]:
         """Live daemons of the job, by node name."""
 
+    def is_coordinator(self) -> bool:
+        """Whether this daemon still holds the coordinator role (an elected seat can be
+        lost at any moment)."""
+
     async def install_plan(self, node: str, plan: common_pb2.Plan) -> None: ...
 
     async def commit_step(self, node: str, manifest: manifest_pb2.Manifest) -> None: ...
@@ -71,6 +75,7 @@ class Coordinator:
     links: PeerLinks
     latest_committed: Callable[[], int | None]
     shrink_planner: ShrinkPlanner | None = None
+    load_manifest: Callable[[int], manifest_pb2.Manifest] | None = None
     elastic: ElasticSettings | None = None
     profile: common_pb2.LayerProfile | None = None
     original_world: int = 0
@@ -196,13 +201,44 @@ class Coordinator:
 
     async def _install(self, plan: common_pb2.Plan) -> None:
         """Send a plan to every live daemon (this one included); log who refused."""
+        if not self.links.is_coordinator():
+            # Deposed while deciding (its etcd seat expired): the successor decides.
+            log.error("plan not installed: this daemon no longer coordinates",
+                      extra={"generation": plan.generation})
+            return
         nodes = self.links.nodes()
+        if plan.resume_step and not plan.stop:
+            await self._finish_commit(plan.resume_step, nodes)
         results = await asyncio.gather(*(self.links.install_plan(n, plan) for n in nodes),
                                        return_exceptions=True)
         for node, result in zip(nodes, results, strict=True):
             if isinstance(result, BaseException):
                 log.warning("plan not delivered", extra={"node": node, "error": str(result),
                                                          "generation": plan.generation})
+
+    async def _finish_commit(self, step: int, nodes: list[str]) -> None:
+        """Make sure every daemon holds the commit of the step the plan resumes from.
+
+        A coordinator that dies while sending phase two leaves the step committed on some
+        daemons only; its successor resumes from its own latest commit, which a rank on a
+        daemon that missed the message could not restore. Phase two is re-sent (a daemon
+        that has the step already acknowledges it unchanged).
+        """
+        if self.load_manifest is None:
+            return
+        try:
+            manifest = self.load_manifest(step)
+        except (FileNotFoundError, KeyError, ValueError) as exc:
+            log.error("cannot re-send the commit of the resume step",
+                      extra={"step": step, "error": str(exc)})
+            return
+        others = [n for n in nodes if n != self.node]
+        results = await asyncio.gather(*(self.links.commit_step(n, manifest) for n in others),
+                                       return_exceptions=True)
+        for node, result in zip(others, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("commit of the resume step not re-sent",
+                            extra={"node": node, "step": step, "error": str(result)})
 
     # failures -----------------------------------------------------------------
 

@@ -20,6 +20,7 @@ import grpc
 from stalwart.core.failures import Failure, FailureKind
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.coordinator import Coordinator, StaleStep
+from stalwart.daemon.election import EtcdElection
 from stalwart.daemon.membership import SUSPECT, UP, Membership
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.nvml import GpuHealthMonitor
@@ -47,6 +48,7 @@ class Job:
                                       self._send_prepare)
         self.coordinator = Coordinator(config.node, config.job_id, metrics, self,
                                        self.snapshots.store.latest_committed,
+                                       load_manifest=self.snapshots.store.load_manifest,
                                        elastic=config.elastic)
         self._failures: asyncio.Queue[Failure] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
@@ -57,19 +59,69 @@ class Job:
                                      generation=lambda: registry.generation,
                                      poll_interval_s=min(2.0, config.heartbeat_interval_s))
         registry.on_failure(self._on_failure)
+        self.election: EtcdElection | None = None
+        if config.etcd:
+            membership.elected = True
+            self.election = EtcdElection(config.node, endpoint=config.etcd,
+                                         job_id=config.job_id, ttl_s=config.etcd_lease_s,
+                                         on_elected=self._won_seat, on_lost=self._lost_seat)
 
     async def start(self) -> None:
         await self.snapshots.start()
         await self.gpus.start()
         self._tasks = [asyncio.create_task(self._decide_forever(), name="coordinator"),
                        asyncio.create_task(self._follow_coordinator(), name="follow")]
+        if self.election is not None:
+            await self.election.start()
+            self._tasks.append(asyncio.create_task(self._track_seat(), name="seat"))
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.election is not None:
+            await self.election.stop()  # a leader resigns: a successor need not wait
         await self.gpus.stop()
         await self.snapshots.stop()
+
+    # the etcd seat (when `etcd` is configured) ----------------------------------
+
+    def _won_seat(self, term: int) -> None:
+        log.warning("this daemon coordinates the job (etcd term %d)", term)
+        self.membership.seat = self.node
+
+    def _lost_seat(self, reason: str) -> None:
+        log.error("this daemon no longer coordinates: %s", reason)
+        if self.membership.seat == self.node:
+            self.membership.seat = ""
+
+    async def _track_seat(self) -> None:
+        """Learn who holds the seat when it is not this daemon (read once per heartbeat);
+        the last holder seen stays the answer while the seat is empty between leaders."""
+        assert self.election is not None
+        interval, complained = self.config.heartbeat_interval_s, False
+        while True:
+            if not self.election.is_leader:
+                try:
+                    holder = await self.election.leader()
+                    complained = False
+                except Exception as exc:  # etcd down: keep the last holder, say so once
+                    if not complained:
+                        log.error("cannot read the coordinator seat from etcd at %s: %s",
+                                  self.config.etcd, exc)
+                    complained, holder = True, None
+                if holder and holder != self.membership.seat:
+                    self.membership.seat = holder
+            await asyncio.sleep(interval)
+
+    async def _seat_known(self) -> str:
+        """The coordinator's name, waiting up to two leases for an election to settle."""
+        deadline = time.monotonic() + 2 * self.config.etcd_lease_s
+        while not (holder := self.membership.coordinator()) and time.monotonic() < deadline:
+            await asyncio.sleep(self.config.heartbeat_interval_s / 4)
+        if not holder:
+            raise LookupError(f"no coordinator is elected in etcd at {self.config.etcd} yet")
+        return holder
 
     def _ranks_on_device(self, index: int) -> list[str]:
         """rank_ids of live local ranks on GPU `index` (by device, else by local rank)."""
@@ -126,6 +178,8 @@ class Job:
 
     def _peer_stub(self, node: str) -> peer_pb2_grpc.PeerServiceStub:
         address = next((p.address for p in self.peers() if p.node == node), None)
+        if not node:
+            raise LookupError("no coordinator is known yet (the etcd seat is empty)")
         if address is None:
             raise LookupError(f"daemon {node} is not a live member of this job")
         return peer_pb2_grpc.PeerServiceStub(self._channel(address))
@@ -196,11 +250,11 @@ class Job:
         await self.announce(announcement)
 
     async def announce(self, a: peer_pb2.RankAnnouncement) -> None:
-        if self.is_coordinator():
+        coordinator = await self._seat_known()
+        if coordinator == self.node:
             self.coordinator.take_over(self.registry.current_plan())
             await self.coordinator.announce(a)
             return
-        coordinator = self.membership.coordinator()
         await self._peer_stub(coordinator).Announce(a, timeout=RPC_TIMEOUT_S)
 
     # failures ---------------------------------------------------------------------

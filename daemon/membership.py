@@ -50,6 +50,8 @@ class Membership:
     clock: Callable[[], float] = time.monotonic
     wall: Callable[[], float] = time.time
     seeds: tuple[str, ...] = ()
+    elected: bool = False  # the coordinator is whoever holds the etcd seat (`seat`)
+    seat: str = ""  # that holder's node name, "" while none is known
     _peers: dict[str, PeerRecord] = field(default_factory=dict)
     _answered: set[str] = field(default_factory=set)  # seeds that have replied once
 
@@ -130,10 +132,10 @@ class Membership:
                                    generation=me.generation)
 
     def coordinator(self) -> str:
-        """The fixed rule of the single-machine default: the smallest live node name.
-
-        Cluster deployments replace this with an etcd election.
-        """
+        """The node that coordinates: the holder of the etcd seat when elections are on
+        ("" until one is known), else the fixed rule: the smallest live node name."""
+        if self.elected:
+            return self.seat
         live = [p.node for p in self._peers.values() if p.state in (UP, SUSPECT) and p.node]
         return min([self.self_node, *live])
 

@@ -29,7 +29,7 @@ from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.local_store import CorruptChunkError, LocalStore
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.registry import Registry
-from stalwart.daemon.s3_tier import S3Tier
+from stalwart.daemon.s3_tier import ManifestExistsError, S3Tier
 from stalwart.daemon.scrub import Scrubber
 from stalwart.daemon.shard_client import ShardClient
 from stalwart.daemon.shard_reader import BeyondToleranceError, ShardReader
@@ -337,6 +337,8 @@ class SnapshotPath:
         """Phase two, sent by the coordinator to every daemon; also a repaired manifest
         (same step, new shard holders) sent by the repair leader."""
         if manifest.step in self.store.committed_steps():
+            if self.store.load_manifest(manifest.step) == manifest:
+                return  # phase two re-sent by a new coordinator: already done here
             await self._run_commit(repair.install_repaired, self.store, manifest)
             return
         latest = self.store.latest_committed()
@@ -348,8 +350,15 @@ class SnapshotPath:
             return
         await self._run_commit(self.store.commit, manifest, local_node=self.node)
         if self.s3 is not None and self.node == min(p.node for p in self.peers()):
-            await self.s3.put_manifest(manifest.step, manifest.SerializeToString(
-                deterministic=True))
+            data = manifest.SerializeToString(deterministic=True)
+            try:
+                await self.s3.put_manifest(manifest.step, data)
+            except ManifestExistsError:
+                # The previous uploader (a daemon since lost) got there first: the same
+                # commit is fine; a different one means two writers disagree.
+                if await self.s3.get_manifest(manifest.step) != data:
+                    raise
+
         async with self._committed:
             self._committed.notify_all()
 

@@ -100,6 +100,22 @@ def test_the_coordinator_killed_during_recovery_is_succeeded(tmp_path: Path) -> 
     assert summary["param_digest"] == baseline["param_digest"]
 
 
+def test_an_etcd_elected_coordinator_killed_mid_run_is_succeeded(tmp_path: Path,
+                                                                 etcd: str) -> None:
+    layout = ("--nodes", "3", "--ranks-per-node", "1", "--dp", "2", "--pp", "1")
+    # Whichever daemon won the etcd seat dies with its rank; the lease runs out and a
+    # survivor takes the seat, re-plans with a spare and the run ends as if nothing broke.
+    code, summary = demo(tmp_path, *layout, "--spares", "2", "--etcd", etcd,
+                         "--kill", "coordinator@step:4")
+    assert code == 0, summary
+    first, *later = summary["coordinators"]
+    assert later and later[-1] != first, summary["coordinators"]
+    assert summary["recoveries"][0]["kind"] == f"kill node:{first.removeprefix('node-')}"
+    baseline = uninterrupted(tmp_path, *layout)
+    assert summary["completed"] and summary["lost_steps"] == 0
+    assert summary["param_digest"] == baseline["param_digest"]
+
+
 def test_without_a_spare_the_job_stops_at_the_last_committed_step(tmp_path: Path) -> None:
     code, summary = demo(tmp_path, "--nodes", "2", "--dp", "2", "--pp", "1", "--spares", "0",
                          "--no-shrink", "--kill", "rank:1@step:4")
