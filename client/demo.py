@@ -118,11 +118,17 @@ def run(args: argparse.Namespace) -> int:
         coordinator = cluster.coordinator()
         _say(t0, f"{args.nodes} daemons up; coordinator {coordinator.name}"
                  + (f" (elected through etcd at {args.etcd})" if args.etcd else ""))
+        victims = cluster.workdir / "coordinator-pids.json"
         for f in faults:
             if f["target"] == "coordinator":
-                f.update(target="node", index=coordinator.index)
+                # Its node may hold only a spare, which runs no step hook: rank 0 fires
+                # it, killing the pids the demo lists once every process is started.
+                f.update(target="pids", index=coordinator.index, pids_file=str(victims))
                 _say(t0, f"  the coordinator fault will kill node {coordinator.index}")
         cluster.launch(_spec(args, faults), world, args.spares, args.ranks_per_node)
+        pids = [coordinator.proc.pid, *(r.proc.pid for r in cluster.ranks
+                                        if r.node is coordinator)]
+        victims.write_text(json.dumps(pids))
         _say(t0, f"{world} ranks and {args.spares} spare(s) launched")
         summary = _watch(cluster, args, t0, faults)
     except ClusterError as exc:

@@ -9,6 +9,7 @@ real: the process SIGKILLs itself (or its node's daemon), or stops answering.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -48,21 +49,30 @@ def _fault_hook(spec: dict[str, Any], rank: int, node: int):
     """on_step callback that injects this process's faults at their step."""
     faults = [f for f in spec.get("faults", [])
               if (f["target"] == "rank" and f["index"] == rank)
-              or (f["target"] == "node" and f["index"] == node)]
+              or (f["target"] == "node" and f["index"] == node)
+              or (f["target"] == "pids" and rank == 0)]  # rank 0 fires those
     daemon_pid = int(os.environ.get("STALWART_DAEMON_PID", "0"))
     fault_log = os.environ.get("STALWART_FAULT_LOG", "")
 
     def on_step(step: int, loss: float) -> None:
         print(f"[step] {step} loss {loss!r}", flush=True)  # the demo follows these lines
         for f in faults:
-            if f["step"] != step:
-                continue
-            print(f"[fault] {f['kind']} {f['target']}:{f['index']} at step {step}",
+            if f["step"] != step or f.get("fired"):
+                continue  # a step redone after a recovery does not fire its fault again
+            f["fired"] = True
+            target = "node" if f["target"] == "pids" else f["target"]
+            print(f"[fault] {f['kind']} {target}:{f['index']} at step {step}",
                   file=sys.stderr, flush=True)
             if fault_log:
-                record = {**f, "time_unix": time.time(), "pid": os.getpid()}
+                record = {**f, "target": target, "time_unix": time.time(), "pid": os.getpid()}
                 path = Path(fault_log) / f"fault-{os.getpid()}.json"
                 path.write_text(json.dumps(record))
+            if f["target"] == "pids":  # a whole node, from outside it (see demo --kill)
+                pids = json.loads(Path(f["pids_file"]).read_text())
+                for pid in sorted(pids, key=lambda p: p == os.getpid()):  # this one last
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                continue
             if f["kind"] == "kill" and f["target"] == "node" and daemon_pid:
                 os.kill(daemon_pid, signal.SIGKILL)
             if f["kind"] == "kill":

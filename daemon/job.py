@@ -115,12 +115,14 @@ class Job:
             await asyncio.sleep(interval)
 
     async def _seat_known(self) -> str:
-        """The coordinator's name, waiting up to two leases for an election to settle."""
-        deadline = time.monotonic() + 2 * self.config.etcd_lease_s
+        """The coordinator's name, waiting up to one lease time for a first election
+        (within a rank's registration deadline, so it gets this error, not a timeout)."""
+        deadline = time.monotonic() + self.config.etcd_lease_s
         while not (holder := self.membership.coordinator()) and time.monotonic() < deadline:
             await asyncio.sleep(self.config.heartbeat_interval_s / 4)
         if not holder:
-            raise LookupError(f"no coordinator is elected in etcd at {self.config.etcd} yet")
+            raise LookupError(f"no coordinator is elected in etcd at {self.config.etcd}: is "
+                              "etcd up and reachable from every daemon (see the daemon log)?")
         return holder
 
     def _ranks_on_device(self, index: int) -> list[str]:

@@ -8,8 +8,11 @@ import sys
 import time
 
 import aetcd
-from fixtures_etcd import start_etcd, stop_etcd
+import pytest
+from fixtures_daemon import wait_for
+from fixtures_etcd import free_port, start_etcd, stop_etcd
 
+from stalwart.client.daemon_client import DaemonClient, DaemonUnavailable
 from stalwart.daemon.election import EtcdElection, FixedCoordinator
 
 TTL_S = 2
@@ -172,3 +175,32 @@ def test_the_fixed_coordinator_leads_on_its_own_node_only():
         return elected, here.is_leader, there.is_leader, await there.leader()
 
     assert asyncio.run(scenario()) == ([1], True, False, "n0")
+
+
+def test_daemons_configured_with_etcd_agree_on_the_seat_holder(daemon_factory, etcd):
+    a = daemon_factory.start("a", settings={"etcd": etcd, "etcd_lease_s": 2})
+    b = daemon_factory.start("b", peers=(a.address,), settings={"etcd": etcd, "etcd_lease_s": 2})
+
+    async def holder() -> str | None:
+        host, port = etcd.split(":")
+        async with aetcd.Client(host=host, port=int(port)) as admin:
+            got = await admin.get(b"/stalwart/default/coordinator")
+            return got.value.decode() if got is not None else None
+
+    def claims() -> list[str]:
+        return sorted(d.node for s in (a.status(), b.status()) for d in s.daemons
+                      if d.coordinator and d.node == s.node)
+
+    seat = wait_for(lambda: asyncio.run(holder()), 20, "a daemon to take the etcd seat")
+    wait_for(lambda: claims() == [seat], 20, f"exactly {seat} to say it coordinates")
+    views = {s.node: {d.node for d in s.daemons if d.coordinator} for s in (a.status(), b.status())}
+    assert views == {"a": {seat}, "b": {seat}}
+
+
+def test_a_rank_is_told_when_no_coordinator_can_be_elected(daemon_factory):
+    closed = f"127.0.0.1:{free_port()}"  # nothing listens: etcd is down
+    d = daemon_factory.start("a", settings={"etcd": closed, "etcd_lease_s": 2})
+    with DaemonClient(d.socket_target) as client, pytest.raises(DaemonUnavailable) as err:
+        client.register(env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+    assert f"no coordinator is elected in etcd at {closed}" in str(err.value)
+    assert d.status().node == "a"  # the daemon itself stays up and answers
