@@ -22,6 +22,7 @@ from typing import Any
 from stalwart.client.capture import Capturer
 from stalwart.client.daemon_client import DaemonClient, DaemonUnavailable
 from stalwart.client.data import load_corpus
+from stalwart.client.link_bytes import LinkBytes
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.relayout import OldLayout, Role, fetch_and_assemble
 from stalwart.client.state_layout import unpack
@@ -99,6 +100,7 @@ class ElasticAgent:
         self.cfg, self.daemon, self.store = cfg, daemon, store
         self.on_step = on_step
         self.result = AgentResult()
+        self.links = LinkBytes()  # what each step sent, by link; heartbeats carry it
         self._plans: queue.Queue[common_pb2.Plan] = queue.Queue()
         self._corpus: bytes | None = None  # loaded once, reused by every generation
         self._newest = 0
@@ -191,9 +193,10 @@ class ElasticAgent:
         received_unix = time.time()
         t_rebuild = time.monotonic()
         self.daemon.generation = plan.generation
+        node_of = {a.coord.rank: a.node for a in plan.assignments if not a.spare}
         dims = ParallelDims(dp=lay.dp, pp=lay.pp, tp=lay.tp).build(
             self.store, role.coord.rank, plan.generation, backend=cfg.backend,
-            timeout_s=cfg.collective_timeout_s)
+            timeout_s=cfg.collective_timeout_s, node_of=node_of, links=self.links)
         trainer = capturer = None
         abandoned = False
         try:
@@ -242,6 +245,7 @@ class ElasticAgent:
                 tensors, extra = state_tensors(trainer)
                 capturer.capture(step, tensors, extra, adamw_hints(trainer))
                 self.daemon.report_step(step, time.perf_counter() - t0)
+                self.daemon.add_link_bytes(self.links.drain())
                 if self.on_step is not None:
                     self.on_step(step, loss)
             capturer.drain()

@@ -139,6 +139,8 @@ class DaemonClient:
         self.heartbeat_interval_s = 1.0
         self.fenced = ""  # why the daemon refuses this rank's heartbeats, once it does
         self._step, self._step_time_s = 0, 0.0
+        self._links_lock = threading.Lock()
+        self._links: dict[tuple[str, str], float] = {}  # bytes sent, not yet reported
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -213,15 +215,30 @@ class DaemonClient:
         """Set what the next heartbeat reports: the last completed step and its wall time (s)."""
         self._step, self._step_time_s = step, step_time_s
 
+    def add_link_bytes(self, sent: Mapping[tuple[str, str], float]) -> None:
+        """Bytes sent since the last call, {(link, collective): bytes}; the next heartbeat
+        carries their sum to the daemon's stalwart_link_bytes_total."""
+        with self._links_lock:
+            for key, nbytes in sent.items():
+                self._links[key] = self._links.get(key, 0.0) + nbytes
+
     def heartbeat(self, *, leaving: bool = False) -> rank_pb2.HeartbeatReply:
         """Send one heartbeat now (the background thread calls this every interval)."""
         if not self.rank_id:
             raise DaemonUnavailable("heartbeat before register(): call register() first")
+        with self._links_lock:
+            links, self._links = self._links, {}
         request = rank_pb2.HeartbeatRequest(
             rank_id=self.rank_id, generation=self.generation, step=self._step,
             step_time_s=self._step_time_s, leaving=leaving,
-            recovery_phase_s=getattr(self, "_phases", {}))
-        return self._call("heartbeat", self._rank_stub().Heartbeat, request)
+            recovery_phase_s=getattr(self, "_phases", {}),
+            link_bytes=[rank_pb2.LinkBytesSent(link=link, collective=collective, bytes=n)
+                        for (link, collective), n in links.items()])
+        try:
+            return self._call("heartbeat", self._rank_stub().Heartbeat, request)
+        except DaemonUnavailable:
+            self.add_link_bytes(links)  # not delivered: the next heartbeat carries them
+            raise
 
     def start_heartbeats(self) -> None:
         """Heartbeat every interval the daemon asked for, in a daemon thread of this process."""

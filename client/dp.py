@@ -106,6 +106,9 @@ class GradReducer:
             torch.cuda.current_stream().synchronize()
         bucket.buffer = flat
         bucket.future = self._pool.submit(self.reduce_fn, flat, self.group.pg)
+        if self.reduce_fn is default_reduce and hasattr(self.group, "count_allreduce"):
+            # (a custom reduce_fn, e.g. the hierarchical one, counts its own bytes)
+            self.group.count_allreduce(flat.numel() * flat.element_size())
 
     def finish(self) -> None:
         """Wait for every bucket and write the summed gradients back (fp32)."""

@@ -8,48 +8,17 @@ from __future__ import annotations
 import datetime
 import math
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from stalwart.client.link_bytes import LinkBytes
+
 __all__ = ["HierGroups", "LinkBytes", "build_hier_groups", "counting_flat_allreduce",
            "hierarchical_allreduce", "make_reduce_fn", "time_collective"]
-
-
-@dataclass
-class LinkBytes:
-    """Bytes this rank sent over intra-node and inter-node links, by collective.
-
-    The figures are what the algorithm sends (ring accounting), not bytes read off a
-    socket: gloo and NCCL choose their own inner algorithms, but each ring-family
-    algorithm sends the same volume per rank.
-    """
-
-    sent: Counter = field(default_factory=Counter)
-
-    def add(self, link: str, collective: str, nbytes: float) -> None:
-        self.sent[(link, collective)] += nbytes
-
-    def total(self, link: str) -> float:
-        """All bytes this rank sent over `link` ("intra" or "inter")."""
-        return sum(v for (lk, _), v in self.sent.items() if lk == link)
-
-    def as_dict(self) -> dict[str, dict[str, float]]:
-        """{collective: {"intra": bytes, "inter": bytes}} for bench output."""
-        out: dict[str, dict[str, float]] = {}
-        for (link, collective), nbytes in sorted(self.sent.items()):
-            out.setdefault(collective, {"intra": 0.0, "inter": 0.0})[link] = nbytes
-        return out
-
-    def export(self, counter: Any) -> None:
-        """Add the counts to a prometheus Counter labelled (link, collective), then reset."""
-        for (link, collective), nbytes in self.sent.items():
-            counter.labels(link=link, collective=collective).inc(nbytes)
-        self.sent.clear()
 
 
 @dataclass

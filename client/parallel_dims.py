@@ -6,11 +6,14 @@ so a later generation can be built in the same process after `destroy()`.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from stalwart.client.link_bytes import LinkBytes, link_between
 
 __all__ = ["Coords", "Group", "ParallelDims"]
 
@@ -32,15 +35,29 @@ class Group:
     ranks: tuple[int, ...]
     index: int
     pg: Any = field(repr=False)
+    nodes: tuple[str, ...] = ()
+    """Node of each member, aligned with `ranks` (empty: unknown, nothing is counted)."""
+    links: LinkBytes | None = field(default=None, repr=False)
+    """Where this rank's sends are counted, by link and collective."""
 
     @property
     def size(self) -> int:
         return len(self.ranks)
 
+    def _counting(self) -> LinkBytes | None:
+        return self.links if self.links is not None and len(self.nodes) == self.size else None
+
+    def count_allreduce(self, nbytes: float, collective: str = "") -> None:
+        """Count an all-reduce of `nbytes` over this group (ring volume)."""
+        if (links := self._counting()) is not None:
+            links.ring_allreduce(collective or f"{self.name}_allreduce", self.nodes,
+                                 self.index, nbytes)
+
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> None:
         """In-place all-reduce; a no-op in a group of one."""
         if self.size > 1:
             dist.all_reduce(tensor, op=op, group=self.pg)
+            self.count_allreduce(tensor.numel() * tensor.element_size())
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every member's tensor (same shape), in group order."""
@@ -48,6 +65,9 @@ class Group:
             return [tensor]
         out = [torch.empty_like(tensor) for _ in self.ranks]
         self.pg.allgather([out], [tensor.contiguous()]).wait()
+        if (links := self._counting()) is not None:
+            links.ring_allgather(f"{self.name}_allgather", self.nodes, self.index,
+                                 tensor.numel() * tensor.element_size())
         return out
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
@@ -56,10 +76,20 @@ class Group:
             opts = dist.BroadcastOptions()
             opts.rootRank = root
             self.pg.broadcast([tensor], opts).wait()
+            if self.index == root and (links := self._counting()) is not None:
+                for i, node in enumerate(self.nodes):
+                    if i != root:
+                        links.add(link_between(self.nodes[root], node),
+                                  f"{self.name}_broadcast",
+                                  tensor.numel() * tensor.element_size())
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
         """Start sending to group index `dst`; returns the work handle to wait on."""
-        return self.pg.send([tensor.contiguous()], dst, tag)
+        work = self.pg.send([tensor.contiguous()], dst, tag)
+        if (links := self._counting()) is not None:
+            links.add(link_between(self.nodes[self.index], self.nodes[dst]),
+                      f"{self.name}_send", tensor.numel() * tensor.element_size())
+        return work
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
         """Receive into `tensor` from group index `src` (blocks until it arrived)."""
@@ -115,11 +145,14 @@ class ParallelDims:
         return tuple(self.rank_of(Coords(**{**c.__dict__, axis: i})) for i in range(size))
 
     def build(self, store: Any, rank: int, generation: int, *, backend: str = "gloo",
-              timeout_s: float = 60.0) -> ParallelDims:
+              timeout_s: float = 60.0, node_of: Mapping[int, str] | None = None,
+              links: LinkBytes | None = None) -> ParallelDims:
         """Create this rank's dp, pp, tp and world groups for `generation`.
 
         Every member of a group must call this with the same generation; groups live under
         the store prefix ``gen{generation}/`` so a new generation never meets an old one.
+        With `node_of` (global rank -> node) and `links`, every collective this rank runs
+        through the groups counts its bytes by link (see client/link_bytes.py).
         """
         if self.groups:
             raise RuntimeError(f"generation {self.generation} is still built; destroy() first")
@@ -131,7 +164,9 @@ class ParallelDims:
             key = f"{axis}/{'-'.join(map(str, ranks))}/"
             pg = _make_pg(backend, dist.PrefixStore(key, gen_store), ranks.index(rank),
                           len(ranks), timeout)
-            self.groups[axis] = Group(axis, ranks, ranks.index(rank), pg)
+            nodes = tuple(node_of[r] for r in ranks) if node_of and all(
+                r in node_of for r in ranks) else ()
+            self.groups[axis] = Group(axis, ranks, ranks.index(rank), pg, nodes, links)
         self.generation, self.rank = generation, rank
         return self
 

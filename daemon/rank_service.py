@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import replace
 from typing import Any, NoReturn
 
@@ -25,7 +25,13 @@ from stalwart.daemon.registry import (
     StaleGeneration,
     UnknownRank,
 )
-from stalwart.daemon.validate import MAX_RANKS_PER_NODE, admit, metadata_token, token_matches
+from stalwart.daemon.validate import (
+    MAX_COLLECTIVES,
+    MAX_RANKS_PER_NODE,
+    admit,
+    metadata_token,
+    token_matches,
+)
 from stalwart.v1 import common_pb2, rank_pb2, rank_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon.rank_service")
@@ -53,6 +59,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         self.on_register = on_register
         # Object with async OpenSlot/Capture/WaitCommitted/Restore(request, context).
         self.snapshots = snapshots
+        self._collectives: set[str] = set()  # label values of stalwart_link_bytes_total
 
     async def Register(self, request: rank_pb2.RegisterRequest,
                        context: grpc.aio.ServicerContext) -> rank_pb2.RegisterReply:
@@ -106,7 +113,17 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
                                     recovery_phases=dict(request.recovery_phase_s))
         except (UnknownRank, RankFenced, StaleGeneration) as e:
             await context.abort(_REFUSALS[type(e)], str(e))
+        self._count_link_bytes(request.link_bytes)
         return rank_pb2.HeartbeatReply(generation=self.registry.generation)
+
+    def _count_link_bytes(self, sent: Iterable[rank_pb2.LinkBytesSent]) -> None:
+        """Add ranks' link bytes to the metric; at most MAX_COLLECTIVES label values ever."""
+        for s in sent:
+            if s.collective not in self._collectives:
+                if len(self._collectives) >= MAX_COLLECTIVES:
+                    continue  # validated per request; this bounds them across requests
+                self._collectives.add(s.collective)
+            self.metrics.link_bytes.labels(link=s.link, collective=s.collective).inc(s.bytes)
 
     async def WatchPlan(self, request: rank_pb2.WatchPlanRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[rank_pb2.PlanEvent]:

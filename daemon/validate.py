@@ -8,6 +8,7 @@ stalwart_auth_refused_total{reason}.
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import Iterable
 from typing import Any, NoReturn
@@ -30,6 +31,8 @@ MAX_LIST = 1 << 16             # entries of any other repeated field (peers, ran
 MAX_WAIT_S = 3600.0            # longest a caller may ask the daemon to wait (seconds)
 MAX_RANKS_PER_NODE = 4096      # registrations one daemon keeps (a GPU node has a handful)
 MAX_PEERS = 4096               # daemons one daemon gossips with
+MAX_COLLECTIVES = 64           # distinct collective names counted by link (metric labels)
+COLLECTIVE_NAME = re.compile(r"[a-z0-9_]{1,48}")
 
 
 class InvalidRequest(ValueError):
@@ -158,6 +161,15 @@ def _heartbeat(r: rank_pb2.HeartbeatRequest) -> None:
     in_range(r.generation, 0, MAX_GENERATION, "generation")
     in_range(r.step, 0, MAX_STEP, "step")
     in_range(r.step_time_s, 0.0, 1e9, "step_time_s")
+    # Collective names become metric labels too.
+    count(r.link_bytes, "link_bytes", MAX_COLLECTIVES)
+    for sent in r.link_bytes:
+        if sent.link not in ("intra", "inter"):
+            _fail(f"link_bytes.link must be 'intra' or 'inter', got {sent.link[:64]!r}")
+        if not COLLECTIVE_NAME.fullmatch(sent.collective):
+            _fail(f"link_bytes.collective must be 1-48 of [a-z0-9_], got "
+                  f"{sent.collective[:64]!r}")
+        in_range(sent.bytes, 0.0, 1e18, f"link_bytes[{sent.collective}].bytes")
 
 
 def _open_slot(r: rank_pb2.OpenSlotRequest) -> None:

@@ -140,6 +140,7 @@ class HeartbeatRequest(_message.Message):
     STEP_TIME_S_FIELD_NUMBER: _builtins.int
     LEAVING_FIELD_NUMBER: _builtins.int
     RECOVERY_PHASE_S_FIELD_NUMBER: _builtins.int
+    LINK_BYTES_FIELD_NUMBER: _builtins.int
     rank_id: _builtins.str
     generation: _builtins.int
     step: _builtins.int
@@ -153,6 +154,13 @@ class HeartbeatRequest(_message.Message):
         groups, "restore": state loaded); sent after a re-plan, observed once per generation.
         """
 
+    @_builtins.property
+    def link_bytes(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkBytesSent]:
+        """Bytes this rank sent since its last heartbeat, by link and collective (counted by
+        the algorithm's volume, see client/link_bytes.py); the daemon adds them to
+        stalwart_link_bytes_total.
+        """
+
     def __init__(
         self,
         *,
@@ -162,14 +170,42 @@ class HeartbeatRequest(_message.Message):
         step_time_s: _builtins.float = ...,
         leaving: _builtins.bool = ...,
         recovery_phase_s: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        link_bytes: _abc.Iterable[Global___LinkBytesSent] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "leaving", b"leaving", "rank_id", b"rank_id", "recovery_phase_s", b"recovery_phase_s", "step", b"step", "step_time_s", b"step_time_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "leaving", b"leaving", "link_bytes", b"link_bytes", "rank_id", b"rank_id", "recovery_phase_s", b"recovery_phase_s", "step", b"step", "step_time_s", b"step_time_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatRequest: _TypeAlias = HeartbeatRequest  # noqa: Y015
+
+@_typing.final
+class LinkBytesSent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LINK_FIELD_NUMBER: _builtins.int
+    COLLECTIVE_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    link: _builtins.str
+    """"intra" (same node) or "inter" (another node)"""
+    collective: _builtins.str
+    """e.g. "dp_allreduce", "tp_allreduce", "pp_send" """
+    bytes: _builtins.float
+    def __init__(
+        self,
+        *,
+        link: _builtins.str = ...,
+        collective: _builtins.str = ...,
+        bytes: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "collective", b"collective", "link", b"link"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinkBytesSent: _TypeAlias = LinkBytesSent  # noqa: Y015
 
 @_typing.final
 class HeartbeatReply(_message.Message):
