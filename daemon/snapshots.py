@@ -31,7 +31,7 @@ from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.registry import Registry
 from stalwart.daemon.s3_tier import ManifestExistsError, S3Tier
 from stalwart.daemon.scrub import Scrubber
-from stalwart.daemon.shard_client import ShardClient
+from stalwart.daemon.shard_client import ByteBudget, ShardClient
 from stalwart.daemon.shard_reader import BeyondToleranceError, ShardReader
 from stalwart.daemon.slots import FdServer, SlotError, SlotPool
 from stalwart.daemon.tls import aio_channel, client_credentials
@@ -40,6 +40,7 @@ from stalwart.v1 import manifest_pb2, peer_pb2, peer_pb2_grpc, rank_pb2
 log = logging.getLogger("stalwart.daemon.snapshots")
 
 PIECE_BYTES = 1 << 20       # restore stream message size
+SHARD_BYTES_IN_FLIGHT = 256 << 20  # shard bytes being sent to or read from peers
 MAX_BACKLOG = 3             # captures per rank copied but not yet encoded, at most
 PUSH_TIMEOUT_S = 10.0       # a repaired manifest sent to one peer
 DEFAULT_SLOT_BUDGET = 8 << 30  # bytes of shared memory for all ranks when ram_bytes is 0
@@ -116,6 +117,9 @@ class SnapshotPath:
                              prefix=config.s3.prefix, endpoint_url=config.s3.endpoint or None,
                              region=config.s3.region or None, metrics=metrics)
         self._clients: dict[str, ShardClient] = {}
+        # One byte budget for every peer: shard bytes in flight stay bounded per daemon,
+        # however many peers it sends to.
+        self._shard_budget = ByteBudget(SHARD_BYTES_IN_FLIGHT)
         self._committed = asyncio.Condition()
         self._durable: dict[str, asyncio.Task[None]] = {}  # per rank: last durability task
         self._backlog: dict[str, int] = {}  # per rank: captures copied but not yet encoded
@@ -263,7 +267,8 @@ class SnapshotPath:
             c = self._clients[peer.node] = ShardClient(peer.address, job_id=self.config.job_id,
                                                        credentials=client_credentials(
                                                            self.config.tls),
-                                                       metrics=self.metrics)
+                                                       metrics=self.metrics,
+                                                       budget=self._shard_budget)
         return c
 
     def _peer(self, node: str) -> Peer:

@@ -289,3 +289,30 @@ def test_status_storage_reports_shards_protection_repair_and_scrub(tmp_path: Pat
         assert "1 corrupt shards" in path.status_storage()["scrub"]
     finally:
         path.pool.close()
+
+
+def test_shard_bytes_in_flight_are_bounded_per_daemon_not_per_peer(tmp_path: Path) -> None:
+    import asyncio
+    import dataclasses
+
+    from stalwart.daemon.config import DaemonConfig
+    from stalwart.daemon.metrics import Metrics
+    from stalwart.daemon.registry import Registry
+    from stalwart.daemon.snapshots import SHARD_BYTES_IN_FLIGHT, Peer, SnapshotPath
+
+    metrics = Metrics()
+    peers = [Peer("b", "127.0.0.1:2", {}), Peer("c", "127.0.0.1:3", {})]
+    path = SnapshotPath(dataclasses.replace(DaemonConfig(), node="a"),
+                        Registry("a", 1.0, 5.0, metrics), metrics, tmp_path,
+                        lambda: peers, send_prepare=None)  # type: ignore[arg-type]
+
+    async def left_for_c_while_b_holds_three_quarters() -> int:
+        to_b, to_c = path._client(peers[0]), path._client(peers[1])
+        await to_b.budget.acquire(SHARD_BYTES_IN_FLIGHT // 4 * 3)
+        return to_c.budget.available
+
+    try:
+        left = asyncio.run(left_for_c_while_b_holds_three_quarters())
+    finally:
+        path.pool.close()
+    assert left == SHARD_BYTES_IN_FLIGHT // 4
