@@ -5,12 +5,14 @@ against the planner's prediction; and the planner alone on a few cases.
 Baselines: `layers_moved_naive`, a time-optimal partition computed without regard to what
 each survivor holds, survivors placed in rank order; `throughput_ratio` divides the
 measured steps/s after the shrink by the measured steps/s before it times the planner's
-predicted speed ratio.
+predicted speed ratio; `throughput_ratio_core_share` also scales the prediction by the
+larger share of the host's cores each survivor gets (on one CPU host, ranks share cores).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import time
@@ -90,7 +92,7 @@ def run(quick: bool) -> dict:
                                2, 4, 3, max(1, repeats // 5)))
     cluster = _cluster_run(quick)
     keys = ("replan_s", "layers_moved", "layers_moved_naive", "bytes_moved",
-            "bytes_moved_naive", "pause_s", "throughput_ratio")
+            "bytes_moved_naive", "pause_s", "throughput_ratio", "throughput_ratio_core_share")
     return {**{k: cluster.get(k) for k in keys}, "cluster": cluster,
             "planner_cases": cases}
 
@@ -199,6 +201,11 @@ def _scrape(port: int) -> dict[str, float]:
     return out
 
 
+def state_members(plan: Any) -> list[Any]:
+    """The ranks holding a role in `plan` (spares left out)."""
+    return [a for a in plan.assignments if not a.spare]
+
+
 def _step_times(clock: StepLog, since: float, until: float) -> dict[int, float]:
     """step -> when every rank that printed it in (since, until] had printed it."""
     out: dict[int, float] = {}
@@ -234,6 +241,11 @@ def _figures(spec: dict[str, Any], clock: StepLog, first_plan: Any, final: Any,
     again = plan_shrink(state, frozenset({victim}), config)
     planner_s = time.perf_counter() - t0
     predicted = rate_before * again.speed_ratio
+    # Ranks on one CPU host share its cores: each of the 4 gets cores/4 before the kill and
+    # each of the 3 survivors cores/3 after. The planner's device speeds do not know that.
+    cores = len(os.sched_getaffinity(0))
+    before_ranks, after_ranks = len(state_members(first_plan)), len(state_members(final.plan))
+    core_gain = min(1.0, cores / after_ranks) / min(1.0, cores / before_ranks)
     new = PlanState.from_proto(final.plan)
     moved = re.search(r"(\d+) layers moved", final.plan.reason)
     gen2 = [g for r in results if r for g in r.get("generations", []) if g["generation"] == 2]
@@ -245,6 +257,8 @@ def _figures(spec: dict[str, Any], clock: StepLog, first_plan: Any, final: Any,
         "bytes_moved": int(again.bytes_moved), "bytes_moved_naive": int(again.bytes_moved_naive),
         "pause_s": round(min(after.values()) - max(before.values()), 3),
         "throughput_ratio": round(rate_after / predicted, 3),
+        "throughput_ratio_core_share": round(rate_after / (predicted * core_gain), 3),
+        "core_share_gain": round(core_gain, 4), "cores": cores,
         "steps_per_s_before": round(rate_before, 3), "steps_per_s_after": round(rate_after, 3),
         "steps_per_s_predicted_after": round(predicted, 3),
         "predicted_speed_ratio": round(again.speed_ratio, 4),
