@@ -32,6 +32,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     parser.add_argument("--compress", choices=["none", "fp16", "bf16"], default="none",
                         help="gradient dtype on the wire for the data-parallel sum")
+    parser.add_argument("--grad-clip", type=float, default=0.0,
+                        help="clip the global gradient L2 norm to this (0: no clipping)")
     parser.add_argument("--bounds", default=None,
                         help="stage bounds as inclusive layer ranges, e.g. 0-1,2-5 "
                              "(default: uniform)")
@@ -52,6 +54,7 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
             "steps": args.steps, "model": args.model, "seed": args.seed,
             "global_batch": args.global_batch, "lr": args.lr, "precision": args.precision,
             "recompute": args.recompute, "compress": args.compress, "bounds": bounds,
+            "grad_clip": args.grad_clip,
             "log_every": args.log_every, "device": args.device}
 
 
@@ -72,7 +75,8 @@ def train_worker(ctx: Any, spec: dict[str, Any]) -> dict[str, Any]:
     cfg = TrainConfig(model=PRESETS[spec["model"]], global_batch=spec["global_batch"],
                       seed=spec["seed"], lr=spec["lr"], min_lr=spec["lr"] / 10,
                       decay_steps=spec["steps"], precision=spec["precision"],
-                      recompute=spec["recompute"], compress=spec["compress"])
+                      recompute=spec["recompute"], compress=spec["compress"],
+                      grad_clip=spec.get("grad_clip", 0.0))
     trainer = Trainer(dims, cfg, stage_bounds=spec["bounds"], schedule=spec["schedule"],
                       microbatches=spec["microbatches"], grad_accum=spec["grad_accum"],
                       device=device)

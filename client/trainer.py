@@ -54,6 +54,9 @@ class TrainConfig:
     """Gradient dtype on the wire for the data-parallel sum: none | fp16 | bf16."""
     bucket_bytes: int = 1 << 20
     """Gradient bucket size for the data-parallel sum (bytes)."""
+    grad_clip: float = 0.0
+    """Largest global L2 norm of the gradients (over every stage and TP shard); larger
+    gradients are scaled down to it before the optimizer step. 0 = no clipping."""
     corpus_bytes: int = 4 << 20
     """Bytes of standard-library text to train on."""
 
@@ -142,6 +145,7 @@ class Trainer:
                                 cfg.model.seq_len, seed=cfg.seed)
         self.actions = pipeline.schedule(schedule, dims.pp, me.pp, microbatches)
         self.step_count = 0
+        self.last_grad_norm: float | None = None  # before clipping, when grad_clip > 0
         self.stats: PipelineStats | None = None
 
     def _autocast(self):
@@ -183,11 +187,41 @@ class Trainer:
             local_loss += sum(losses)
         self.reducer.finish()
         if self.scaler.unscale_and_check(self.params, self.dims.world):
+            if cfg.grad_clip > 0:
+                self.last_grad_norm = self._clip_gradients(cfg.grad_clip)
             for group in self.optimizer.param_groups:
                 group["lr"] = cfg.lr_at(self.step_count)
             self.optimizer.step()
         self.step_count += 1
         return self._global_loss(local_loss)
+
+    def _clip_gradients(self, max_norm: float) -> float:
+        """Scale every gradient by max_norm / global norm when that is below 1; returns the
+        global L2 norm before clipping, the same on every rank.
+
+        Gradients are already summed over DP, so replicas agree; TP shards are summed over
+        the TP group, parameters replicated across TP (layer norms, embedding, head) count
+        once; stages are summed over the pipeline.
+        """
+        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
+        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name, p in self.stage.named_parameters():
+            if p.grad is not None:
+                sq = p.grad.detach().double().pow(2).sum()
+                if self.stage.shard_dim(name) is None:
+                    replicated += sq
+                else:
+                    sharded += sq
+        self.dims.tp_group.all_reduce(sharded)
+        total = (sharded + replicated).reshape(1)
+        self.dims.pp_group.all_reduce(total)
+        norm = float(total.sqrt().item())
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
 
     def _global_loss(self, local: float) -> float:
         """Sum the last stage's scaled losses over DP, then hand the value to every stage."""

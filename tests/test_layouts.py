@@ -17,6 +17,7 @@ from stalwart.client.trainer import TrainConfig, Trainer
 CFG = TrainConfig(model=GPTConfig(d_model=32, n_layer=2, n_head=4, d_ff=64, seq_len=32),
                   global_batch=8, seed=3, corpus_bytes=1 << 18)
 STEPS = 5
+CLIPPED = TrainConfig(**{**CFG.__dict__, "grad_clip": 0.05})  # well below the norms seen
 # (dp, pp, tp, schedule, microbatches, grad_accum)
 LAYOUTS = [
     (1, 1, 1, "1f1b", 1, 1), (2, 1, 1, "1f1b", 1, 2), (1, 2, 1, "1f1b", 4, 1),
@@ -60,7 +61,25 @@ def _all_layouts(ctx) -> dict:
         out["bf16-wire"] = _train(ctx.store, ctx.rank, len(LAYOUTS) + 3, LAYOUTS[1], bf16,
                                   reduce_fn=counting_sum, report=out["reducer"])
         out["calls_per_step"] = len(calls) / STEPS
+    # Clipping the global gradient norm: one norm over every stage and TP shard.
+    out["clipped"] = _clipped(ctx.store, ctx.rank, len(LAYOUTS) + 4, LAYOUTS[-1])
     return out
+
+
+def _clipped(store, rank: int, generation: int, layout: tuple) -> dict[str, list[float]]:
+    """Losses and the global gradient norm of each step, clipping at CLIPPED.grad_clip."""
+    dp, pp, tp, schedule, m, accum = layout
+    dims = ParallelDims(dp=dp, pp=pp, tp=tp).build(store, rank, generation)
+    trainer = Trainer(dims, CLIPPED, schedule=schedule, microbatches=m, grad_accum=accum)
+    try:
+        out: dict[str, list[float]] = {"losses": [], "norms": []}
+        for _ in range(STEPS):
+            out["losses"].append(trainer.step())
+            out["norms"].append(trainer.last_grad_norm)
+        return out
+    finally:
+        trainer.close()
+        dims.destroy()
 
 
 def _relayout(store, rank: int, generation: int) -> list[float]:
@@ -90,6 +109,13 @@ def reference() -> list[float]:
 @pytest.mark.multiprocess
 def test_every_layout_matches_single_process_losses(run_ranks, reference):
     results = run_ranks(_all_layouts, 8, timeout=240)
+    # The (2,2,2) run's norm, summed over stages and TP shards with replicated parameters
+    # counted once, is the one-process norm; clipping was active at every step.
+    one = _clipped(dist.HashStore(), 0, 0, LAYOUTS[0])
+    for rank in range(8):
+        assert results[rank]["clipped"]["norms"] == pytest.approx(one["norms"], rel=1e-5)
+    assert results[0]["clipped"]["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert min(one["norms"]) > 2 * CLIPPED.grad_clip
     for layout in LAYOUTS:
         key = str(layout)
         losses = results[0][key]
