@@ -43,9 +43,9 @@ class PeerLinks(Protocol):
     def nodes(self) -> list[str]:
         """Live daemons of the job, by node name."""
 
-    def is_coordinator(self) -> bool:
-        """Whether this daemon still holds the coordinator role (an elected seat can be
-        lost at any moment)."""
+    def holds_seat(self) -> bool:
+        """False once this daemon has lost the etcd seat it coordinated from (always True
+        without etcd): a deposed coordinator must not install plans."""
 
     async def install_plan(self, node: str, plan: common_pb2.Plan) -> None: ...
 
@@ -201,7 +201,7 @@ class Coordinator:
 
     async def _install(self, plan: common_pb2.Plan) -> None:
         """Send a plan to every live daemon (this one included); log who refused."""
-        if not self.links.is_coordinator():
+        if not self.links.holds_seat():
             # Deposed while deciding (its etcd seat expired): the successor decides.
             log.error("plan not installed: this daemon no longer coordinates",
                       extra={"generation": plan.generation})

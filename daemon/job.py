@@ -178,6 +178,9 @@ class Job:
     def is_coordinator(self) -> bool:
         return self.membership.coordinator() == self.node
 
+    def holds_seat(self) -> bool:
+        return self.election is None or self.election.is_leader
+
     def _peer_stub(self, node: str) -> peer_pb2_grpc.PeerServiceStub:
         address = next((p.address for p in self.peers() if p.node == node), None)
         if not node:
