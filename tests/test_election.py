@@ -204,3 +204,38 @@ def test_a_rank_is_told_when_no_coordinator_can_be_elected(daemon_factory):
         client.register(env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
     assert f"no coordinator is elected in etcd at {closed}" in str(err.value)
     assert d.status().node == "a"  # the daemon itself stays up and answers
+
+
+@pytest.mark.multiprocess
+def test_training_rides_out_an_etcd_outage_and_commits_every_step(tmp_path):
+    from stalwart.client.local_cluster import LocalCluster
+
+    endpoint, proc = start_etcd(tmp_path)
+    steps = 60
+    spec = {"model": "tiny", "steps": steps, "faults": [], "collective_timeout_s": 30,
+            "model_overrides": {"d_model": 32, "n_layer": 2, "n_head": 2, "d_ff": 64,
+                                "seq_len": 16},
+            "train": {"global_batch": 8, "seed": 0},
+            "layout": {"dp": 2, "pp": 1, "tp": 1, "schedule": "1f1b", "microbatches": 1}}
+    cluster = LocalCluster(nodes=2, daemon_settings={"etcd": endpoint, "etcd_lease_s": 2})
+
+    def committed() -> list[int]:
+        return [s.latest_committed_step if (s := n.status()) else -1 for n in cluster.daemons]
+
+    try:
+        cluster.start_daemons()
+        cluster.launch(spec, 2, spares=0, ranks_per_node=1)
+        wait_for(lambda: min(committed()) >= 3, 120, "step 3 to commit on both daemons")
+        proc.send_signal(signal.SIGSTOP)  # etcd freezes: the seat cannot be renewed
+        wait_for(lambda: cluster.coordinator() is None, 30, "the coordinator to step down")
+        proc.send_signal(signal.SIGCONT)
+        wait_for(lambda: not cluster.running(), 240, "the ranks to finish")
+        codes = [r.proc.returncode for r in cluster.ranks]
+        losses = [len((r.result() or {}).get("losses", {})) for r in cluster.ranks]
+        final = committed()
+    finally:
+        cluster.close()
+        stop_etcd(proc)
+    # Each rank exits 0 only once its daemon has committed the last step.
+    assert codes == [0, 0] and losses == [steps, steps]
+    assert final == [steps, steps]
