@@ -47,11 +47,10 @@ class Group:
     def _counting(self) -> LinkBytes | None:
         return self.links if self.links is not None and len(self.nodes) == self.size else None
 
-    def count_allreduce(self, nbytes: float, collective: str = "") -> None:
+    def count_allreduce(self, nbytes: float) -> None:
         """Count an all-reduce of `nbytes` over this group (ring volume)."""
         if (links := self._counting()) is not None:
-            links.ring_allreduce(collective or f"{self.name}_allreduce", self.nodes,
-                                 self.index, nbytes)
+            links.ring_allreduce(f"{self.name}_allreduce", self.nodes, self.index, nbytes)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> None:
         """In-place all-reduce; a no-op in a group of one."""

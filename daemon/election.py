@@ -117,15 +117,16 @@ class EtcdElection:
         take forever to do that under load. A call that overruns is cancelled and left
         to unwind in the background; the caller goes on at once.
         """
+        limit = timeout_s or 2.0 * self.ttl_s
         task = asyncio.ensure_future(call)
         try:
-            done, _ = await asyncio.wait({task}, timeout=timeout_s or 2.0 * self.ttl_s)
+            done, _ = await asyncio.wait({task}, timeout=limit)
         except asyncio.CancelledError:
             self._abandon(task)
             raise
         if not done:
             self._abandon(task)
-            raise TimeoutError(f"etcd did not answer within {timeout_s or 2.0 * self.ttl_s:.1f} s")
+            raise TimeoutError(f"etcd did not answer within {limit:.1f} s")
         return task.result()
 
     def _abandon(self, task: asyncio.Task) -> None:

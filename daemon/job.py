@@ -182,9 +182,9 @@ class Job:
         return self.election is None or self.election.is_leader
 
     def _peer_stub(self, node: str) -> peer_pb2_grpc.PeerServiceStub:
-        address = next((p.address for p in self.peers() if p.node == node), None)
         if not node:
             raise LookupError("no coordinator is known yet (the etcd seat is empty)")
+        address = next((p.address for p in self.peers() if p.node == node), None)
         if address is None:
             raise LookupError(f"daemon {node} is not a live member of this job")
         return peer_pb2_grpc.PeerServiceStub(self._channel(address))
