@@ -224,20 +224,23 @@ class Coordinator:
         daemon that missed the message could not restore. Phase two is re-sent (a daemon
         that has the step already acknowledges it unchanged).
         """
-        if self.load_manifest is None:
+        await self._send_commit(step, nodes)
+
+    async def _send_commit(self, step: int, nodes: list[str]) -> None:
+        """Send the committed manifest of `step` again to `nodes` (not this daemon)."""
+        others = [n for n in nodes if n != self.node]
+        if self.load_manifest is None or not others:
             return
         try:
             manifest = self.load_manifest(step)
         except (FileNotFoundError, KeyError, ValueError) as exc:
-            log.error("cannot re-send the commit of the resume step",
-                      extra={"step": step, "error": str(exc)})
+            log.error("cannot re-send a commit", extra={"step": step, "error": str(exc)})
             return
-        others = [n for n in nodes if n != self.node]
         results = await asyncio.gather(*(self.links.commit_step(n, manifest) for n in others),
                                        return_exceptions=True)
         for node, result in zip(others, results, strict=True):
             if isinstance(result, BaseException):
-                log.warning("commit of the resume step not re-sent",
+                log.warning("commit not re-sent",
                             extra={"node": node, "step": step, "error": str(result)})
 
     # failures -----------------------------------------------------------------
@@ -318,6 +321,12 @@ class Coordinator:
         if self.plan is not None and req.generation < self.plan.generation:
             raise StaleStep(f"step {req.step} was prepared in generation {req.generation}; "
                             f"the job is at generation {self.plan.generation}")
+        latest = self.latest_committed()
+        if latest is not None and req.step <= latest:
+            # Sent again after a change of coordinator, by a daemon that may have missed
+            # the commit: send it the commit.
+            await self._send_commit(req.step, [req.node])
+            return
         ranks = self.pending.setdefault(req.step, {})
         for r in req.ranks:
             ranks[r.rank] = r

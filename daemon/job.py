@@ -54,6 +54,9 @@ class Job:
         self._tasks: list[asyncio.Task[None]] = []
         self._coordinator_seen = ""
         self._unsent: list[Failure] = []  # reports the coordinator never received
+        # Prepares of steps not yet committed here, by step: sent again to a new
+        # coordinator, since the old one may have died with them.
+        self._prepares: dict[int, list[peer_pb2.PrepareStepRequest]] = {}
         self.gpus = GpuHealthMonitor(registry.report, node=config.node,
                                      device_ranks=self._ranks_on_device,
                                      generation=lambda: registry.generation,
@@ -154,6 +157,7 @@ class Job:
             unsent, self._unsent = self._unsent, []
             for failure in unsent:
                 self._failures.put_nowait(failure)
+            await self._resend_prepares()
             for record in self.registry.ranks():
                 if record.state in ("alive", "late"):
                     try:
@@ -311,11 +315,38 @@ class Job:
     # phase one --------------------------------------------------------------------
 
     async def _send_prepare(self, req: peer_pb2.PrepareStepRequest) -> None:
+        latest = self.snapshots.store.latest_committed() or 0
+        for step in [s for s in self._prepares if s <= latest]:
+            del self._prepares[step]
+        self._prepares.setdefault(req.step, []).append(req)
+        try:
+            await self._deliver_prepare(req)
+        except (grpc.aio.AioRpcError, LookupError) as exc:
+            # The coordinator may be the thing that died: its successor gets it.
+            log.warning("prepare not delivered; will resend to the next coordinator",
+                        extra={"step": req.step, "error": str(exc)})
+
+    async def _deliver_prepare(self, req: peer_pb2.PrepareStepRequest) -> None:
         if self.is_coordinator():
             await self.coordinator.prepared(req)
             return
         await self._peer_stub(self.membership.coordinator()).PrepareStep(
             req, timeout=RPC_TIMEOUT_S)
+
+    async def _resend_prepares(self) -> None:
+        """Phase one again, for a new coordinator: every step this daemon prepared that it
+        has not seen committed (a coordinator that already committed one sends the commit
+        back instead)."""
+        latest = self.snapshots.store.latest_committed() or 0
+        generation = self.registry.generation
+        for step in sorted(self._prepares):
+            for req in self._prepares[step]:
+                if step <= latest or req.generation < generation:
+                    continue
+                try:
+                    await self._deliver_prepare(req)
+                except (grpc.aio.AioRpcError, LookupError, StaleStep) as exc:
+                    log.warning("prepare not resent", extra={"step": step, "error": str(exc)})
 
     # PeerService hooks (`steps=` of PeerServicer) ----------------------------------
 

@@ -31,7 +31,7 @@ from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.registry import Registry
 from stalwart.daemon.s3_tier import ManifestExistsError, S3Tier
 from stalwart.daemon.scrub import Scrubber
-from stalwart.daemon.shard_client import ByteBudget, ShardClient
+from stalwart.daemon.shard_client import ByteBudget, ShardClient, ShardTransferError
 from stalwart.daemon.shard_reader import BeyondToleranceError, ShardReader
 from stalwart.daemon.slots import FdServer, SlotError, SlotPool
 from stalwart.daemon.tls import aio_channel, client_credentials
@@ -309,6 +309,7 @@ class SnapshotPath:
         by_node = {p.node: p for p in peers}
         out = manifest_pb2.RankState()
         out.CopyFrom(state)
+        unreachable: set[str] = set()  # peers that failed a put during this capture
         for chunk, payload in zip(out.chunks, payloads, strict=True):
             t0 = time.perf_counter()
             shards = await asyncio.to_thread(codec.encode, payload)
@@ -317,6 +318,7 @@ class SnapshotPath:
             placement = place_chunk(chunk.chunk_id, k, m, nodes,
                                     self.config.erasure.parity_to)
             puts = []
+            chosen = {h for holders in placement.holders for h in holders}
             for index, holders in enumerate(placement.holders):
                 body = bytes(shards[index])
                 sid = f"{chunk.chunk_id}.{index}"
@@ -328,13 +330,51 @@ class SnapshotPath:
                         assert self.s3 is not None
                         puts.append(self.s3.put_shard(sid, body))
                     else:
-                        puts.append(self._client(by_node[holder]).put(
-                            sid, body, step=step, generation=generation, crc=crc))
+                        puts.append(self._put_shard(
+                            chunk.shards[-1], body, step, generation, by_node, chosen,
+                            unreachable))
             chunk.k, chunk.m = k, m
             await asyncio.gather(*puts)
             self.metrics.stored_bytes.labels(tier="shards").inc(
                 sum(len(bytes(s)) for s in shards))
         return out
+
+    async def _put_shard(self, record: manifest_pb2.ShardRecord, body: bytes, step: int,
+                         generation: int, by_node: dict[str, Peer], chosen: set[str],
+                         unreachable: set[str]) -> None:
+        """Store one shard on `record.node`; when that peer cannot take it (dead but not
+        yet detected as lost), on another live daemon, else on this one, and record where.
+
+        Failing the whole step instead would drop every step captured between a node's
+        death and its detection, and a job that ends meanwhile could never commit them.
+        """
+        node = record.node
+        if node in unreachable:
+            node = self._alternate(by_node, chosen, unreachable)
+            chosen.add(node)
+        while True:
+            try:
+                await self._client(by_node[node]).put(record.location, body, step=step,
+                                                      generation=generation,
+                                                      crc=record.crc32c)
+                break
+            except ShardTransferError as exc:
+                if node == self.node:
+                    raise  # this daemon's own shard store failed: nothing else to try
+                unreachable.add(node)
+                nxt = self._alternate(by_node, chosen, unreachable)
+                chosen.add(nxt)  # before the next await: a sibling shard picks another
+                log.warning("shard rerouted: its peer did not take it",
+                            extra={"shard": record.location, "peer": node, "to": nxt,
+                                   "error": str(exc)})
+                node = nxt
+        record.node = node
+
+    def _alternate(self, by_node: dict[str, Peer], chosen: set[str],
+                   unreachable: set[str]) -> str:
+        """A live daemon holding no shard of this chunk yet, else this daemon."""
+        spare = sorted(n for n in by_node if n not in chosen and n not in unreachable)
+        return spare[0] if spare else self.node
 
     # commit -------------------------------------------------------------------
 

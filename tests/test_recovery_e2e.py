@@ -103,14 +103,18 @@ def test_the_coordinator_killed_during_recovery_is_succeeded(tmp_path: Path) -> 
 def test_an_etcd_elected_coordinator_killed_mid_run_is_succeeded(tmp_path: Path,
                                                                  etcd: str) -> None:
     layout = ("--nodes", "3", "--ranks-per-node", "1", "--dp", "2", "--pp", "1")
-    # Whichever daemon won the etcd seat dies with its rank; the lease runs out and a
-    # survivor takes the seat, re-plans with a spare and the run ends as if nothing broke.
+    # Whichever daemon won the etcd seat dies with what runs on it: a training rank (the
+    # survivor who takes the seat re-plans with a spare) or only a spare (node-2; no
+    # re-plan, but the shards and prepares it should have taken go elsewhere). Either
+    # way the run ends as if nothing broke.
     code, summary = demo(tmp_path, *layout, "--spares", "2", "--etcd", etcd,
                          "--kill", "coordinator@step:4")
     assert code == 0, summary
     first, *later = summary["coordinators"]
     assert later and later[-1] != first, summary["coordinators"]
-    assert summary["recoveries"][0]["kind"] == f"kill node:{first.removeprefix('node-')}"
+    hosted_a_rank = first != "node-2"  # ranks 0 and 1 live on node-0 and node-1
+    assert [r["kind"] for r in summary["recoveries"]] == (
+        [f"kill node:{first.removeprefix('node-')}"] if hosted_a_rank else [])
     baseline = uninterrupted(tmp_path, *layout)
     assert summary["completed"] and summary["lost_steps"] == 0
     assert summary["param_digest"] == baseline["param_digest"]
