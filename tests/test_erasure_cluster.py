@@ -316,3 +316,31 @@ def test_shard_bytes_in_flight_are_bounded_per_daemon_not_per_peer(tmp_path: Pat
     finally:
         path.pool.close()
     assert left == SHARD_BYTES_IN_FLIGHT // 4
+
+
+@pytest.mark.multiprocess
+def test_a_dead_peer_not_yet_declared_lost_does_not_cost_a_step(cluster) -> None:
+    # node-4 dies before training and, with a 300 s timeout, is never declared lost while
+    # the job runs: placement keeps choosing it, and its shards must go elsewhere.
+    c = cluster(5, heartbeat_timeout_s=300.0)
+    c.start_daemons()
+    dead = c.daemons[4]
+    c.kill_daemon(dead)
+    c.launch(SPEC, world=1)
+    wait_until(lambda: all(r.proc.poll() is not None for r in c.ranks), 150,
+               "the rank to finish training")
+    assert c.ranks[0].proc.returncode == 0, c.ranks[0].log_path.read_text()[-3000:]
+    survivors = c.daemons[:4]
+    wait_until(lambda: all((st := n.status()) is not None and st.latest_committed_step == STEPS
+                           for n in survivors), 30, "every survivor to commit the last step")
+    found = manifests(survivors[-1])
+    holders = {s.node for m in found.values() for r in m.ranks for c_ in r.chunks
+               for s in c_.shards}
+    assert dead.name not in holders and len(holders) >= K + M
+    assert "shard rerouted" in c.daemons[0].log_path.read_text()
+    # Four live daemons for k + m = 4 shards: full tolerance is kept, every step survives
+    # the loss of any m more daemons besides the dead one.
+    for more in itertools.combinations([n.name for n in survivors], M):
+        assert recoverable(found, {dead.name, *more}) == sorted(found, reverse=True), more
+    latest = max(found)
+    assert restore(survivors[-1], latest)[1] == restore(c.daemons[0], latest)[1]
