@@ -217,7 +217,8 @@ def test_training_rides_out_an_etcd_outage_and_commits_every_step(tmp_path):
                                 "seq_len": 16},
             "train": {"global_batch": 8, "seed": 0},
             "layout": {"dp": 2, "pp": 1, "tp": 1, "schedule": "1f1b", "microbatches": 1}}
-    cluster = LocalCluster(nodes=2, daemon_settings={"etcd": endpoint, "etcd_lease_s": 2})
+    cluster = LocalCluster(nodes=2, workdir=tmp_path / "cluster",  # logs kept for a failure
+                           daemon_settings={"etcd": endpoint, "etcd_lease_s": 2})
 
     def committed() -> list[int]:
         return [s.latest_committed_step if (s := n.status()) else -1 for n in cluster.daemons]
