@@ -209,8 +209,8 @@ def _quant_region(cur: np.ndarray, ref: np.ndarray,
 
 
 def _dequant(ref: np.ndarray, q: np.ndarray, scale: np.ndarray, n: int) -> np.ndarray:
-    step = (q.astype(np.float32) * scale[:, None]).reshape(-1)[:n]
     with np.errstate(over="ignore"):  # an overflow becomes an exact exception entry
+        step = (q.astype(np.float32) * scale[:, None]).reshape(-1)[:n]
         return (ref + step).astype(np.float32)
 
 
