@@ -53,6 +53,7 @@ class Job:
         self._failures: asyncio.Queue[Failure] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._coordinator_seen = ""
+        self._had_coordinator = False
         self._unsent: list[Failure] = []  # reports the coordinator never received
         # Prepares of steps not yet committed here, by step: sent again to a new
         # coordinator, since the old one may have died with them.
@@ -63,6 +64,7 @@ class Job:
                                      poll_interval_s=min(2.0, config.heartbeat_interval_s))
         registry.on_failure(self._on_failure)
         self.election: EtcdElection | None = None
+        self._seat_task: asyncio.Task[None] | None = None
         if config.etcd:
             membership.elected = True
             self.election = EtcdElection(config.node, endpoint=config.etcd,
@@ -92,6 +94,15 @@ class Job:
     def _won_seat(self, term: int) -> None:
         log.warning("this daemon coordinates the job (etcd term %d)", term)
         self.membership.seat = self.node
+        # Lost and won back between two looks of _follow_coordinator, the seat shows no
+        # change there: what went undelivered meanwhile is sent to ourselves here.
+        self._seat_task = asyncio.get_running_loop().create_task(self._redeliver())
+
+    async def _redeliver(self) -> None:
+        unsent, self._unsent = self._unsent, []
+        for failure in unsent:
+            self._failures.put_nowait(failure)
+        await self._resend_prepares()
 
     def _lost_seat(self, reason: str) -> None:
         log.error("this daemon no longer coordinates: %s", reason)
@@ -147,17 +158,16 @@ class Job:
             current = self.membership.coordinator()
             if current == self._coordinator_seen:
                 continue
-            first = not self._coordinator_seen
             self._coordinator_seen = current
-            if first:
-                continue
+            if not current:
+                continue  # the etcd seat is empty: wait for its next holder
+            if not self._had_coordinator:
+                self._had_coordinator = True
+                continue  # the first coordinator this daemon sees: nothing to hand over
             log.warning("coordinator changed", extra={"coordinator": current})
             if current == self.node:
                 self.coordinator.take_over(self.registry.current_plan())
-            unsent, self._unsent = self._unsent, []
-            for failure in unsent:
-                self._failures.put_nowait(failure)
-            await self._resend_prepares()
+            await self._redeliver()
             for record in self.registry.ranks():
                 if record.state in ("alive", "late"):
                     try:
