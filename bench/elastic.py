@@ -201,11 +201,6 @@ def _scrape(port: int) -> dict[str, float]:
     return out
 
 
-def state_members(plan: Any) -> list[Any]:
-    """The ranks holding a role in `plan` (spares left out)."""
-    return [a for a in plan.assignments if not a.spare]
-
-
 def _step_times(clock: StepLog, since: float, until: float) -> dict[int, float]:
     """step -> when every rank that printed it in (since, until] had printed it."""
     out: dict[int, float] = {}
@@ -243,10 +238,9 @@ def _figures(spec: dict[str, Any], clock: StepLog, first_plan: Any, final: Any,
     predicted = rate_before * again.speed_ratio
     # Ranks on one CPU host share its cores: each of the 4 gets cores/4 before the kill and
     # each of the 3 survivors cores/3 after. The planner's device speeds do not know that.
-    cores = len(os.sched_getaffinity(0))
-    before_ranks, after_ranks = len(state_members(first_plan)), len(state_members(final.plan))
-    core_gain = min(1.0, cores / after_ranks) / min(1.0, cores / before_ranks)
     new = PlanState.from_proto(final.plan)
+    cores = len(os.sched_getaffinity(0))
+    core_gain = min(1.0, cores / len(new.members)) / min(1.0, cores / len(state.members))
     moved = re.search(r"(\d+) layers moved", final.plan.reason)
     gen2 = [g for r in results if r for g in r.get("generations", []) if g["generation"] == 2]
     plan_sum = 'stalwart_recovery_phase_seconds_sum{phase="plan"}'

@@ -171,10 +171,8 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
                     _say(t0, f"DETECTED {_kind(f.kind)} of {f.subject} by {st.node}: "
                              f"{f.evidence}")
         if coord is not None:
-            if not coordinators or coordinators[-1] != coord.node:
-                if coordinators:
-                    _say(t0, f"COORDINATOR is now {coord.node}")
-                coordinators.append(coord.node)
+            if _note_coordinator(coordinators, coord.node) and len(coordinators) > 1:
+                _say(t0, f"COORDINATOR is now {coord.node}")
             lay = coord.plan.layout
             if lay.dp and not coord.plan.stop:
                 roles = lay.dp * lay.pp * max(1, lay.tp)
@@ -200,9 +198,8 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
                          f"committed {committed}  generation {generation}")
         time.sleep(0.25)
     follow.poll([r.log_path for r in cluster.ranks])
-    last = cluster.coordinator()  # a hand-over in the last poll interval counts too
-    if last is not None and (not coordinators or coordinators[-1] != last.name):
-        coordinators.append(last.name)
+    if (last := cluster.coordinator()) is not None:  # a hand-over in the last interval
+        _note_coordinator(coordinators, last.name)
     summary = _summarise(cluster, args, faults, follow, plans, committed_at,
                          time.monotonic() - t0)
     summary["coordinators"] = coordinators
@@ -217,6 +214,14 @@ def _finished(cluster: Any, steps: int) -> int:
             res = r.result() or {}
             done += str(steps) in res.get("losses", {})
     return done
+
+
+def _note_coordinator(coordinators: list[str], name: str) -> bool:
+    """Append `name` when it differs from the last coordinator seen; True if it did."""
+    if coordinators and coordinators[-1] == name:
+        return False
+    coordinators.append(name)
+    return True
 
 
 def _kind(code: int) -> str:

@@ -165,10 +165,9 @@ def counting_flat_allreduce(tensor: torch.Tensor, pg: Any, node_of_rank: Sequenc
 
     `node_of_rank` lists the node of each member in `pg` order; `index` is ours.
     """
-    n = len(node_of_rank)
     pg.allreduce([tensor]).wait()
-    link = "intra" if node_of_rank[index] == node_of_rank[(index + 1) % n] else "inter"
-    counter.add(link, "flat_allreduce", 2 * (n - 1) / n * tensor.numel() * tensor.element_size())
+    counter.ring_allreduce("flat_allreduce", node_of_rank, index,
+                           tensor.numel() * tensor.element_size())
 
 
 def make_reduce_fn(groups: HierGroups) -> Callable[[torch.Tensor, Any], None]:
