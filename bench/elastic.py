@@ -278,17 +278,15 @@ def _figures(spec: dict[str, Any], clock: StepLog, first_plan: Any, final: Any,
 
 def _profile_config(spec: dict[str, Any]) -> ElasticConfig:
     """The ElasticConfig the coordinator builds from the ranks' layer profile."""
-    from stalwart.client.agent import AgentConfig, layer_profile
     from stalwart.client.model import PRESETS, with_overrides
     from stalwart.client.trainer import TrainConfig
+    from stalwart.client.trainer_program import layer_profile
     from stalwart.v1 import common_pb2
 
     lay = spec["layout"]
-    cfg = AgentConfig(
-        train=TrainConfig(model=with_overrides(PRESETS[spec["model"]], **spec["model_overrides"]),
-                          **spec["train"]),
-        layout=common_pb2.ParallelLayout(dp=lay["dp"], pp=lay["pp"], tp=lay["tp"],
-                                         microbatches=lay["microbatches"]),
-        steps=spec["steps"])
-    p = layer_profile(cfg)
+    p = layer_profile(
+        TrainConfig(model=with_overrides(PRESETS[spec["model"]], **spec["model_overrides"]),
+                    **spec["train"]),
+        common_pb2.ParallelLayout(dp=lay["dp"], pp=lay["pp"], tp=lay["tp"],
+                                  microbatches=lay["microbatches"]))
     return ElasticConfig(costs=tuple(p.costs), layer_bytes=tuple(p.state_bytes) or None)

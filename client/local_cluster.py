@@ -137,6 +137,7 @@ class LocalCluster:
     daemons: list[Node] = field(default_factory=list)
     ranks: list[RankProc] = field(default_factory=list)
     store: Any = None
+    argv: list[str] | None = None
     _own_workdir: bool = False
 
     def __post_init__(self) -> None:
@@ -205,10 +206,11 @@ class LocalCluster:
 
     # ranks --------------------------------------------------------------------------
 
-    def launch(self, spec: dict[str, Any], world: int, spares: int = 0,
-               ranks_per_node: int | None = None) -> None:
+    def launch(self, spec: dict[str, Any] | None, world: int, spares: int = 0,
+               ranks_per_node: int | None = None, argv: list[str] | None = None) -> None:
         """Start `world` ranks (RANK 0..world-1, consecutive ranks share a node) and
-        `spares` spare processes on the last nodes."""
+        `spares` spare processes on the last nodes: the built-in worker running `spec`,
+        or `python *argv` (a script written against the public API)."""
         import datetime
 
         import torch.distributed as dist
@@ -221,6 +223,7 @@ class LocalCluster:
                                        wait_for_workers=False)
             self.master_port = port
         per_node = ranks_per_node or -(-world // self.nodes)
+        self.argv = argv
         spec_path = self.workdir / "spec.json"
         spec_path.write_text(json.dumps(spec))
         placements = [(r, self.daemons[min(r // per_node, self.nodes - 1)])
@@ -244,10 +247,13 @@ class LocalCluster:
                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         log_path = self.workdir / f"{name}.log"
         result_path = self.workdir / f"{name}.json"
+        command = [sys.executable, "-m", "stalwart.client.worker", str(spec_path),
+                   str(result_path)]
+        if self.argv is not None:
+            command = [sys.executable, *self.argv]
+            env.update(STALWART_RESULT_FILE=str(result_path), STALWART_STEP_LOG="1")
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "stalwart.client.worker", str(spec_path),
-                 str(result_path)], stdout=log, stderr=subprocess.STDOUT, env=env)
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.ranks.append(RankProc(rank, node, proc, result_path, log_path))
 
     def add_spares(self, count: int = 1, node: int | None = None) -> None:

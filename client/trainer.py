@@ -6,7 +6,6 @@ and can be dropped and rebuilt with another plan in the same process.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 
 from stalwart.client import pipeline, recompute
 from stalwart.client.data import TextBatches, load_corpus
+from stalwart.client.digest import param_digest, tensor_sha256
 from stalwart.client.dp import GradReducer, ReduceFn
 from stalwart.client.model import GPTConfig, GPTStage, full_params, uniform_bounds
 from stalwart.client.parallel_dims import ParallelDims
@@ -237,7 +237,7 @@ class Trainer:
 
     def param_hashes(self) -> dict[str, str]:
         """sha256 of each full parameter of this stage (collective over TP)."""
-        return {name: _tensor_sha256(t) for name, t in self.full_params().items()}
+        return {name: tensor_sha256(t) for name, t in self.full_params().items()}
 
     def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """AdamW moments at full size by canonical name (TP shards gathered; collective
@@ -326,19 +326,3 @@ class Trainer:
         """Release hooks and threads; the caller destroys the process groups. Pass
         wait=False after a failure (see GradReducer.close)."""
         self.reducer.close(wait=wait)
-
-
-def _tensor_sha256(t: torch.Tensor) -> str:
-    t = t.detach().to("cpu").contiguous()
-    head = f"{t.dtype}{tuple(t.shape)}".encode()
-    return hashlib.sha256(head + t.view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def param_digest(hashes: dict[str, str]) -> str:
-    """Layout-independent digest: sha256 over 'name sha256' lines in canonical layer order."""
-    def key(name: str) -> tuple[int, str]:
-        _, index, rest = name.split(".", 2)
-        return int(index), rest
-
-    lines = "".join(f"{n} {hashes[n]}\n" for n in sorted(hashes, key=key))
-    return hashlib.sha256(lines.encode()).hexdigest()

@@ -26,6 +26,7 @@ from stalwart.client.daemon_client import DaemonClient
 from stalwart.client.launch import connect_store
 from stalwart.client.model import PRESETS, with_overrides
 from stalwart.client.trainer import TrainConfig
+from stalwart.client.trainer_program import TrainerProgram
 from stalwart.v1 import common_pb2
 
 log = logging.getLogger("stalwart.client.worker")
@@ -94,11 +95,12 @@ def main(argv: list[str]) -> int:
     rank = int(os.environ.get("RANK", "-1"))
     node = int(os.environ.get("STALWART_NODE_INDEX", "0"))
     spare = rank < 0
-    cfg = AgentConfig(train=_train_config(spec), layout=_layout(spec), steps=spec["steps"],
-                      spare=spare, collective_timeout_s=spec.get("collective_timeout_s", 10.0),
+    cfg = AgentConfig(spare=spare, collective_timeout_s=spec.get("collective_timeout_s", 10.0),
                       plan_timeout_s=spec.get("plan_timeout_s", 120.0))
+    program = TrainerProgram(_train_config(spec), _layout(spec), spec["steps"])
     daemon = DaemonClient()  # $STALWART_UNIX_SOCKET names this node's daemon
-    agent = ElasticAgent(cfg, daemon, connect_store(), on_step=_fault_hook(spec, rank, node))
+    agent = ElasticAgent(program, cfg, daemon, connect_store(),
+                         on_step=_fault_hook(spec, rank, node))
     try:
         agent.run()
         code = 0

@@ -1,0 +1,139 @@
+"""Stalwart's 3D loop as an agent program: each generation builds a Trainer for its
+plan, restores the committed step (relaid out when the layout changed), trains and
+captures every step until the job's last step is committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from stalwart.client.agent import Generation, PlanChanged
+from stalwart.client.daemon_client import DaemonUnavailable
+from stalwart.client.data import load_corpus
+from stalwart.client.relayout import OldLayout, Role, fetch_and_assemble
+from stalwart.client.trainer import TrainConfig, Trainer
+from stalwart.client.trainer_state import adamw_hints, load_state, state_tensors
+from stalwart.core.costs import GPTShape, gpt_profile
+from stalwart.core.shrink import ElasticConfig
+from stalwart.v1 import common_pb2
+
+log = logging.getLogger("stalwart.client.trainer_program")
+
+
+@dataclass
+class TrainerProgram:
+    """The 3D loop over a model for `steps` optimizer steps, starting in `layout`."""
+
+    train_cfg: TrainConfig
+    layout: common_pb2.ParallelLayout
+    steps: int
+    device: str = "cpu"
+    _corpus: bytes | None = None  # loaded once, reused by every generation
+
+    def start_layout(self) -> common_pb2.ParallelLayout:
+        return self.layout
+
+    def profile(self) -> common_pb2.LayerProfile:
+        return layer_profile(self.train_cfg, self.layout)
+
+    def warm_up(self) -> None:
+        self._corpus = load_corpus(self.train_cfg.corpus_bytes)
+
+    def train(self, gen: Generation) -> None:
+        lay = gen.plan.layout
+        trainer = capturer = None
+        try:
+            if self._corpus is None:
+                self._corpus = load_corpus(self.train_cfg.corpus_bytes)
+            trainer = Trainer(gen.dims, self.train_cfg, corpus=self._corpus,
+                              stage_bounds=[(s.first_layer, s.last_layer) for s in lay.stages]
+                              or None, schedule=lay.schedule or "1f1b",
+                              microbatches=lay.microbatches or 1,
+                              grad_accum=lay.grad_accum or 1, device=self.device)
+            rebuild_s = time.monotonic() - gen.record["t_build"]
+            t_restore = time.monotonic()
+            if gen.plan.resume_step > 0:
+                _restore(gen, trainer, gen.plan.resume_step)
+            gen.report_rebuilt(rebuild_s, time.monotonic() - t_restore)
+            capturer = gen.capturer()
+
+            def wait_for_copy(*_: Any) -> None:
+                capturer.before_update()  # the optimizer is about to overwrite what is copied
+
+            hook = trainer.optimizer.register_step_pre_hook(wait_for_copy)
+            while trainer.step_count < self.steps:
+                gen.check_plan()
+                t0 = time.perf_counter()
+                loss = gen.run_or_abandon(trainer.step, "step")
+                step = trainer.step_count
+                tensors, extra = state_tensors(trainer)
+                capturer.capture(step, tensors, extra, adamw_hints(trainer))
+                gen.step_done(step, loss, time.perf_counter() - t0)
+            capturer.drain()
+            hook.remove()
+            gen.wait_committed(self.steps)
+            gen.result.param_hashes = trainer.param_hashes()
+            gen.result.stalls_s = capturer.stats.stalls_s
+        finally:
+            if not gen.abandoned:
+                if capturer is not None:
+                    try:
+                        capturer.close()
+                    except Exception as exc:  # the old generation's captures may be refused
+                        log.debug("capturer closed with: %s", exc)
+                if trainer is not None:
+                    trainer.close()
+
+
+def _restore(gen: Generation, trainer: Trainer, step: int) -> None:
+    """Load this role's state at committed `step` from the daemon.
+
+    Same layout: the state the same rank captured. Another layout (after a shrink or
+    a grow): the layers and TP shards of the new role, assembled from the old ranks
+    that hold them.
+    """
+    coord = gen.role.coord
+    first = coord.rank
+    try:
+        metas, tensors, extra = gen.restore_rank(step, first)
+    except DaemonUnavailable:
+        if first == 0:
+            raise
+        first = 0  # a grown plan has more ranks than the step had
+        metas, tensors, extra = gen.restore_rank(step, first)
+    old = extra.get("layout", {})
+    same = (first == coord.rank and
+            (old.get("dp"), old.get("pp"), old.get("tp")) == (
+                trainer.dims.dp, trainer.dims.pp, trainer.dims.tp)
+            and [tuple(b) for b in old.get("stage_bounds", [])] == list(trainer.bounds))
+    if not same:
+        lo, hi = trainer.bounds[coord.pp]
+        role = Role(lo, hi, tp=coord.tp, tp_size=trainer.dims.tp, dp=coord.dp)
+        t0 = time.monotonic()
+        tensors, extra = fetch_and_assemble(gen.daemon, step, OldLayout.from_extra(extra),
+                                            role, local={first: (metas, tensors, extra)})
+        log.warning("relayout restore: layers %d-%d from the step's %sx%sx%s layout in "
+                    "%.2f s", lo, hi, old.get("dp"), old.get("pp"), old.get("tp"),
+                    time.monotonic() - t0)
+    load_state(trainer, tensors, extra)
+    if trainer.step_count != step:
+        raise RuntimeError(f"restored state is of step {trainer.step_count}, not {step}")
+
+
+def layer_profile(train: TrainConfig, lay: common_pb2.ParallelLayout) -> common_pb2.LayerProfile:
+    """Per-layer cost, memory and state bytes of the model, for the elastic planner."""
+    m = train.model
+    per_round = max(1, lay.dp) * max(1, lay.microbatches) * max(1, lay.grad_accum)
+    shape = GPTShape(vocab=m.vocab, d_model=m.d_model, n_layers=m.n_layer, n_heads=m.n_head,
+                     seq=m.seq_len, micro_batch=max(1, train.global_batch // per_round),
+                     d_ff=m.d_ff)
+    elastic = ElasticConfig.from_profile(gpt_profile(shape), tp=max(1, lay.tp))
+    return common_pb2.LayerProfile(costs=elastic.costs, mem_bytes=elastic.mem or (),
+                                   act_bytes=elastic.act or (),
+                                   state_bytes=elastic.layer_bytes or ())
+
+
+__all__ = ["PlanChanged", "TrainerProgram", "layer_profile"]

@@ -1,0 +1,317 @@
+"""Entry shape 1: the user's own loop, model, optimizer and data, protected.
+
+`run(train, model=..., optimizer=..., ...)` registers the process with its node's
+daemon and calls `train(ctx)` once per generation, in the same process: after a
+failure the groups are rebuilt, every registered object is restored at the last
+committed step, and `train` is entered again with `ctx.steps()` starting there.
+
+The commit point is `optimizer.step()`: a pre-hook averages the gradients over the
+generation's data-parallel group (and waits for the previous snapshot copy), and the
+state after the step (and whatever the loop body did after it, such as the scheduler
+step) is captured when `ctx.steps()` moves to the next step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stalwart.client.agent import AgentConfig, ElasticAgent, Generation
+from stalwart.client.daemon_client import DaemonClient, DaemonUnavailable
+from stalwart.client.digest import param_digest, tensor_sha256
+from stalwart.client.user_data import Data
+from stalwart.client.user_state import StateError, StateRegistry
+from stalwart.v1 import common_pb2
+
+log = logging.getLogger("stalwart.client.user_loop")
+
+__all__ = ["Context", "Result", "run"]
+
+
+@dataclass
+class Result:
+    """What `run` returns on the rank that finished training."""
+
+    steps: int = 0
+    """Optimizer steps the job took in total."""
+    losses: dict[int, float] = field(default_factory=dict)
+    """Step (1-based) -> the job-wide mean of the losses passed to `ctx.report_loss`,
+    for every step this process took."""
+    generations: int = 0
+    """Generations this process trained in (1 without a failure)."""
+    param_digest: str = ""
+    """`stalwart.param_digest` of the registered modules at the end."""
+
+
+class Context:
+    """One generation of the job as the training function sees it."""
+
+    def __init__(self, gen: Generation, program: _UserLoopProgram, start: int) -> None:
+        self._gen, self._program = gen, program
+        self._step = start
+        self._stepped = False
+        self._finished: int | None = None
+        self._micro = 0
+        self._losses: list[float] = []
+
+    @property
+    def generation(self) -> int:
+        """Generation number: 1 at the start, one more after each re-plan."""
+        return self._gen.plan.generation
+
+    @property
+    def resumed_from(self) -> int:
+        """Committed step this generation restored (0 at the start of the job)."""
+        return self._gen.plan.resume_step
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's index among the data-parallel replicas of this generation."""
+        return self._gen.role.coord.dp
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas of this generation."""
+        return self._gen.plan.layout.dp
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per step on each replica (more after a shrink: the global batch
+        stays the same)."""
+        return max(1, self._gen.plan.layout.grad_accum)
+
+    @property
+    def dp_group(self) -> Any:
+        """The torch.distributed process group of this generation's replicas, for the
+        loop's own collectives (rebuilt every generation: do not keep it)."""
+        return self._gen.dims.dp_group.pg
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far (the 0-based index of the step being taken)."""
+        return self._step
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Step indices from the resume point up to `total` (exclusive). Each iteration
+        must call `optimizer.step()` once; the state after the iteration is captured."""
+        if total < self._step:
+            raise ValueError(f"steps({total}) but the job already took {self._step} steps")
+        gen = self._gen
+        while self._step < total:
+            gen.check_plan()
+            t0 = time.perf_counter()
+            self._stepped, self._micro, self._losses = False, 0, []
+            yield self._step
+            if not self._stepped:
+                raise RuntimeError(f"step {self._step} ended without optimizer.step(); "
+                                   "call it once in every iteration of ctx.steps()")
+            self._step += 1
+            self._program.capture(gen, self._step)
+            gen.step_done(self._step, self._program.last_loss, time.perf_counter() - t0)
+        self._finished = total
+
+    def batches(self, data: Data) -> Iterator[Any]:
+        """This replica's micro-batches of the current step's global batch (collated);
+        backpropagate each one's mean loss: Stalwart averages over micro-batches and
+        replicas before the optimizer step."""
+        shares = data.shares(self._step, self.dp_size, self.dp_rank, self.accumulation)
+        for indices in shares:
+            self._micro += 1
+            yield data.batch(indices)
+
+    def report_loss(self, loss: torch.Tensor | float) -> None:
+        """Count `loss` (a micro-batch's mean) into the step's job-wide mean loss."""
+        self._losses.append(float(loss.detach().item() if torch.is_tensor(loss) else loss))
+
+
+class _UserLoopProgram:
+    """The agent program that runs the user's training function."""
+
+    def __init__(self, train: Callable[[Context], None], registry: StateRegistry,
+                 world: int, device: torch.device) -> None:
+        self.fn, self.registry, self.world, self.device = train, registry, world, device
+        self.optimizers = [opt for _, opt in registry.optimizers()]
+        self.params = [p for _, m in registry.modules() for p in m.parameters()
+                       if p.requires_grad]
+        self.ctx: Context | None = None
+        self.capturer: Any = None
+        self.last_loss: float | None = None
+        self.finished: Context | None = None
+
+    def start_layout(self) -> common_pb2.ParallelLayout:
+        return common_pb2.ParallelLayout(dp=self.world, pp=1, tp=1, microbatches=1,
+                                         grad_accum=1, schedule="1f1b",
+                                         stages=[common_pb2.StageBounds(first_layer=0,
+                                                                        last_layer=0)])
+
+    def profile(self) -> common_pb2.LayerProfile:
+        nbytes = sum(p.numel() * p.element_size() for p in self.params)
+        return common_pb2.LayerProfile(costs=[1.0], state_bytes=[3.0 * nbytes])
+
+    def warm_up(self) -> None:
+        pass
+
+    # one generation --------------------------------------------------------------
+
+    def train(self, gen: Generation) -> None:
+        t_restore = time.monotonic()
+        start = self._restore(gen) if gen.plan.resume_step > 0 else 0
+        rebuild_s = t_restore - gen.record["t_build"]
+        gen.report_rebuilt(rebuild_s, time.monotonic() - t_restore)
+        for p in self.params:
+            p.grad = None  # an abandoned step may have left partial gradients behind
+        ctx = self.ctx = Context(gen, self, start)
+        self.capturer = gen.capturer()
+        hooks = [h for opt in self.optimizers for h in (
+            opt.register_step_pre_hook(lambda *_: self._before_update(gen, ctx)),
+            opt.register_step_post_hook(lambda *_: self._after_update(ctx)))]
+        try:
+            self.fn(ctx)
+            if ctx._finished is None:
+                raise RuntimeError("the training function returned before ctx.steps() ran to "
+                                   "its end; loop over ctx.steps(total) to the last step")
+            self.capturer.drain()
+            gen.wait_committed(ctx._finished)
+            self.finished = ctx
+        finally:
+            for h in hooks:
+                h.remove()
+            if not gen.abandoned:
+                try:
+                    self.capturer.close()
+                except Exception as exc:  # the old generation's captures may be refused
+                    log.debug("capturer closed with: %s", exc)
+
+    def _restore(self, gen: Generation) -> int:
+        step, coord = gen.plan.resume_step, gen.role.coord
+        # Replicas hold the same model and optimizer state; take this replica's own
+        # record (its RNG, its loader state) where the step has one, else replica 0's.
+        try:
+            _, tensors, extra = gen.restore_rank(step, coord.rank)
+        except DaemonUnavailable:
+            if coord.rank == 0:
+                raise
+            _, tensors, extra = gen.restore_rank(step, 0)
+        restored = self.registry.load(tensors, extra)
+        if restored != step:
+            raise RuntimeError(f"restored state is of step {restored}, not {step}")
+        return step
+
+    def _before_update(self, gen: Generation, ctx: Context) -> None:
+        """Before optimizer.step(): the last copy is done, gradients are averaged."""
+        self.capturer.before_update()
+        if ctx._stepped:
+            return  # a second optimizer of the same step: gradients are averaged already
+        divisor = ctx.dp_size * max(1, ctx._micro)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads]) if grads else torch.zeros(0)
+        losses = torch.tensor([sum(ctx._losses), len(ctx._losses)], dtype=torch.float64)
+        group = gen.dims.dp_group
+
+        def reduce() -> None:
+            group.all_reduce(flat)
+            group.all_reduce(losses)
+
+        gen.run_or_abandon(reduce, "grad-reduce")
+        flat.div_(divisor)
+        offset = 0
+        for p, g in zip(self.params, grads, strict=True):
+            n = g.numel()
+            piece = flat[offset:offset + n].view_as(g).to(g.dtype)
+            if p.grad is None:
+                p.grad = piece.clone()
+            else:
+                p.grad.copy_(piece)
+            offset += n
+        self.last_loss = float(losses[0] / losses[1]) if losses[1] > 0 else None
+
+    def _after_update(self, ctx: Context) -> None:
+        ctx._stepped = True
+
+    def capture(self, gen: Generation, step: int) -> None:
+        tensors, extra = self.registry.capture(step)
+        self.capturer.capture(step, tensors, extra, self.registry.adamw_hints())
+
+
+def run(train: Callable[[Context], None], *, model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer, scheduler: Any = None, data: Data | None = None,
+        state: Mapping[str, Any] | None = None, device: str | torch.device = "cpu",
+        collective_timeout_s: float = 10.0) -> Result | None:
+    """Train with `train(ctx)` under Stalwart's protection; see docs/api.md.
+
+    Registers `model`, `optimizer`, `scheduler`, `data` and every object of `state`
+    (each with state_dict/load_state_dict) and snapshots them every step. Launched by a
+    Stalwart launcher (the environment names the daemon, the rank and the job's store).
+    Returns the Result on a rank that finished, None on a spare that never got a role;
+    raises JobStopped when the job stopped at its last committed step.
+    """
+    from stalwart.client.launch import connect_store
+
+    objects: dict[str, Any] = {"model": model, "optimizer": optimizer}
+    if scheduler is not None:
+        objects["scheduler"] = scheduler
+    if data is not None:
+        objects["data"] = data
+    for key, obj in (state or {}).items():
+        if key in objects:
+            raise StateError(f"state name {key!r} is taken by run()'s own argument")
+        objects[key] = obj
+    registry = StateRegistry(objects)
+    env = os.environ
+    rank = int(env.get("RANK", "-1"))
+    if "STALWART_UNIX_SOCKET" not in env or "MASTER_ADDR" not in env:
+        raise RuntimeError("stalwart.run() needs a Stalwart launcher: start the script with "
+                           "`stalwart run SCRIPT` next to a `stalwart daemon` (or from "
+                           "stalwart.LocalCluster in tests); STALWART_UNIX_SOCKET and "
+                           "MASTER_ADDR are not set")
+    dev = torch.device(device)
+    program = _UserLoopProgram(train, registry, int(env.get("WORLD_SIZE", "1")), dev)
+    cfg = AgentConfig(spare=rank < 0, collective_timeout_s=collective_timeout_s,
+                      device=dev.type, backend="nccl" if dev.type == "cuda" else "gloo")
+    daemon = DaemonClient()
+    agent = ElasticAgent(program, cfg, daemon, connect_store(),
+                         on_step=_print_step if env.get("STALWART_STEP_LOG") else None)
+    result: Result | None = None
+    try:
+        agent.run()
+        done = program.finished
+        if done is not None:
+            result = Result(steps=done._finished or 0, losses=dict(agent.result.losses),
+                            generations=len(agent.result.generations),
+                            param_digest=modules_digest(registry))
+    finally:
+        _write_result(agent, result)
+        daemon.close()
+    return result
+
+
+def _print_step(step: int, loss: float) -> None:
+    print(f"[step] {step} loss {loss!r}", flush=True)  # launchers follow these lines
+
+
+def modules_digest(registry: StateRegistry) -> str:
+    hashes = {f"{key}/{name}": tensor_sha256(p) for key, m in registry.modules()
+              for name, p in m.named_parameters()}
+    return param_digest(hashes)
+
+
+def _write_result(agent: ElasticAgent, result: Result | None) -> None:
+    """Where a launcher asks for it (STALWART_RESULT_FILE), this rank's story as JSON."""
+    path = os.environ.get("STALWART_RESULT_FILE")
+    if not path:
+        return
+    out = asdict(agent.result)
+    out["losses"] = {str(k): v for k, v in out["losses"].items()}
+    out["result"] = None if result is None else {**asdict(result), "losses": {
+        str(k): v for k, v in result.losses.items()}}
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(out))
+    tmp.replace(path)

@@ -1,0 +1,235 @@
+"""The user's registered state as named tensors plus one JSON record, and back.
+
+Every registered object has `state_dict()` / `load_state_dict()`. Tensors travel to the
+daemon as raw bytes (`<key>/<path>`); everything else must be a plain value (number,
+string, bool, None, list, tuple, dict) and goes into the JSON record. Optimizer state is
+keyed by parameter name rather than by position, so a layout change needs no renaming.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from stalwart.client.state_layout import StateTensor, dtype_to_proto
+from stalwart.v1 import manifest_pb2
+
+__all__ = ["StateError", "StateRegistry"]
+
+STATE_FORMAT = 2
+_TENSOR, _TUPLE = "__stalwart_tensor__", "__stalwart_tuple__"
+_PLAIN = (bool, int, float, str, type(None))
+
+
+class StateError(TypeError):
+    """Registered state that Stalwart cannot capture or restore; the message names it."""
+
+
+class StateRegistry:
+    """The named objects a job snapshots every step (model, optimizer, scheduler, ...)."""
+
+    def __init__(self, objects: Mapping[str, Any]) -> None:
+        for key, obj in objects.items():
+            if not key or "/" in key:
+                raise StateError(f"state name {key!r} must be non-empty and contain no '/'")
+            for method in ("state_dict", "load_state_dict"):
+                if not callable(getattr(obj, method, None)):
+                    raise StateError(f"registered state {key!r} ({type(obj).__name__}) has no "
+                                     f"{method}(); register objects with state_dict() and "
+                                     "load_state_dict(), or wrap the value in one")
+        self.objects = dict(objects)
+        self._names = self._param_names()
+        self._layout: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None
+
+    def _param_names(self) -> dict[int, str]:
+        """id(parameter) -> '<module key>/<parameter name>' over the registered modules."""
+        names: dict[int, str] = {}
+        for key, obj in self.objects.items():
+            if isinstance(obj, torch.nn.Module):
+                for name, p in obj.named_parameters():
+                    names.setdefault(id(p), f"{key}/{name}")
+        return names
+
+    def modules(self) -> Iterator[tuple[str, torch.nn.Module]]:
+        for key, obj in self.objects.items():
+            if isinstance(obj, torch.nn.Module):
+                yield key, obj
+
+    def optimizers(self) -> Iterator[tuple[str, torch.optim.Optimizer]]:
+        for key, obj in self.objects.items():
+            if isinstance(obj, torch.optim.Optimizer):
+                yield key, obj
+
+    # capture ---------------------------------------------------------------------
+
+    def capture(self, step: int) -> tuple[list[StateTensor], dict[str, Any]]:
+        """This rank's state at `step`: tensors to capture (live references, no copy)
+        and the JSON-able rest."""
+        tensors: list[StateTensor] = []
+        record: dict[str, Any] = {}
+        for key, obj in self.objects.items():
+            if isinstance(obj, torch.optim.Optimizer):
+                record[key] = self._optimizer_state(key, obj, tensors)
+            else:
+                record[key] = _flatten(obj.state_dict(), key, tensors)
+        tensors.append(StateTensor("rng/cpu", torch.get_rng_state()))
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            tensors.append(StateTensor("rng/cuda", torch.cuda.get_rng_state()))
+        self._check_layout(tensors)
+        return tensors, {"format": STATE_FORMAT, "step": step, "objects": record}
+
+    def _optimizer_state(self, key: str, opt: torch.optim.Optimizer,
+                         out: list[StateTensor]) -> dict[str, Any]:
+        sd = opt.state_dict()
+        order = [p for g in opt.param_groups for p in g["params"]]
+        names = []
+        for i, p in enumerate(order):
+            name = self._names.get(id(p))
+            if name is None:
+                raise StateError(f"optimizer {key!r} updates a parameter (position {i}, shape "
+                                 f"{tuple(p.shape)}) of no registered module; register the "
+                                 "model that owns it")
+            names.append(name)
+        state = {names[i]: _flatten(s, f"{key}/{names[i]}", out)
+                 for i, s in sd["state"].items()}
+        groups = []
+        for g in sd["param_groups"]:
+            rest = {k: v for k, v in g.items() if k != "params"}
+            groups.append({"params": [names[i] for i in g["params"]],
+                           **_flatten(rest, f"{key}/param_groups", [], tensors_allowed=False)})
+        return {"state": state, "param_groups": groups}
+
+    def _check_layout(self, tensors: list[StateTensor]) -> None:
+        """The tensors of one job keep their names, dtypes and shapes from step to step
+        (optimizer state appears at the first step and may not change after)."""
+        layout = [(t.name, t.tensor.dtype, tuple(t.tensor.shape)) for t in tensors]
+        for name, dtype, _ in layout:
+            try:
+                dtype_to_proto(dtype)
+            except TypeError:
+                raise StateError(f"state tensor {name!r} has dtype {dtype}, which Stalwart "
+                                 "cannot snapshot; keep it in a supported dtype (float32/16/64, "
+                                 "bfloat16, int8-64, uint8, bool)") from None
+        if self._layout is not None and layout != self._layout:
+            before = {n: (d, s) for n, d, s in self._layout}
+            for name, dtype, shape in layout:
+                if name in before and before[name] != (dtype, shape):
+                    raise StateError(
+                        f"state tensor {name!r} changed from {before[name][1]} "
+                        f"{before[name][0]} to {shape} {dtype} between steps; Stalwart "
+                        "snapshots state whose shapes stay fixed once the first step is taken")
+        self._layout = layout
+
+    # restore ---------------------------------------------------------------------
+
+    def load(self, tensors: Mapping[str, torch.Tensor], extra: Mapping[str, Any]) -> int:
+        """Put a captured state back into the registered objects, bitwise; returns its step."""
+        if extra.get("format") != STATE_FORMAT:
+            raise StateError(f"state format {extra.get('format')} is not {STATE_FORMAT}; "
+                             "this client cannot read it (was it captured by another program?)")
+        record = extra["objects"]
+        missing = sorted(set(self.objects) - set(record))
+        if missing:
+            raise StateError(f"the committed step holds no state for {missing}; register the "
+                             f"same objects as the run that captured it ({sorted(record)})")
+        for key, obj in self.objects.items():
+            if isinstance(obj, torch.optim.Optimizer):
+                obj.load_state_dict(self._optimizer_dict(key, obj, record[key], tensors))
+            else:
+                obj.load_state_dict(_unflatten(record[key], tensors))
+        torch.set_rng_state(tensors["rng/cpu"])
+        if "rng/cuda" in tensors and torch.cuda.is_available():
+            torch.cuda.set_rng_state(tensors["rng/cuda"])
+        return int(extra["step"])
+
+    def _optimizer_dict(self, key: str, opt: torch.optim.Optimizer, saved: dict[str, Any],
+                        tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        index = {self._names[id(p)]: i for i, p in
+                 enumerate(p for g in opt.param_groups for p in g["params"])}
+        unknown = sorted(set(saved["state"]) - set(index))
+        if unknown:
+            raise StateError(f"optimizer {key!r}: the committed state has parameters "
+                             f"{unknown[:3]} that this model does not")
+        state = {index[name]: _unflatten(s, tensors) for name, s in saved["state"].items()}
+        groups = []
+        for g in saved["param_groups"]:
+            rest = _unflatten({k: v for k, v in g.items() if k != "params"}, tensors)
+            groups.append({**rest, "params": [index[n] for n in g["params"]]})
+        return {"state": state, "param_groups": groups}
+
+    # hints -----------------------------------------------------------------------
+
+    def adamw_hints(self) -> list[manifest_pb2.AdamWHint]:
+        """How Adam/AdamW moved each parameter in the last step (for smaller deltas)."""
+        hints = []
+        for key, opt in self.optimizers():
+            if type(opt) not in (torch.optim.AdamW, torch.optim.Adam):
+                continue
+            decoupled = isinstance(opt, torch.optim.AdamW)
+            for group in opt.param_groups:
+                if group.get("amsgrad") or group.get("maximize"):
+                    continue
+                beta1, beta2 = group["betas"]
+                for p in group["params"]:
+                    state = opt.state.get(p, {})
+                    name = self._names.get(id(p))
+                    if name is None or "step" not in state:
+                        continue
+                    hints.append(manifest_pb2.AdamWHint(
+                        param=name, exp_avg=f"{key}/{name}/exp_avg",
+                        exp_avg_sq=f"{key}/{name}/exp_avg_sq", lr=float(group["lr"]),
+                        beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                        weight_decay=float(group["weight_decay"]) if decoupled else 0.0,
+                        step=int(state["step"])))
+        return hints
+
+
+def _flatten(value: Any, path: str, out: list[StateTensor], *,
+             tensors_allowed: bool = True) -> Any:
+    """A JSON-able copy of `value` with each tensor moved to `out` under its path."""
+    if isinstance(value, torch.Tensor):
+        if not tensors_allowed:
+            raise StateError(f"{path!r} holds a tensor where Stalwart expects a plain value")
+        out.append(StateTensor(path, value.detach()))
+        return {_TENSOR: path}
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"__stalwart_float__": repr(value)}
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, Mapping):
+        result = {}
+        for k, v in value.items():
+            if not isinstance(k, str | int):
+                raise StateError(f"{path!r} has a key {k!r} of type {type(k).__name__}; "
+                                 "state keys must be strings or integers")
+            result[str(k) if isinstance(k, str) else f"__int__{k}"] = _flatten(
+                v, f"{path}/{k}", out, tensors_allowed=tensors_allowed)
+        return result
+    if isinstance(value, list | tuple):
+        items = [_flatten(v, f"{path}/{i}", out, tensors_allowed=tensors_allowed)
+                 for i, v in enumerate(value)]
+        return {_TUPLE: items} if isinstance(value, tuple) else items
+    raise StateError(f"{path!r} is a {type(value).__name__}, which Stalwart cannot capture: "
+                     "state_dict() may hold tensors and plain values (numbers, strings, bools, "
+                     "None, lists, tuples, dicts); keep other objects out of it")
+
+
+def _unflatten(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    if isinstance(value, dict):
+        if _TENSOR in value:
+            name = value[_TENSOR]
+            if name not in tensors:
+                raise StateError(f"the committed step lacks tensor {name!r}")
+            return tensors[name]
+        if _TUPLE in value:
+            return tuple(_unflatten(v, tensors) for v in value[_TUPLE])
+        if "__stalwart_float__" in value:
+            return float(value["__stalwart_float__"])
+        return {(int(k[7:]) if k.startswith("__int__") else k): _unflatten(v, tensors)
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unflatten(v, tensors) for v in value]
+    return value

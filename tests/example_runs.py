@@ -1,0 +1,91 @@
+"""Run a script written against the public API on a real local cluster (daemons and
+rank processes), optionally SIGKILL one rank once it has taken a given step, and read
+back what happened: the ranks' results, the plans, and what was committed at the kill."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stalwart.client.local_cluster import LocalCluster, StepLog, wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Run:
+    results: list[dict[str, Any]] = field(default_factory=list)
+    """Result files of the rank processes that wrote one (spares included)."""
+    losses: dict[int, float] = field(default_factory=dict)
+    """Step -> job-wide loss, from every rank's log (killed ones included)."""
+    committed_at_kill: int | None = None
+    """The coordinator's latest committed step read right after the kill."""
+    plans: list[Any] = field(default_factory=list)
+    """Every plan generation the coordinator showed, in order (resume_step, layout)."""
+    exit_codes: list[int | None] = field(default_factory=list)
+    logs: str = ""
+
+    def finished(self) -> list[dict[str, Any]]:
+        return [r["result"] for r in self.results if r.get("result")]
+
+    def digest(self) -> str:
+        digests = {r["param_digest"] for r in self.finished()}
+        assert len(digests) == 1, f"replicas disagree: {digests}\n{self.logs[-4000:]}"
+        return digests.pop()
+
+
+def run_example(tmp_path: Path, script: str, *args: str, nodes: int = 2, world: int = 2,
+                spares: int = 0, kill_rank: int | None = None, kill_after_step: int = 3,
+                settings: dict[str, Any] | None = None, timeout_s: float = 240.0) -> Run:
+    """`python script args` as `world` ranks (+ `spares`) on `nodes` daemons."""
+    cluster = LocalCluster(nodes=nodes, workdir=tmp_path / "cluster",
+                           daemon_settings=settings or {})
+    out = Run()
+    follow = StepLog()
+    try:
+        cluster.start_daemons()
+        cluster.launch(None, world, spares, argv=[str(REPO / script), *args])
+        deadline = time.monotonic() + timeout_s
+        if kill_rank is not None:
+            victim = next(r for r in cluster.ranks if r.rank == kill_rank)
+
+            def reached() -> bool:
+                follow.poll([victim.log_path])
+                return any(s >= kill_after_step for s, _ in follow.seen.get(victim.log_path, []))
+
+            wait_until(reached, timeout_s, f"rank {kill_rank} to take step {kill_after_step}")
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            coordinator = cluster.coordinator()
+            status = coordinator.status() if coordinator else None
+            out.committed_at_kill = status.latest_committed_step if status else None
+        seen_generation = 0
+        while cluster.running() and time.monotonic() < deadline:
+            coordinator = cluster.coordinator()
+            status = coordinator.status() if coordinator else None
+            if status is not None and status.generation > seen_generation:
+                seen_generation = status.generation
+                out.plans.append(status.plan)
+            if _done(cluster):
+                break
+            time.sleep(0.2)
+        follow.poll([r.log_path for r in cluster.ranks])
+        out.losses = dict(follow.losses)
+        out.results = [res for r in cluster.ranks if (res := r.result()) is not None]
+        out.exit_codes = [r.proc.poll() for r in cluster.ranks]
+        out.logs = "\n".join(f"--- {r.log_path.name}\n{r.log_path.read_text()[-3000:]}"
+                             for r in cluster.ranks if r.log_path.exists())
+    finally:
+        cluster.close()
+    return out
+
+
+def _done(cluster: LocalCluster) -> bool:
+    """Every rank with a role finished; what still runs is an unused spare."""
+    results = [r.result() for r in cluster.ranks]
+    finished = [res for res in results if res and res.get("result")]
+    running_roles = [r for r in cluster.running() if r.rank >= 0]
+    return bool(finished) and not running_roles

@@ -1,0 +1,49 @@
+"""The classifier example (entry shape 1: the user's own loop, model, SGD with momentum
+and StepLR) on real daemons: a SIGKILLed rank is replaced by a spare bitwise, and
+without a spare data parallelism shrinks keeping the global batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from example_runs import run_example
+
+pytestmark = pytest.mark.multiprocess
+
+SCRIPT = "examples/classifier/train.py"
+ARGS = ("--steps", "24", "--global-batch", "16")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory):
+    run = run_example(tmp_path_factory.mktemp("base"), SCRIPT, *ARGS)
+    assert len(run.finished()) == 2, run.logs[-4000:]
+    return run
+
+
+def test_the_uninterrupted_run_trains_every_step_on_both_replicas(uninterrupted) -> None:
+    assert sorted(uninterrupted.losses) == list(range(1, 25))
+    assert all(r["steps"] == 24 and r["generations"] == 1 for r in uninterrupted.finished())
+    assert uninterrupted.losses[24] < uninterrupted.losses[1]
+
+
+def test_a_killed_rank_is_replaced_by_a_spare_bitwise(tmp_path: Path, uninterrupted) -> None:
+    run = run_example(tmp_path, SCRIPT, *ARGS, spares=1, kill_rank=1, kill_after_step=6)
+    assert len(run.finished()) == 2, run.logs[-4000:]
+    resumed = run.plans[-1].resume_step
+    assert run.committed_at_kill is not None and resumed >= run.committed_at_kill  # 0 lost
+    assert run.plans[-1].layout.dp == 2  # the spare took the dead rank's place
+    assert run.digest() == uninterrupted.digest()
+    assert run.losses == uninterrupted.losses
+
+
+def test_without_a_spare_the_survivor_trains_on_with_accumulation(tmp_path: Path,
+                                                                  uninterrupted) -> None:
+    run = run_example(tmp_path, SCRIPT, *ARGS, kill_rank=1, kill_after_step=6)
+    assert len(run.finished()) == 1, run.logs[-4000:]
+    plan = run.plans[-1]
+    assert (plan.layout.dp, plan.layout.grad_accum) == (1, 2)  # the global batch is kept
+    assert plan.resume_step >= run.committed_at_kill
+    for step in range(plan.resume_step + 1, 25):
+        assert run.losses[step] == pytest.approx(uninterrupted.losses[step], rel=1e-4)
