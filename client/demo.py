@@ -233,7 +233,7 @@ def _kind(code: int) -> str:
 def _summarise(cluster: Any, args: argparse.Namespace, faults: list[dict[str, Any]],
                follow: Any, plans: list[dict[str, Any]],
                committed_at: list[tuple[float, int]], elapsed: float) -> dict[str, Any]:
-    from stalwart.client.trainer import param_digest
+    from stalwart.client.digest import param_digest
 
     results = [(r, r.result()) for r in cluster.ranks]
     finished = [res for _, res in results if res and res.get("losses")]

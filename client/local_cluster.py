@@ -209,8 +209,8 @@ class LocalCluster:
     def launch(self, spec: dict[str, Any] | None, world: int, spares: int = 0,
                ranks_per_node: int | None = None, argv: list[str] | None = None) -> None:
         """Start `world` ranks (RANK 0..world-1, consecutive ranks share a node) and
-        `spares` spare processes on the last nodes: the built-in worker running `spec`,
-        or `python *argv` (a script written against the public API)."""
+        `spares` spare processes on the last nodes, each running `python *argv` (a script
+        written against the public API), by default the GPT example as `spec` says."""
         import datetime
 
         import torch.distributed as dist
@@ -223,6 +223,9 @@ class LocalCluster:
                                        wait_for_workers=False)
             self.master_port = port
         per_node = ranks_per_node or -(-world // self.nodes)
+        if argv is None:
+            argv, env = gpt_command(spec or {})
+            self.env.update(env)
         self.argv = argv
         spec_path = self.workdir / "spec.json"
         spec_path.write_text(json.dumps(spec))
@@ -231,11 +234,10 @@ class LocalCluster:
         placements += [(-1, self.daemons[self.nodes - 1 - (j % self.nodes)])
                        for j in range(spares)]
         for i, (rank, node) in enumerate(placements):
-            self._start_rank(rank, node, world, spec_path,
+            self._start_rank(rank, node, world,
                              f"rank{rank}" if rank >= 0 else f"spare{i - world}")
 
-    def _start_rank(self, rank: int, node: Node, world: int, spec_path: Path,
-                    name: str) -> None:
+    def _start_rank(self, rank: int, node: Node, world: int, name: str) -> None:
         local = sum(r.node is node for r in self.ranks)
         env = {**os.environ, **self.env, "RANK": str(rank), "WORLD_SIZE": str(world),
                "LOCAL_RANK": str(local), "MASTER_ADDR": "127.0.0.1",
@@ -247,11 +249,8 @@ class LocalCluster:
                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         log_path = self.workdir / f"{name}.log"
         result_path = self.workdir / f"{name}.json"
-        command = [sys.executable, "-m", "stalwart.client.worker", str(spec_path),
-                   str(result_path)]
-        if self.argv is not None:
-            command = [sys.executable, *self.argv]
-            env.update(STALWART_RESULT_FILE=str(result_path), STALWART_STEP_LOG="1")
+        command = [sys.executable, *(self.argv or [])]
+        env.update(STALWART_RESULT_FILE=str(result_path), STALWART_STEP_LOG="1")
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.ranks.append(RankProc(rank, node, proc, result_path, log_path))
@@ -259,11 +258,10 @@ class LocalCluster:
     def add_spares(self, count: int = 1, node: int | None = None) -> None:
         """Start `count` more spare processes (a node coming back, a rank joining late)."""
         assert self.workdir is not None and self.store is not None, "launch() first"
-        spec_path = self.workdir / "spec.json"
         world = len([r for r in self.ranks if r.rank >= 0])
         for _ in range(count):
             target = self.daemons[self.nodes - 1 if node is None else node]
-            self._start_rank(-1, target, world, spec_path,
+            self._start_rank(-1, target, world,
                              f"spare{sum(r.rank < 0 for r in self.ranks)}")
 
     def running(self) -> list[RankProc]:
@@ -292,6 +290,33 @@ class LocalCluster:
                 node.proc.kill()
         if self._own_workdir and not keep_workdir and self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def gpt_command(spec: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    """The GPT example's command line and environment for a demo spec (model, layout,
+    train settings, steps, faults, timeouts)."""
+    lay, train = spec.get("layout", {}), spec.get("train", {})
+    argv = ["-m", "stalwart_examples.gpt.train", "--model", spec.get("model", "tiny"),
+            "--model-overrides", json.dumps(spec.get("model_overrides", {})),
+            "--steps", str(spec.get("steps", 40)), "--pp", str(lay.get("pp", 1)),
+            "--tp", str(lay.get("tp", 1)), "--schedule", lay.get("schedule", "1f1b"),
+            "--grad-accum", str(lay.get("grad_accum", 1)),
+            "--collective-timeout", str(spec.get("collective_timeout_s", 10.0))]
+    if lay.get("microbatches"):
+        argv += ["--microbatches", str(lay["microbatches"])]
+    if lay.get("stages"):
+        argv += ["--bounds", ",".join(f"{a}-{b}" for a, b in lay["stages"])]
+    flags = {"global_batch": "--global-batch", "seed": "--seed", "corpus_bytes":
+             "--corpus-bytes", "lr": "--lr", "precision": "--precision",
+             "recompute": "--recompute", "grad_clip": "--grad-clip"}
+    for key, value in train.items():
+        if key not in flags:
+            raise ValueError(f"train setting {key!r} is not one the GPT example takes "
+                             f"({sorted(flags)})")
+        argv += [flags[key], str(value)]
+    env = {"STALWART_FAULTS": json.dumps(spec.get("faults", [])),
+           "STALWART_PLAN_TIMEOUT_S": str(spec.get("plan_timeout_s", 120.0))}
+    return argv, env
 
 
 def to_toml(settings: dict[str, Any]) -> str:

@@ -97,9 +97,9 @@ def train_worker(ctx: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from stalwart.client.digest import param_digest
     from stalwart.client.launch import RankFailure, run_local
     from stalwart.client.model import PRESETS
-    from stalwart.client.trainer import param_digest
 
     spec = _spec(args)
     world = args.dp * args.pp * args.tp

@@ -1,7 +1,8 @@
-"""The step loop of one rank: global batch -> this replica's micro-batches -> pipeline
-schedule -> data-parallel gradient sum -> (loss-scale check) -> AdamW -> global loss.
-A Trainer is built from a plan (dims, stage bounds, schedule, micro-batches, accumulation)
-and can be dropped and rebuilt with another plan in the same process.
+"""The step loop of one rank of Stalwart's 3D loop: global batch -> this replica's
+micro-batches -> pipeline schedule -> data-parallel gradient sum -> (loss-scale check)
+-> AdamW -> global loss. A Trainer is built from the model's Layers, the data and a plan
+(dims, stage bounds, schedule, micro-batches, accumulation), and can be dropped and
+rebuilt with another plan in the same process.
 """
 
 from __future__ import annotations
@@ -13,29 +14,24 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from stalwart.client import pipeline, recompute
-from stalwart.client.data import TextBatches, load_corpus
-from stalwart.client.digest import param_digest, tensor_sha256
+from stalwart.client import pipeline
+from stalwart.client.digest import tensor_sha256
 from stalwart.client.dp import GradReducer, ReduceFn
-from stalwart.client.model import GPTConfig, GPTStage, full_params, uniform_bounds
+from stalwart.client.layers import Layers, Stage, probe
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.pipeline import PipelineStats, run_schedule
+from stalwart.client.user_data import Data
 
-__all__ = ["LossScaler", "TrainConfig", "Trainer", "param_digest"]
+__all__ = ["LossScaler", "TrainConfig", "Trainer", "full_params", "uniform_bounds"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """What stays fixed for a job whatever its layout."""
+    """What stays fixed for a job whatever its layout (the global batch is the Data's)."""
 
-    model: GPTConfig
-    """Decoder shape."""
-    global_batch: int = 8
-    """Sequences per optimizer step, across all replicas and micro-batches."""
     seed: int = 0
-    """Seeds initial weights and the data order."""
+    """Seeds the initial weights."""
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr: float = 3e-4
@@ -57,8 +53,6 @@ class TrainConfig:
     grad_clip: float = 0.0
     """Largest global L2 norm of the gradients (over every stage and TP shard); larger
     gradients are scaled down to it before the optimizer step. 0 = no clipping."""
-    corpus_bytes: int = 4 << 20
-    """Bytes of standard-library text to train on."""
 
     def lr_at(self, step: int) -> float:
         """Learning rate for optimizer step `step` (0-based): warm-up, then cosine."""
@@ -105,32 +99,37 @@ class LossScaler:
 class Trainer:
     """One rank's share of a DP x PP x TP training job for one plan."""
 
-    def __init__(self, dims: ParallelDims, cfg: TrainConfig, *,
+    def __init__(self, dims: ParallelDims, layers: Layers, data: Data, cfg: TrainConfig, *,
                  stage_bounds: list[tuple[int, int]] | None = None, schedule: str = "1f1b",
                  microbatches: int = 1, grad_accum: int = 1, reduce_fn: ReduceFn | None = None,
-                 device: str | torch.device = "cpu", corpus: bytes | None = None) -> None:
+                 device: str | torch.device = "cpu",
+                 act_shape: tuple[int, ...] | None = None) -> None:
         per_replica = dims.dp * grad_accum * microbatches
-        if cfg.global_batch % per_replica:
-            raise ValueError(f"global batch {cfg.global_batch} does not split into dp={dims.dp}"
-                             f" x grad_accum={grad_accum} x microbatches={microbatches}; choose"
-                             " degrees whose product divides the global batch")
-        bounds = stage_bounds or uniform_bounds(cfg.model.num_layers, dims.pp)
+        if data.global_batch % per_replica:
+            raise ValueError(f"global batch {data.global_batch} does not split into dp="
+                             f"{dims.dp} x grad_accum={grad_accum} x microbatches="
+                             f"{microbatches}; choose degrees whose product divides it")
+        n = len(layers)
+        bounds = stage_bounds or uniform_bounds(n, dims.pp)
         if len(bounds) != dims.pp:
             raise ValueError(f"{len(bounds)} stage bounds for pp={dims.pp}; give one per stage")
         flat = [i for first, last in bounds for i in range(first, last + 1)]
-        if flat != list(range(cfg.model.num_layers)) or any(f > la for f, la in bounds):
-            raise ValueError(f"stage bounds {bounds} must cover layers "
-                             f"0..{cfg.model.num_layers - 1} in order, each stage a non-empty "
-                             "contiguous range")
+        if flat != list(range(n)) or any(f > la for f, la in bounds):
+            raise ValueError(f"stage bounds {bounds} must cover blocks 0..{n - 1} in order, "
+                             "each stage a non-empty contiguous range")
         self.dims, self.cfg, self.bounds = dims, cfg, [tuple(b) for b in bounds]
+        self.layers, self.data = layers, data
         self.schedule_kind, self.m, self.grad_accum = schedule, microbatches, grad_accum
-        self.micro_size = cfg.global_batch // per_replica
+        self.micro_size = data.global_batch // per_replica
         self.device = torch.device(device)
+        if act_shape is None:
+            inputs, targets = data.batch(data.indices(0)[:1])
+            act_shape = probe(layers, inputs, targets, seed=cfg.seed, repeats=1)[1]
+        self.act_shape = tuple(act_shape)
         me = dims.my
         first, last = self.bounds[me.pp]
-        self.stage = GPTStage(cfg.model, first, last, seed=cfg.seed,
-                              tp=dims.tp_group).to(self.device)
-        recompute.apply_policy(self.stage.layers, cfg.recompute)
+        self.stage = Stage(layers, first, last, seed=cfg.seed, tp=dims.tp_group,
+                           recompute=cfg.recompute).to(self.device)
         self.params = list(self.stage.parameters())
         self.reducer = GradReducer(self.params, dims.dp_group, bucket_bytes=cfg.bucket_bytes,
                                    compress=cfg.compress, reduce_fn=reduce_fn)
@@ -141,8 +140,6 @@ class Trainer:
             precision = "fp16" if self.device.type == "cuda" else "bf16"
         self.precision = precision
         self.scaler = LossScaler(enabled=precision == "fp16")
-        self.data = TextBatches(corpus if corpus is not None else load_corpus(cfg.corpus_bytes),
-                                cfg.model.seq_len, seed=cfg.seed)
         self.actions = pipeline.schedule(schedule, dims.pp, me.pp, microbatches)
         self.step_count = 0
         self.last_grad_norm: float | None = None  # before clipping, when grad_clip > 0
@@ -157,7 +154,7 @@ class Trainer:
 
     def _loss(self, targets: list[torch.Tensor], scale: float, out: torch.Tensor,
               i: int) -> tuple[torch.Tensor, float]:
-        loss = F.cross_entropy(out.float().flatten(0, 1), targets[i].flatten())
+        loss = self.layers.loss(out, targets[i])
         # Each micro-batch's mean is scaled so that the DP sum of gradients is the global mean.
         scaled = loss * scale
         backprop = scaled * self.scaler.scale if self.scaler.enabled else scaled
@@ -165,14 +162,14 @@ class Trainer:
 
     def step(self) -> float:
         """One optimizer step; returns the global mean loss (the same value on every rank)."""
-        me, cfg = self.dims.my, self.cfg
-        ids, targets = self.data.next_batch(cfg.global_batch)
-        share = cfg.global_batch // self.dims.dp
-        ids = ids[me.dp * share:(me.dp + 1) * share].to(self.device)
-        targets = targets[me.dp * share:(me.dp + 1) * share].to(self.device)
+        me, data = self.dims.my, self.data
+        share = data.global_batch // self.dims.dp
+        mine = data.indices(self.step_count)[me.dp * share:(me.dp + 1) * share]
+        ids, targets = data.batch(mine)
+        ids, targets = ids.to(self.device), targets.to(self.device)
         for p in self.params:
             p.grad = None
-        act_shape = (self.micro_size, cfg.model.seq_len, cfg.model.d_model)
+        act_shape = (self.micro_size, *self.act_shape)
         scale = 1.0 / (self.dims.dp * self.grad_accum * self.m)
         local_loss = 0.0
         for a in range(self.grad_accum):
@@ -186,6 +183,7 @@ class Trainer:
                 before_last_backward=self.reducer.arm if a == self.grad_accum - 1 else None)
             local_loss += sum(losses)
         self.reducer.finish()
+        cfg = self.cfg
         if self.scaler.unscale_and_check(self.params, self.dims.world):
             if cfg.grad_clip > 0:
                 self.last_grad_norm = self._clip_gradients(cfg.grad_clip)
@@ -233,7 +231,7 @@ class Trainer:
 
     def full_params(self) -> dict[str, torch.Tensor]:
         """This stage's parameters at full size by canonical name (collective over TP)."""
-        return full_params(self.stage)
+        return full_params(self.stage, self.dims.tp_group)
 
     def param_hashes(self) -> dict[str, str]:
         """sha256 of each full parameter of this stage (collective over TP)."""
@@ -267,7 +265,7 @@ class Trainer:
             for name, p in self.stage.named_parameters():
                 if name not in params:
                     raise KeyError(f"{name} is missing from the full state; this stage holds "
-                                   f"layers {self.stage.first}..{self.stage.last}")
+                                   f"blocks {self.stage.first}..{self.stage.last}")
                 p.copy_(self._my_slice(name, params[name]))
                 if optimizer is not None:
                     self.optimizer.state[p] = {
@@ -326,3 +324,31 @@ class Trainer:
         """Release hooks and threads; the caller destroys the process groups. Pass
         wait=False after a failure (see GradReducer.close)."""
         self.reducer.close(wait=wait)
+
+
+def full_params(stage: Stage, tp: Any) -> dict[str, torch.Tensor]:
+    """A stage's parameters at full size by canonical name (TP shards gathered).
+
+    Collective over the stage's TP group: every TP rank of the stage must call it.
+    """
+    out = {}
+    for name, p in stage.named_parameters():
+        dim = stage.shard_dim(name)
+        t = p.detach()
+        if dim is not None and tp is not None and tp.size > 1:
+            t = torch.cat(tp.all_gather(t), dim=dim)
+        out[name] = t.clone()
+    return out
+
+
+def uniform_bounds(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Contiguous inclusive (first, last) block ranges of near-equal length."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"cannot cut {num_layers} blocks into {stages} non-empty stages")
+    base, extra = divmod(num_layers, stages)
+    bounds, first = [], 0
+    for s in range(stages):
+        last = first + base + (1 if s < extra else 0) - 1
+        bounds.append((first, last))
+        first = last + 1
+    return bounds

@@ -5,6 +5,7 @@ captures every step until the job's last step is committed.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -12,12 +13,12 @@ from typing import Any
 
 from stalwart.client.agent import Generation, PlanChanged
 from stalwart.client.daemon_client import DaemonUnavailable
-from stalwart.client.data import load_corpus
+from stalwart.client.digest import param_digest
+from stalwart.client.layers import BlockProbe, Layers, probe
 from stalwart.client.relayout import OldLayout, Role, fetch_and_assemble
 from stalwart.client.trainer import TrainConfig, Trainer
 from stalwart.client.trainer_state import adamw_hints, load_state, state_tensors
-from stalwart.core.costs import GPTShape, gpt_profile
-from stalwart.core.shrink import ElasticConfig
+from stalwart.client.user_data import Data
 from stalwart.v1 import common_pb2
 
 log = logging.getLogger("stalwart.client.trainer_program")
@@ -25,34 +26,49 @@ log = logging.getLogger("stalwart.client.trainer_program")
 
 @dataclass
 class TrainerProgram:
-    """The 3D loop over a model for `steps` optimizer steps, starting in `layout`."""
+    """The 3D loop over `layers` for `steps` optimizer steps, starting in `layout`."""
 
+    layers: Layers
+    data: Data
     train_cfg: TrainConfig
     layout: common_pb2.ParallelLayout
     steps: int
     device: str = "cpu"
-    _corpus: bytes | None = None  # loaded once, reused by every generation
+    digest: str = ""
+    """The job's parameter digest once training ended (every stage and TP shard)."""
+    _probes: list[BlockProbe] | None = None
+    _act_shape: tuple[int, ...] = ()
 
     def start_layout(self) -> common_pb2.ParallelLayout:
         return self.layout
 
+    def _probe(self) -> list[BlockProbe]:
+        if self._probes is None:
+            lay = self.layout
+            per_round = max(1, lay.dp) * max(1, lay.microbatches) * max(1, lay.grad_accum)
+            micro = max(1, self.data.global_batch // per_round)
+            inputs, targets = self.data.batch(self.data.indices(0)[:micro])
+            self._probes, self._act_shape = probe(self.layers, inputs, targets,
+                                                  seed=self.train_cfg.seed)
+        return self._probes
+
     def profile(self) -> common_pb2.LayerProfile:
-        return layer_profile(self.train_cfg, self.layout)
+        return layer_profile(self._probe(), max(1, self.layout.tp))
 
     def warm_up(self) -> None:
-        self._corpus = load_corpus(self.train_cfg.corpus_bytes)
+        self._probe()
 
     def train(self, gen: Generation) -> None:
         lay = gen.plan.layout
         trainer = capturer = None
         try:
-            if self._corpus is None:
-                self._corpus = load_corpus(self.train_cfg.corpus_bytes)
-            trainer = Trainer(gen.dims, self.train_cfg, corpus=self._corpus,
+            self._probe()
+            trainer = Trainer(gen.dims, self.layers, self.data, self.train_cfg,
                               stage_bounds=[(s.first_layer, s.last_layer) for s in lay.stages]
                               or None, schedule=lay.schedule or "1f1b",
                               microbatches=lay.microbatches or 1,
-                              grad_accum=lay.grad_accum or 1, device=self.device)
+                              grad_accum=lay.grad_accum or 1, device=self.device,
+                              act_shape=self._act_shape)
             rebuild_s = time.monotonic() - gen.record["t_build"]
             t_restore = time.monotonic()
             if gen.plan.resume_step > 0:
@@ -76,6 +92,7 @@ class TrainerProgram:
             hook.remove()
             gen.wait_committed(self.steps)
             gen.result.param_hashes = trainer.param_hashes()
+            self.digest = _job_digest(gen, gen.result.param_hashes)
             gen.result.stalls_s = capturer.stats.stalls_s
         finally:
             if not gen.abandoned:
@@ -86,6 +103,17 @@ class TrainerProgram:
                         log.debug("capturer closed with: %s", exc)
                 if trainer is not None:
                     trainer.close()
+
+
+def _job_digest(gen: Generation, hashes: dict[str, str]) -> str:
+    """Every stage's parameter hashes through the job's store; the same on every rank."""
+    me, prefix = gen.role.coord, f"stalwart/digest/g{gen.plan.generation}"
+    if me.dp == 0 and me.tp == 0:
+        gen.agent.store.set(f"{prefix}/stage{me.pp}", json.dumps(hashes))
+    merged: dict[str, str] = {}
+    for stage in range(gen.plan.layout.pp):
+        merged.update(json.loads(gen.agent.store.get(f"{prefix}/stage{stage}")))
+    return param_digest(merged)
 
 
 def _restore(gen: Generation, trainer: Trainer, step: int) -> None:
@@ -123,17 +151,16 @@ def _restore(gen: Generation, trainer: Trainer, step: int) -> None:
         raise RuntimeError(f"restored state is of step {trainer.step_count}, not {step}")
 
 
-def layer_profile(train: TrainConfig, lay: common_pb2.ParallelLayout) -> common_pb2.LayerProfile:
-    """Per-layer cost, memory and state bytes of the model, for the elastic planner."""
-    m = train.model
-    per_round = max(1, lay.dp) * max(1, lay.microbatches) * max(1, lay.grad_accum)
-    shape = GPTShape(vocab=m.vocab, d_model=m.d_model, n_layers=m.n_layer, n_heads=m.n_head,
-                     seq=m.seq_len, micro_batch=max(1, train.global_batch // per_round),
-                     d_ff=m.d_ff)
-    elastic = ElasticConfig.from_profile(gpt_profile(shape), tp=max(1, lay.tp))
-    return common_pb2.LayerProfile(costs=elastic.costs, mem_bytes=elastic.mem or (),
-                                   act_bytes=elastic.act or (),
-                                   state_bytes=elastic.layer_bytes or ())
+def layer_profile(probes: list[BlockProbe], tp: int) -> common_pb2.LayerProfile:
+    """Per-block cost (measured forward + backward seconds of a micro-batch), memory
+    and state bytes on one rank, for the elastic planner; blocks with planned linears
+    count 1/tp of each."""
+    split = [tp if p.sharded else 1 for p in probes]
+    return common_pb2.LayerProfile(
+        costs=[(p.fwd_s + p.bwd_s) / k for p, k in zip(probes, split, strict=True)],
+        mem_bytes=[16.0 * p.params / k for p, k in zip(probes, split, strict=True)],
+        act_bytes=[p.out_bytes / k for p, k in zip(probes, split, strict=True)],
+        state_bytes=[12.0 * p.params / k for p, k in zip(probes, split, strict=True)])
 
 
 __all__ = ["PlanChanged", "TrainerProgram", "layer_profile"]

@@ -13,20 +13,19 @@ step) is captured when `ctx.steps()` moves to the next step.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from stalwart.client.agent import AgentConfig, ElasticAgent, Generation
-from stalwart.client.daemon_client import DaemonClient, DaemonUnavailable
+from stalwart.client.agent import Generation
+from stalwart.client.daemon_client import DaemonUnavailable
 from stalwart.client.digest import param_digest, tensor_sha256
+from stalwart.client.launched import launched_agent, write_result
 from stalwart.client.user_data import Data
 from stalwart.client.user_state import StateError, StateRegistry
 from stalwart.v1 import common_pb2
@@ -253,8 +252,6 @@ def run(train: Callable[[Context], None], *, model: torch.nn.Module,
     Returns the Result on a rank that finished, None on a spare that never got a role;
     raises JobStopped when the job stopped at its last committed step.
     """
-    from stalwart.client.launch import connect_store
-
     objects: dict[str, Any] = {"model": model, "optimizer": optimizer}
     if scheduler is not None:
         objects["scheduler"] = scheduler
@@ -265,20 +262,11 @@ def run(train: Callable[[Context], None], *, model: torch.nn.Module,
             raise StateError(f"state name {key!r} is taken by run()'s own argument")
         objects[key] = obj
     registry = StateRegistry(objects)
-    env = os.environ
-    rank = int(env.get("RANK", "-1"))
-    if "STALWART_UNIX_SOCKET" not in env or "MASTER_ADDR" not in env:
-        raise RuntimeError("stalwart.run() needs a Stalwart launcher: start the script with "
-                           "`stalwart run SCRIPT` next to a `stalwart daemon` (or from "
-                           "stalwart.LocalCluster in tests); STALWART_UNIX_SOCKET and "
-                           "MASTER_ADDR are not set")
     dev = torch.device(device)
-    program = _UserLoopProgram(train, registry, int(env.get("WORLD_SIZE", "1")), dev)
-    cfg = AgentConfig(spare=rank < 0, collective_timeout_s=collective_timeout_s,
-                      device=dev.type, backend="nccl" if dev.type == "cuda" else "gloo")
-    daemon = DaemonClient()
-    agent = ElasticAgent(program, cfg, daemon, connect_store(),
-                         on_step=_print_step if env.get("STALWART_STEP_LOG") else None)
+    program = _UserLoopProgram(train, registry, int(os.environ.get("WORLD_SIZE", "1")), dev)
+    agent, daemon = launched_agent(program, device=dev.type,
+                                   collective_timeout_s=collective_timeout_s,
+                                   who="stalwart.run()")
     result: Result | None = None
     try:
         agent.run()
@@ -288,30 +276,16 @@ def run(train: Callable[[Context], None], *, model: torch.nn.Module,
                             generations=len(agent.result.generations),
                             param_digest=modules_digest(registry))
     finally:
-        _write_result(agent, result)
+        write_result(agent, None if result is None else result_json(result))
         daemon.close()
     return result
 
 
-def _print_step(step: int, loss: float) -> None:
-    print(f"[step] {step} loss {loss!r}", flush=True)  # launchers follow these lines
+def result_json(result: Result) -> dict[str, Any]:
+    return {**asdict(result), "losses": {str(k): v for k, v in result.losses.items()}}
 
 
 def modules_digest(registry: StateRegistry) -> str:
     hashes = {f"{key}/{name}": tensor_sha256(p) for key, m in registry.modules()
               for name, p in m.named_parameters()}
     return param_digest(hashes)
-
-
-def _write_result(agent: ElasticAgent, result: Result | None) -> None:
-    """Where a launcher asks for it (STALWART_RESULT_FILE), this rank's story as JSON."""
-    path = os.environ.get("STALWART_RESULT_FILE")
-    if not path:
-        return
-    out = asdict(agent.result)
-    out["losses"] = {str(k): v for k, v in out["losses"].items()}
-    out["result"] = None if result is None else {**asdict(result), "losses": {
-        str(k): v for k, v in result.losses.items()}}
-    tmp = Path(path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(out))
-    tmp.replace(path)

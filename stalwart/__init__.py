@@ -17,6 +17,8 @@ _EXPORTS = {
     "Context": "stalwart.client.user_loop",
     "Result": "stalwart.client.user_loop",
     "Data": "stalwart.client.user_data",
+    "Layers": "stalwart.client.layers",
+    "run_layers": "stalwart.client.layers_run",
     "param_digest": "stalwart.client.digest",
     "StateError": "stalwart.client.user_state",
     "JobStopped": "stalwart.client.agent",

@@ -1,0 +1,117 @@
+"""What every launched rank process shares, whichever entry shape it trains: the
+agent wired to the node's daemon and the job's store from the launcher's environment,
+the step lines launchers follow, the result file they read, and injected faults.
+
+Faults (STALWART_FAULTS, a JSON list set by `stalwart demo` and the chaos tests) are
+real: at the given step the process SIGKILLs itself (or its node's daemon first), stops
+answering while it heartbeats, or reports an NVML Xid on its GPU and stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from stalwart.client.agent import AgentConfig, ElasticAgent, Program
+from stalwart.client.daemon_client import DaemonClient
+
+__all__ = ["launched_agent", "write_result"]
+
+
+def launched_agent(program: Program, *, device: str, collective_timeout_s: float,
+                   who: str) -> tuple[ElasticAgent, DaemonClient]:
+    """The agent of this launched rank process (RANK < 0 or unset: a spare)."""
+    from stalwart.client.launch import connect_store
+
+    env = os.environ
+    if "STALWART_UNIX_SOCKET" not in env or "MASTER_ADDR" not in env:
+        raise RuntimeError(f"{who} needs a Stalwart launcher: start the script with "
+                           "`stalwart demo`, or from stalwart.client.local_cluster in tests, "
+                           "next to a `stalwart daemon`; STALWART_UNIX_SOCKET and MASTER_ADDR "
+                           "are not set")
+    rank = int(env.get("RANK", "-1"))
+    cfg = AgentConfig(spare=rank < 0, collective_timeout_s=collective_timeout_s,
+                      plan_timeout_s=float(env.get("STALWART_PLAN_TIMEOUT_S", "120")),
+                      device=device, backend="nccl" if device == "cuda" else "gloo")
+    daemon = DaemonClient()  # $STALWART_UNIX_SOCKET names this node's daemon
+    hooks = [h for h in (_print_step if env.get("STALWART_STEP_LOG") else None,
+                         _fault_hook(rank)) if h is not None]
+
+    def on_step(step: int, loss: float) -> None:
+        for hook in hooks:
+            hook(step, loss)
+
+    agent = ElasticAgent(program, cfg, daemon, connect_store(), on_step=on_step)
+    return agent, daemon
+
+
+def _print_step(step: int, loss: float) -> None:
+    print(f"[step] {step} loss {loss!r}", flush=True)  # launchers follow these lines
+
+
+def write_result(agent: ElasticAgent, result: dict[str, Any] | None) -> None:
+    """Where a launcher asks for it (STALWART_RESULT_FILE), this rank's story as JSON."""
+    path = os.environ.get("STALWART_RESULT_FILE")
+    if not path:
+        return
+    out = dataclasses.asdict(agent.result)
+    out["losses"] = {str(k): v for k, v in out["losses"].items()}
+    out["result"] = result
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(out))
+    tmp.replace(path)
+
+
+def _fault_hook(rank: int) -> Callable[[int, float], None] | None:
+    """on_step callback that injects this process's faults at their step."""
+    spec = os.environ.get("STALWART_FAULTS")
+    if not spec:
+        return None
+    node = int(os.environ.get("STALWART_NODE_INDEX", "0"))
+    faults = [f for f in json.loads(spec)
+              if (f["target"] == "rank" and f["index"] == rank)
+              or (f["target"] == "node" and f["index"] == node)
+              or (f["target"] == "pids" and rank == 0)]  # rank 0 fires those
+    if not faults:
+        return None
+    daemon_pid = int(os.environ.get("STALWART_DAEMON_PID", "0"))
+    fault_log = os.environ.get("STALWART_FAULT_LOG", "")
+
+    def on_step(step: int, loss: float) -> None:
+        for f in faults:
+            if f["step"] != step or f.get("fired"):
+                continue  # a step redone after a recovery does not fire its fault again
+            f["fired"] = True
+            target = "node" if f["target"] == "pids" else f["target"]
+            print(f"[fault] {f['kind']} {target}:{f['index']} at step {step}",
+                  file=sys.stderr, flush=True)
+            if fault_log:
+                record = {**f, "target": target, "time_unix": time.time(), "pid": os.getpid()}
+                (Path(fault_log) / f"fault-{os.getpid()}.json").write_text(json.dumps(record))
+            if f["target"] == "pids":  # a whole node, from outside it (see demo --kill)
+                pids = json.loads(Path(f["pids_file"]).read_text())
+                for pid in sorted(pids, key=lambda p: p == os.getpid()):  # this one last
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                continue
+            if f["kind"] == "kill" and f["target"] == "node" and daemon_pid:
+                os.kill(daemon_pid, signal.SIGKILL)
+            if f["kind"] == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if f["kind"] == "hang":
+                threading.Event().wait()  # alive, heartbeating, never answering
+            if f["kind"] == "gpu":
+                # An Xid 79 (GPU fell off the bus) on this rank's device, as NVML reports it.
+                Path(os.environ["STALWART_NVML_INJECT_FILE"]).write_text(
+                    f"xid:79@{os.environ.get('LOCAL_RANK', '0')}")
+                threading.Event().wait()  # a rank on a dead GPU makes no more progress
+    return on_step

@@ -1,0 +1,183 @@
+"""Entry shape 2: a model given as ordered named blocks, a tensor-parallel plan and a
+loss, which Stalwart profiles, partitions into pipeline stages, shards over TP and
+re-partitions onto the survivors after a failure.
+
+Every block is built at full size from its factory under the seed (job seed, block
+index), then sliced for TP: every layout starts from the same weights. Inside a stage
+the blocks are `layers.<index>`, so a parameter's name (`layers.3.attn.q.weight`)
+says where it sits whatever the partition.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from stalwart.client.recompute import POLICIES, maybe_checkpoint
+from stalwart.client.tensor_parallel import parallelize
+
+__all__ = ["BlockProbe", "Layers", "Stage", "probe"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layers:
+    """The model as Stalwart's 3D loop sees it."""
+
+    blocks: Sequence[tuple[str, Callable[[], nn.Module]]]
+    """(name, factory) per block in forward order; a factory builds the block at full
+    size (Stalwart seeds torch's RNG before each call and slices it for TP afterwards).
+    The first block takes the data set's inputs, the last one's output goes to `loss`,
+    and every block in between maps one activation shape to the same shape."""
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """loss(last block's output, targets) -> the mean loss of a micro-batch."""
+    tp_plan: Mapping[str, str] = field(default_factory=dict)
+    """Path of an nn.Linear inside a block -> "column" (split output features) or "row"
+    (split input features, partial outputs summed); paths a block lacks are skipped.
+    Code between a column and a row linear must work on the local slice (for example
+    reshape heads with -1)."""
+    selective_recompute: Sequence[str] = ()
+    """Paths of submodules inside blocks whose forward is recomputed in backward under
+    recompute="selective" (for example the attention core)."""
+
+    def __post_init__(self) -> None:
+        names = [name for name, _ in self.blocks]
+        if not names:
+            raise ValueError("Layers needs at least one block")
+        if len(set(names)) != len(names):
+            twice = sorted(n for n in set(names) if names.count(n) > 1)
+            raise ValueError(f"block names must be unique; {twice} appear more than once")
+        for name, factory in self.blocks:
+            if not callable(factory):
+                raise TypeError(f"block {name!r}: give a factory (a callable that builds the "
+                                "block), not a built module, so every layout builds it fresh")
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.blocks]
+
+    def build(self, index: int, seed: int) -> nn.Module:
+        """Block `index` at full size, its weights drawn from (seed, index)."""
+        name, factory = self.blocks[index]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed * 100_003 + index)
+            block = factory()
+        if not isinstance(block, nn.Module):
+            raise TypeError(f"block {name!r}: its factory returned a {type(block).__name__}, "
+                            "not an nn.Module")
+        return block
+
+
+class Stage(nn.Module):
+    """Blocks first..last (inclusive) of `layers`, sharded over the TP group `tp`."""
+
+    def __init__(self, layers: Layers, first: int, last: int, *, seed: int = 0,
+                 tp: Any = None, recompute: str = "none") -> None:
+        super().__init__()
+        if not 0 <= first <= last < len(layers):
+            raise ValueError(f"stage bounds ({first}, {last}) are outside blocks "
+                             f"0..{len(layers) - 1}")
+        if recompute not in POLICIES:
+            raise ValueError(f"recompute={recompute!r}; choose one of {POLICIES}")
+        self.spec, self.first, self.last, self.tp = layers, first, last, tp
+        self.recompute = recompute
+        self.layers = nn.ModuleDict()
+        self._shard: dict[str, int] = {}
+        for i in range(first, last + 1):
+            block = layers.build(i, seed)
+            for local, dim in parallelize(block, layers.tp_plan, tp, layers.names[i]).items():
+                self._shard[f"layers.{i}.{local}"] = dim
+            if recompute == "selective":
+                _recompute_parts(block, layers.selective_recompute)
+            self.layers[str(i)] = block
+
+    @property
+    def is_first(self) -> bool:
+        return self.first == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.last == len(self.spec) - 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers.values():
+            x = maybe_checkpoint(self.recompute == "full", block, x)
+        return x
+
+    def shard_dim(self, name: str) -> int | None:
+        """TP split dimension of parameter `name` (None when replicated)."""
+        return self._shard.get(name)
+
+
+def _recompute_parts(block: nn.Module, paths: Sequence[str]) -> None:
+    for path in paths:
+        try:
+            part = block.get_submodule(path)
+        except AttributeError:
+            continue
+        forward = part.forward
+        part.forward = lambda *args, _f=forward: maybe_checkpoint(True, _f, *args)
+
+
+@dataclass
+class BlockProbe:
+    """What one block measured on one micro-batch at full size."""
+
+    name: str
+    params: int
+    fwd_s: float
+    bwd_s: float
+    out_shape: tuple[int, ...]
+    out_bytes: int
+    sharded: bool
+
+
+def probe(layers: Layers, inputs: torch.Tensor, targets: torch.Tensor, *, seed: int = 0,
+          repeats: int = 2) -> tuple[list[BlockProbe], tuple[int, ...]]:
+    """Run every block alone, at full size, on a micro-batch (one block in memory at a
+    time): its forward and backward seconds (fastest of `repeats`), parameters and
+    output; returns the probes and the per-sample activation shape between blocks."""
+    out: list[BlockProbe] = []
+    x: Any = inputs
+    for i in range(len(layers)):
+        name = layers.names[i]
+        block = layers.build(i, seed)
+        sharded = bool(parallelize(block, layers.tp_plan, None, name))
+        last = i == len(layers) - 1
+        best_f = best_b = float("inf")
+        for _ in range(repeats):
+            xin = x.detach().requires_grad_() if x.is_floating_point() else x
+            t0 = time.perf_counter()
+            y = block(xin)
+            t1 = time.perf_counter()
+            if last:
+                loss = layers.loss(y, targets)
+                if loss.dim() != 0:
+                    raise ValueError(f"loss returned shape {tuple(loss.shape)}; return the "
+                                     "mean loss of the micro-batch (a scalar)")
+                loss.backward()
+            else:
+                if not torch.is_tensor(y) or not y.is_floating_point():
+                    raise TypeError(f"block {name!r} returned {type(y).__name__}"
+                                    f"{'' if not torch.is_tensor(y) else ' ' + str(y.dtype)}; "
+                                    "blocks before the last must return one floating-point "
+                                    "tensor (the activation the pipeline sends on)")
+                y.backward(torch.ones_like(y))
+            t2 = time.perf_counter()
+            best_f, best_b = min(best_f, t1 - t0), min(best_b, t2 - t1)
+        out.append(BlockProbe(name, sum(p.numel() for p in block.parameters()), best_f, best_b,
+                              tuple(y.shape), y.numel() * y.element_size(), sharded))
+        x = y.detach()
+    shapes = {p.out_shape[1:] for p in out[:-1]}
+    if len(shapes) > 1:
+        raise ValueError("blocks before the last must all output one activation shape "
+                         "(the pipeline sends it between stages); got "
+                         + ", ".join(f"{p.name} {p.out_shape}" for p in out[:-1]))
+    return out, (shapes.pop() if shapes else ())
