@@ -23,20 +23,20 @@ def _model(preset: str, batch: int, seq_len: int | None = None, seed: int = 0):
     """A full GPT on one rank with AdamW, and a function that trains one step."""
     import torch
 
-    from stalwart.client.data import TextBatches, load_corpus
-    from stalwart.client.model import PRESETS, GPTStage, with_overrides
+    from stalwart.client.layers import Stage
+    from stalwart_examples.gpt import job
 
-    cfg = PRESETS[preset]
-    if seq_len is not None:
-        cfg = with_overrides(cfg, seq_len=seq_len)
+    overrides = {} if seq_len is None else {"seq_len": seq_len}
     torch.manual_seed(seed)
-    model = GPTStage(cfg, 0, cfg.num_layers - 1, seed=seed)
+    layers, data = job(preset, global_batch=batch, seed=seed, corpus_bytes=1 << 20,
+                       **overrides)
+    model = Stage(layers, 0, len(layers) - 1, seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    data = TextBatches(load_corpus(1 << 20), cfg.seq_len, seed=seed)
+    steps = iter(range(1 << 30))
 
     def step() -> float:
-        x, y = data.next_batch(batch)
-        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        x, y = data.batch(data.indices(next(steps)))
+        loss = layers.loss(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

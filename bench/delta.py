@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from statistics import median
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -26,24 +27,25 @@ LR, WEIGHT_DECAY, BATCH = 1e-3, 0.1, 8
 def _trainer(preset: str, seed: int = 0):
     import torch
 
-    from stalwart.client.data import TextBatches, load_corpus
-    from stalwart.client.model import PRESETS, GPTStage
+    from stalwart.client.layers import Stage
+    from stalwart_examples.gpt import job
 
     torch.manual_seed(seed)
-    cfg = PRESETS[preset]
-    model = GPTStage(cfg, 0, cfg.num_layers - 1, seed=seed)
+    layers, data = job(preset, global_batch=BATCH, seed=seed, corpus_bytes=2 << 20)
+    model = Stage(layers, 0, len(layers) - 1, seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    data = TextBatches(load_corpus(2 << 20), cfg.seq_len, seed=seed)
+    cursor = SimpleNamespace(position=0)  # optimizer steps taken: the data position
 
     def step() -> float:
-        x, y = data.next_batch(BATCH)
-        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        x, y = data.batch(data.indices(cursor.position))
+        cursor.position += 1
+        loss = layers.loss(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         return float(loss.detach())
 
-    return model, opt, data, step
+    return model, opt, cursor, step
 
 
 def _state_tensors(model, opt) -> list:

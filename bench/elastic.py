@@ -36,11 +36,12 @@ POLL_S = 0.01
 
 def _layer_bytes(cfg: Any) -> tuple[float, ...]:
     """Bytes a rank receives per layer: fp32 parameters, both AdamW moments, step scalars."""
-    from stalwart.client.model import GPTStage
+    from stalwart.client.layers import Stage
+    from stalwart_examples.gpt import layers
 
-    out = []
+    spec, out = layers(cfg), []
     for i in range(cfg.num_layers):
-        params = list(GPTStage(cfg, i, i).parameters())
+        params = list(Stage(spec, i, i).parameters())
         out.append(float(sum(3 * 4 * p.numel() + 4 for p in params)))
     return tuple(out)
 
@@ -78,15 +79,15 @@ def _planner_case(name: str, costs: tuple[float, ...], layer_bytes: tuple[float,
 
 
 def run(quick: bool) -> dict:
-    from stalwart.client.model import PRESETS, layer_costs
+    from stalwart_examples.gpt.model import config, layer_costs
 
-    cfg = PRESETS["tiny"]
+    cfg = config("tiny")
     costs = tuple(layer_costs(cfg))
     layer_bytes = _layer_bytes(cfg)
     repeats = 5 if quick else 20
     cases = [_planner_case("tiny (1,4,1)", costs, layer_bytes, 1, 4, v, repeats)
              for v in range(4)]
-    big = PRESETS["medium"]
+    big = config("medium")
     big_costs = tuple(layer_costs(big))
     cases.append(_planner_case("medium (2,4,1)", big_costs, _layer_bytes(big),
                                2, 4, 3, max(1, repeats // 5)))
@@ -278,15 +279,15 @@ def _figures(spec: dict[str, Any], clock: StepLog, first_plan: Any, final: Any,
 
 def _profile_config(spec: dict[str, Any]) -> ElasticConfig:
     """The ElasticConfig the coordinator builds from the ranks' layer profile."""
-    from stalwart.client.model import PRESETS, with_overrides
     from stalwart.client.trainer import TrainConfig
-    from stalwart.client.trainer_program import layer_profile
+    from stalwart.client.trainer_program import TrainerProgram
     from stalwart.v1 import common_pb2
+    from stalwart_examples.gpt import job
 
-    lay = spec["layout"]
-    p = layer_profile(
-        TrainConfig(model=with_overrides(PRESETS[spec["model"]], **spec["model_overrides"]),
-                    **spec["train"]),
-        common_pb2.ParallelLayout(dp=lay["dp"], pp=lay["pp"], tp=lay["tp"],
-                                  microbatches=lay["microbatches"]))
+    lay, train = spec["layout"], spec["train"]
+    layers, data = job(spec["model"], global_batch=train["global_batch"], seed=train["seed"],
+                       **spec["model_overrides"])
+    p = TrainerProgram(layers, data, TrainConfig(seed=train["seed"]), common_pb2.ParallelLayout(
+        dp=lay["dp"], pp=lay["pp"], tp=lay["tp"], microbatches=lay["microbatches"]),
+        spec["steps"]).profile()
     return ElasticConfig(costs=tuple(p.costs), layer_bytes=tuple(p.state_bytes) or None)

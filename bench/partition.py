@@ -9,7 +9,6 @@ that run give the speed-up a machine with a free core per stage would see.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
 import statistics
@@ -25,8 +24,8 @@ def run(quick: bool) -> dict:
     import torch
 
     from stalwart.client.launch import run_local
-    from stalwart.client.model import PRESETS
-    from stalwart.client.profile import measure_layers
+    from stalwart.client.layers import probe
+    from stalwart_examples.gpt import config, job
 
     torch.set_num_threads(1)  # each pipeline rank gets one thread too
     presets = ["tiny"] if quick else ["tiny", "small"]
@@ -35,10 +34,12 @@ def run(quick: bool) -> dict:
     micro_batches = 4 if quick else 8
     cases = []
     for name in presets:
-        for vocab in (PRESETS[name].vocab, WIDE_VOCAB):
-            cfg = dataclasses.replace(PRESETS[name], vocab=vocab)
-            profile = measure_layers(cfg, repeats=7 if quick else 15)
-            costs = profile.costs("measured", micro_batches=micro_batches)
+        for vocab in (config(name).vocab, WIDE_VOCAB):
+            cfg = config(name, vocab=vocab)
+            layers, data = job(cfg, global_batch=micro_batches, corpus_bytes=1 << 20)
+            inputs, targets = data.batch(data.indices(0)[:1])
+            probes, _ = probe(layers, inputs, targets, repeats=7 if quick else 15)
+            costs = [p.fwd_s + p.bwd_s for p in probes]
             even = uniform(len(costs), pp)
             best = partition(costs, pp)
             cases.append({
@@ -130,14 +131,12 @@ def _pipeline_rank(ctx: Any, cases: list[dict], steps: int, warmup: int) -> list
     """One pipeline rank: train each case with its uniform and its balanced split."""
     import torch
 
-    from stalwart.client.data import load_corpus
-    from stalwart.client.model import GPTConfig
     from stalwart.client.parallel_dims import ParallelDims
     from stalwart.client.pipeline import PipelineStats
     from stalwart.client.trainer import TrainConfig, Trainer
+    from stalwart_examples.gpt import GPTConfig, job
 
     torch.set_num_threads(1)
-    corpus = load_corpus(1 << 20)
     generation, out = 0, []
     for case in cases:
         # Both splits live side by side and take turns, so load from other processes on
@@ -146,11 +145,12 @@ def _pipeline_rank(ctx: Any, cases: list[dict], steps: int, warmup: int) -> list
         for name in ("uniform", "balanced"):
             dims = ParallelDims(dp=1, pp=case["pp"], tp=1).build(ctx.store, ctx.rank, generation)
             generation += 1
-            cfg = TrainConfig(model=GPTConfig(**case["model"]),
-                              global_batch=case["micro_batches"])
-            runs[name] = (dims, Trainer(dims, cfg, stage_bounds=[tuple(b) for b in case[name]],
-                                        schedule="1f1b", microbatches=case["micro_batches"],
-                                        corpus=corpus), [])
+            layers, data = job(GPTConfig(**case["model"]), global_batch=case["micro_batches"],
+                               corpus_bytes=1 << 20)
+            runs[name] = (dims, Trainer(dims, layers, data, TrainConfig(),
+                                        stage_bounds=[tuple(b) for b in case[name]],
+                                        schedule="1f1b", microbatches=case["micro_batches"]),
+                          [])
         for i in range(warmup + steps):
             # Alternate which split goes first, so neither always follows the other.
             order = list(runs.values()) if i % 2 == 0 else list(runs.values())[::-1]

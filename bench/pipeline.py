@@ -86,27 +86,26 @@ def _recompute_trade(rounds: int) -> dict[str, dict[str, float]]:
     recompute policy, in one process (one stage holding every layer)."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     from stalwart.client import recompute
-    from stalwart.client.data import TextBatches, load_corpus
-    from stalwart.client.model import PRESETS, GPTStage
+    from stalwart.client.layers import Stage
     from stalwart.client.parallel_dims import ParallelDims
     from stalwart.client.pipeline import PipelineStats, run_schedule, schedule
+    from stalwart_examples.gpt import config, job
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    cfg, mb, m = PRESETS["tiny"], 4, 2
+    cfg, mb, m = config("tiny"), 4, 2
+    layers, data = job(cfg, global_batch=mb * m, corpus_bytes=1 << 20)
     dims = ParallelDims().build(dist.HashStore(), 0, 0)
-    stage = GPTStage(cfg, 0, cfg.num_layers - 1)
-    ids, targets = TextBatches(load_corpus(1 << 20), cfg.seq_len).next_batch(mb * m)
+    ids, targets = data.batch(data.indices(0))
 
     def loss_fn(out: torch.Tensor, i: int) -> tuple[torch.Tensor, float]:
-        return F.cross_entropy(out.flatten(0, 1), targets.split(mb)[i].flatten()), 0.0
+        return layers.loss(out, targets.split(mb)[i]), 0.0
 
     out = {}
     for policy in recompute.POLICIES:
-        recompute.apply_policy(stage.layers, policy)
+        stage = Stage(layers, 0, len(layers) - 1, recompute=policy)
         stats = None
         for rnd in range(rounds + 1):  # round 0 warms up (first use of checkpointing is slow)
             if rnd == 1:

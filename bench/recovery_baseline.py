@@ -42,11 +42,9 @@ def _dcp_state(trainer: Any) -> dict[str, Any]:
             "exp_avg_sq": torch.zeros_like(p)}
         trainer.optimizer.state[p] = state
         optim[name] = state
-    data = trainer.data.state_dict()
+    # The data position is the step: stalwart.Data reads step s's samples from s alone.
     return {"model": trainer.stage.state_dict(), "optim": optim,
-            "meta": {"step": torch.tensor(trainer.step_count, dtype=torch.int64),
-                     "position": torch.tensor(int(data["position"]), dtype=torch.int64),
-                     "seed": torch.tensor(int(data["seed"]), dtype=torch.int64)}}
+            "meta": {"step": torch.tensor(trainer.step_count, dtype=torch.int64)}}
 
 
 def _latest_checkpoint(root: Path) -> tuple[int, Path] | None:
@@ -68,9 +66,9 @@ def worker(spec_path: Path) -> int:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from stalwart.client.model import PRESETS, with_overrides
     from stalwart.client.parallel_dims import ParallelDims
     from stalwart.client.trainer import TrainConfig, Trainer
+    from stalwart_examples.gpt import job
 
     torch.set_num_threads(1)
     emit("imported")
@@ -79,8 +77,10 @@ def worker(spec_path: Path) -> int:
     lay = spec["layout"]
     dims = ParallelDims(dp=lay["dp"], pp=lay["pp"], tp=lay["tp"]).build(
         store, rank, generation=restart + 1, timeout_s=60.0)
-    model = with_overrides(PRESETS[spec["model"]], **spec.get("model_overrides", {}))
-    trainer = Trainer(dims, TrainConfig(model=model, **spec["train"]),
+    train = spec["train"]
+    layers, data = job(spec["model"], global_batch=train["global_batch"], seed=train["seed"],
+                       **spec.get("model_overrides", {}))
+    trainer = Trainer(dims, layers, data, TrainConfig(seed=train["seed"]),
                       schedule=lay["schedule"], microbatches=lay["microbatches"])
     emit("built")
     root = Path(spec["ckpt_dir"])
@@ -91,9 +91,6 @@ def worker(spec_path: Path) -> int:
         trainer.stage.load_state_dict(state["model"])
         meta = state["meta"]
         trainer.step_count = int(meta["step"])
-        trainer.data.load_state_dict({**trainer.data.state_dict(),
-                                      "position": int(meta["position"]),
-                                      "seed": int(meta["seed"])})
     emit("restored", step=trainer.step_count)
     kill = next((k for k in spec["kills"] if k["round"] == restart and k["rank"] == rank), None)
     while trainer.step_count < spec["steps"]:

@@ -110,8 +110,7 @@ def assemble_full(ranks: list[tuple[manifest_pb2.RankState, bytes]]) -> dict[str
         tensors = unpack(data, list(state.tensors))
         extras.append(json.loads(state.extra.decode()))
         for meta in state.tensors:
-            if meta.name.startswith(("model/", "optim/")) or (
-                    meta.name.startswith("rng/") and state.rank == 0):
+            if not meta.name.startswith("rng/") or state.rank == 0:
                 pieces.setdefault(meta.name, []).append(Piece(
                     meta.name, tensors[meta.name], tuple(meta.global_shape),
                     tuple(meta.offsets)))
@@ -287,8 +286,9 @@ def commit_checkpoint(tensors: dict[str, torch.Tensor], data_dir: Path, step: in
              for k, v in tensors.items()}
     unknown = [k for k in named if k.startswith("model/") and not _is_layer_name(k)]
     if unknown:
-        raise InteropError(f"entries {unknown[:3]} are not parameters of the Stalwart GPT "
-                           "(model/layers.N.*); export from Stalwart or rename them")
+        raise InteropError(f"entries {unknown[:3]} are not parameters of a model in "
+                           "Stalwart's 3D loop (model/layers.N.*); export from Stalwart or "
+                           "rename them")
     layers = _layer_count(named)
     extra = _extra_for(named, step, layers)
     states = [StateTensor(k, v.detach().contiguous(), _layer_of(k))

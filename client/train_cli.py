@@ -1,5 +1,6 @@
-"""`stalwart train`: train the GPT with DP x PP x TP as local rank processes and report
-the global loss of every step and a layout-independent digest of the final parameters.
+"""`stalwart train`: train the GPT example with DP x PP x TP as local rank processes,
+unprotected (no daemon, no snapshots: a tool to compare layouts and precisions), and
+report the global loss of every step and a layout-independent digest of the parameters.
 """
 
 from __future__ import annotations
@@ -62,9 +63,9 @@ def train_worker(ctx: Any, spec: dict[str, Any]) -> dict[str, Any]:
     """One rank of `stalwart train`: returns its losses and (dp=0) parameter hashes."""
     import torch
 
-    from stalwart.client.model import PRESETS
     from stalwart.client.parallel_dims import ParallelDims
     from stalwart.client.trainer import TrainConfig, Trainer
+    from stalwart_examples.gpt import job
 
     device = torch.device("cpu")
     if spec["device"] == "cuda":
@@ -72,12 +73,13 @@ def train_worker(ctx: Any, spec: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.set_device(device)
     dims = ParallelDims(dp=spec["dp"], pp=spec["pp"], tp=spec["tp"], world_size=ctx.world_size)
     dims.build(ctx.store, ctx.rank, 0, backend="nccl" if device.type == "cuda" else "gloo")
-    cfg = TrainConfig(model=PRESETS[spec["model"]], global_batch=spec["global_batch"],
-                      seed=spec["seed"], lr=spec["lr"], min_lr=spec["lr"] / 10,
+    cfg = TrainConfig(seed=spec["seed"], lr=spec["lr"], min_lr=spec["lr"] / 10,
                       decay_steps=spec["steps"], precision=spec["precision"],
                       recompute=spec["recompute"], compress=spec["compress"],
                       grad_clip=spec.get("grad_clip", 0.0))
-    trainer = Trainer(dims, cfg, stage_bounds=spec["bounds"], schedule=spec["schedule"],
+    layers, data = job(spec["model"], global_batch=spec["global_batch"], seed=spec["seed"])
+    trainer = Trainer(dims, layers, data, cfg, stage_bounds=spec["bounds"],
+                      schedule=spec["schedule"],
                       microbatches=spec["microbatches"], grad_accum=spec["grad_accum"],
                       device=device)
     losses = []
@@ -99,11 +101,12 @@ def train_worker(ctx: Any, spec: dict[str, Any]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     from stalwart.client.digest import param_digest
     from stalwart.client.launch import RankFailure, run_local
-    from stalwart.client.model import PRESETS
+    from stalwart_examples.gpt import config
 
     spec = _spec(args)
     world = args.dp * args.pp * args.tp
-    print(f"[train] {args.model} model, dp={args.dp} pp={args.pp} tp={args.tp} "
+    print(f"[train] unprotected loop (no daemon, no snapshots): {args.model} GPT, "
+          f"dp={args.dp} pp={args.pp} tp={args.tp} "
           f"({world} ranks), {args.schedule} m={spec['microbatches']}, {args.steps} steps",
           file=sys.stderr, flush=True)
     try:
@@ -114,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     hashes: dict[str, str] = {}
     for res in results:
         hashes.update(res["hashes"])
-    cfg = PRESETS[args.model]
+    cfg = config(args.model)
     seconds = results[0]["seconds"]
     out = {"losses": results[0]["losses"], "param_digest": param_digest(hashes),
            "layout": {"dp": args.dp, "pp": args.pp, "tp": args.tp},

@@ -2,7 +2,7 @@
 
 A profile is what the partitioner and the advisor reason about. Analytic profiles
 of a GPT shape come from closed-form counts; measured ones add forward/backward
-seconds taken on the real device (see stalwart.client.profile). Saved as JSON.
+seconds taken on the real device (see stalwart.client.layers.probe). Saved as JSON.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ class ElasticConfig:
     """What the elastic planner knows about the model and the devices."""
 
     costs: tuple[float, ...]
-    """Per-layer cost of one micro-batch (seconds or FLOPs, e.g. client.model.layer_costs)."""
+    """Per-layer cost of one micro-batch (seconds or FLOPs)."""
     mem: tuple[float, ...] | None = None
     """Per-layer static bytes on one rank (its TP shard of parameters, grads, optimizer)."""
     act: tuple[float, ...] | None = None

@@ -41,14 +41,16 @@ class Run:
 def run_example(tmp_path: Path, script: str, *args: str, nodes: int = 2, world: int = 2,
                 spares: int = 0, kill_rank: int | None = None, kill_after_step: int = 3,
                 settings: dict[str, Any] | None = None, timeout_s: float = 240.0) -> Run:
-    """`python script args` as `world` ranks (+ `spares`) on `nodes` daemons."""
+    """`python script args` as `world` ranks (+ `spares`) on `nodes` daemons; `script` is
+    a path relative to the repository, or a module name (`python -m script args`) when it
+    does not end in .py."""
     cluster = LocalCluster(nodes=nodes, workdir=tmp_path / "cluster",
                            daemon_settings=settings or {})
     out = Run()
     follow = StepLog()
     try:
         cluster.start_daemons()
-        cluster.launch(None, world, spares, argv=[str(REPO / script), *args])
+        cluster.launch(None, world, spares, argv=[*_command(script), *args])
         deadline = time.monotonic() + timeout_s
         if kill_rank is not None:
             victim = next(r for r in cluster.ranks if r.rank == kill_rank)
@@ -81,6 +83,10 @@ def run_example(tmp_path: Path, script: str, *args: str, nodes: int = 2, world: 
     finally:
         cluster.close()
     return out
+
+
+def _command(script: str) -> list[str]:
+    return [str(REPO / script)] if script.endswith(".py") else ["-m", script]
 
 
 def _done(cluster: LocalCluster) -> bool:

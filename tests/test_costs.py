@@ -54,18 +54,19 @@ def test_shape_for_params_lands_near_the_requested_size(params):
     assert shape.n_heads % 8 == 0  # TP up to a whole 8-GPU node divides the heads
 
 
-def test_measured_profile_of_a_preset_has_positive_times_per_layer():
-    torch = pytest.importorskip("torch", reason="measuring layers needs torch")
-    from stalwart.client.model import PRESETS
-    from stalwart.client.profile import measure_layers
+def test_the_measured_probe_of_the_gpt_example_has_times_params_and_the_activation():
+    torch = pytest.importorskip("torch", reason="measuring blocks needs torch")
+    from stalwart.client.layers import probe
+    from stalwart_examples.gpt import config, job
 
     torch.manual_seed(0)
-    cfg = PRESETS["tiny"]
-    profile = measure_layers(cfg, repeats=1, warmup=1)
-    assert len(profile.layers) == cfg.num_layers
-    assert all(x.measured and x.fwd_s > 0 and x.bwd_s > 0 and x.opt_s > 0
-               for x in profile.layers)
-    assert profile.costs() == profile.costs("measured")
-    assert sum(x.params for x in profile.layers) == GPTShape(
+    cfg = config("tiny")
+    layers, data = job(cfg, global_batch=2, corpus_bytes=1 << 16)
+    inputs, targets = data.batch(data.indices(0))
+    probes, act = probe(layers, inputs, targets, repeats=1)
+    assert len(probes) == cfg.num_layers and act == (cfg.seq_len, cfg.d_model)
+    assert all(p.fwd_s > 0 and p.bwd_s > 0 for p in probes)
+    assert [p.sharded for p in probes] == [False] + [True] * cfg.n_layer + [False]
+    assert sum(p.params for p in probes) == GPTShape(
         vocab=cfg.vocab, d_model=cfg.d_model, n_layers=cfg.n_layer, n_heads=cfg.n_head,
         seq=cfg.seq_len, d_ff=cfg.d_ff).params()

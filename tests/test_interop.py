@@ -15,14 +15,15 @@ import torch.distributed as dist
 
 from stalwart.cli import main
 from stalwart.client import interop
+from stalwart.client.digest import tensor_sha256
 from stalwart.client.local_cluster import LocalCluster
-from stalwart.client.model import PRESETS, with_overrides
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.state_layout import describe, pack_into, unpack
-from stalwart.client.trainer import TrainConfig, Trainer, _tensor_sha256
+from stalwart.client.trainer import TrainConfig, Trainer
 from stalwart.client.trainer_state import load_state, state_tensors
 from stalwart.daemon.local_store import LocalStore
 from stalwart.v1 import common_pb2, manifest_pb2
+from stalwart_examples.gpt import job
 
 STEPS = 3
 # Other tests load the 2 cores: a late heartbeat here is not the failure under test.
@@ -80,7 +81,7 @@ def test_exported_state_dict_reloads_with_weights_only_as_the_trained_parameters
     export(trained, path, "state_dict")
     state = torch.load(path, weights_only=True)
     params = {k.removeprefix("model/"): v for k, v in state.items() if k.startswith("model/")}
-    assert {n: _tensor_sha256(t) for n, t in params.items()} == trained["hashes"]
+    assert {n: tensor_sha256(t) for n, t in params.items()} == trained["hashes"]
     for name, p in params.items():  # AdamW moments at full size beside every parameter
         assert state[f"optim/{name}/exp_avg"].shape == p.shape
         assert state[f"optim/{name}/exp_avg_sq"].shape == p.shape
@@ -136,13 +137,13 @@ def test_export_refuses_to_read_the_store_of_a_running_daemon(
 
 
 def test_an_imported_export_resumes_training_with_identical_losses(tmp_path: Path) -> None:
-    cfg = TrainConfig(model=with_overrides(PRESETS["tiny"], d_model=32, n_layer=2, n_head=2,
-                                           d_ff=64, seq_len=16),
-                      global_batch=4, corpus_bytes=1 << 16, seed=3)
+    cfg = TrainConfig(seed=3)
+    gpt = job("tiny", d_model=32, n_layer=2, n_head=2, d_ff=64, seq_len=16, global_batch=4,
+              corpus_bytes=1 << 16, seed=3)
 
     def trainer(generation: int) -> Trainer:
         return Trainer(ParallelDims(dp=1, pp=1, tp=1).build(dist.HashStore(), 0, generation),
-                       cfg)
+                       *gpt, cfg)
 
     a = trainer(0)
     for _ in range(3):

@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from stalwart.client.model import GPTConfig
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.trainer import TrainConfig, Trainer
+from stalwart_examples.gpt import GPTConfig, job
 
-CFG = TrainConfig(model=GPTConfig(d_model=32, n_layer=2, n_head=4, d_ff=64, seq_len=32),
-                  global_batch=8, seed=3, corpus_bytes=1 << 18)
+JOB = job(GPTConfig(d_model=32, n_layer=2, n_head=4, d_ff=64, seq_len=32), global_batch=8,
+          seed=3, corpus_bytes=1 << 18)
+CFG = TrainConfig(seed=3)
 STEPS = 5
 CLIPPED = TrainConfig(**{**CFG.__dict__, "grad_clip": 0.05})  # well below the norms seen
 # (dp, pp, tp, schedule, microbatches, grad_accum)
@@ -30,7 +31,7 @@ def _train(store, rank: int, generation: int, layout: tuple, cfg: TrainConfig = 
            reduce_fn=None, report: dict | None = None) -> list[float]:
     dp, pp, tp, schedule, m, accum = layout
     dims = ParallelDims(dp=dp, pp=pp, tp=tp).build(store, rank, generation)
-    trainer = Trainer(dims, cfg, schedule=schedule, microbatches=m, grad_accum=accum,
+    trainer = Trainer(dims, *JOB, cfg, schedule=schedule, microbatches=m, grad_accum=accum,
                       reduce_fn=reduce_fn)
     try:
         losses = [trainer.step() for _ in range(STEPS)]
@@ -70,7 +71,7 @@ def _clipped(store, rank: int, generation: int, layout: tuple) -> dict[str, list
     """Losses and the global gradient norm of each step, clipping at CLIPPED.grad_clip."""
     dp, pp, tp, schedule, m, accum = layout
     dims = ParallelDims(dp=dp, pp=pp, tp=tp).build(store, rank, generation)
-    trainer = Trainer(dims, CLIPPED, schedule=schedule, microbatches=m, grad_accum=accum)
+    trainer = Trainer(dims, *JOB, CLIPPED, schedule=schedule, microbatches=m, grad_accum=accum)
     try:
         out: dict[str, list[float]] = {"losses": [], "norms": []}
         for _ in range(STEPS):
@@ -86,14 +87,14 @@ def _relayout(store, rank: int, generation: int) -> list[float]:
     """Train 3 steps as (1,1,2), then rebuild in-process as (1,2,1) from the gathered full
     state and train 2 more: the 5 losses must follow the one-process run."""
     dims = ParallelDims(dp=1, pp=1, tp=2).build(store, rank, generation)
-    a = Trainer(dims, CFG)
+    a = Trainer(dims, *JOB, CFG)
     losses = [a.step() for _ in range(3)]
     params, moments = a.full_params(), a.full_optimizer_state()
     step, data = a.step_count, a.data.state_dict()
     a.close()
     dims.destroy()
     dims = ParallelDims(dp=1, pp=2, tp=1).build(store, rank, generation + 1)
-    b = Trainer(dims, CFG, microbatches=2)
+    b = Trainer(dims, *JOB, CFG, microbatches=2)
     b.load_full_state(params, moments, step=step, data=data)
     losses += [b.step() for _ in range(2)]
     b.close()
@@ -138,21 +139,19 @@ def test_train_cli_digest_matches_one_process_bitwise(tmp_path):
     """Two stages with one micro-batch do the single process's arithmetic exactly, so the
     digest gathered across stages must equal the one computed in one process."""
     from stalwart import cli
-    from stalwart.client.model import PRESETS
-    from stalwart.client.trainer import param_digest
+    from stalwart.client.digest import param_digest
 
     out = tmp_path / "train.json"
     argv = ["train", "--pp", "2", "--microbatches", "1", "--steps", "2", "--model", "tiny",
             "--global-batch", "4", "--seed", "7", "--json", str(out)]
     assert cli.main(argv) == 0
     report = __import__("json").loads(out.read_text())
-    cfg = TrainConfig(model=PRESETS["tiny"], global_batch=4, seed=7, lr=3e-3, min_lr=3e-4,
-                      decay_steps=2)
+    cfg = TrainConfig(seed=7, lr=3e-3, min_lr=3e-4, decay_steps=2)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the launcher's ranks: bitwise results depend on it
     try:
         dims = ParallelDims().build(dist.HashStore(), 0, 0)
-        trainer = Trainer(dims, cfg)
+        trainer = Trainer(dims, *job("tiny", global_batch=4, seed=7), cfg)
         losses = [trainer.step() for _ in range(2)]
         digest = param_digest(trainer.param_hashes())
         trainer.close()

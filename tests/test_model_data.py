@@ -9,17 +9,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from stalwart.client import recompute
-from stalwart.client.data import TextBatches, load_corpus
+from stalwart.client.digest import param_digest
 from stalwart.client.dp import GradReducer
-from stalwart.client.model import GPTConfig, GPTStage, uniform_bounds
+from stalwart.client.layers import Stage
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.pipeline import schedule
-from stalwart.client.trainer import TrainConfig, Trainer, param_digest
+from stalwart.client.trainer import TrainConfig, Trainer, uniform_bounds
+from stalwart.client.user_data import Data
+from stalwart_examples.gpt import GPTConfig, job, layers
+from stalwart_examples.gpt.data import TextWindows, load_corpus
 
 SMALL = GPTConfig(d_model=32, n_layer=2, n_head=4, d_ff=64, seq_len=32)
+LAYERS = layers(SMALL)
 
 
 @pytest.fixture(scope="module")
@@ -33,70 +35,89 @@ def test_corpus_is_deterministic_python_source(corpus):
     assert b"def " in corpus and b"import " in corpus
 
 
-def test_loader_resumes_exactly_from_its_state(corpus):
-    a = TextBatches(corpus, 32, seed=1)
-    a.next_batch(5)
-    state = a.state_dict()
-    expected = a.next_batch(7)
-    b = TextBatches(corpus, 32, seed=1)
-    b.load_state_dict(state)
-    got = b.next_batch(7)
-    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-    assert torch.equal(got[0][:, 1:], got[1][:, :-1])  # targets are inputs shifted by one
+def test_text_windows_are_inputs_and_targets_shifted_by_one(corpus):
+    windows = TextWindows(corpus, 32)
+    x, y = windows[3]
+    assert len(windows) == (len(corpus) - 1) // 33
+    assert torch.equal(x[1:], y[:-1]) and x.shape == (32,)
 
 
-def test_loader_refuses_a_state_from_another_cut(corpus):
-    state = TextBatches(corpus, 32).state_dict()
-    with pytest.raises(ValueError, match="seq_len"):
-        TextBatches(corpus, 64).load_state_dict(state)
+def test_each_epoch_visits_every_sample_once_in_a_new_order():
+    data = Data(list(range(10)), global_batch=5, seed=0)
+    epoch0 = data.indices(0) + data.indices(1)
+    epoch1 = data.indices(2) + data.indices(3)
+    assert sorted(epoch0) == sorted(epoch1) == list(range(10))
+    assert epoch0 != epoch1
+    assert Data(list(range(10)), global_batch=5, seed=0).indices(2) == data.indices(2)
 
 
-def test_loader_wraps_into_a_new_epoch_with_a_new_order(corpus):
-    d = TextBatches(corpus[:33 * 10 + 1], 32, seed=0)
-    first, _ = d.next_batch(10)
-    second, _ = d.next_batch(10)
-    assert sorted(map(bytes, first.byte().tolist())) == sorted(map(bytes, second.byte().tolist()))
-    assert not torch.equal(first, second)
+@pytest.mark.parametrize("dp,accum", [(1, 1), (2, 1), (1, 4), (2, 2), (4, 1)])
+def test_any_layout_reads_exactly_the_steps_global_batch(dp, accum):
+    data = Data(list(range(37)), global_batch=8, seed=4)
+    for step in range(6):
+        read = [i for r in range(dp) for mb in data.shares(step, dp, r, accum) for i in mb]
+        assert read == data.indices(step)
+
+
+def test_a_global_batch_that_does_not_split_is_refused_with_the_numbers():
+    with pytest.raises(ValueError, match="does not split into dp=3"):
+        Data(list(range(10)), global_batch=8).shares(0, 3, 0, 1)
 
 
 def test_stages_hold_the_same_weights_as_the_whole_model():
-    whole = dict(GPTStage(SMALL, 0, 3, seed=5).named_parameters())
+    whole = dict(Stage(LAYERS, 0, 3, seed=5).named_parameters())
     for first, last in uniform_bounds(4, 3):
-        for name, p in GPTStage(SMALL, first, last, seed=5).named_parameters():
+        for name, p in Stage(LAYERS, first, last, seed=5).named_parameters():
             assert torch.equal(p, whole[name]), name
 
 
 def test_tensor_parallel_shards_are_slices_of_the_full_weights():
-    whole = GPTStage(SMALL, 1, 1, seed=5)
-    shards = [GPTStage(SMALL, 1, 1, seed=5, tp=SimpleNamespace(size=2, index=r))
+    whole = Stage(LAYERS, 1, 1, seed=5)
+    shards = [Stage(LAYERS, 1, 1, seed=5, tp=SimpleNamespace(size=2, index=r))
               for r in range(2)]
+    assert shards[0].shard_dim("layers.1.q.weight") == 0
+    assert shards[0].shard_dim("layers.1.out.weight") == 1
+    assert shards[0].shard_dim("layers.1.ln1.weight") is None
     for name, p in whole.named_parameters():
-        dim = whole.shard_dim(name)
+        dim = shards[0].shard_dim(name)
         parts = [dict(s.named_parameters())[name] for s in shards]
         joined = parts[0] if dim is None else torch.cat(parts, dim)
         assert torch.equal(joined, p), name
 
 
+def test_a_tensor_parallel_degree_that_does_not_divide_is_named():
+    with pytest.raises(ValueError, match=r"block0\.q\.weight: 32 output features .* tp=3"):
+        Stage(LAYERS, 1, 1, tp=SimpleNamespace(size=3, index=0))
+
+
+def _saved_bytes_and_grads(policy: str, x: torch.Tensor, y: torch.Tensor):
+    model = Stage(LAYERS, 0, 3, seed=1, recompute=policy)
+    saved = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = LAYERS.loss(model(x), y)
+    loss.backward()
+    return sum(saved), [q.grad for q in model.parameters()]
+
+
 @pytest.mark.parametrize("policy", ["selective", "full"])
-def test_recomputation_gives_the_same_gradients(policy, corpus):
-    x, y = TextBatches(corpus, 32).next_batch(4)
-
-    def grads(p: str) -> list[torch.Tensor]:
-        model = GPTStage(SMALL, 0, 3, seed=1)
-        recompute.apply_policy(model.layers, p)
-        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-        return [q.grad for q in model.parameters()]
-
-    for a, b in zip(grads("none"), grads(policy), strict=True):
+def test_recomputation_keeps_less_and_gives_the_same_gradients(policy, corpus):
+    x, y = (torch.stack(t) for t in zip(*(TextWindows(corpus, 32)[i] for i in range(4)),
+                                         strict=True))
+    kept, expected = _saved_bytes_and_grads("none", x, y)
+    fewer, got = _saved_bytes_and_grads(policy, x, y)
+    assert fewer < kept  # the recomputed activations were not kept for backward
+    for a, b in zip(expected, got, strict=True):
         assert torch.equal(a, b)
 
 
 def test_recompute_policy_names_are_checked():
-    model = GPTStage(SMALL, 0, 3)
-    with pytest.raises(ValueError, match="unknown"):
-        recompute.apply_policy(model.layers, "sometimes")
-    with pytest.raises(ValueError, match="one policy per layer"):
-        recompute.apply_policy(model.layers, ["none"])
+    with pytest.raises(ValueError, match="recompute='sometimes'"):
+        Stage(LAYERS, 0, 3, recompute="sometimes")
 
 
 def _in_flight(actions: list[tuple[str, int]]) -> int:
@@ -119,19 +140,20 @@ def test_schedules_run_each_microbatch_forward_before_backward(stages, m):
             assert _in_flight(actions) == limit
 
 
-def _trainer(cfg: TrainConfig, corpus: bytes) -> tuple[ParallelDims, Trainer]:
+def _trainer(cfg: TrainConfig, corpus: bytes, seed: int = 0) -> tuple[ParallelDims, Trainer]:
     dims = ParallelDims(dp=1, pp=1, tp=1).build(dist.HashStore(), 0, 0)
-    return dims, Trainer(dims, cfg, corpus=corpus)
+    data = Data(TextWindows(corpus, SMALL.seq_len), global_batch=4, seed=seed)
+    return dims, Trainer(dims, LAYERS, data, cfg)
 
 
 def test_a_restored_trainer_continues_with_identical_losses_and_weights(corpus):
-    cfg = TrainConfig(model=SMALL, global_batch=4, seed=2)
-    dims, a = _trainer(cfg, corpus)
+    cfg = TrainConfig(seed=2)
+    dims, a = _trainer(cfg, corpus, seed=2)
     for _ in range(3):
         a.step()
     state = copy.deepcopy(a.state_dict())
     expected = [a.step() for _ in range(2)]
-    dims2, b = _trainer(cfg, corpus)
+    dims2, b = _trainer(cfg, corpus, seed=2)
     b.load_state_dict(state)
     assert [b.step() for _ in range(2)] == expected
     assert param_digest(b.param_hashes()) == param_digest(a.param_hashes())
@@ -144,17 +166,16 @@ def test_a_restored_trainer_continues_with_identical_losses_and_weights(corpus):
 def test_stage_bounds_must_cover_every_layer_once(corpus):
     dims = ParallelDims(dp=1, pp=1, tp=1).build(dist.HashStore(), 0, 0)
     for bad in ([(0, 2)], [(1, 3)], [(0, 4)], [(2, 3)]):
-        with pytest.raises(ValueError, match="must cover layers 0..3"):
-            Trainer(dims, TrainConfig(model=SMALL, global_batch=4), stage_bounds=bad,
-                    corpus=corpus)
+        with pytest.raises(ValueError, match="must cover blocks 0..3"):
+            Trainer(dims, *job(SMALL, global_batch=4, corpus_bytes=1 << 16), TrainConfig(),
+                    stage_bounds=bad)
     dims.destroy()
 
 
 def test_bf16_autocast_tracks_fp32_losses(corpus):
     losses = {}
     for precision in ("fp32", "bf16"):
-        dims, t = _trainer(TrainConfig(model=SMALL, global_batch=4, precision=precision),
-                           corpus)
+        dims, t = _trainer(TrainConfig(precision=precision), corpus)
         losses[precision] = [t.step() for _ in range(3)]
         t.close()
         dims.destroy()
@@ -162,7 +183,7 @@ def test_bf16_autocast_tracks_fp32_losses(corpus):
 
 
 def test_fp16_loss_scaling_skips_an_overflowing_step_and_backs_off(corpus):
-    dims, t = _trainer(TrainConfig(model=SMALL, global_batch=4, precision="fp16"), corpus)
+    dims, t = _trainer(TrainConfig(precision="fp16"), corpus)
     t.step()
     assert t.scaler.state_dict() == {"enabled": True, "scale": 2.0**16, "good_steps": 1}
     t.scaler.scale = 2.0**120  # fp16 activation gradients overflow at this scale
@@ -176,7 +197,7 @@ def test_fp16_loss_scaling_skips_an_overflowing_step_and_backs_off(corpus):
 
 @pytest.mark.parametrize("compress", ["none", "fp16"])
 def test_grad_reducer_sums_buckets_in_order_during_backward(compress):
-    model = GPTStage(SMALL, 0, 3, seed=1)
+    model = Stage(LAYERS, 0, 3, seed=1)
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     model(ids).square().mean().backward()
     local = [p.grad.clone() for p in model.parameters()]
@@ -201,7 +222,7 @@ def test_grad_reducer_sums_buckets_in_order_during_backward(compress):
 
 
 def test_learning_rate_warms_up_then_decays_to_its_floor():
-    cfg = TrainConfig(model=SMALL, lr=1e-3, min_lr=1e-4, warmup_steps=4, decay_steps=20)
+    cfg = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=4, decay_steps=20)
     lrs = [cfg.lr_at(s) for s in range(30)]
     assert lrs[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
     assert all(a >= b for a, b in zip(lrs[3:], lrs[4:], strict=False))

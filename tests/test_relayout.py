@@ -13,7 +13,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stalwart.client.model import PRESETS, GPTStage, with_overrides
+from stalwart.client.layers import Stage
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.relayout import OldLayout, Role, fetch_and_assemble, needed_ranks, relayout
 from stalwart.client.state_layout import StateTensor, describe, pack_into
@@ -21,16 +21,17 @@ from stalwart.client.trainer import TrainConfig, Trainer
 from stalwart.client.trainer_state import load_state, state_tensors
 from stalwart.core.partition import uniform
 from stalwart.v1 import manifest_pb2
+from stalwart_examples.gpt import job
 
-CFG = TrainConfig(model=with_overrides(PRESETS["tiny"], d_model=32, n_layer=4, n_head=2,
-                                       d_ff=64, seq_len=16),
-                  global_batch=4, corpus_bytes=1 << 16, seed=3)
-LAYERS = CFG.model.num_layers  # 6
+JOB = job("tiny", d_model=32, n_layer=4, n_head=2, d_ff=64, seq_len=16, global_batch=4,
+          corpus_bytes=1 << 16, seed=3)
+CFG = TrainConfig(seed=3)
+LAYERS = len(JOB[0])  # 6
 
 
 def _trainer(generation: int) -> Trainer:
     dims = ParallelDims(dp=1, pp=1, tp=1).build(dist.HashStore(), 0, generation)
-    return Trainer(dims, CFG)
+    return Trainer(dims, *JOB, CFG)
 
 
 @pytest.fixture(scope="module")
@@ -143,12 +144,12 @@ def test_tp_shards_and_their_adam_moments_are_resliced_per_tp_index(trained):
 
 
 def test_fresh_model_shards_match_the_model_built_for_the_new_bounds():
-    """Initial weights relaid from (1,2,2) to (1,3,2) equal GPTStage built for the new stage."""
+    """Initial weights relaid from (1,2,2) to (1,3,2) equal a Stage built for the new stage."""
     old = _old(1, 2, 2)
     states = {}
     for p, t in itertools.product(range(2), range(2)):
         a, b = old.stages[p]
-        stage = GPTStage(CFG.model, a, b, seed=CFG.seed, tp=SimpleNamespace(size=2, index=t))
+        stage = Stage(JOB[0], a, b, seed=CFG.seed, tp=SimpleNamespace(size=2, index=t))
         parts = []
         for name, w in stage.named_parameters():
             dim = stage.shard_dim(name)
@@ -163,7 +164,7 @@ def test_fresh_model_shards_match_the_model_built_for_the_new_bounds():
     for (a, b), t in itertools.product(uniform(LAYERS, 3), range(2)):
         role = Role(a, b, tp=t, tp_size=2)
         got, _ = relayout(role, {r: states[r] for r in needed_ranks(old, role)}, old)
-        fresh = GPTStage(CFG.model, a, b, seed=CFG.seed, tp=SimpleNamespace(size=2, index=t))
+        fresh = Stage(JOB[0], a, b, seed=CFG.seed, tp=SimpleNamespace(size=2, index=t))
         for name, w in fresh.named_parameters():
             assert torch.equal(got[f"model/{name}"], w.detach()), name
 

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import torch
 
+from stalwart.client.digest import tensor_sha256
 from stalwart.client.interop import read_from_daemon
 from stalwart.client.local_cluster import LocalCluster
-from stalwart.client.model import uniform_bounds
 from stalwart.client.reshard import Piece, Want, assemble
 from stalwart.client.state_layout import unpack
-from stalwart.client.trainer import _tensor_sha256
+from stalwart.client.trainer import uniform_bounds
 
 STEPS = 3
 # Other tests load the 2 cores: a late heartbeat here is not the failure under test.
@@ -112,7 +112,7 @@ def test_restored_state_is_bitwise_what_each_rank_held(runs: dict, layout: tuple
         # This rank's stage at full size, from its own shard and its TP peers' shards.
         peers = [r for r, s in run.states.items()
                  if (s.coord.dp, s.coord.pp) == (coord.dp, coord.pp)]
-        restored = {param_name(n): _tensor_sha256(t)
+        restored = {param_name(n): tensor_sha256(t)
                     for n, t in full(run.pieces(peers)).items() if n.startswith("model/")}
         assert restored == result["param_hashes"], f"rank {rank} differs after restore"
 
@@ -177,5 +177,5 @@ def test_reshard_221_to_122_to_111_keeps_the_full_parameters(runs: dict) -> None
     for name, t in original.items():
         assert torch.equal(bits(as_111[name]), bits(t)), name
     hashes = {k: v for r in source.results for k, v in r["param_hashes"].items()}
-    assert {param_name(n): _tensor_sha256(t) for n, t in as_111.items()
+    assert {param_name(n): tensor_sha256(t) for n, t in as_111.items()
             if n.startswith("model/")} == hashes

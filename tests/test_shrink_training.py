@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from stalwart.client.model import GPTConfig, layer_costs
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.relayout import Role, fetch_and_assemble
 from stalwart.client.state_layout import describe, pack_into
@@ -26,11 +25,13 @@ from stalwart.core.decide import Coord, Layout, Member, PlanState
 from stalwart.core.partition import partition
 from stalwart.core.shrink import ElasticConfig, plan_shrink
 from stalwart.v1 import manifest_pb2
+from stalwart_examples.gpt import GPTConfig, job
 
-CFG = TrainConfig(model=GPTConfig(d_model=32, n_layer=4, n_head=4, d_ff=64, seq_len=32),
-                  global_batch=8, seed=3, corpus_bytes=1 << 18)
+MODEL = GPTConfig(d_model=32, n_layer=4, n_head=4, d_ff=64, seq_len=32)
+JOB = job(MODEL, global_batch=8, seed=3, corpus_bytes=1 << 18)
+CFG = TrainConfig(seed=3)
 BEFORE, AFTER = 3, 2  # steps before the loss, steps after the shrink
-COSTS = tuple(layer_costs(CFG.model))
+COSTS = (1.0,) + (8.0,) * MODEL.n_layer + (4.0,)  # embedding, blocks, head
 LAYERS = len(COSTS)
 
 
@@ -83,7 +84,7 @@ def _barrier(store, key: str, count: int, timeout_s: float = 60.0) -> None:
 
 def _phase(ctx, folder: Path, gen: int, before: dict, after: dict) -> list[float]:
     dims = ParallelDims(dp=before["dp"], pp=before["pp"]).build(ctx.store, ctx.rank, gen)
-    t = Trainer(dims, CFG, stage_bounds=[tuple(s) for s in before["stages"]],
+    t = Trainer(dims, *JOB, CFG, stage_bounds=[tuple(s) for s in before["stages"]],
                 microbatches=before["microbatches"])
     losses = [t.step() for _ in range(BEFORE)]
     _capture(t, folder, ctx.rank)
@@ -97,7 +98,7 @@ def _phase(ctx, folder: Path, gen: int, before: dict, after: dict) -> list[float
     first, last = after["stages"][pp]
     tensors, extra = fetch_and_assemble(_Files(folder), BEFORE, None, Role(first, last, dp=dp))
     dims = ParallelDims(dp=after["dp"], pp=after["pp"]).build(ctx.store, new_rank, gen + 1)
-    t = Trainer(dims, CFG, stage_bounds=[tuple(s) for s in after["stages"]],
+    t = Trainer(dims, *JOB, CFG, stage_bounds=[tuple(s) for s in after["stages"]],
                 microbatches=after["microbatches"], grad_accum=after["grad_accum"])
     load_state(t, tensors, extra)
     losses += [t.step() for _ in range(AFTER)]
@@ -128,7 +129,7 @@ def test_shrunk_jobs_follow_the_uninterrupted_loss_curve(run_ranks, tmp_path):
     results = run_ranks(_shrinks, 4, str(tmp_path), cases, timeout=240)
 
     dims = ParallelDims().build(dist.HashStore(), 0, 0)
-    ref = Trainer(dims, CFG)
+    ref = Trainer(dims, *JOB, CFG)
     reference = [ref.step() for _ in range(BEFORE + AFTER)]
     ref.close()
     dims.destroy()

@@ -5,19 +5,19 @@ import json
 import torch
 import torch.distributed as dist
 
-from stalwart.client.model import PRESETS, with_overrides
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.trainer import TrainConfig, Trainer
 from stalwart.client.trainer_state import adamw_hints, load_state, state_tensors
+from stalwart_examples.gpt import job
 
-CFG = TrainConfig(model=with_overrides(PRESETS["tiny"], d_model=32, n_layer=2, n_head=2,
-                                       d_ff=64, seq_len=16),
-                  global_batch=4, corpus_bytes=1 << 16, seed=3)
+JOB = job("tiny", d_model=32, n_layer=2, n_head=2, d_ff=64, seq_len=16, global_batch=4,
+          corpus_bytes=1 << 16, seed=3)
+CFG = TrainConfig(seed=3)
 
 
 def _trainer(generation: int) -> Trainer:
     dims = ParallelDims(dp=1, pp=1, tp=1).build(dist.HashStore(), 0, generation)
-    return Trainer(dims, CFG)
+    return Trainer(dims, *JOB, CFG)
 
 
 def test_restored_trainer_continues_with_identical_losses_and_params():
@@ -45,7 +45,7 @@ def test_state_names_are_layout_independent_and_cover_optimizer_and_rng():
     assert "rng/cpu" in names
     assert any(n.startswith("optim/") and n.endswith("/exp_avg_sq") for n in names)
     assert all(s.layer >= 0 for s in tensors if s.name.startswith("model/"))
-    assert extra["data"]["position"] == CFG.global_batch
+    assert extra["step"] == 1 and extra["data"] == JOB[1].state_dict()
 
 
 def test_extra_record_survives_a_json_round_trip():

@@ -132,3 +132,11 @@ def layers(cfg: GPTConfig) -> stalwart.Layers:
     blocks += [("head", lambda: Head(cfg))]
     return stalwart.Layers(blocks=blocks, loss=next_token_loss, tp_plan=TP_PLAN,
                            selective_recompute=("core",))
+
+
+def layer_costs(cfg: GPTConfig) -> list[float]:
+    """Forward FLOPs per token of each block (the embedding counted as a lookup of
+    d_model), for planning without measuring."""
+    d, s = cfg.d_model, cfg.seq_len
+    block = 2 * (4 * d * d + 2 * d * cfg.d_ff) + 4 * s * d
+    return [float(d)] + [float(block)] * cfg.n_layer + [float(2 * d * cfg.vocab)]
