@@ -103,7 +103,7 @@ def _spec(quick: bool) -> dict[str, Any]:
     before, after = STEPS[quick]
     spec = {"model": "tiny", "model_overrides": MODEL, "train": {"global_batch": 16, "seed": 0},
             "layout": {"dp": 1, "pp": 4, "tp": 1, "schedule": "1f1b", "microbatches": 8},
-            "steps": before + after, "collective_timeout_s": 10.0,
+            "steps": before + after, "collective_timeout_s": 10.0, "flops_costs": True,
             "faults": [{"kind": "kill", "target": "rank", "index": KILL_RANK,
                         "step": before}]}
     costs = list(_profile_config(spec).costs)
@@ -286,7 +286,7 @@ def _profile_config(spec: dict[str, Any]) -> ElasticConfig:
 
     lay, train = spec["layout"], spec["train"]
     layers, data = job(spec["model"], global_batch=train["global_batch"], seed=train["seed"],
-                       **spec["model_overrides"])
+                       flops_costs=True, **spec["model_overrides"])
     p = TrainerProgram(layers, data, TrainConfig(seed=train["seed"]), common_pb2.ParallelLayout(
         dp=lay["dp"], pp=lay["pp"], tp=lay["tp"], microbatches=lay["microbatches"]),
         spec["steps"]).profile()

@@ -1,4 +1,5 @@
-"""`stalwart demo`: a local cluster trains the GPT on real text, failures are injected,
+"""`stalwart demo`: a local cluster trains the GPT example on real text (or any script
+written against the public API, --script), failures are injected,
 Stalwart detects, re-plans, rebuilds, restores and training continues; a summary
 gives each phase's time and the steps lost.
 """
@@ -65,6 +66,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
       help="elect the coordinator through this etcd server (default: smallest node name)")
     a("--workdir", type=Path, default=None, help="keep logs and snapshots here")
     a("--json", dest="json_path", type=Path, default=None, help="write the summary here")
+    a("--script", type=Path, default=None,
+      help="run this script (written against the public API, e.g. "
+           "examples/classifier/train.py) instead of the GPT example: dp x pp x tp ranks, "
+           "--steps passed on, the arguments after -- too")
+    a("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
 
 def _spec(args: argparse.Namespace, faults: list[dict[str, Any]]) -> dict[str, Any]:
@@ -125,7 +131,13 @@ def run(args: argparse.Namespace) -> int:
                 # it, killing the pids the demo lists once every process is started.
                 f.update(target="pids", index=coordinator.index, pids_file=str(victims))
                 _say(t0, f"  the coordinator fault will kill node {coordinator.index}")
-        cluster.launch(_spec(args, faults), world, args.spares, args.ranks_per_node)
+        argv = None
+        if args.script is not None:
+            script_args = [x for x in args.script_args if x != "--"]
+            argv = [str(args.script.resolve()), *script_args, "--steps", str(args.steps)]
+            cluster.env["STALWART_FAULTS"] = json.dumps(faults)
+        cluster.launch(_spec(args, faults), world, args.spares, args.ranks_per_node,
+                       argv=argv)
         pids = [coordinator.proc.pid, *(r.proc.pid for r in cluster.ranks
                                         if r.node is coordinator)]
         victims.write_text(json.dumps(pids))
@@ -233,18 +245,14 @@ def _kind(code: int) -> str:
 def _summarise(cluster: Any, args: argparse.Namespace, faults: list[dict[str, Any]],
                follow: Any, plans: list[dict[str, Any]],
                committed_at: list[tuple[float, int]], elapsed: float) -> dict[str, Any]:
-    from stalwart.client.digest import param_digest
-
     results = [(r, r.result()) for r in cluster.ranks]
     finished = [res for _, res in results if res and res.get("losses")]
     # Killed ranks leave no result file, but their printed losses count for their steps.
     losses: dict[int, float] = dict(follow.losses)
     for res in finished:
         losses.update({int(k): v for k, v in res["losses"].items()})
-    hashes: dict[str, str] = {}
-    for res in finished:
-        if res.get("coord", {}).get("dp") == 0:
-            hashes.update(res.get("param_hashes", {}))
+    # Every rank that trained to the end reports the job's digest (all stages and shards).
+    digests = {res["result"]["param_digest"] for res in finished if res.get("result")}
     fired = sorted((json.loads(p.read_text()) for p in cluster.workdir.glob("fault-*.json")),
                    key=lambda f: f["time_unix"])
     recoveries = []
@@ -267,7 +275,7 @@ def _summarise(cluster: Any, args: argparse.Namespace, faults: list[dict[str, An
     completed = bool(losses) and max(losses) == args.steps and len(losses) == args.steps
     return {"completed": completed, "elapsed_s": round(elapsed, 2),
             "losses": [losses[s] for s in sorted(losses)],
-            "param_digest": param_digest(hashes) if completed and hashes else None,
+            "param_digest": digests.pop() if completed and len(digests) == 1 else None,
             "lost_steps": sum(r["lost_steps"] for r in recoveries),
             "recoveries": recoveries,
             "stopped": next((p["stop_message"] for p in plans if p["stop"]), ""),

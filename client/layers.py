@@ -43,6 +43,10 @@ class Layers:
     selective_recompute: Sequence[str] = ()
     """Paths of submodules inside blocks whose forward is recomputed in backward under
     recompute="selective" (for example the attention core)."""
+    costs: Sequence[float] | None = None
+    """Relative cost of each block (e.g. its FLOPs) for the planner, instead of the
+    forward and backward seconds measured at start-up: plans then do not vary with the
+    machine's load."""
 
     def __post_init__(self) -> None:
         names = [name for name, _ in self.blocks]
@@ -51,8 +55,12 @@ class Layers:
         if len(set(names)) != len(names):
             twice = sorted(n for n in set(names) if names.count(n) > 1)
             raise ValueError(f"block names must be unique; {twice} appear more than once")
+        if self.costs is not None and (len(self.costs) != len(names)
+                                       or any(not c >= 0 for c in self.costs)):
+            raise ValueError(f"costs: give one non-negative number per block ({len(names)}), "
+                             f"not {list(self.costs)}")
         for name, factory in self.blocks:
-            if not callable(factory):
+            if isinstance(factory, nn.Module) or not callable(factory):
                 raise TypeError(f"block {name!r}: give a factory (a callable that builds the "
                                 "block), not a built module, so every layout builds it fresh")
 

@@ -304,6 +304,8 @@ def gpt_command(spec: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
             "--collective-timeout", str(spec.get("collective_timeout_s", 10.0))]
     if lay.get("microbatches"):
         argv += ["--microbatches", str(lay["microbatches"])]
+    if spec.get("flops_costs"):
+        argv.append("--flops-costs")
     if lay.get("stages"):
         argv += ["--bounds", ",".join(f"{a}-{b}" for a, b in lay["stages"])]
     flags = {"global_batch": "--global-batch", "seed": "--seed", "corpus_bytes":

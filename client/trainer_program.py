@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +54,7 @@ class TrainerProgram:
         return self._probes
 
     def profile(self) -> common_pb2.LayerProfile:
-        return layer_profile(self._probe(), max(1, self.layout.tp))
+        return layer_profile(self._probe(), max(1, self.layout.tp), self.layers.costs)
 
     def warm_up(self) -> None:
         self._probe()
@@ -151,13 +152,15 @@ def _restore(gen: Generation, trainer: Trainer, step: int) -> None:
         raise RuntimeError(f"restored state is of step {trainer.step_count}, not {step}")
 
 
-def layer_profile(probes: list[BlockProbe], tp: int) -> common_pb2.LayerProfile:
-    """Per-block cost (measured forward + backward seconds of a micro-batch), memory
-    and state bytes on one rank, for the elastic planner; blocks with planned linears
-    count 1/tp of each."""
+def layer_profile(probes: list[BlockProbe], tp: int,
+                  costs: Sequence[float] | None = None) -> common_pb2.LayerProfile:
+    """Per-block cost (the given `costs`, else measured forward + backward seconds of a
+    micro-batch), memory and state bytes on one rank, for the elastic planner; blocks
+    with planned linears count 1/tp of each."""
     split = [tp if p.sharded else 1 for p in probes]
+    measured = [p.fwd_s + p.bwd_s for p in probes]
     return common_pb2.LayerProfile(
-        costs=[(p.fwd_s + p.bwd_s) / k for p, k in zip(probes, split, strict=True)],
+        costs=[c / k for c, k in zip(costs or measured, split, strict=True)],
         mem_bytes=[16.0 * p.params / k for p, k in zip(probes, split, strict=True)],
         act_bytes=[p.out_bytes / k for p, k in zip(probes, split, strict=True)],
         state_bytes=[12.0 * p.params / k for p, k in zip(probes, split, strict=True)])

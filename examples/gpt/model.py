@@ -125,13 +125,15 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def layers(cfg: GPTConfig) -> stalwart.Layers:
-    """The decoder as ordered named blocks with its tensor-parallel plan."""
+def layers(cfg: GPTConfig, flops_costs: bool = False) -> stalwart.Layers:
+    """The decoder as ordered named blocks with its tensor-parallel plan; with
+    `flops_costs` the planner uses layer_costs() instead of measured times."""
     blocks = [("embed", lambda: Embedding(cfg))]
     blocks += [(f"block{i}", lambda: Block(cfg)) for i in range(cfg.n_layer)]
     blocks += [("head", lambda: Head(cfg))]
     return stalwart.Layers(blocks=blocks, loss=next_token_loss, tp_plan=TP_PLAN,
-                           selective_recompute=("core",))
+                           selective_recompute=("core",),
+                           costs=layer_costs(cfg) if flops_costs else None)
 
 
 def layer_costs(cfg: GPTConfig) -> list[float]:

@@ -33,10 +33,12 @@ def main(argv: list[str] | None = None) -> None:
     a("--recompute", default="none")
     a("--grad-clip", type=float, default=0.0)
     a("--collective-timeout", type=float, default=10.0)
+    a("--flops-costs", action="store_true", help="plan with FLOPs, not measured times")
     args = a.__self__.parse_args(argv)
 
     layers, data = job(args.model, global_batch=args.global_batch, seed=args.seed,
-                       corpus_bytes=args.corpus_bytes, **args.model_overrides)
+                       corpus_bytes=args.corpus_bytes, flops_costs=args.flops_costs,
+                       **args.model_overrides)
     result = stalwart.run_layers(
         layers, data, steps=args.steps, pp=args.pp, tp=args.tp, schedule=args.schedule,
         microbatches=args.microbatches, grad_accum=args.grad_accum, stage_bounds=args.bounds,

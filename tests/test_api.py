@@ -1,0 +1,228 @@
+"""The public API as a specification: what a user may import and call, what it
+guarantees about registered state, and the errors bad input gets. (What `run` does
+across real failures is in test_example_classifier.py and test_api_samples.py.)"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import stalwart
+from stalwart.client.user_state import StateRegistry
+
+API = {"run", "Context", "Result", "Data", "Layers", "run_layers", "param_digest",
+       "StateError", "JobStopped"}
+
+
+def test_the_public_names_are_the_documented_ones_and_importing_them_is_cheap():
+    assert set(stalwart.__all__) == API | {"__version__"}
+    code = ("import sys, stalwart; assert 'torch' not in sys.modules; "
+            "stalwart.Data; assert 'torch' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    with pytest.raises(AttributeError, match="no attribute 'Trainer'"):
+        stalwart.Trainer  # noqa: B018 - internals are not part of the API
+
+
+def test_run_without_a_launcher_says_what_is_missing(monkeypatch):
+    monkeypatch.delenv("STALWART_UNIX_SOCKET", raising=False)
+    model = nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="needs a Stalwart launcher"):
+        stalwart.run(lambda ctx: None, model=model,
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_run_refuses_state_without_load_state_dict_before_starting():
+    class Counter:
+        def state_dict(self):
+            return {"n": 1}
+
+    model = nn.Linear(2, 2)
+    with pytest.raises(stalwart.StateError, match=r"'counter' \(Counter\) has no "
+                                                  r"load_state_dict\(\)"):
+        stalwart.run(lambda ctx: None, model=model,
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     state={"counter": Counter()})
+
+
+class Ema:
+    """A user object with tensors, tuples, non-finite floats and nested plain values."""
+
+    def __init__(self) -> None:
+        self.shadow = torch.zeros(3)
+        self.meta = {"decay": 0.99, "best": float("inf"), "window": (1, 2), "tags": ["a"]}
+
+    def state_dict(self):
+        return {"shadow": self.shadow, "meta": self.meta}
+
+    def load_state_dict(self, state):
+        self.shadow = state["shadow"]
+        self.meta = state["meta"]
+
+
+def _job():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, opt, sched, Ema()
+
+
+def _train_a_step(model, opt, sched, ema) -> None:
+    loss = model(torch.randn(16, 4)).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    sched.step()
+    ema.shadow += 1
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_registered_state_restores_bitwise_into_fresh_objects(optimizer):
+    model, opt, sched, ema = _job()
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    for _ in range(3):
+        _train_a_step(model, opt, sched, ema)
+    registry = StateRegistry({"model": model, "optimizer": opt, "scheduler": sched, "ema": ema})
+    tensors, extra = registry.capture(step=3)
+    copies = {t.name: t.tensor.clone() for t in tensors}
+    expected_rng = torch.get_rng_state()
+    reference = [model.state_dict(), opt.state_dict(), sched.state_dict(), ema.state_dict()]
+
+    model2, opt2, sched2, ema2 = _job()
+    if optimizer == "adamw":
+        opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3, betas=(0.9, 0.95))
+        sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2)
+    torch.manual_seed(123)
+    fresh = StateRegistry({"model": model2, "optimizer": opt2, "scheduler": sched2, "ema": ema2})
+    assert fresh.load(copies, extra) == 3
+    assert torch.equal(torch.get_rng_state(), expected_rng)
+    for a, b in zip(reference, [model2.state_dict(), opt2.state_dict(), sched2.state_dict(),
+                                ema2.state_dict()], strict=True):
+        _assert_same(a, b)
+    assert ema2.meta["window"] == (1, 2) and math.isinf(ema2.meta["best"])
+    _train_a_step(model2, opt2, sched2, ema2)  # on the restored RNG: the same batch
+    torch.set_rng_state(expected_rng)
+    _train_a_step(model, opt, sched, ema)
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def _assert_same(a, b) -> None:
+    if torch.is_tensor(a):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _assert_same(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _assert_same(x, y)
+    else:
+        assert a == b
+
+
+def test_optimizer_state_is_keyed_by_parameter_name():
+    model, opt, sched, ema = _job()
+    _train_a_step(model, opt, sched, ema)
+    tensors, extra = StateRegistry({"model": model, "optimizer": opt}).capture(step=1)
+    names = {t.name for t in tensors}
+    assert "optimizer/model/0.weight/momentum_buffer" in names
+    assert extra["objects"]["optimizer"]["param_groups"][0]["params"][0] == "model/0.weight"
+
+
+def test_adam_hints_name_the_parameters_and_moments():
+    model = nn.Linear(3, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    hints = StateRegistry({"net": model, "opt": opt}).adamw_hints()
+    assert {h.param for h in hints} == {"net/weight", "net/bias"}
+    assert {h.exp_avg_sq for h in hints} == {"opt/net/weight/exp_avg_sq",
+                                             "opt/net/bias/exp_avg_sq"}
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert StateRegistry({"net": model, "opt": sgd}).adamw_hints() == []
+
+
+class Holder:
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+@pytest.mark.parametrize("value,message", [
+    (lambda: 1, r"'holder/value' is a function"),
+    ({"inner": object()}, r"'holder/value/inner' is a object"),
+    (torch.zeros(2, dtype=torch.complex64), r"'holder/value' has dtype torch.complex64"),
+])
+def test_state_that_cannot_be_captured_is_named(value, message):
+    with pytest.raises(stalwart.StateError, match=message):
+        StateRegistry({"holder": Holder(value)}).capture(step=1)
+
+
+def test_state_whose_shape_changes_between_steps_is_refused():
+    holder = Holder(torch.zeros(4))
+    registry = StateRegistry({"holder": holder})
+    registry.capture(step=1)
+    holder.value = torch.zeros(5)
+    with pytest.raises(stalwart.StateError, match=r"'holder/value' changed from \(4,\)"):
+        registry.capture(step=2)
+
+
+def test_an_optimizer_over_an_unregistered_module_is_refused():
+    model, other = nn.Linear(2, 2), nn.Linear(2, 2)
+    opt = torch.optim.SGD([*model.parameters(), *other.parameters()], lr=0.1)
+    with pytest.raises(stalwart.StateError, match="no registered module"):
+        StateRegistry({"model": model, "optimizer": opt}).capture(step=1)
+
+
+def test_a_committed_step_without_a_registered_object_is_refused():
+    tensors, extra = StateRegistry({"a": Holder(1)}).capture(step=1)
+    with pytest.raises(stalwart.StateError, match=r"no state for \['b'\]"):
+        StateRegistry({"a": Holder(1), "b": Holder(2)}).load(
+            {t.name: t.tensor for t in tensors}, extra)
+
+
+def test_layers_check_their_blocks_when_declared():
+    with pytest.raises(ValueError, match="unique"):
+        stalwart.Layers(blocks=[("a", nn.Identity), ("a", nn.Identity)], loss=None)
+    with pytest.raises(TypeError, match="give a factory"):
+        stalwart.Layers(blocks=[("a", nn.Identity())], loss=None)
+    with pytest.raises(ValueError, match="one non-negative number per block"):
+        stalwart.Layers(blocks=[("a", nn.Identity)], loss=None, costs=[1.0, 2.0])
+
+
+def test_a_tp_plan_on_a_module_that_is_not_linear_is_named():
+    from stalwart.client.layers import Stage
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(4)
+
+    layers = stalwart.Layers(blocks=[("b", Block)], loss=None, tp_plan={"norm": "column"})
+    with pytest.raises(TypeError, match="'norm' of block 'b' is a LayerNorm"):
+        Stage(layers, 0, 0)
+
+
+def test_param_digest_of_a_module_equals_that_of_its_hashes_in_any_order():
+    from stalwart.client.digest import tensor_sha256
+
+    model = nn.Linear(3, 2)
+    hashes = {n: tensor_sha256(p) for n, p in model.named_parameters()}
+    assert stalwart.param_digest(model) == stalwart.param_digest(dict(reversed(hashes.items())))
+    with torch.no_grad():
+        model.bias[0] += 1
+    assert stalwart.param_digest(model) != stalwart.param_digest(hashes)
