@@ -63,7 +63,8 @@ def read_from_daemon(step: int, target: str | None = None
 
 def read_from_store(data_dir: Path, job_id: str, step: int
                     ) -> list[tuple[manifest_pb2.RankState, bytes]]:
-    """The same, offline from a store no daemon is writing (every chunk must be on disk)."""
+    """The same, offline from a store no daemon is writing: the ranks of data-parallel
+    replica 0 (the others hold identical copies), whose chunks must be on this disk."""
     from stalwart.daemon.local_store import CorruptChunkError, LocalStore
 
     _refuse_live_daemon(data_dir)
@@ -75,6 +76,8 @@ def read_from_store(data_dir: Path, job_id: str, step: int
     manifest = store.load_manifest(step)
     out = []
     for r in manifest.ranks:
+        if r.coord.dp != 0:
+            continue
         try:
             out.append((r, store.read_rank(step, r.rank)))
         except CorruptChunkError as exc:
@@ -125,8 +128,11 @@ def assemble_full(ranks: list[tuple[manifest_pb2.RankState, bytes]]) -> dict[str
 
 
 def _full_extra(extras: list[dict[str, Any]], tensors: Mapping[str, Any]) -> dict[str, Any]:
-    """Rank 0's extra, its layout rewritten as the single-rank layout of the full state."""
+    """Rank 0's extra, its layout rewritten as the single-rank layout of the full state
+    (a model of the 3D loop; a model of the user's own loop has one layout already)."""
     extra = dict(extras[0])
+    if not all(_is_layer_name(n) for n in tensors if n.startswith("model/")):
+        return extra
     layers = _layer_count(tensors)
     shard_dims: dict[str, Any] = {}
     for e in extras:

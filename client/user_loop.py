@@ -237,6 +237,9 @@ class _UserLoopProgram:
 
     def capture(self, gen: Generation, step: int) -> None:
         tensors, extra = self.registry.capture(step)
+        coord = gen.role.coord
+        extra["layout"] = {"dp": gen.plan.layout.dp, "pp": 1, "tp": 1,
+                           "coords": {"dp": coord.dp, "pp": 0, "tp": 0}}
         self.capturer.capture(step, tensors, extra, self.registry.adamw_hints())
 
 

@@ -28,6 +28,8 @@ class Run:
     """Every plan generation the coordinator showed, in order (resume_step, layout)."""
     exit_codes: list[int | None] = field(default_factory=list)
     logs: str = ""
+    workdir: Path | None = None
+    """The cluster's folder: node-N/ holds each daemon's data dir (daemons are stopped)."""
 
     def finished(self) -> list[dict[str, Any]]:
         return [r["result"] for r in self.results if r.get("result")]
@@ -46,7 +48,7 @@ def run_example(tmp_path: Path, script: str, *args: str, nodes: int = 2, world: 
     does not end in .py."""
     cluster = LocalCluster(nodes=nodes, workdir=tmp_path / "cluster",
                            daemon_settings=settings or {})
-    out = Run()
+    out = Run(workdir=cluster.workdir)
     follow = StepLog()
     try:
         cluster.start_daemons()

@@ -4,10 +4,16 @@ without a spare data parallelism shrinks keeping the global batch."""
 
 from __future__ import annotations
 
+import difflib
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from example_runs import run_example
+from example_runs import REPO, run_example
+
+import stalwart
 
 pytestmark = pytest.mark.multiprocess
 
@@ -47,3 +53,38 @@ def test_without_a_spare_the_survivor_trains_on_with_accumulation(tmp_path: Path
     assert plan.resume_step >= run.committed_at_kill
     for step in range(plan.resume_step + 1, 25):
         assert run.losses[step] == pytest.approx(uninterrupted.losses[step], rel=1e-4)
+
+
+def test_the_plain_script_trains_without_stalwart() -> None:
+    out = subprocess.run([sys.executable, str(REPO / "examples/classifier/plain.py"),
+                          "--steps", "11"], capture_output=True, text=True, timeout=120,
+                         check=True)
+    first, last = (float(line.split()[-1]) for line in out.stdout.splitlines()[:2])
+    assert out.stdout.startswith("step 0 loss") and last < first
+
+
+def test_adopting_stalwart_adds_the_lines_docs_api_says() -> None:
+    plain = [line.strip() for line in (REPO / "examples/classifier/plain.py").read_text()
+             .splitlines()]
+    mine = [line.strip() for line in (REPO / "examples/classifier/train.py").read_text()
+            .splitlines()]
+    added = sum(1 for line in difflib.ndiff(plain, mine) if line.startswith("+ "))
+    claim = re.search(r"adds \*\*(\d+) lines\*\*", (REPO / "docs/api.md").read_text())
+    assert claim and int(claim[1]) == added <= 15
+
+
+def test_an_export_of_the_jobs_store_holds_the_trained_model(tmp_path: Path,
+                                                            uninterrupted) -> None:
+    import torch
+
+    from stalwart.cli import main
+    from stalwart.client.digest import tensor_sha256
+
+    path = tmp_path / "classifier.pt"
+    assert main(["export", "--data-dir", str(uninterrupted.workdir / "node-0"),
+                 str(path)]) == 0
+    state = torch.load(path, weights_only=True)
+    params = {k: tensor_sha256(v) for k, v in state.items() if k.startswith("model/")
+              and "running_" not in k and "num_batches" not in k}
+    assert stalwart.param_digest(params) == uninterrupted.digest()
+    assert "optimizer/model/head.1.weight/momentum_buffer" in state

@@ -110,7 +110,9 @@ def test_pipeline_and_tensor_parallel_runs_follow_one_trajectory(uninterrupted) 
 @pytest.mark.multiprocess
 def test_a_killed_rank_of_a_2x2_grid_is_replaced_by_a_spare_bitwise(tmp_path: Path,
                                                                     uninterrupted) -> None:
-    run = run_example(tmp_path, MODULE, *layout(2, 2), nodes=3, world=4, spares=1,
+    # Ranks 2 and 3 (stage 1's TP group) and the spare share node 1: a TP group stays on
+    # one node, so only a spare there can take a place in it.
+    run = run_example(tmp_path, MODULE, *layout(2, 2), nodes=2, world=4, spares=1,
                       kill_rank=2, kill_after_step=5)
     assert len(run.finished()) == 4, run.logs[-4000:]
     plan = run.plans[-1]
@@ -128,6 +130,7 @@ def test_without_a_spare_the_pipeline_shrinks_onto_the_survivor(tmp_path: Path,
     assert len(run.finished()) == 1, run.logs[-4000:]
     plan = run.plans[-1]
     assert (plan.layout.dp, plan.layout.pp, plan.layout.tp) == (1, 1, 1)
-    assert run.committed_at_kill is not None and plan.resume_step >= run.committed_at_kill
+    assert run.committed_at_kill is not None
+    assert run.committed_at_kill <= plan.resume_step < STEPS
     assert run.finished()[0]["steps"] == STEPS
     assert_same_losses(run, uninterrupted(2, 1), range(plan.resume_step + 1, STEPS + 1))

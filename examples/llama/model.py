@@ -65,7 +65,8 @@ class LlamaConfig:
         if tp < 1 or self.n_kv_head % tp:
             raise ValueError(f"n_kv_head={self.n_kv_head} key/value heads do not split over "
                              f"tp={tp}: each tensor-parallel rank must hold whole key/value "
-                             f"heads; choose tp dividing {self.n_kv_head} or more kv heads")
+                             f"heads; choose a tp that divides {self.n_kv_head}, or "
+                             f"n_kv_head divisible by {tp}")
         if self.d_ff % tp:
             raise ValueError(f"d_ff={self.d_ff} does not split over tp={tp}; choose d_ff "
                              f"divisible by {tp}")
