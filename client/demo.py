@@ -79,6 +79,8 @@ def _spec(args: argparse.Namespace, faults: list[dict[str, Any]]) -> dict[str, A
             "layout": {"dp": args.dp, "pp": args.pp, "tp": args.tp, "schedule": args.schedule,
                        "microbatches": args.microbatches or args.pp},
             "steps": args.steps, "faults": faults,
+            # FLOP counts, not times measured at start-up: the same plans on any machine.
+            "flops_costs": True,
             "collective_timeout_s": args.collective_timeout}
 
 
