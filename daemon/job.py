@@ -55,6 +55,9 @@ class Job:
         self._coordinator_seen = ""
         self._had_coordinator = False
         self._unsent: list[Failure] = []  # reports the coordinator never received
+        # rank_id -> (layout, layer profile) each local rank registered with
+        self._registered: dict[str, tuple[common_pb2.ParallelLayout,
+                                          common_pb2.LayerProfile | None]] = {}
         # Prepares of steps not yet committed here, by step: sent again to a new
         # coordinator, since the old one may have died with them.
         self._prepares: dict[int, list[peer_pb2.PrepareStepRequest]] = {}
@@ -171,7 +174,8 @@ class Job:
             for record in self.registry.ranks():
                 if record.state in ("alive", "late"):
                     try:
-                        await self.on_register(record, common_pb2.ParallelLayout())
+                        await self.on_register(record, *self._registered.get(
+                            record.rank_id, (common_pb2.ParallelLayout(), None)))
                     except (grpc.aio.AioRpcError, LookupError) as exc:
                         log.warning("re-announce failed: %s", exc)
 
@@ -262,6 +266,8 @@ class Job:
 
     async def on_register(self, record: RankRecord, layout: common_pb2.ParallelLayout,
                           profile: common_pb2.LayerProfile | None = None) -> None:
+        # Kept for a later coordinator: without the layer profile it could not shrink.
+        self._registered[record.rank_id] = (layout, profile)
         announcement = peer_pb2.RankAnnouncement(
             node=self.node, rank_id=record.rank_id, rank=-1 if record.spare else record.rank,
             world_size=record.world_size, layout=layout, generation=self.registry.generation,
