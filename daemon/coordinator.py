@@ -206,6 +206,7 @@ class Coordinator:
             log.error("plan not installed: this daemon no longer coordinates",
                       extra={"generation": plan.generation})
             return
+        plan.coordinator = self.node
         nodes = self.links.nodes()
         if plan.resume_step and not plan.stop:
             await self._finish_commit(plan.resume_step, nodes)

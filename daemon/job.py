@@ -21,6 +21,7 @@ from stalwart.core.failures import Failure, FailureKind
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.coordinator import Coordinator, StaleStep
 from stalwart.daemon.election import EtcdElection
+from stalwart.daemon.liveness import process_alive
 from stalwart.daemon.membership import SUSPECT, UP, Membership
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.nvml import GpuHealthMonitor
@@ -32,6 +33,7 @@ log = logging.getLogger("stalwart.daemon.job")
 
 RPC_TIMEOUT_S = 10.0
 HANG_WINDOW_S = 1.5   # collect hang reports this long before deciding (seconds)
+STOP_GRACE_S = 5.0    # after a stop plan, ranks still running this long are ended
 FACT_WINDOW_S = 0.2   # a dead process often takes its peers' reports with it
 
 
@@ -42,6 +44,9 @@ class Job:
                  metrics: Metrics, data_dir: Path, address: Callable[[], str],
                  channel: Callable[[str], grpc.aio.Channel]) -> None:
         self.config, self.registry, self.membership = config, registry, membership
+        membership.self_generation = lambda: registry.generation
+        membership.incumbent = lambda: registry.current_plan().coordinator
+        membership.on_peer_up = self._on_peer_up
         self.metrics, self.address, self._channel = metrics, address, channel
         self.node = config.node
         self.snapshots = SnapshotPath(config, registry, metrics, data_dir, self.peers,
@@ -207,6 +212,24 @@ class Job:
             raise LookupError(f"daemon {node} is not a live member of this job")
         return peer_pb2_grpc.PeerServiceStub(self._channel(address))
 
+    def _on_peer_up(self, node: str) -> None:
+        """A daemon that was lost answers again (a pause, a partition that healed): the
+        coordinator hands it the current plan, so it stops acting on the old generation
+        (and fences its ranks the plan left out)."""
+        if not self.is_coordinator():
+            return
+        plan = self.registry.current_plan()
+        if not plan.assignments and not plan.stop:
+            return  # no plan yet
+
+        async def send() -> None:
+            try:
+                await self.install_plan(node, plan)
+            except (grpc.aio.AioRpcError, LookupError) as exc:
+                log.warning("current plan not re-sent", extra={"node": node,
+                                                               "error": str(exc)})
+        asyncio.get_running_loop().create_task(send())
+
     # PeerLinks (the coordinator's outbound calls) ---------------------------------
 
     async def install_plan(self, node: str, plan: common_pb2.Plan) -> None:
@@ -242,14 +265,25 @@ class Job:
             if dropped:
                 log.warning("discarded committed steps past the resume point",
                             extra={"steps": dropped, "resume_step": plan.resume_step})
+        if plan.stop:
+            # Every process of a stopped job ends: ranks leave on their own when they see
+            # the stop; one that is hung (or never answers) is ended after a grace period.
+            asyncio.get_running_loop().call_later(STOP_GRACE_S, self._fence_all_local)
         kept = {a.rank_id for a in plan.assignments}
         for a in previous.assignments:
             if a.spare or a.rank_id in kept or plan.stop:
                 continue
             record = self.registry.get(a.rank_id)
-            if record is not None and record.state != "dead":
-                self._fence(record)
+            if record is not None and (record.state != "dead" or (
+                    record.process is not None and process_alive(record.process))):
+                self._fence(record)  # a rank declared dead may still run (hung)
         return common_pb2.Ack(accepted=True)
+
+    def _fence_all_local(self) -> None:
+        for record in self.registry.ranks():
+            if record.state in ("alive", "late") and record.process is not None \
+                    and process_alive(record.process):
+                self._fence(record)
 
     def _fence(self, record: RankRecord) -> None:
         """A rank the new plan left out may still run (hung): end it so it cannot interfere."""
@@ -292,6 +326,12 @@ class Job:
     async def _decide_forever(self) -> None:
         while True:
             first = await self._failures.get()
+            if not self.is_coordinator():
+                # Only the coordinator batches: a second window here would deliver these
+                # reports after the coordinator's own window closed, and a hang it sees
+                # reported by fewer ranks blames every silent one.
+                await self._handle([first])
+                continue
             batch = [first]
             window = HANG_WINDOW_S if first.kind is FailureKind.COLLECTIVE_HANG else FACT_WINDOW_S
             loop = asyncio.get_running_loop()

@@ -33,6 +33,7 @@ class PeerRecord:
     generation: int = 0
     rank_ids: tuple[str, ...] = ()
     last_seen: float | None = None  # membership clock; None = never reached
+    heard_at: float | None = None  # membership clock of the last direct contact
     skew_ms: int = 0  # their wall clock minus ours at contact (for reporting only)
     state: str = UNKNOWN
 
@@ -52,8 +53,16 @@ class Membership:
     seeds: tuple[str, ...] = ()
     elected: bool = False  # the coordinator is whoever holds the etcd seat (`seat`)
     seat: str = ""  # that holder's node name, "" while none is known
+    self_generation: Callable[[], int] = lambda: 0
+    """This daemon's installed generation (the registry's)."""
+    incumbent: Callable[[], str] = lambda: ""
+    """The node that decided the installed plan ("" before the first plan)."""
+    on_peer_up: Callable[[str], None] = lambda node: None
+    """Called with a peer's node name when it answers again after being lost."""
     _peers: dict[str, PeerRecord] = field(default_factory=dict)
     _answered: set[str] = field(default_factory=set)  # seeds that have replied once
+    _last_check: float | None = None
+    _resumed_at: float | None = None  # set after a pause until every live peer answered
 
     def __post_init__(self) -> None:
         self._update_gauges()  # every state shows from the first scrape, at 0
@@ -77,11 +86,15 @@ class Membership:
         record = self._peers[info.address]
         if record.state in (UNKNOWN, LOST):
             log.info("peer up", extra={"peer": info.node, "address": info.address})
+        came_back = record.state == LOST
         record.node, record.labels = info.node, dict(info.labels)
         record.generation, record.rank_ids = info.generation, tuple(info.rank_ids)
         record.last_seen, record.state = self.clock(), UP
+        record.heard_at = record.last_seen
         record.skew_ms = info.time_unix_ms - int(self.wall() * 1000) if info.time_unix_ms else 0
         self._update_gauges()
+        if came_back:
+            self.on_peer_up(info.node)
 
     def learn(self, membership: peer_pb2.Membership, contacted: str) -> None:
         """A Gossip reply from `contacted`: its first entry is the responder, the rest hearsay."""
@@ -94,6 +107,18 @@ class Membership:
 
     def check(self) -> list[Failure]:
         """Move peers between up, suspect and lost; returns a failure per newly lost peer."""
+        now, last = self.clock(), self._last_check
+        self._last_check = now
+        if last is not None and now - last > self.timeout_s:
+            # This daemon was frozen (SIGSTOP, a stalled VM), not its peers: give every
+            # peer a fresh grace period to answer instead of declaring them all lost.
+            log.warning("this daemon was paused; re-learning who is alive",
+                        extra={"paused_s": round(now - last, 3)})
+            for record in self._peers.values():
+                if record.last_seen is not None:
+                    record.last_seen = max(record.last_seen, now - self.interval_s)
+            self._resumed_at = now
+            return []
         found = []
         for record in self._peers.values():
             if record.last_seen is None:
@@ -136,8 +161,22 @@ class Membership:
         ("" until one is known), else the fixed rule: the smallest live node name."""
         if self.elected:
             return self.seat
-        live = [p.node for p in self._peers.values() if p.state in (UP, SUSPECT) and p.node]
-        return min([self.self_node, *live])
+        live = [p for p in self._peers.values() if p.state in (UP, SUSPECT) and p.node]
+        if self._resumed_at is not None and all(
+                p.heard_at is not None and p.heard_at > self._resumed_at for p in live):
+            self._resumed_at = None  # every live peer has answered since the pause
+        # A daemon back from a pause, or behind the job's generation, never coordinates
+        # until it has heard from its peers and installed the current plan.
+        eligible = self._resumed_at is None and self.self_generation() >= max(
+            (p.generation for p in live), default=0)
+        names = {p.node for p in live}
+        incumbent = self.incumbent()
+        # Whoever decided the installed plan keeps the role while it lives (a smaller
+        # name coming back does not take it over); else the smallest live name.
+        if incumbent in names or (incumbent == self.self_node and eligible):
+            return incumbent
+        candidates = sorted(names | ({self.self_node} if eligible else set()))
+        return candidates[0] if candidates else self.self_node
 
     def _update_gauges(self) -> None:
         counts = {UP: 0, SUSPECT: 0, LOST: 0, UNKNOWN: 0}

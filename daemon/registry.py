@@ -98,6 +98,7 @@ class Registry:
     stragglers: StragglerDetector = field(default_factory=lambda: StragglerDetector(
         StragglerConfig(mark_as_failure=True)))
     _window_end: float | None = None
+    _last_check: float | None = None
     _straggling: set[str] = field(default_factory=set)
     _phases_seen: set[tuple[str, int]] = field(default_factory=set)
 
@@ -192,12 +193,21 @@ class Registry:
     def check(self) -> list[Failure]:
         """Apply the liveness rules to every rank; returns the failures found now."""
         found = []
+        now, last = self.clock(), self._last_check
+        self._last_check = now
+        paused = last is not None and now - last > self.heartbeat_timeout_s
+        if paused:
+            log.warning("this daemon was paused; its ranks get a fresh heartbeat deadline",
+                        extra={"paused_s": round(now - last, 3)})
         for record in list(self._ranks.values()):
             if record.state in (DEAD, LEFT):
                 continue
             if record.process is not None and not process_alive(record.process):
                 found.append(self._declare_dead(
                     record, FailureKind.PROCESS_EXIT, f"process {record.pid} exited"))
+                continue
+            if paused:  # its heartbeats queued behind this daemon's pause, not the rank's
+                record.last_heartbeat = max(record.last_heartbeat, now - self.heartbeat_interval_s)
                 continue
             age = self.heartbeat_age_s(record)
             state = heartbeat_state(age, self.heartbeat_interval_s, self.heartbeat_timeout_s)

@@ -187,3 +187,47 @@ def test_a_seed_stays_a_target_and_its_responder_is_kept_under_its_own_address()
     assert [(p.node, p.address, p.state) for p in table.peers()] == [
         ("b", "127.0.0.1:2", UP), ("", "127.0.0.1:3", "unknown")]
     assert table.targets() == ["peers.example:2", "127.0.0.1:2", "127.0.0.1:3"]
+
+
+def test_a_daemon_back_from_a_pause_gives_its_ranks_a_fresh_deadline_once() -> None:
+    clock, metrics = Clock(), Metrics()
+    reg = registry(clock, metrics)
+    rank_id = add_rank(reg)
+    assert reg.check() == []
+    clock.now += 20  # this daemon was frozen: its ranks' heartbeats queued behind it
+    assert reg.check() == [] and reg.get(rank_id).state == ALIVE
+    clock.now += 4.5  # and then the rank really is silent
+    [failure] = reg.check()
+    assert failure.kind is FailureKind.HEARTBEAT_MISSED and failure.subject == rank_id
+
+
+def test_a_paused_daemon_declares_no_peer_lost_and_defers_until_it_heard_them() -> None:
+    clock, metrics = Clock(), Metrics()
+    reg = registry(clock, metrics)
+    table = Membership("a", "h:1", 1.0, 5.0, metrics, reg.report, clock=clock)
+    table.observe(peer_pb2.PeerInfo(node="b", address="h:2", generation=1))
+    table.self_generation = lambda: 1
+    assert table.check() == [] and table.coordinator() == "a"
+    clock.now += 30
+    assert table.check() == []  # b kept its place: this daemon was the one frozen
+    assert table.peers()[0].state == UP and table.coordinator() == "b"
+    clock.now += 0.5
+    table.observe(peer_pb2.PeerInfo(node="b", address="h:2", generation=2))
+    assert table.coordinator() == "b"  # heard from b, but b is a generation ahead
+    table.self_generation = lambda: 2
+    assert table.coordinator() == "a"  # caught up, and no plan names another coordinator
+
+
+def test_the_coordinator_of_the_installed_plan_keeps_the_role_while_it_lives() -> None:
+    clock, metrics = Clock(), Metrics()
+    reg = registry(clock, metrics)
+    table = Membership("c", "h:3", 1.0, 5.0, metrics, reg.report, clock=clock,
+                       incumbent=lambda: "b")
+    table.observe(peer_pb2.PeerInfo(node="a", address="h:1"))
+    table.observe(peer_pb2.PeerInfo(node="b", address="h:2"))
+    assert table.coordinator() == "b"  # a (smaller) came back; b decided the plan
+    clock.now += 3
+    table.observe(peer_pb2.PeerInfo(node="a", address="h:1"))
+    clock.now += 3
+    table.check()  # b is lost now
+    assert table.coordinator() == "a"

@@ -197,6 +197,7 @@ class Plan(_message.Message):
     RESUME_STEP_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
     STOP_MESSAGE_FIELD_NUMBER: _builtins.int
+    COORDINATOR_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     reason: _builtins.str
     resume_step: _builtins.int
@@ -204,6 +205,8 @@ class Plan(_message.Message):
     stop: _builtins.bool
     """no viable plan: ranks stop cleanly at resume_step"""
     stop_message: _builtins.str
+    coordinator: _builtins.str
+    """node of the daemon that decided this plan"""
     @_builtins.property
     def layout(self) -> Global___ParallelLayout: ...
     @_builtins.property
@@ -218,10 +221,11 @@ class Plan(_message.Message):
         resume_step: _builtins.int = ...,
         stop: _builtins.bool = ...,
         stop_message: _builtins.str = ...,
+        coordinator: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "generation", b"generation", "layout", b"layout", "reason", b"reason", "resume_step", b"resume_step", "stop", b"stop", "stop_message", b"stop_message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "coordinator", b"coordinator", "generation", b"generation", "layout", b"layout", "reason", b"reason", "resume_step", b"resume_step", "stop", b"stop", "stop_message", b"stop_message"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
