@@ -52,6 +52,10 @@ class ElasticConfig:
     keep_microbatches: bool = True
     """Keep the micro-batches per pipeline round and raise gradient accumulation (when
     still >= the stage count); otherwise use the fastest count."""
+    tp_across_nodes_speed: float = 0.25
+    """Speed factor of a TP group whose ranks sit on different nodes (its all-reduces
+    cross the network every layer): such groups are formed from ranks left over on their
+    nodes and used only when that is predicted faster than leaving them idle. 0: never."""
     max_assignments: int = 300
     """Rank-to-stage assignments tried per (dp, pp): all of them when there are no more,
     else a local search from greedy ones within this many (each costs one partition)."""
@@ -132,8 +136,9 @@ def predicted_step(costs: Sequence[float], layout: Layout, speeds: Sequence[floa
 
 
 def _groups(state: PlanState, pool: list[Member], speeds: Mapping[str, float],
-            n_layers: int) -> list[_Group]:
-    """Intact TP groups keep their holdings; other pool ranks form fresh groups per node."""
+            n_layers: int, across_nodes: float = 0.0) -> list[_Group]:
+    """Intact TP groups keep their holdings; other pool ranks form fresh groups per node,
+    and what is left on the nodes forms groups across nodes at `across_nodes` speed."""
     lay, alive = state.layout, {m.rank_id for m in pool}
     stages = lay.stages or tuple(uniform(n_layers, lay.pp))
     out, used = [], set()
@@ -148,11 +153,19 @@ def _groups(state: PlanState, pool: list[Member], speeds: Mapping[str, float],
             used.update(m.rank_id for m in ms)
     rest = sorted((m for m in pool if m.rank_id not in used),
                   key=lambda m: (m.node, m.coord is None, m.rank_id))
+    leftover: list[Member] = []
     for _, on_node in itertools.groupby(rest, key=lambda m: m.node):
         ms = list(on_node)
-        for i in range(0, len(ms) - lay.tp + 1, lay.tp):
+        whole = len(ms) - len(ms) % lay.tp
+        for i in range(0, whole, lay.tp):
             chunk = tuple(ms[i:i + lay.tp])
             out.append(_Group(chunk, None, min(speeds.get(m.rank_id, 1.0) for m in chunk), -1))
+        leftover += ms[whole:]
+    if lay.tp > 1 and across_nodes > 0:
+        for i in range(0, len(leftover) - lay.tp + 1, lay.tp):
+            chunk = tuple(leftover[i:i + lay.tp])
+            speed = min(speeds.get(m.rank_id, 1.0) for m in chunk) * across_nodes
+            out.append(_Group(chunk, None, speed, -1))
     return out
 
 
@@ -294,7 +307,7 @@ def plan_layout(state: PlanState, failed: frozenset[str], config: ElasticConfig,
     """
     costs, old, tp = list(config.costs), state.layout, state.layout.tp
     pool = [m for m in (*state.members, *state.spares) if m.rank_id not in failed]
-    groups = _groups(state, pool, config.speeds, len(costs))
+    groups = _groups(state, pool, config.speeds, len(costs), config.tp_across_nodes_speed)
     kinds = Counter(g.kind for g in groups)
     best: _Best | None = None
     considered, shortfalls = [], []
@@ -396,7 +409,11 @@ def _result(state: PlanState, failed: frozenset[str], pool: list[Member], groups
     spares = tuple(Member(x.rank_id, x.node) for x in pool if x.rank_id not in used)
     reason = (f"{'shrink' if len(members) < old.world_size else 'widen'} dp={old.dp} pp={old.pp}"
               f" tp={tp} -> dp={best.dp} pp={best.pp} tp={tp}, stages {list(best.stages)}, "
-              f"grad_accum {old.grad_accum} -> {ga}, {best.key[1]} layers moved")
+              f"grad_accum {old.grad_accum} -> {ga}, {best.key[1]} layers moved; the fastest "
+              f"of {len(considered)} layout(s) that fit")
+    if any(len({x.node for x in members if x.coord.dp == d and x.coord.pp == p}) > 1
+           for d in range(best.dp) for p in range(best.pp)):
+        reason += "; a tensor-parallel group spans nodes (nothing faster fits)"
     plan = PlanState(generation=state.generation, layout=layout, members=tuple(members),
                      spares=spares, resume_step=state.resume_step, reason=reason)
     # The baseline: a from-scratch split, TP groups placed in their old rank order.

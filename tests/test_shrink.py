@@ -206,3 +206,18 @@ def test_pools_too_big_to_enumerate_still_get_the_fastest_plan_and_move_less_tha
     assert result.predicted_step == pytest.approx(
         lay.grad_accum * (lay.microbatches + lay.pp - 1) * exact)
     assert result.layers_moved <= result.layers_moved_naive
+
+
+def test_lone_ranks_on_different_nodes_form_a_tp_group_across_nodes_only_as_a_last_resort():
+    # (2,1,2): each TP pair on its own node; one rank of each pair is lost. No node holds
+    # a pair any more: the two lone ranks form one across nodes, at a quarter of the speed.
+    before = grid(2, 1, 2, partition(COSTS, 1).stages, per_node=2)
+    result = plan_shrink(before, frozenset({"r0", "r3"}), ElasticConfig(costs=COSTS))
+    lay = result.plan.layout
+    assert (lay.dp, lay.pp, lay.tp, lay.grad_accum) == (1, 1, 2, 2)
+    assert {m.node for m in result.plan.members} == {"n0", "n1"}
+    assert result.speed_ratio == pytest.approx(0.25 / 2)
+    # Switched off, nothing fits the two lone ranks.
+    with pytest.raises(ShrinkMemoryError, match="no layout fits the 2 surviving ranks"):
+        plan_shrink(before, frozenset({"r0", "r3"}),
+                    ElasticConfig(costs=COSTS, tp_across_nodes_speed=0))
