@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+STOP_WAIT_S = 20.0  # after a stop, the longest wait for the job's processes to end
 FAULT = re.compile(r"^(?:(rank|node):(\d+)|(coordinator))@step:(\d+)$")
 
 
@@ -121,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         who = f["target"] if f["index"] < 0 else f"{f['target']} {f['index']}"
         print(f"  will {f['kind']} {who} after step {f['step']}")
     print(f"  logs and snapshots: {cluster.workdir}")
+    previous = {sig: signal.signal(sig, _interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         cluster.start_daemons()
         coordinator = cluster.coordinator()
@@ -149,6 +152,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"stalwart demo: {exc}; logs are in {cluster.workdir}", file=sys.stderr)
         cluster.close(keep_workdir=True)
         return 1
+    except _Interrupted as exc:
+        print(f"stalwart demo: {exc}: ending the daemons, ranks and spares it started",
+              file=sys.stderr)
+        cluster.close(keep_workdir=args.workdir is not None)
+        return 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     cluster.close(keep_workdir=args.workdir is not None)
     _print_summary(summary)
     if args.json_path is not None:
@@ -156,6 +167,14 @@ def run(args: argparse.Namespace) -> int:
         args.json_path.write_text(json.dumps(summary, indent=2) + "\n")
         print(f"summary written to {args.json_path}")
     return 0 if summary["completed"] else 1
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _interrupted(signum: int, _frame: Any) -> None:
+    raise _Interrupted(f"stopped by {signal.Signals(signum).name}")
 
 
 def _watch(cluster: Any, args: argparse.Namespace, t0: float,
@@ -170,9 +189,12 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
     coordinators: list[str] = []  # each daemon that coordinated, in order
     deadline = time.monotonic() + args.timeout
     roles = args.dp * args.pp * args.tp
+    stopped_at: float | None = None
     while cluster.running() and time.monotonic() < deadline:
         if _finished(cluster, args.steps) >= roles:
             break  # every role is done; what still runs is a rank or spare without one
+        if stopped_at is not None and time.monotonic() - stopped_at > STOP_WAIT_S:
+            break  # the daemons end what the stop left running; the demo does not wait
         follow.poll([r.log_path for r in cluster.ranks])
         statuses = [n.status() for n in cluster.daemons if n.alive]
         coord = next((s for s in statuses if s is not None and any(
@@ -203,6 +225,7 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
                                   "stop": plan.stop, "stop_message": plan.stop_message})
                     if plan.stop:
                         _say(t0, f"STOP: {plan.stop_message}")
+                        stopped_at = time.monotonic()
                 generation = coord.generation
         if follow.losses:
             step = max(follow.losses)
