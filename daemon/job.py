@@ -21,10 +21,13 @@ from stalwart.core.failures import Failure, FailureKind
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.coordinator import Coordinator, StaleStep
 from stalwart.daemon.election import EtcdElection
+from stalwart.daemon.liveness import process_alive
 from stalwart.daemon.membership import SUSPECT, UP, Membership
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.nvml import GpuHealthMonitor
+from stalwart.daemon.peercred import cred_of, refusal
 from stalwart.daemon.registry import RankRecord, Registry, StaleGeneration
+from stalwart.daemon.roles import JobGate
 from stalwart.daemon.snapshots import Peer, SnapshotPath
 from stalwart.v1 import common_pb2, manifest_pb2, operator_pb2, peer_pb2, peer_pb2_grpc
 
@@ -44,6 +47,10 @@ class Job:
         self.config, self.registry, self.membership = config, registry, membership
         self.metrics, self.address, self._channel = metrics, address, channel
         self.node = config.node
+        self.me: Callable[[], peer_pb2.PeerInfo] = peer_pb2.PeerInfo  # set by the Daemon
+        # Outbound interceptors that carry this daemon's token and node (auth.stamp).
+        self.auth_stamp: list[grpc.aio.ClientInterceptor] = []
+        self.gate = JobGate(self)  # PeerService's view: every call checked by role
         self.snapshots = SnapshotPath(config, registry, metrics, data_dir, self.peers,
                                       self._send_prepare)
         self.coordinator = Coordinator(config.node, config.job_id, metrics, self,
@@ -251,12 +258,27 @@ class Job:
         """A rank the new plan left out may still run (hung): end it so it cannot interfere."""
         log.warning("fencing rank left out of the new plan",
                     extra={"rank_id": record.rank_id, "pid": record.pid})
+        if self.slot_owner_pid(record.rank_id) is None:
+            log.error("not ending rank %s: pid %d never proved it is that rank here (remote, "
+                      "gone, or another user's process)", record.rank_id, record.pid)
+            return
         try:
             os.kill(record.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         except PermissionError as exc:
             log.error("cannot end fenced rank %s: %s", record.rank_id, exc)
+
+    def slot_owner_pid(self, rank_id: str) -> int | None:
+        """The pid of a local rank that registered itself (checked with the kernel at
+        Register, same process now, an allowed user, not this daemon), else None."""
+        record = self.registry.get(rank_id)
+        if record is None or record.process is None or record.pid == os.getpid():
+            return None
+        if not process_alive(record.process):
+            return None
+        cred = cred_of(record.pid)
+        return record.pid if cred is not None and not refusal(cred) else None
 
     # registrations ----------------------------------------------------------------
 
@@ -303,6 +325,9 @@ class Job:
 
     async def _handle(self, failures: list[Failure]) -> None:
         if self.is_coordinator():
+            failures = [f for f in failures if await self._believed(f)]
+            if not failures:
+                return
             self.coordinator.take_over(self.registry.current_plan())
             # A new coordinator knows only the installed plan: give the other daemons a
             # few heartbeats to re-announce their spares before deciding.
@@ -358,28 +383,13 @@ class Job:
                 except (grpc.aio.AioRpcError, LookupError, StaleStep) as exc:
                     log.warning("prepare not resent", extra={"step": step, "error": str(exc)})
 
-    # PeerService hooks (`steps=` of PeerServicer) ----------------------------------
-
-    async def PrepareStep(self, request: peer_pb2.PrepareStepRequest,
-                          context: grpc.aio.ServicerContext) -> peer_pb2.PrepareStepReply:
-        try:
-            await self.coordinator.prepared(request)
-        except StaleStep as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        return peer_pb2.PrepareStepReply(ready=True)
-
-    async def CommitStep(self, request: peer_pb2.CommitStepRequest,
-                         context: grpc.aio.ServicerContext) -> peer_pb2.CommitStepReply:
-        try:
-            await self.snapshots.commit(request.manifest)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        return peer_pb2.CommitStepReply(committed=True)
-
-    async def Announce(self, request: peer_pb2.RankAnnouncement,
-                       context: grpc.aio.ServicerContext) -> common_pb2.Ack:
-        await self.coordinator.announce(request)
-        return common_pb2.Ack(accepted=True)
+    async def _believed(self, failure: Failure) -> bool:
+        if await self.gate.confirmed(failure):
+            return True
+        self.metrics.auth_refused.labels("unconfirmed").inc()
+        log.warning("failure report not believed: the subject's daemon reports it alive",
+                    extra={"failure": failure.describe()})
+        return False
 
     # status -----------------------------------------------------------------------
 

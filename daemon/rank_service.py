@@ -11,13 +11,16 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
 
 from stalwart.core.failures import Failure
+from stalwart.daemon.auth import Authenticator
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.peercred import connected_to, cred_of, refusal
 from stalwart.daemon.registry import (
     RankFenced,
     RankRecord,
@@ -27,10 +30,9 @@ from stalwart.daemon.registry import (
 )
 from stalwart.daemon.validate import (
     MAX_COLLECTIVES,
+    MAX_LIVE_RANKS_PER_NODE,
     MAX_RANKS_PER_NODE,
     admit,
-    metadata_token,
-    token_matches,
 )
 from stalwart.v1 import common_pb2, rank_pb2, rank_pb2_grpc
 
@@ -49,12 +51,13 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
     """Handlers of RankService; state lives in the Registry."""
 
     def __init__(self, config: DaemonConfig, registry: Registry, metrics: Metrics,
-                 stopping: asyncio.Event, snapshots: Any = None,
+                 stopping: asyncio.Event, auth: Authenticator, snapshots: Any = None,
                  on_register: Callable[[RankRecord, common_pb2.ParallelLayout,
                                         common_pb2.LayerProfile], Awaitable[None]]
                  | None = None) -> None:
         self.config, self.registry, self.metrics = config, registry, metrics
-        self.stopping = stopping
+        self.stopping, self.auth = stopping, auth
+        self.unix_socket = str(Path(config.unix_socket).resolve())
         # Tells the coordinator (through the job) that a rank or spare is here.
         self.on_register = on_register
         # Object with async OpenSlot/Capture/WaitCommitted/Restore(request, context).
@@ -63,13 +66,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
 
     async def Register(self, request: rank_pb2.RegisterRequest,
                        context: grpc.aio.ServicerContext) -> rank_pb2.RegisterReply:
-        given = request.token or metadata_token(context)
-        if self.config.token and not token_matches(given, self.config.token):
-            self.metrics.auth_refused.labels("token").inc()
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"rank pid {request.pid} sent {'a wrong' if given else 'no'} job token; "
-                "set STALWART_TOKEN to the daemon's token")
+        await self.auth.token_holder(context, request.token)
         await admit(context, self.metrics, request)
         if request.job_id and request.job_id != self.config.job_id:
             self.metrics.auth_refused.labels("job").inc()
@@ -80,16 +77,21 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         if request.pid <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"pid must be the rank's process id (> 0), got {request.pid}")
-        if len(self.registry.ranks()) >= MAX_RANKS_PER_NODE:
+        ranks = self.registry.ranks()
+        alive = sum(r.state != "dead" for r in ranks)
+        if len(ranks) >= MAX_RANKS_PER_NODE or alive >= MAX_LIVE_RANKS_PER_NODE:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"daemon {self.config.node} already holds {MAX_RANKS_PER_NODE} "
-                                "registrations; stop stray ranks or run another daemon")
+                                f"daemon {self.config.node} already holds {len(ranks)} "
+                                f"registrations ({alive} live); stop stray ranks or run "
+                                "another daemon")
+        local = context.peer().startswith("unix:")
+        await self._own_pid(context, request.pid, local)
         record = self.registry.register(
             pid=request.pid, rank=request.rank, world_size=request.world_size,
             local_rank=request.local_rank, hostname=request.hostname,
             spare=request.spare or request.rank < 0, device=request.device,
             # A pid means something only on this host, so only local callers are watched.
-            watch_pid=context.peer().startswith("unix:"))
+            watch_pid=local)
         if self.on_register is not None:
             try:
                 await self.on_register(record, request.layout, request.profile)
@@ -104,9 +106,30 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             plan=self.registry.current_plan())
 
+    async def _own_pid(self, context: grpc.aio.ServicerContext, pid: int, local: bool) -> None:
+        """A local rank registers its own process: the pid must hold a connection to this
+        socket and run as a user allowed here. Fencing ends only such processes."""
+        if not local:
+            existing = self.registry.get(f"{self.config.node}/{pid}")
+            if existing is not None and existing.process is not None:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"pid {pid} is a local rank of {self.config.node}; a "
+                                    "remote caller cannot register as it")
+            return
+        cred = cred_of(pid)
+        why = "" if cred is None else refusal(cred)
+        if cred is None or why or not connected_to(pid, self.unix_socket):
+            self.metrics.auth_refused.labels("pid").inc()
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"pid {pid} is not a process connected to {self.unix_socket}"
+                + (f" ({why})" if why else "")
+                + "; a rank registers its own pid (os.getpid())")
+
     async def Heartbeat(self, request: rank_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> rank_pb2.HeartbeatReply:
-        await admit(context, self.metrics, request, self.config.token)
+        await self.auth.token_holder(context)
+        await admit(context, self.metrics, request)
         try:
             self.registry.heartbeat(request.rank_id, request.generation, request.step,
                                     request.step_time_s, leaving=request.leaving,
@@ -127,7 +150,8 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
 
     async def WatchPlan(self, request: rank_pb2.WatchPlanRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[rank_pb2.PlanEvent]:
-        await admit(context, self.metrics, request, self.config.token)
+        await self.auth.token_holder(context)
+        await admit(context, self.metrics, request)
         known = request.known_generation
         while not self.stopping.is_set():
             plan = await self.registry.plan_after(known, WATCH_WAKE_S)
@@ -139,7 +163,8 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
 
     async def ReportFailure(self, request: common_pb2.FailureEvent,
                             context: grpc.aio.ServicerContext) -> common_pb2.Ack:
-        await admit(context, self.metrics, request, self.config.token)
+        await self.auth.token_holder(context)
+        await admit(context, self.metrics, request)
         if request.generation and request.generation < self.registry.generation:
             return common_pb2.Ack(
                 accepted=False,
@@ -149,35 +174,43 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "failure report needs a kind (FailureEvent.Kind)")
         failure = Failure.from_proto(request)
-        self.registry.report(replace(failure, reporter=failure.reporter or self.config.node))
+        # This node saw it, in the generation the rank is in (it may not know the number).
+        mine = failure.reporter.startswith(f"{self.config.node}/")  # a rank of this node
+        self.registry.report(replace(failure, reporter=failure.reporter if mine
+                                     else self.config.node,
+                                     generation=failure.generation or self.registry.generation))
         return common_pb2.Ack(accepted=True)
 
     # Snapshot path: forwarded to the snapshot handler when one is wired in.
 
     async def OpenSlot(self, request: rank_pb2.OpenSlotRequest,
                        context: grpc.aio.ServicerContext) -> rank_pb2.OpenSlotReply:
-        await admit(context, self.metrics, request, self.config.token)
+        await self.auth.token_holder(context)
+        await admit(context, self.metrics, request)
         if self.snapshots is None:
             await _not_here(context, "OpenSlot")
         return await self.snapshots.OpenSlot(request, context)
 
     async def Capture(self, request: rank_pb2.CaptureRequest,
                       context: grpc.aio.ServicerContext) -> rank_pb2.CaptureReply:
-        await admit(context, self.metrics, request, self.config.token)
+        await self.auth.token_holder(context)
+        await admit(context, self.metrics, request)
         if self.snapshots is None:
             await _not_here(context, "Capture")
         return await self.snapshots.Capture(request, context)
 
     async def WaitCommitted(self, request: rank_pb2.WaitCommittedRequest,
                             context: grpc.aio.ServicerContext) -> rank_pb2.WaitCommittedReply:
-        await admit(context, self.metrics, request, self.config.token)
+        await self.auth.token_holder(context)
+        await admit(context, self.metrics, request)
         if self.snapshots is None:
             await _not_here(context, "WaitCommitted")
         return await self.snapshots.WaitCommitted(request, context)
 
     async def Restore(self, request: rank_pb2.RestoreRequest,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[rank_pb2.RestorePiece]:
-        await admit(context, self.metrics, request, self.config.token)
+        await self.auth.token_holder(context)
+        await admit(context, self.metrics, request)
         if self.snapshots is None:
             await _not_here(context, "Restore")
         async for piece in self.snapshots.Restore(request, context):

@@ -24,10 +24,18 @@ from stalwart.daemon.shard_service import ShardServicer, validate_id
 from stalwart.v1 import peer_pb2, peer_pb2_grpc
 
 
+class AnyDeletes:
+    """A deletion policy for the storage tests: every delete is allowed (the daemon's own
+    policy is tested in test_hostile_peers.py)."""
+
+    def may_delete(self, caller: str, owner: str, step: int) -> str:
+        return ""
+
+
 @contextlib.asynccontextmanager
 async def shard_server(store: Path, metrics: Metrics | None = None):
     server = grpc.aio.server()
-    servicer = ShardServicer(store, metrics or Metrics())
+    servicer = ShardServicer(store, metrics or Metrics(), policy=AnyDeletes())
     peer_pb2_grpc.add_ShardServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
