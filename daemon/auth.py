@@ -77,12 +77,16 @@ class Authenticator:
     def __init__(self, token: str, tls: bool, metrics: Any) -> None:
         self.token, self.tls, self.metrics = token, tls, metrics
 
-    async def token_holder(self, context: grpc.aio.ServicerContext, given: str = "") -> None:
-        """Abort with UNAUTHENTICATED unless the call carries the job token."""
+    async def token_holder(self, context: grpc.aio.ServicerContext, given: str = "",
+                           who: str = "") -> None:
+        """Abort with UNAUTHENTICATED unless the call carries the job token (`given` in the
+        message itself, else in metadata); `who` names the caller in the refusal."""
         given = given or metadata_value(context, TOKEN_METADATA)
         if not token_matches(given, self.token):
+            sent = f"{who} sent " if who else ""
             await _deny(context, self.metrics, "token", grpc.StatusCode.UNAUTHENTICATED,
-                        f"{'a wrong' if given else 'no'} job token; ranks and tools must run "
+                        f"{sent}{'a wrong' if given else 'no'} job token; ranks and tools "
+                        "must run "
                         "with STALWART_TOKEN set to the daemon's token (or read "
                         f"<data_dir>/{TOKEN_FILE} on the daemon's node)")
 

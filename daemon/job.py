@@ -258,9 +258,10 @@ class Job:
         """A rank the new plan left out may still run (hung): end it so it cannot interfere."""
         log.warning("fencing rank left out of the new plan",
                     extra={"rank_id": record.rank_id, "pid": record.pid})
-        if self.slot_owner_pid(record.rank_id) is None:
+        if self.slot_owner_pid(record.rank_id) in (None, os.getpid()):
             log.error("not ending rank %s: pid %d never proved it is that rank here (remote, "
-                      "gone, or another user's process)", record.rank_id, record.pid)
+                      "gone, another user's process or this daemon)", record.rank_id,
+                      record.pid)
             return
         try:
             os.kill(record.pid, signal.SIGKILL)
@@ -271,9 +272,9 @@ class Job:
 
     def slot_owner_pid(self, rank_id: str) -> int | None:
         """The pid of a local rank that registered itself (checked with the kernel at
-        Register, same process now, an allowed user, not this daemon), else None."""
+        Register, the same process now, an allowed user), else None."""
         record = self.registry.get(rank_id)
-        if record is None or record.process is None or record.pid == os.getpid():
+        if record is None or record.process is None:
             return None
         if not process_alive(record.process):
             return None

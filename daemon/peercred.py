@@ -127,8 +127,9 @@ def _socket_inodes(pid: int) -> set[int]:
 
 def connected_to(pid: int, path: str) -> bool:
     """True when process `pid` holds a connection to the Unix socket listening at `path`
-    (so a rank cannot register another process, the daemon or another user's, as itself)."""
-    if pid <= 0 or pid == os.getpid():
+    (so a rank cannot register another process, the daemon's or another user's, as itself:
+    those hold no connection to the socket)."""
+    if pid <= 0:
         return False
     mine = _socket_inodes(pid)
     try:

@@ -66,7 +66,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
 
     async def Register(self, request: rank_pb2.RegisterRequest,
                        context: grpc.aio.ServicerContext) -> rank_pb2.RegisterReply:
-        await self.auth.token_holder(context, request.token)
+        await self.auth.token_holder(context, request.token, f"rank pid {request.pid}")
         await admit(context, self.metrics, request)
         if request.job_id and request.job_id != self.config.job_id:
             self.metrics.auth_refused.labels("job").inc()

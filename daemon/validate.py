@@ -129,12 +129,12 @@ def manifest(m: manifest_pb2.Manifest) -> None:
     count(m.ranks, "manifest.ranks", MAX_WORLD)
     if not m.ranks:
         _fail(f"manifest of step {m.step} has no ranks; a committed step holds every rank")
+    for r in m.ranks:
+        manifest_ids(r, f"manifest rank {r.rank}")
     try:
         mf.validate(m)  # every rank of the layout once, coordinates inside it, chunks sane
     except mf.ManifestError as e:
         _fail(f"inconsistent manifest: {e}")
-    for r in m.ranks:
-        manifest_ids(r, f"manifest rank {r.rank}")
 
 
 def request(message: Any) -> None:
