@@ -65,7 +65,7 @@ class Scrubber:
         started = time.monotonic()
         steps = await asyncio.to_thread(self.store.committed_steps)
         if steps:
-            retired = await asyncio.to_thread(shards.delete, self.job_id, [], steps[0])
+            retired, _ = await asyncio.to_thread(shards.delete, self.job_id, [], steps[0])
             self.state.retired += retired
         bad_paths = await asyncio.to_thread(shards.scrub)
         prefix = self.job_id + "/"
