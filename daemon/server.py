@@ -79,6 +79,7 @@ class Daemon:
     """One daemon: its configuration, state, servicers and the gRPC server."""
 
     def __init__(self, config: DaemonConfig) -> None:
+        os.umask(os.umask(UMASK) | UMASK)  # never looser than UMASK, keep what is stricter
         self.config = config
         self.metrics = Metrics()
         self.stopping = asyncio.Event()
@@ -110,7 +111,6 @@ class Daemon:
 
     async def start(self) -> None:
         """Bind every endpoint and start serving; raises DaemonStartError naming the setting."""
-        os.umask(os.umask(UMASK) | UMASK)  # never looser than UMASK, keep what is stricter
         cfg = self.config
         _make_dir(self.data_dir, "data_dir")
         _make_dir(self.unix_socket.parent, "unix_socket")

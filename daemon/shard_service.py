@@ -11,6 +11,7 @@ import asyncio
 import collections
 import errno
 import json
+import logging
 import os
 import re
 import time
@@ -25,6 +26,8 @@ from stalwart.daemon.checksum import crc32c
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.quota import DiskQuota, QuotaExceeded
 from stalwart.v1 import peer_pb2, peer_pb2_grpc
+
+log = logging.getLogger("stalwart.daemon.shard_service")
 
 PIECE_BYTES = 1 << 20
 MAX_SHARD_BYTES = 1 << 30
@@ -152,6 +155,12 @@ async def _idle_limited(pieces, idle_s: float, deadline: _Deadline):
         except StopAsyncIteration:
             return
         yield piece
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """Consume the outcome of a write that may end after its call was given up."""
+    if not task.cancelled():
+        task.exception()
 
 
 class ShardPolicy(Protocol):
@@ -313,14 +322,24 @@ class ShardServicer(peer_pb2_grpc.ShardServiceServicer):
             raise  # abort always raises; this keeps type checkers informed
 
     async def GetShard(self, request: peer_pb2.GetShardRequest,
-                       context: grpc.aio.ServicerContext):
+                       context: grpc.aio.ServicerContext) -> None:
         started = time.perf_counter()
         await self._caller(context)
         path = await self._checked_path(context, request.job_id, request.shard_id)
         peer = await self._admit(context)
         try:
             async for piece in self._send(request, context, path, started):
-                yield piece
+                # A reader that stops reading would hold its stream slot forever. (A write
+                # cannot be cancelled: wait for it, and end the call if it does not finish.)
+                write = asyncio.ensure_future(context.write(piece))
+                write.add_done_callback(_retrieve)
+                done, _ = await asyncio.wait({write}, timeout=self.piece_idle_s)
+                if not done:
+                    self.metrics.auth_refused.labels("stalled").inc()
+                    log.warning("shard reader cut off: it took no piece for %g s",
+                                self.piece_idle_s, extra={"shard": request.shard_id})
+                    return
+                write.result()
         finally:
             self._done(peer)
 

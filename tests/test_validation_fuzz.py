@@ -138,6 +138,9 @@ class FakeContext:
     def auth_context(self) -> dict:
         return {}
 
+    async def write(self, message) -> None:
+        pass
+
     def set_trailing_metadata(self, md) -> None:
         pass
 
