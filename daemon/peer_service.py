@@ -171,6 +171,10 @@ async def _gossip_once(address: str, membership: Membership,
         reply = await stub.Gossip(me(), timeout=timeout_s)
     except grpc.aio.AioRpcError as e:
         # Unreachable peers are expected while a cluster starts; loss is judged by age.
-        log.debug("gossip failed", extra={"peer": address, "code": e.code().name})
+        # A refusal is not: the daemons of this job do not share a token or a CA.
+        refused = e.code() in (grpc.StatusCode.UNAUTHENTICATED,
+                               grpc.StatusCode.PERMISSION_DENIED)
+        log.log(logging.WARNING if refused else logging.DEBUG, "gossip failed: %s",
+                e.details() if refused else e.code().name, extra={"peer": address})
         return
     membership.learn(reply, contacted=address)

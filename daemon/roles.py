@@ -18,7 +18,7 @@ from stalwart.core.decide import PlanState
 from stalwart.core.failures import Failure, FailureKind
 from stalwart.daemon.auth import Forbidden
 from stalwart.daemon.coordinator import StaleStep
-from stalwart.daemon.membership import LOST
+from stalwart.daemon.membership import LOST, SUSPECT, UP
 from stalwart.daemon.validate import MAX_LIVE_RANKS_PER_NODE
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
 
@@ -74,10 +74,17 @@ class JobGate:
         self.job = job
 
     async def _is_coordinator(self, node: str) -> bool:
-        if self.job.membership.coordinator() == node:
+        membership = self.job.membership
+        if membership.coordinator() == node:
             return True
         if self.job.election is None:
-            return False
+            # The rule is the smallest live name, and views lag: a caller that takes over
+            # when the old coordinator died is believed once every smaller node this daemon
+            # knows has gone quiet (suspect or lost). It must itself be a live peer.
+            peers = membership.peers()
+            live = {p.node for p in peers if p.state in (UP, SUSPECT)}
+            smaller_up = [p for p in peers if p.node and p.node < node and p.state == UP]
+            return node in live and membership.self_node > node and not smaller_up
         try:  # the seat may have moved since this daemon last read it
             return await self.job.election.leader() == node
         except Exception as exc:  # etcd unreachable: no proof of the seat

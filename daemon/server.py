@@ -121,6 +121,10 @@ class Daemon:
             raise DaemonStartError(
                 f"token: cannot keep the job secret in {self.data_dir} ({e.strerror}); "
                 "set token or make data_dir writable") from None
+        if not cfg.token and not tls_enabled(cfg.tls) and (cfg.peers or cfg.etcd):
+            log.warning("no token configured: this daemon made its own job secret in %s; "
+                        "daemons of one job refuse each other unless they share a token "
+                        "(set token) or use mutual TLS", self.data_dir / "job.token")
         self.config = cfg = replace(cfg, token=token)
         self.job.snapshots.pool.token = token
         self.auth = Authenticator(token, tls_enabled(cfg.tls), self.metrics)
