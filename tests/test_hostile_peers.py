@@ -5,6 +5,7 @@ job, or a daemon) and claims a node that has no right to what it asks."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -169,6 +170,46 @@ def test_a_death_reported_by_another_node_for_a_live_rank_is_not_believed(
     assert seen["current generation"] == "True"  # heard, then checked against the rank
     assert seen["reporter"] == "n2"  # the caller, not the "n1" the report claimed
     assert (seen["generation"], seen["stopped"]) == ("1", "False")
+
+
+def test_a_death_of_another_nodes_live_rank_is_not_believed_while_its_daemon_vouches(
+        tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from fixtures_daemon import free_port
+
+    ports = [free_port(), free_port()]
+    configs = [replace(config(tmp_path / name), node=name, listen=f"127.0.0.1:{ports[i]}",
+                       peers=(f"127.0.0.1:{ports[1 - i]}",))
+               for i, name in enumerate(("n1", "n2"))]
+
+    async def main() -> dict[str, str]:
+        n1, n2 = daemons = [Daemon(c) for c in configs]
+        for d in daemons:
+            await d.start()
+        try:
+            await until(lambda: {p.node for p in n1.membership.peers()
+                                 if p.state == "up"} == {"n2"}, "n1 to see n2")
+            rank_id = await register_self(n2)  # a live rank of n2; n1 coordinates
+            await until(lambda: n1.registry.plan is not None, "the plan on n1")
+            gen = n1.registry.generation
+            kinds = {"exit": common_pb2.FailureEvent.PROCESS_EXIT,
+                     "peer lost": common_pb2.FailureEvent.PEER_LOST}
+            async with grpc.aio.insecure_channel(n1.address) as ch:
+                stub = peer_stub(n1, ch)
+                for name, kind in kinds.items():
+                    subject = rank_id if name == "exit" else "n2"
+                    await stub.ReportFailure(common_pb2.FailureEvent(
+                        kind=kind, subject=subject, generation=gen, evidence="forged"),
+                        metadata=as_node("n3"), timeout=5)
+            await until(lambda: refused(n1, "unconfirmed") >= 2, "both reports to be weighed")
+            return {"generation": str(n1.registry.generation),
+                    "stopped": str(n1.registry.current_plan().stop)}
+        finally:
+            for d in daemons:
+                await d.stop(grace_s=0)
+
+    assert asyncio.run(main()) == {"generation": "1", "stopped": "False"}
 
 
 # --- announcements -------------------------------------------------------------------

@@ -24,7 +24,14 @@ from stalwart.daemon.server import Daemon
 from stalwart.daemon.shard_client import ShardClient
 from stalwart.daemon.shard_service import ShardServicer
 from stalwart.daemon.slots import FdServer, SlotPool
-from stalwart.v1 import operator_pb2, peer_pb2, peer_pb2_grpc, rank_pb2, rank_pb2_grpc
+from stalwart.v1 import (
+    common_pb2,
+    operator_pb2,
+    peer_pb2,
+    peer_pb2_grpc,
+    rank_pb2,
+    rank_pb2_grpc,
+)
 
 NOBODY = 65534
 is_root = os.geteuid() == 0
@@ -58,6 +65,35 @@ def test_a_rank_can_register_only_its_own_pid(daemon_factory: DaemonFactory) -> 
         assert outcomes[who].startswith("PERMISSION_DENIED: pid "), (who, outcomes[who])
     assert outcomes["itself"] == "OK"
     assert d.process.poll() is None  # nothing it was told could make it end itself
+
+
+def test_fencing_never_ends_a_process_that_did_not_register_itself(tmp_path: Path) -> None:
+    sleeper = subprocess.Popen(["sleep", "60"])
+
+    async def body(daemon: Daemon) -> tuple[str, str]:
+        # Over TCP a pid is taken as a name only: the record is not a process to watch.
+        async with grpc.aio.insecure_channel(daemon.address) as ch:
+            await rank_pb2_grpc.RankServiceStub(ch).Register(
+                rank_pb2.RegisterRequest(pid=sleeper.pid, rank=0, world_size=1),
+                metadata=(("stalwart-token", TOKEN),), timeout=10)
+            await until(lambda: daemon.registry.plan is not None, "the first plan")
+            # The coordinator's next plan leaves that "rank" out: it would be fenced.
+            ack = await peer_pb2_grpc.PeerServiceStub(ch).InstallPlan(
+                peer_plan(daemon.registry.generation + 1), metadata=as_node("n1"), timeout=5)
+        return str(ack.accepted), str(sleeper.poll())
+
+    try:
+        accepted, exit_code = run(config(tmp_path), body)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert (accepted, exit_code) == ("True", "None")
+
+
+def peer_plan(generation: int) -> common_pb2.Plan:
+    plan = common_pb2.Plan(generation=generation, reason="the rank is left out")
+    plan.assignments.add(rank_id="n1/1", node="n1")
+    return plan
 
 
 # --- slow streams --------------------------------------------------------------------
