@@ -105,7 +105,8 @@ class Authenticator:
                             "peer calls need a node certificate of the cluster CA")
             if claimed and claimed != name:
                 await _deny(context, self.metrics, "identity", grpc.StatusCode.PERMISSION_DENIED,
-                            f"certificate names node {name!r} but the call claims {claimed!r}")
+                            f"certificate names node {name!r} but the call claims {claimed!r}; "
+                            "a daemon's certificate must carry its node name as common name")
             return name
         await self.token_holder(context)
         if not claimed:

@@ -47,7 +47,8 @@ class Job:
         self.config, self.registry, self.membership = config, registry, membership
         self.metrics, self.address, self._channel = metrics, address, channel
         self.node = config.node
-        self.me: Callable[[], peer_pb2.PeerInfo] = peer_pb2.PeerInfo  # set by the Daemon
+        # How this daemon describes itself to peers (the Daemon's peer_info).
+        self.me: Callable[[], peer_pb2.PeerInfo] = lambda: peer_pb2.PeerInfo(node=self.node)
         # Outbound interceptors that carry this daemon's token and node (auth.stamp).
         self.auth_stamp: list[grpc.aio.ClientInterceptor] = []
         self.gate = JobGate(self)  # PeerService's view: every call checked by role
