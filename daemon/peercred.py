@@ -149,3 +149,27 @@ def cred_of(pid: int) -> PeerCred | None:
     except (OSError, ValueError):
         return None
     return PeerCred(pid, ids.get("Uid", -1), ids.get("Gid", -1)) if len(ids) == 2 else None
+
+
+def connected_pids(path: str) -> list[int]:
+    """Pids (as this daemon sees them) of the processes holding a connection to the
+    socket at `path`; processes in a pid namespace the daemon cannot see are missing."""
+    try:
+        clients = _client_inodes(path)
+    except OSError:
+        return []
+    if not clients:
+        return []
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and _socket_inodes(int(e)) & clients]
+
+
+def inner_pid(pid: int) -> int:
+    """The pid process `pid` has in its own (innermost) pid namespace, from NSpid."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return pid

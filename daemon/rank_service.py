@@ -20,7 +20,7 @@ from stalwart.core.failures import Failure
 from stalwart.daemon.auth import Authenticator
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.peercred import connected_to, cred_of, refusal
+from stalwart.daemon.peercred import connected_pids, connected_to, cred_of, inner_pid, refusal
 from stalwart.daemon.registry import (
     RankFenced,
     RankRecord,
@@ -84,14 +84,13 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
                                 f"daemon {self.config.node} already holds {len(ranks)} "
                                 f"registrations ({alive} live); stop stray ranks or run "
                                 "another daemon")
-        local = context.peer().startswith("unix:")
-        await self._own_pid(context, request.pid, local)
+        watch = await self._own_pid(context, request.pid, context.peer().startswith("unix:"))
         record = self.registry.register(
             pid=request.pid, rank=request.rank, world_size=request.world_size,
             local_rank=request.local_rank, hostname=request.hostname,
             spare=request.spare or request.rank < 0, device=request.device,
-            # A pid means something only on this host, so only local callers are watched.
-            watch_pid=local)
+            # Only a pid proven to be the caller's is watched (exit detection, fencing).
+            watch_pid=watch)
         if self.on_register is not None:
             try:
                 await self.on_register(record, request.layout, request.profile)
@@ -106,25 +105,38 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             plan=self.registry.current_plan())
 
-    async def _own_pid(self, context: grpc.aio.ServicerContext, pid: int, local: bool) -> None:
-        """A local rank registers its own process: the pid must hold a connection to this
-        socket and run as a user allowed here. Fencing ends only such processes."""
-        if not local:
-            existing = self.registry.get(f"{self.config.node}/{pid}")
-            if existing is not None and existing.process is not None:
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                    f"pid {pid} is a local rank of {self.config.node}; a "
-                                    "remote caller cannot register as it")
-            return
-        cred = cred_of(pid)
-        why = "" if cred is None else refusal(cred)
-        if cred is None or why or not connected_to(pid, self.unix_socket):
+    async def _own_pid(self, context: grpc.aio.ServicerContext, pid: int, local: bool) -> bool:
+        """Whether the daemon may watch (and fence) `pid`: a local rank registers its own
+        process, which must hold a connection to this socket and run as a user allowed
+        here; a pid claimed by anyone else is refused. Ranks whose pid the daemon cannot
+        see (another pid namespace, or TCP) register unwatched: heartbeats only, never
+        fenced, and never in place of a watched rank."""
+        if local:
+            cred = cred_of(pid)
+            why = "" if cred is None else refusal(cred)
+            if cred is not None and not why and connected_to(pid, self.unix_socket):
+                return True
+            if self._claims_anothers_pid(pid):
+                self.metrics.auth_refused.labels("pid").inc()
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"pid {pid} is not a process connected to {self.unix_socket}"
+                    + (f" ({why})" if why else "")
+                    + "; a rank registers its own pid (os.getpid())")
+        existing = self.registry.get(f"{self.config.node}/{pid}")
+        if existing is not None and existing.process is not None:
             self.metrics.auth_refused.labels("pid").inc()
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"pid {pid} is not a process connected to {self.unix_socket}"
-                + (f" ({why})" if why else "")
-                + "; a rank registers its own pid (os.getpid())")
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"pid {pid} is a watched local rank of {self.config.node}; "
+                                "another caller cannot register as it")
+        return False
+
+    def _claims_anothers_pid(self, pid: int) -> bool:
+        """True unless some connected process could be the caller with `pid` as its own:
+        one in a child pid namespace where it has that pid, or one this daemon cannot see
+        at all (when it sees no caller)."""
+        callers = connected_pids(self.unix_socket)
+        return bool(callers) and not any(p != pid and inner_pid(p) == pid for p in callers)
 
     async def Heartbeat(self, request: rank_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> rank_pb2.HeartbeatReply:

@@ -67,6 +67,41 @@ def test_a_rank_can_register_only_its_own_pid(daemon_factory: DaemonFactory) -> 
     assert d.process.poll() is None  # nothing it was told could make it end itself
 
 
+CHILD_NAMESPACE_RANK = """
+import os, sys, grpc
+from stalwart.v1 import rank_pb2, rank_pb2_grpc
+with grpc.insecure_channel("unix:" + sys.argv[1]) as ch:
+    reply = rank_pb2_grpc.RankServiceStub(ch).Register(rank_pb2.RegisterRequest(
+        pid=os.getpid(), rank=0, world_size=1), metadata=(("stalwart-token", sys.argv[2]),),
+        timeout=30)
+print(os.getpid(), reply.rank_id)
+"""
+
+
+@pytest.mark.skipif(not is_root, reason="a child pid namespace needs root (unshare)")
+def test_a_rank_in_a_child_pid_namespace_registers_but_is_never_watched(
+        tmp_path: Path) -> None:
+    import shutil
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed")
+
+    async def body(daemon: Daemon) -> tuple[str, bool]:
+        done = await asyncio.to_thread(
+            subprocess.run, ["unshare", "--pid", "--fork", sys.executable, "-c",
+                             CHILD_NAMESPACE_RANK, str(daemon.unix_socket), TOKEN],
+            capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        pid, rank_id = done.stdout.split()
+        record = daemon.registry.get(rank_id)
+        return pid, record is not None and record.process is None
+
+    inner, unwatched = run(config(tmp_path), body)
+    # Its pid is 1 where it runs (the host's init here): taken as a name, never signalled.
+    assert (inner, unwatched) == ("1", True)
+
+
 def test_fencing_never_ends_a_process_that_did_not_register_itself(tmp_path: Path) -> None:
     sleeper = subprocess.Popen(["sleep", "60"])
 
