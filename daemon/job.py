@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,11 +19,10 @@ from stalwart.core.failures import Failure, FailureKind
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.coordinator import Coordinator, StaleStep
 from stalwart.daemon.election import EtcdElection
-from stalwart.daemon.liveness import process_alive
+from stalwart.daemon.fencing import RankProcesses
 from stalwart.daemon.membership import SUSPECT, UP, Membership
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.nvml import GpuHealthMonitor
-from stalwart.daemon.peercred import cred_of, refusal
 from stalwart.daemon.registry import RankRecord, Registry, StaleGeneration
 from stalwart.daemon.roles import JobGate
 from stalwart.daemon.snapshots import Peer, SnapshotPath
@@ -59,6 +56,7 @@ class Job:
                                        load_manifest=self.snapshots.store.load_manifest,
                                        elastic=config.elastic)
         self._failures: asyncio.Queue[Failure] = asyncio.Queue()
+        self.processes = RankProcesses(registry)  # which local ranks may be fenced
         self._tasks: list[asyncio.Task[None]] = []
         self._coordinator_seen = ""
         self._had_coordinator = False
@@ -80,6 +78,7 @@ class Job:
                                          on_elected=self._won_seat, on_lost=self._lost_seat)
 
     async def start(self) -> None:
+        self.processes.loop = asyncio.get_running_loop()
         await self.snapshots.start()
         await self.gpus.start()
         self._tasks = [asyncio.create_task(self._decide_forever(), name="coordinator"),
@@ -252,35 +251,8 @@ class Job:
                 continue
             record = self.registry.get(a.rank_id)
             if record is not None and record.state != "dead":
-                self._fence(record)
+                self.processes.fence(record)
         return common_pb2.Ack(accepted=True)
-
-    def _fence(self, record: RankRecord) -> None:
-        """A rank the new plan left out may still run (hung): end it so it cannot interfere."""
-        log.warning("fencing rank left out of the new plan",
-                    extra={"rank_id": record.rank_id, "pid": record.pid})
-        if self.slot_owner_pid(record.rank_id) in (None, os.getpid()):
-            log.error("not ending rank %s: pid %d never proved it is that rank here (remote, "
-                      "gone, another user's process or this daemon)", record.rank_id,
-                      record.pid)
-            return
-        try:
-            os.kill(record.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        except PermissionError as exc:
-            log.error("cannot end fenced rank %s: %s", record.rank_id, exc)
-
-    def slot_owner_pid(self, rank_id: str) -> int | None:
-        """The pid of a local rank that registered itself (checked with the kernel at
-        Register, the same process now, an allowed user), else None."""
-        record = self.registry.get(rank_id)
-        if record is None or record.process is None:
-            return None
-        if not process_alive(record.process):
-            return None
-        cred = cred_of(record.pid)
-        return record.pid if cred is not None and not refusal(cred) else None
 
     # registrations ----------------------------------------------------------------
 

@@ -169,7 +169,7 @@ class Daemon:
         # the ranks in the daemon's group. Other users never reach the RPCs.
         os.chmod(self.unix_socket, 0o660)
         self.job.snapshots.fd_server.metrics = self.metrics
-        self.job.snapshots.fd_server.rank_pid = self.job.slot_owner_pid
+        self.job.snapshots.fd_server.owner_check = self.job.processes.slot_caller
         await server.start()
         await unix_server.start()
         await self.job.start()

@@ -139,17 +139,18 @@ class FdServer:
     """Hands a slot's fd to a local process that names the slot (and the token).
 
     The caller must pass the uid check of peercred.refusal and, in a daemon
-    (`rank_pid` set), be the very process that registered as the slot's rank: a slot
+    (`owner_check` set), be the very process that registered as the slot's rank: a slot
     holds the model's state. Connections are served side by side, each with a short
     deadline, so idle or slow callers cannot hold up a rank's slot.
     """
 
     def __init__(self, pool: SlotPool, path: Path, metrics: Any = None,
-                 rank_pid: Callable[[str], int | None] | None = None) -> None:
+                 owner_check: Callable[[str, int], str] | None = None) -> None:
         self.pool = pool
         self.path = path
         self.metrics = metrics  # stalwart.daemon.metrics.Metrics: counts refused callers
-        self.rank_pid = rank_pid  # rank_id -> the pid that registered it (None: unproven)
+        # (rank_id, the caller's pid by SO_PEERCRED) -> why it may not have the slot, or "".
+        self.owner_check = owner_check
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -219,9 +220,9 @@ class FdServer:
         except SlotError as exc:
             conn.sendall(f"ERR {exc}\n".encode())
             return
-        if self.rank_pid is not None and self.rank_pid(slot.rank_id) != cred.pid:
-            self._refused(conn, "pid", f"slot {slot_id} belongs to rank {slot.rank_id}; "
-                          f"process {cred.pid} is not that rank")
+        why = "" if self.owner_check is None else self.owner_check(slot.rank_id, cred.pid)
+        if why:
+            self._refused(conn, "pid", f"slot {slot_id} belongs to rank {slot.rank_id}; {why}")
             return
         socket.send_fds(conn, [f"OK {slot.size}\n".encode()], [slot.fd])
 

@@ -70,7 +70,7 @@ def _config(name: str, address: str, data_dir: Path, peers: list[str]) -> str:
 def test_peer_with_dropped_traffic_is_read_around_within_the_deadline(tmp_path: Path) -> None:
     with emulated_cluster(4, rate_mbit=1000) as nets:
         addresses = [f"{n.addr}:7070" for n in nets]
-        cluster = LocalCluster(nodes=4, workdir=tmp_path)
+        cluster = LocalCluster(nodes=4, workdir=tmp_path, env={"STALWART_TOKEN": TOKEN})
         try:
             for i, net in enumerate(nets):
                 node = Node(f"node-{i}", i, addresses[i], tmp_path / f"node-{i}")

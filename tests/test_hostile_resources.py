@@ -243,7 +243,9 @@ def test_idle_connections_to_the_fd_socket_do_not_delay_a_slot_hand_out(
 
 def test_a_slot_is_handed_only_to_the_rank_that_registered_it(tmp_path: Path) -> None:
     pool = SlotPool(1 << 20, token=TOKEN)
-    server = FdServer(pool, tmp_path / "fd.sock", rank_pid=lambda rank_id: 424242)
+    server = FdServer(pool, tmp_path / "fd.sock",
+                      owner_check=lambda rank_id, pid: "" if pid == 424242 else
+                      f"process {pid} is not that rank")
     server.start()
     try:
         slot = pool.open("n1/424242", 4096)[0]
@@ -253,6 +255,25 @@ def test_a_slot_is_handed_only_to_the_rank_that_registered_it(tmp_path: Path) ->
         server.stop()
         pool.close()
     assert f"process {os.getpid()} is not that rank" in str(refused.value)
+
+
+def test_a_rank_that_fetches_its_slot_proves_its_pid_and_is_watched(tmp_path: Path) -> None:
+    async def body(daemon: Daemon) -> tuple[bool, bool]:
+        token = (("stalwart-token", TOKEN),)
+        async with grpc.aio.insecure_channel(daemon.address) as ch:  # TCP: pid unproven
+            stub = rank_pb2_grpc.RankServiceStub(ch)
+            reply = await stub.Register(rank_pb2.RegisterRequest(
+                pid=os.getpid(), rank=0, world_size=1), metadata=token, timeout=10)
+            record = daemon.registry.get(reply.rank_id)
+            before = record.process is not None
+            slot = await stub.OpenSlot(rank_pb2.OpenSlotRequest(
+                rank_id=reply.rank_id, nbytes=4096), metadata=token, timeout=10)
+        fd, _ = await asyncio.to_thread(receive_fd, slot.fd_socket, slot.slot_id, TOKEN)
+        os.close(fd)
+        await until(lambda: record.process is not None, "SO_PEERCRED to prove the pid")
+        return before, record.process is not None
+
+    assert run(config(tmp_path), body) == (False, True)
 
 
 def test_without_a_configured_token_the_fd_socket_still_needs_the_job_secret(

@@ -238,7 +238,7 @@ MEMORY_CALLS = 1200
 def harness(tmp_path_factory: pytest.TempPathFactory):
     h = Harness(Path(tmp_path_factory.mktemp("fuzz")))
     # A fuzzed plan could name any pid as a rank to fence: never send real signals.
-    with mock.patch("stalwart.daemon.job.os"):
+    with mock.patch("stalwart.daemon.fencing.os"):
         yield h
     h.close()
 
@@ -354,7 +354,7 @@ def test_the_manifest_parser_refuses_garbage_with_a_manifest_error(data: bytes) 
 def test_fuzzing_calls_real_handlers(tmp_path: Path) -> None:
     fresh = Harness(tmp_path)  # the module's harness holds whatever the fuzzing left
     try:
-        with mock.patch("stalwart.daemon.job.os"):
+        with mock.patch("stalwart.daemon.fencing.os"):
             ok = fresh.call("RankService", "Register",
                             rank_pb2.RegisterRequest(pid=os.getpid(), rank=0, world_size=1))
             bad = fresh.call("RankService", "Register", rank_pb2.RegisterRequest(pid=-5))
