@@ -28,6 +28,7 @@ from stalwart.daemon.registry import (
     StaleGeneration,
     UnknownRank,
 )
+from stalwart.daemon.streams import send_within
 from stalwart.daemon.validate import (
     MAX_COLLECTIVES,
     MAX_LIVE_RANKS_PER_NODE,
@@ -39,6 +40,7 @@ from stalwart.v1 import common_pb2, rank_pb2, rank_pb2_grpc
 log = logging.getLogger("stalwart.daemon.rank_service")
 
 WATCH_WAKE_S = 5.0  # WatchPlan re-checks for shutdown at least this often (seconds)
+RESTORE_IDLE_S = 60.0  # a Restore reader that takes no piece this long is let go (seconds)
 _REFUSALS = {
     UnknownRank: grpc.StatusCode.NOT_FOUND,
     RankFenced: grpc.StatusCode.FAILED_PRECONDITION,
@@ -220,13 +222,16 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         return await self.snapshots.WaitCommitted(request, context)
 
     async def Restore(self, request: rank_pb2.RestoreRequest,
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[rank_pb2.RestorePiece]:
+                      context: grpc.aio.ServicerContext) -> None:
         await self.auth.token_holder(context)
         await admit(context, self.metrics, request)
         if self.snapshots is None:
             await _not_here(context, "Restore")
         async for piece in self.snapshots.Restore(request, context):
-            yield piece
+            if not await send_within(context, piece, RESTORE_IDLE_S):
+                log.warning("restore reader cut off: it took no piece for %g s",
+                            RESTORE_IDLE_S, extra={"rank_id": request.rank_id})
+                return
 
 
 async def _not_here(context: grpc.aio.ServicerContext, method: str) -> NoReturn:

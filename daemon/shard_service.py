@@ -25,6 +25,7 @@ import grpc
 from stalwart.daemon.checksum import crc32c
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.quota import DiskQuota, QuotaExceeded
+from stalwart.daemon.streams import send_within
 from stalwart.v1 import peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon.shard_service")
@@ -155,12 +156,6 @@ async def _idle_limited(pieces, idle_s: float, deadline: _Deadline):
         except StopAsyncIteration:
             return
         yield piece
-
-
-def _retrieve(task: asyncio.Future) -> None:
-    """Consume the outcome of a write that may end after its call was given up."""
-    if not task.cancelled():
-        task.exception()
 
 
 class ShardPolicy(Protocol):
@@ -329,17 +324,12 @@ class ShardServicer(peer_pb2_grpc.ShardServiceServicer):
         peer = await self._admit(context)
         try:
             async for piece in self._send(request, context, path, started):
-                # A reader that stops reading would hold its stream slot forever. (A write
-                # cannot be cancelled: wait for it, and end the call if it does not finish.)
-                write = asyncio.ensure_future(context.write(piece))
-                write.add_done_callback(_retrieve)
-                done, _ = await asyncio.wait({write}, timeout=self.piece_idle_s)
-                if not done:
+                # A reader that stops reading would hold its stream slot forever.
+                if not await send_within(context, piece, self.piece_idle_s):
                     self.metrics.auth_refused.labels("stalled").inc()
                     log.warning("shard reader cut off: it took no piece for %g s",
                                 self.piece_idle_s, extra={"shard": request.shard_id})
                     return
-                write.result()
         finally:
             self._done(peer)
 
