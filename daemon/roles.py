@@ -10,6 +10,7 @@ Callers are already authenticated (daemon/auth.py); refusals raise Forbidden.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import grpc
@@ -29,6 +30,7 @@ log = logging.getLogger("stalwart.daemon.roles")
 
 MAX_GENERATION_JUMP = 64   # a plan or commit may be at most this many generations ahead
 MAX_STEPS_AHEAD = 10_000   # a prepare may be at most this many steps past the last commit
+MAX_PENDING_STEPS = 256    # steps prepared but not yet committed, at most
 CONFIRM_TIMEOUT_S = 2.0    # how long the subject's daemon gets to vouch for its rank
 _CONFIRMED_BY_LIVENESS = (FailureKind.PROCESS_EXIT, FailureKind.HEARTBEAT_MISSED)
 
@@ -40,9 +42,10 @@ def node_of(name: str) -> str:
 
 
 def check_prepare(plan: PlanState | None, caller: str, req: peer_pb2.PrepareStepRequest,
-                  latest: int | None) -> None:
+                  latest: int | None, pending: Collection[int] = ()) -> None:
     """Raise unless `req` prepares only ranks that `plan` places on `caller`'s node, in the
-    plan's layout, for a step within MAX_STEPS_AHEAD of the last commit."""
+    plan's layout, for a step within MAX_STEPS_AHEAD of the last commit, without taking
+    the steps awaiting commit (`pending`) past MAX_PENDING_STEPS."""
     if plan is None:
         raise StaleStep(f"step {req.step} prepared before this daemon coordinates a plan")
     if req.generation > plan.generation:
@@ -54,6 +57,9 @@ def check_prepare(plan: PlanState | None, caller: str, req: peer_pb2.PrepareStep
     if req.step > floor + MAX_STEPS_AHEAD:
         raise Forbidden(f"step {req.step} is more than {MAX_STEPS_AHEAD} steps past the last "
                         f"committed step {floor}")
+    if req.step not in pending and len(pending) >= MAX_PENDING_STEPS:
+        raise Forbidden(f"{len(pending)} steps already await their commit; step {req.step} "
+                        "is refused until older ones commit or are skipped")
     lay = req.layout
     if (lay.dp, lay.pp, lay.tp) != (plan.layout.dp, plan.layout.pp, plan.layout.tp):
         raise Forbidden(f"step {req.step} was captured in layout {lay.dp}x{lay.pp}x{lay.tp}, "
@@ -125,7 +131,8 @@ class JobGate:
         coordinator = self.job.coordinator
         if self.job.is_coordinator():
             coordinator.take_over(self.job.registry.current_plan())
-        check_prepare(coordinator.plan, caller, req, self.job.snapshots.store.latest_committed())
+        check_prepare(coordinator.plan, caller, req, self.job.snapshots.store.latest_committed(),
+                      coordinator.pending)
         await coordinator.prepared(req)
 
     async def announce_from(self, caller: str, a: peer_pb2.RankAnnouncement) -> None:
