@@ -146,7 +146,6 @@ class JobGate:
         mine = sum(1 for x in announced.values() if x.node == caller)
         if a.rank_id not in announced and mine >= MAX_LIVE_RANKS_PER_NODE:
             raise Forbidden(f"daemon {caller} already announced {mine} ranks")
-        self.job.coordinator.take_over(self.job.registry.current_plan())
         await self.job.coordinator.announce(a)
 
     def may_delete(self, caller: str, owner: str, step: int) -> str:
