@@ -116,9 +116,11 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         if local:
             cred = cred_of(pid)
             why = "" if cred is None else refusal(cred)
-            if cred is not None and not why and connected_to(pid, self.unix_socket):
+            # /proc and socket-table walks: off the event loop, which serves everyone else.
+            if cred is not None and not why and await asyncio.to_thread(
+                    connected_to, pid, self.unix_socket):
                 return True
-            if self._claims_anothers_pid(pid):
+            if await asyncio.to_thread(self._claims_anothers_pid, pid):
                 self.metrics.auth_refused.labels("pid").inc()
                 await context.abort(
                     grpc.StatusCode.PERMISSION_DENIED,
