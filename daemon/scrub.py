@@ -18,7 +18,7 @@ from pathlib import Path
 from stalwart.daemon.local_store import LocalStore
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.shard_reader import ShardReader
-from stalwart.daemon.shard_service import ShardStore
+from stalwart.daemon.shard_store import ShardStore
 from stalwart.v1 import manifest_pb2
 
 log = logging.getLogger("stalwart.daemon.scrub")

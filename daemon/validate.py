@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 import grpc
 
 from stalwart.core import manifest as mf
-from stalwart.daemon.shard_service import validate_id
+from stalwart.daemon.shard_store import validate_id
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, rank_pb2
 
 MAX_STEP = 10**12 - 1          # steps are stored as 12 zero-padded digits

@@ -20,7 +20,8 @@ from stalwart.daemon.shard_client import (
     ShardClient,
     ShardTransferError,
 )
-from stalwart.daemon.shard_service import ShardServicer, validate_id
+from stalwart.daemon.shard_service import ShardServicer
+from stalwart.daemon.shard_store import validate_id
 from stalwart.v1 import peer_pb2, peer_pb2_grpc
 
 
@@ -199,7 +200,7 @@ def test_shard_id_clashing_with_a_stored_path_is_refused(tmp_path):
 @settings(max_examples=300, deadline=None)
 @given(st.text(max_size=80))
 def test_any_accepted_shard_id_stays_inside_the_store(tmp_path_factory, shard_id):
-    from stalwart.daemon.shard_service import ShardStore
+    from stalwart.daemon.shard_store import ShardStore
 
     root = tmp_path_factory.getbasetemp() / "store"
     store = ShardStore(root)
