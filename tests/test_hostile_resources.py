@@ -212,6 +212,23 @@ def test_gossip_floods_and_impostors_leave_no_state(tmp_path: Path) -> None:
     assert seen["peers"] == "[]"
 
 
+def test_a_gossip_reply_does_not_repeat_other_peers_rank_ids(tmp_path: Path) -> None:
+    big = peer_pb2.PeerInfo(node="n9", address="127.0.0.1:9",
+                            rank_ids=[f"n9/{i}" for i in range(1024)])
+
+    async def body(daemon: Daemon) -> tuple[int, list[tuple[str, int]]]:
+        async with grpc.aio.insecure_channel(daemon.address) as ch:
+            stub = peer_pb2_grpc.PeerServiceStub(ch)
+            await stub.Gossip(big, metadata=as_node("n9"), timeout=5)
+            reply = await stub.Gossip(peer_pb2.PeerInfo(node="n8", address="127.0.0.1:8"),
+                                      metadata=as_node("n8"), timeout=5)
+        return reply.ByteSize(), [(p.node, len(p.rank_ids)) for p in reply.peers]
+
+    size, peers = run(config(tmp_path), body)
+    # Two fake peers of 1M rank ids each used to push every reply past 8 MiB.
+    assert ("n9", 0) in peers and size < 1024, (size, peers)
+
+
 # --- the fd socket ---------------------------------------------------------------------
 
 
