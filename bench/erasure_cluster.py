@@ -21,7 +21,7 @@ def _manifests(data_dir: Path) -> dict:
             for p in folder.glob("*.manifest")}
 
 
-def _restore_s(address: str, step: int) -> tuple[float, bytes]:
+def _restore_s(address: str, step: int, token: str) -> tuple[float, bytes]:
     import grpc
 
     from stalwart.v1 import rank_pb2, rank_pb2_grpc
@@ -29,7 +29,8 @@ def _restore_s(address: str, step: int) -> tuple[float, bytes]:
     started = time.perf_counter()
     with grpc.insecure_channel(address) as ch:
         pieces = list(rank_pb2_grpc.RankServiceStub(ch).Restore(
-            rank_pb2.RestoreRequest(rank_id="bench", step=step, rank=0), timeout=120))
+            rank_pb2.RestoreRequest(rank_id="bench", step=step, rank=0), timeout=120,
+            metadata=(("stalwart-token", token),)))
     return time.perf_counter() - started, b"".join(p.data for p in pieces[1:])
 
 
@@ -61,11 +62,13 @@ def cluster_figures(quick: bool, k: int = 4, m: int = 2) -> dict:
             local = sum(c.stored_size for mf in found.values() for r in mf.ranks
                         for c in r.chunks)
             latest = max(found)
-            local_s, want = _restore_s(cluster.daemons[0].address, latest)
+            local_s, want = _restore_s(cluster.daemons[0].address, latest,
+                                        cluster.env["STALWART_TOKEN"])
             for node in cluster.daemons[1:1 + m]:  # m holders gone; node-0 keeps its copy
                 node.proc.send_signal(signal.SIGKILL)
                 node.proc.wait(10)
-            shards_s, got = _restore_s(cluster.daemons[-1].address, latest)
+            shards_s, got = _restore_s(cluster.daemons[-1].address, latest,
+                                       cluster.env["STALWART_TOKEN"])
             if got != want:
                 raise RuntimeError("restore from shards is not bitwise equal to the local copy")
         finally:

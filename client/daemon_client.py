@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from stalwart.client.job_token import find_token
 from stalwart.v1 import (
     common_pb2,
     manifest_pb2,
@@ -121,7 +122,7 @@ class DaemonClient:
                  on_fenced: Callable[[str], None] | None = None) -> None:
         self.target = target or default_target()
         self.job_id = os.environ.get("STALWART_JOB_ID", "") if job_id is None else job_id
-        self.token = os.environ.get("STALWART_TOKEN", "") if token is None else token
+        self.token = find_token(self.target) if token is None else token
         self.rpc_timeout_s = rpc_timeout_s
         self.on_fenced = on_fenced  # called (from the heartbeat thread) when a rejoin is needed
         self._fresh_process_state()

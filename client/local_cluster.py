@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -146,6 +147,8 @@ class LocalCluster:
             self.workdir = Path(tempfile.mkdtemp(prefix="stalwart-"))
             self._own_workdir = True
         self.workdir.mkdir(parents=True, exist_ok=True)
+        # One job token for every daemon and rank (peers authenticate each other with it).
+        self.env.setdefault("STALWART_TOKEN", secrets.token_urlsafe(24))
 
     # daemons ------------------------------------------------------------------------
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,11 +19,13 @@ from stalwart.core.failures import Failure, FailureKind
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.coordinator import Coordinator, StaleStep
 from stalwart.daemon.election import EtcdElection
+from stalwart.daemon.fencing import RankProcesses
 from stalwart.daemon.liveness import process_alive
 from stalwart.daemon.membership import SUSPECT, UP, Membership
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.nvml import GpuHealthMonitor
 from stalwart.daemon.registry import RankRecord, Registry, StaleGeneration
+from stalwart.daemon.roles import JobGate
 from stalwart.daemon.snapshots import Peer, SnapshotPath
 from stalwart.v1 import common_pb2, manifest_pb2, operator_pb2, peer_pb2, peer_pb2_grpc
 
@@ -49,6 +49,11 @@ class Job:
         membership.on_peer_up = self._on_peer_up
         self.metrics, self.address, self._channel = metrics, address, channel
         self.node = config.node
+        # How this daemon describes itself to peers (the Daemon's peer_info).
+        self.me: Callable[[], peer_pb2.PeerInfo] = lambda: peer_pb2.PeerInfo(node=self.node)
+        # Outbound interceptors that carry this daemon's token and node (auth.stamp).
+        self.auth_stamp: list[grpc.aio.ClientInterceptor] = []
+        self.gate = JobGate(self)  # PeerService's view: every call checked by role
         self.snapshots = SnapshotPath(config, registry, metrics, data_dir, self.peers,
                                       self._send_prepare)
         self.coordinator = Coordinator(config.node, config.job_id, metrics, self,
@@ -56,6 +61,7 @@ class Job:
                                        load_manifest=self.snapshots.store.load_manifest,
                                        elastic=config.elastic)
         self._failures: asyncio.Queue[Failure] = asyncio.Queue()
+        self.processes = RankProcesses(registry)  # which local ranks may be fenced
         self._tasks: list[asyncio.Task[None]] = []
         self._coordinator_seen = ""
         self._had_coordinator = False
@@ -80,6 +86,7 @@ class Job:
                                          on_elected=self._won_seat, on_lost=self._lost_seat)
 
     async def start(self) -> None:
+        self.processes.loop = asyncio.get_running_loop()
         await self.snapshots.start()
         await self.gpus.start()
         self._tasks = [asyncio.create_task(self._decide_forever(), name="coordinator"),
@@ -276,25 +283,14 @@ class Job:
             record = self.registry.get(a.rank_id)
             if record is not None and (record.state != "dead" or (
                     record.process is not None and process_alive(record.process))):
-                self._fence(record)  # a rank declared dead may still run (hung)
+                self.processes.fence(record)  # a rank declared dead may still run (hung)
         return common_pb2.Ack(accepted=True)
 
     def _fence_all_local(self) -> None:
         for record in self.registry.ranks():
             if record.state in ("alive", "late") and record.process is not None \
                     and process_alive(record.process):
-                self._fence(record)
-
-    def _fence(self, record: RankRecord) -> None:
-        """A rank the new plan left out may still run (hung): end it so it cannot interfere."""
-        log.warning("fencing rank left out of the new plan",
-                    extra={"rank_id": record.rank_id, "pid": record.pid})
-        try:
-            os.kill(record.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        except PermissionError as exc:
-            log.error("cannot end fenced rank %s: %s", record.rank_id, exc)
+                self.processes.fence(record)
 
     # registrations ----------------------------------------------------------------
 
@@ -349,6 +345,9 @@ class Job:
 
     async def _handle(self, failures: list[Failure]) -> None:
         if self.is_coordinator():
+            failures = [f for f in failures if await self._believed(f)]
+            if not failures:
+                return
             self.coordinator.take_over(self.registry.current_plan())
             # A new coordinator knows only the installed plan: give the other daemons a
             # few heartbeats to re-announce their spares before deciding.
@@ -404,28 +403,13 @@ class Job:
                 except (grpc.aio.AioRpcError, LookupError, StaleStep) as exc:
                     log.warning("prepare not resent", extra={"step": step, "error": str(exc)})
 
-    # PeerService hooks (`steps=` of PeerServicer) ----------------------------------
-
-    async def PrepareStep(self, request: peer_pb2.PrepareStepRequest,
-                          context: grpc.aio.ServicerContext) -> peer_pb2.PrepareStepReply:
-        try:
-            await self.coordinator.prepared(request)
-        except StaleStep as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        return peer_pb2.PrepareStepReply(ready=True)
-
-    async def CommitStep(self, request: peer_pb2.CommitStepRequest,
-                         context: grpc.aio.ServicerContext) -> peer_pb2.CommitStepReply:
-        try:
-            await self.snapshots.commit(request.manifest)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        return peer_pb2.CommitStepReply(committed=True)
-
-    async def Announce(self, request: peer_pb2.RankAnnouncement,
-                       context: grpc.aio.ServicerContext) -> common_pb2.Ack:
-        await self.coordinator.announce(request)
-        return common_pb2.Ack(accepted=True)
+    async def _believed(self, failure: Failure) -> bool:
+        if await self.gate.confirmed(failure):
+            return True
+        self.metrics.auth_refused.labels("unconfirmed").inc()
+        log.warning("failure report not believed: the subject's daemon reports it alive",
+                    extra={"failure": failure.describe()})
+        return False
 
     # status -----------------------------------------------------------------------
 

@@ -68,7 +68,7 @@ class _Reference:
 def _write_atomic(path: Path, data) -> None:
     """Write `data` to `path` so a crash leaves the old file or the whole new one."""
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
     try:
         view = memoryview(data).cast("B")
         while view:

@@ -149,9 +149,11 @@ class Membership:
         return -1.0 if record.last_seen is None else max(0.0, self.clock() - record.last_seen)
 
     def to_proto(self, me: peer_pb2.PeerInfo) -> peer_pb2.Membership:
-        """This daemon first, then every peer it has reached."""
+        """This daemon first, then every peer it has reached. Peers are hearsay to the
+        receiver (it keeps only their addresses), so their rank ids stay out: a reply
+        grows with the number of daemons, not daemons x ranks."""
         known = [peer_pb2.PeerInfo(node=p.node, address=p.address, labels=p.labels,
-                                   generation=p.generation, rank_ids=p.rank_ids)
+                                   generation=p.generation)
                  for p in self._peers.values() if p.last_seen is not None]
         return peer_pb2.Membership(peers=[me, *known], coordinator=self.coordinator(),
                                    generation=me.generation)

@@ -1,9 +1,8 @@
 """PeerService: membership gossip between daemons, plan installs and failure reports.
 
 Every daemon calls Gossip on each peer it knows once per heartbeat interval;
-the callee records the caller and answers with its own view. The two-phase
-commit calls (PrepareStep, CommitStep) are forwarded to the commit path when the
-server is given one.
+the callee records the caller and answers with its own view. Plans, commits,
+prepares and announcements go to the job, which checks the caller's role.
 """
 
 from __future__ import annotations
@@ -18,9 +17,11 @@ from typing import Any, NoReturn
 import grpc
 
 from stalwart.core.failures import Failure
+from stalwart.daemon.auth import Authenticator, Forbidden
+from stalwart.daemon.coordinator import StaleStep
 from stalwart.daemon.membership import Membership
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.registry import Registry, StaleGeneration
+from stalwart.daemon.registry import Registry
 from stalwart.daemon.validate import MAX_PEERS, admit
 from stalwart.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
@@ -28,18 +29,36 @@ log = logging.getLogger("stalwart.daemon.peer_service")
 
 
 class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
+    """Handlers of PeerService: every call authenticated as a daemon (auth.Authenticator),
+    then handed to the job's role checks (`steps`), whose Forbidden becomes
+    PERMISSION_DENIED."""
+
     def __init__(self, membership: Membership, registry: Registry,
-                 me: Callable[[], peer_pb2.PeerInfo], steps: Any = None,
+                 me: Callable[[], peer_pb2.PeerInfo], auth: Authenticator, steps: Any = None,
                  metrics: Metrics | None = None, job_id: str = "") -> None:
         self.membership, self.registry, self.me = membership, registry, me
+        self.auth = auth
         self.metrics = metrics or Metrics()  # counts refused requests
         self.job_id = job_id  # when set, step messages of other jobs are refused
-        # Object with async PrepareStep/CommitStep(request, context): the commit path.
+        # The job (stalwart.daemon.job.Job): role checks, plans, commits, announcements.
         self.steps = steps
+
+    async def _caller(self, context: grpc.aio.ServicerContext, request: Any) -> str:
+        node = await self.auth.daemon(context)
+        await admit(context, self.metrics, request)
+        return node
+
+    async def _forbidden(self, context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
+        self.metrics.auth_refused.labels("role").inc()
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        raise AssertionError("unreachable: abort raises")
 
     async def Gossip(self, request: peer_pb2.PeerInfo,
                      context: grpc.aio.ServicerContext) -> peer_pb2.Membership:
-        await admit(context, self.metrics, request)
+        caller = await self._caller(context, request)
+        if request.node != caller:
+            await self._forbidden(context, Forbidden(
+                f"daemon {caller!r} gossiped as {request.node!r}; a daemon speaks for itself"))
         targets = self.membership.targets()
         if request.address not in targets and len(targets) >= MAX_PEERS:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -50,51 +69,67 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
 
     async def InstallPlan(self, request: common_pb2.Plan,
                           context: grpc.aio.ServicerContext) -> common_pb2.Ack:
-        await admit(context, self.metrics, request)
-        if self.steps is not None:  # the job fences left-out ranks and drops stale captures
-            return self.steps.adopt_plan(request)
+        caller = await self._caller(context, request)
+        if self.steps is None:
+            await _not_here(context, "InstallPlan")
         try:
-            self.registry.install_plan(request)
-        except StaleGeneration as e:
-            return common_pb2.Ack(accepted=False, message=str(e))
-        return common_pb2.Ack(accepted=True)
+            return await self.steps.install_from(caller, request)
+        except Forbidden as exc:
+            await self._forbidden(context, exc)
 
     async def ReportFailure(self, request: common_pb2.FailureEvent,
                             context: grpc.aio.ServicerContext) -> common_pb2.Ack:
-        await admit(context, self.metrics, request)
-        if request.generation and request.generation < self.registry.generation:
+        caller = await self._caller(context, request)
+        if request.generation != self.registry.generation:
             return common_pb2.Ack(
-                accepted=False, message=f"report is from generation {request.generation}; "
+                accepted=False, message=f"report is for generation {request.generation}; "
                                         f"the job is at generation {self.registry.generation}")
         try:
             failure = Failure.from_proto(request)
         except ValueError as e:
-            return common_pb2.Ack(accepted=False, message=str(e))
-        self.registry.report(replace(failure, reporter=failure.reporter or context.peer()))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        # The reporter is who called, whatever the report says.
+        self.registry.report(replace(failure, reporter=caller))
         return common_pb2.Ack(accepted=True)
 
     async def Announce(self, request: peer_pb2.RankAnnouncement,
                        context: grpc.aio.ServicerContext) -> common_pb2.Ack:
-        await admit(context, self.metrics, request)
+        caller = await self._caller(context, request)
         if self.steps is None:
             await _not_here(context, "Announce")
-        return await self.steps.Announce(request, context)
+        try:
+            await self.steps.announce_from(caller, request)
+        except Forbidden as exc:
+            await self._forbidden(context, exc)
+        return common_pb2.Ack(accepted=True)
 
     async def PrepareStep(self, request: peer_pb2.PrepareStepRequest,
                           context: grpc.aio.ServicerContext) -> peer_pb2.PrepareStepReply:
-        await admit(context, self.metrics, request)
+        caller = await self._caller(context, request)
         await self._same_job(context, request.job_id)
         if self.steps is None:
             await _not_here(context, "PrepareStep")
-        return await self.steps.PrepareStep(request, context)
+        try:
+            await self.steps.prepare_from(caller, request)
+        except Forbidden as exc:
+            await self._forbidden(context, exc)
+        except StaleStep as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return peer_pb2.PrepareStepReply(ready=True)
 
     async def CommitStep(self, request: peer_pb2.CommitStepRequest,
                          context: grpc.aio.ServicerContext) -> peer_pb2.CommitStepReply:
-        await admit(context, self.metrics, request)
+        caller = await self._caller(context, request)
         await self._same_job(context, request.manifest.job_id)
         if self.steps is None:
             await _not_here(context, "CommitStep")
-        return await self.steps.CommitStep(request, context)
+        try:
+            await self.steps.commit_from(caller, request.manifest)
+        except Forbidden as exc:
+            await self._forbidden(context, exc)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return peer_pb2.CommitStepReply(committed=True)
 
     async def _same_job(self, context: grpc.aio.ServicerContext, job_id: str) -> None:
         if self.job_id and job_id != self.job_id:
@@ -108,7 +143,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
 async def _not_here(context: grpc.aio.ServicerContext, method: str) -> NoReturn:
     await context.abort(
         grpc.StatusCode.UNIMPLEMENTED,
-        f"PeerService.{method}: this daemon has no step commit yet; run daemons of one version")
+        f"PeerService.{method}: this daemon has no job wired in; run daemons of one version")
     raise AssertionError("unreachable: abort raises")
 
 
@@ -136,6 +171,10 @@ async def _gossip_once(address: str, membership: Membership,
         reply = await stub.Gossip(me(), timeout=timeout_s)
     except grpc.aio.AioRpcError as e:
         # Unreachable peers are expected while a cluster starts; loss is judged by age.
-        log.debug("gossip failed", extra={"peer": address, "code": e.code().name})
+        # A refusal is not: the daemons of this job do not share a token or a CA.
+        refused = e.code() in (grpc.StatusCode.UNAUTHENTICATED,
+                               grpc.StatusCode.PERMISSION_DENIED)
+        log.log(logging.WARNING if refused else logging.DEBUG, "gossip failed: %s",
+                e.details() if refused else e.code().name, extra={"peer": address})
         return
     membership.learn(reply, contacted=address)

@@ -11,13 +11,16 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
 
 from stalwart.core.failures import Failure
+from stalwart.daemon.auth import Authenticator
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.peercred import connected_pids, connected_to, cred_of, inner_pid, refusal
 from stalwart.daemon.registry import (
     RankFenced,
     RankRecord,
@@ -25,18 +28,19 @@ from stalwart.daemon.registry import (
     StaleGeneration,
     UnknownRank,
 )
+from stalwart.daemon.streams import send_within
 from stalwart.daemon.validate import (
     MAX_COLLECTIVES,
+    MAX_LIVE_RANKS_PER_NODE,
     MAX_RANKS_PER_NODE,
     admit,
-    metadata_token,
-    token_matches,
 )
 from stalwart.v1 import common_pb2, rank_pb2, rank_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon.rank_service")
 
 WATCH_WAKE_S = 5.0  # WatchPlan re-checks for shutdown at least this often (seconds)
+RESTORE_IDLE_S = 60.0  # a Restore reader that takes no piece this long is let go (seconds)
 _REFUSALS = {
     UnknownRank: grpc.StatusCode.NOT_FOUND,
     RankFenced: grpc.StatusCode.FAILED_PRECONDITION,
@@ -49,12 +53,13 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
     """Handlers of RankService; state lives in the Registry."""
 
     def __init__(self, config: DaemonConfig, registry: Registry, metrics: Metrics,
-                 stopping: asyncio.Event, snapshots: Any = None,
+                 stopping: asyncio.Event, auth: Authenticator, snapshots: Any = None,
                  on_register: Callable[[RankRecord, common_pb2.ParallelLayout,
                                         common_pb2.LayerProfile], Awaitable[None]]
                  | None = None) -> None:
         self.config, self.registry, self.metrics = config, registry, metrics
-        self.stopping = stopping
+        self.stopping, self.auth = stopping, auth
+        self.unix_socket = str(Path(config.unix_socket).resolve())
         # Tells the coordinator (through the job) that a rank or spare is here.
         self.on_register = on_register
         # Object with async OpenSlot/Capture/WaitCommitted/Restore(request, context).
@@ -63,13 +68,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
 
     async def Register(self, request: rank_pb2.RegisterRequest,
                        context: grpc.aio.ServicerContext) -> rank_pb2.RegisterReply:
-        given = request.token or metadata_token(context)
-        if self.config.token and not token_matches(given, self.config.token):
-            self.metrics.auth_refused.labels("token").inc()
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"rank pid {request.pid} sent {'a wrong' if given else 'no'} job token; "
-                "set STALWART_TOKEN to the daemon's token")
+        await self.auth.token_holder(context, request.token, f"rank pid {request.pid}")
         await admit(context, self.metrics, request)
         if request.job_id and request.job_id != self.config.job_id:
             self.metrics.auth_refused.labels("job").inc()
@@ -80,16 +79,20 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         if request.pid <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"pid must be the rank's process id (> 0), got {request.pid}")
-        if len(self.registry.ranks()) >= MAX_RANKS_PER_NODE:
+        ranks = self.registry.ranks()
+        alive = sum(r.state != "dead" for r in ranks)
+        if len(ranks) >= MAX_RANKS_PER_NODE or alive >= MAX_LIVE_RANKS_PER_NODE:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"daemon {self.config.node} already holds {MAX_RANKS_PER_NODE} "
-                                "registrations; stop stray ranks or run another daemon")
+                                f"daemon {self.config.node} already holds {len(ranks)} "
+                                f"registrations ({alive} live); stop stray ranks or run "
+                                "another daemon")
+        watch = await self._own_pid(context, request.pid, context.peer().startswith("unix:"))
         record = self.registry.register(
             pid=request.pid, rank=request.rank, world_size=request.world_size,
             local_rank=request.local_rank, hostname=request.hostname,
             spare=request.spare or request.rank < 0, device=request.device,
-            # A pid means something only on this host, so only local callers are watched.
-            watch_pid=context.peer().startswith("unix:"))
+            # Only a pid proven to be the caller's is watched (exit detection, fencing).
+            watch_pid=watch)
         if self.on_register is not None:
             try:
                 await self.on_register(record, request.layout, request.profile)
@@ -104,9 +107,45 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             plan=self.registry.current_plan())
 
+    async def _own_pid(self, context: grpc.aio.ServicerContext, pid: int, local: bool) -> bool:
+        """Whether the daemon may watch (and fence) `pid`: a local rank registers its own
+        process, which must hold a connection to this socket and run as a user allowed
+        here; a pid claimed by anyone else is refused. Ranks whose pid the daemon cannot
+        see (another pid namespace, or TCP) register unwatched: heartbeats only, never
+        fenced, and never in place of a watched rank."""
+        if local:
+            cred = cred_of(pid)
+            why = "" if cred is None else refusal(cred)
+            # /proc and socket-table walks: off the event loop, which serves everyone else.
+            if cred is not None and not why and await asyncio.to_thread(
+                    connected_to, pid, self.unix_socket):
+                return True
+            if await asyncio.to_thread(self._claims_anothers_pid, pid):
+                self.metrics.auth_refused.labels("pid").inc()
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"pid {pid} is not a process connected to {self.unix_socket}"
+                    + (f" ({why})" if why else "")
+                    + "; a rank registers its own pid (os.getpid())")
+        existing = self.registry.get(f"{self.config.node}/{pid}")
+        if existing is not None and existing.process is not None:
+            self.metrics.auth_refused.labels("pid").inc()
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"pid {pid} is a watched local rank of {self.config.node}; "
+                                "another caller cannot register as it")
+        return False
+
+    def _claims_anothers_pid(self, pid: int) -> bool:
+        """True unless some connected process could be the caller with `pid` as its own:
+        one in a child pid namespace where it has that pid, or one this daemon cannot see
+        at all (when it sees no caller)."""
+        callers = connected_pids(self.unix_socket)
+        return bool(callers) and not any(p != pid and inner_pid(p) == pid for p in callers)
+
     async def Heartbeat(self, request: rank_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> rank_pb2.HeartbeatReply:
-        await admit(context, self.metrics, request, self.config.token)
+        await self.auth.token_holder(context)
+        await admit(context, self.metrics, request)
         try:
             self.registry.heartbeat(request.rank_id, request.generation, request.step,
                                     request.step_time_s, leaving=request.leaving,
@@ -127,7 +166,8 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
 
     async def WatchPlan(self, request: rank_pb2.WatchPlanRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[rank_pb2.PlanEvent]:
-        await admit(context, self.metrics, request, self.config.token)
+        await self.auth.token_holder(context)
+        await admit(context, self.metrics, request)
         known = request.known_generation
         while not self.stopping.is_set():
             plan = await self.registry.plan_after(known, WATCH_WAKE_S)
@@ -139,7 +179,8 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
 
     async def ReportFailure(self, request: common_pb2.FailureEvent,
                             context: grpc.aio.ServicerContext) -> common_pb2.Ack:
-        await admit(context, self.metrics, request, self.config.token)
+        await self.auth.token_holder(context)
+        await admit(context, self.metrics, request)
         if request.generation and request.generation < self.registry.generation:
             return common_pb2.Ack(
                 accepted=False,
@@ -149,39 +190,50 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "failure report needs a kind (FailureEvent.Kind)")
         failure = Failure.from_proto(request)
-        self.registry.report(replace(failure, reporter=failure.reporter or self.config.node))
+        # This node saw it, in the generation the rank is in (it may not know the number).
+        mine = failure.reporter.startswith(f"{self.config.node}/")  # a rank of this node
+        self.registry.report(replace(failure, reporter=failure.reporter if mine
+                                     else self.config.node,
+                                     generation=failure.generation or self.registry.generation))
         return common_pb2.Ack(accepted=True)
 
     # Snapshot path: forwarded to the snapshot handler when one is wired in.
 
     async def OpenSlot(self, request: rank_pb2.OpenSlotRequest,
                        context: grpc.aio.ServicerContext) -> rank_pb2.OpenSlotReply:
-        await admit(context, self.metrics, request, self.config.token)
+        await self.auth.token_holder(context)
+        await admit(context, self.metrics, request)
         if self.snapshots is None:
             await _not_here(context, "OpenSlot")
         return await self.snapshots.OpenSlot(request, context)
 
     async def Capture(self, request: rank_pb2.CaptureRequest,
                       context: grpc.aio.ServicerContext) -> rank_pb2.CaptureReply:
-        await admit(context, self.metrics, request, self.config.token)
+        await self.auth.token_holder(context)
+        await admit(context, self.metrics, request)
         if self.snapshots is None:
             await _not_here(context, "Capture")
         return await self.snapshots.Capture(request, context)
 
     async def WaitCommitted(self, request: rank_pb2.WaitCommittedRequest,
                             context: grpc.aio.ServicerContext) -> rank_pb2.WaitCommittedReply:
-        await admit(context, self.metrics, request, self.config.token)
+        await self.auth.token_holder(context)
+        await admit(context, self.metrics, request)
         if self.snapshots is None:
             await _not_here(context, "WaitCommitted")
         return await self.snapshots.WaitCommitted(request, context)
 
     async def Restore(self, request: rank_pb2.RestoreRequest,
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[rank_pb2.RestorePiece]:
-        await admit(context, self.metrics, request, self.config.token)
+                      context: grpc.aio.ServicerContext) -> None:
+        await self.auth.token_holder(context)
+        await admit(context, self.metrics, request)
         if self.snapshots is None:
             await _not_here(context, "Restore")
         async for piece in self.snapshots.Restore(request, context):
-            yield piece
+            if not await send_within(context, piece, RESTORE_IDLE_S):
+                log.warning("restore reader cut off: it took no piece for %g s",
+                            RESTORE_IDLE_S, extra={"rank_id": request.rank_id})
+                return
 
 
 async def _not_here(context: grpc.aio.ServicerContext, method: str) -> NoReturn:

@@ -21,7 +21,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from stalwart.daemon.checksum import crc32c
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.shard_service import validate_id
+from stalwart.daemon.shard_store import validate_id
 
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview

@@ -18,7 +18,7 @@ from pathlib import Path
 from stalwart.daemon.local_store import LocalStore
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.shard_reader import ShardReader
-from stalwart.daemon.shard_service import ShardStore
+from stalwart.daemon.shard_store import ShardStore
 from stalwart.v1 import manifest_pb2
 
 log = logging.getLogger("stalwart.daemon.scrub")
@@ -65,7 +65,7 @@ class Scrubber:
         started = time.monotonic()
         steps = await asyncio.to_thread(self.store.committed_steps)
         if steps:
-            retired = await asyncio.to_thread(shards.delete, self.job_id, [], steps[0])
+            retired, _ = await asyncio.to_thread(shards.delete, self.job_id, [], steps[0])
             self.state.retired += retired
         bad_paths = await asyncio.to_thread(shards.scrub)
         prefix = self.job_id + "/"

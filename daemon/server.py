@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from stalwart.daemon.auth import Authenticator, job_token, stamp
 from stalwart.daemon.config import DaemonConfig
+from stalwart.daemon.guard import Guard
 from stalwart.daemon.job import Job
 from stalwart.daemon.membership import Membership
 from stalwart.daemon.metrics import Metrics
@@ -46,13 +49,22 @@ SERVICES = (
     "stalwart.v1.PeerService",
     "stalwart.v1.OperatorService",
 )
+# The ranks' Unix socket serves only what ranks (and `stalwart status` on the node) call.
+UNIX_SERVICES = ("stalwart.v1.RankService", "stalwart.v1.OperatorService")
+UMASK = 0o027  # files 0640, folders 0750 at most, whatever umask the daemon was started with
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Without this a second daemon could silently share the port (SO_REUSEPORT).
+    ("grpc.so_reuseport", 0),
+]
 
 
 class DaemonStartError(RuntimeError):
     """The daemon cannot start; the message says which setting to change."""
 
 
-def load_shard_servicer(store_dir: Path, metrics: Metrics) -> Any:
+def load_shard_servicer(store_dir: Path, metrics: Metrics, **policy: Any) -> Any:
     """The ShardService implementation, or None while this build has none."""
     try:
         from stalwart.daemon.shard_service import ShardServicer
@@ -60,13 +72,14 @@ def load_shard_servicer(store_dir: Path, metrics: Metrics) -> Any:
         if e.name != "stalwart.daemon.shard_service":
             raise
         return None
-    return ShardServicer(store_dir, metrics)
+    return ShardServicer(store_dir, metrics, **policy)
 
 
 class Daemon:
     """One daemon: its configuration, state, servicers and the gRPC server."""
 
     def __init__(self, config: DaemonConfig) -> None:
+        os.umask(os.umask(UMASK) | UMASK)  # never looser than UMASK, keep what is stricter
         self.config = config
         self.metrics = Metrics()
         self.stopping = asyncio.Event()
@@ -83,9 +96,12 @@ class Daemon:
                                          self.membership)
         self.job = Job(config, self.registry, self.membership, self.metrics, self.data_dir,
                        lambda: self.address, self._channel)
+        self.job.me = self.peer_info
         self.operator.decorators.append(self.job.decorate_status)
         self.protection = ProtectionWatch(self.job.snapshots.store, self.job.nodes, self.metrics)
         self._server: grpc.aio.Server | None = None
+        self._unix_server: grpc.aio.Server | None = None
+        self.auth: Authenticator | None = None
         self._metrics_http: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -99,33 +115,48 @@ class Daemon:
         _make_dir(self.data_dir, "data_dir")
         _make_dir(self.unix_socket.parent, "unix_socket")
         _clear_stale_socket(self.unix_socket)
+        try:
+            token = job_token(cfg.token, self.data_dir)
+        except OSError as e:
+            raise DaemonStartError(
+                f"token: cannot keep the job secret in {self.data_dir} ({e.strerror}); "
+                "set token or make data_dir writable") from None
+        if not cfg.token and not tls_enabled(cfg.tls) and (cfg.peers or cfg.etcd):
+            log.warning("no token configured: this daemon made its own job secret in %s; "
+                        "daemons of one job refuse each other unless they share a token "
+                        "(set token) or use mutual TLS", self.data_dir / "job.token")
+        self.config = cfg = replace(cfg, token=token)
+        self.job.snapshots.pool.token = token
+        self.auth = Authenticator(token, tls_enabled(cfg.tls), self.metrics)
+        self.job.auth_stamp = self.job.snapshots.stamp = stamp(token, cfg.node)
         if tls_enabled(cfg.tls):
             try:
                 self.tls = ReloadingServerCredentials(cfg.tls)
             except TlsError as e:
                 raise DaemonStartError(str(e)) from None
-        server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            # Without this a second daemon could silently share the port (SO_REUSEPORT).
-            ("grpc.so_reuseport", 0),
-        ])
-        self._server = server
-        rank_pb2_grpc.add_RankServiceServicer_to_server(
-            RankServicer(cfg, self.registry, self.metrics, self.stopping,
-                         snapshots=self.job.snapshots, on_register=self.job.on_register), server)
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[Guard()])
+        unix_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[Guard()])
+        self._server, self._unix_server = server, unix_server
+        rank = RankServicer(cfg, self.registry, self.metrics, self.stopping, self.auth,
+                            snapshots=self.job.snapshots, on_register=self.job.on_register)
+        for s in (server, unix_server):
+            rank_pb2_grpc.add_RankServiceServicer_to_server(rank, s)
+            operator_pb2_grpc.add_OperatorServiceServicer_to_server(self.operator, s)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, s)
         peer_pb2_grpc.add_PeerServiceServicer_to_server(
-            PeerServicer(self.membership, self.registry, self.peer_info, steps=self.job,
-                         metrics=self.metrics, job_id=cfg.job_id), server)
-        operator_pb2_grpc.add_OperatorServiceServicer_to_server(self.operator, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+            PeerServicer(self.membership, self.registry, self.peer_info, self.auth,
+                         steps=self.job.gate, metrics=self.metrics, job_id=cfg.job_id), server)
         names = list(SERVICES)
-        shard = load_shard_servicer(self.data_dir / "shards", self.metrics)
+        shard = load_shard_servicer(
+            self.data_dir / "shards", self.metrics, auth=self.auth,
+            quota=self.job.snapshots.quota, policy=self.job.gate)
         if shard is not None:
             peer_pb2_grpc.add_ShardServiceServicer_to_server(shard, server)
             names.append("stalwart.v1.ShardService")
         reflection.enable_server_reflection(
             [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        reflection.enable_server_reflection(
+            [*UNIX_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME], unix_server)
 
         port = _bind(server, cfg.listen, "listen",
                      self.tls.credentials if self.tls is not None else None)
@@ -133,12 +164,14 @@ class Daemon:
         if host.strip("[]") in ("0.0.0.0", "::", ""):
             host = socket.gethostname()  # peers cannot dial a wildcard address
         self.address = self.membership.self_address = self.operator.address = f"{host}:{port}"
-        _bind(server, f"unix:{self.unix_socket}", "unix_socket")
+        _bind(unix_server, f"unix:{self.unix_socket}", "unix_socket")
         # The kernel lets only this uid and group (and root) connect; the deployment puts
         # the ranks in the daemon's group. Other users never reach the RPCs.
         os.chmod(self.unix_socket, 0o660)
         self.job.snapshots.fd_server.metrics = self.metrics
+        self.job.snapshots.fd_server.owner_check = self.job.processes.slot_caller
         await server.start()
+        await unix_server.start()
         await self.job.start()
 
         if cfg.metrics_port:
@@ -170,8 +203,8 @@ class Daemon:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._server is not None:
-            await self._server.stop(grace_s)
+        await asyncio.gather(*(s.stop(grace_s) for s in (self._server, self._unix_server)
+                               if s is not None))
         await self.job.stop()
         for channel in self._channels.values():
             await channel.close()
@@ -209,7 +242,8 @@ class Daemon:
         if address not in self._channels:
             # round_robin: a seed that is a DNS name for many daemons reaches each in turn.
             self._channels[address] = aio_channel(
-                address, self.config.tls, options=[("grpc.lb_policy_name", "round_robin")])
+                address, self.config.tls, options=[("grpc.lb_policy_name", "round_robin")],
+                interceptors=self.job.auth_stamp)
         return self._channels[address]
 
     def peer_info(self) -> peer_pb2.PeerInfo:

@@ -76,7 +76,8 @@ class ShardClient:
     def __init__(self, address: str, *, job_id: str, metrics: Metrics | None = None,
                  budget: ByteBudget | None = None, deadline_s: float = 10.0,
                  attempts: int = 3, backoff_s: float = 0.05, max_backoff_s: float = 2.0,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None,
+                 interceptors: list[grpc.aio.ClientInterceptor] | None = None) -> None:
         self.address = address
         self.job_id = job_id
         self.metrics = metrics
@@ -86,15 +87,18 @@ class ShardClient:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self._credentials = credentials
+        self._interceptors = interceptors or None  # the daemon's token and node (auth.stamp)
         self._channel: grpc.aio.Channel | None = None
 
     def _stub(self) -> peer_pb2_grpc.ShardServiceStub:
         # Channels are made lazily, inside the event loop (and process) that uses them.
         if self._channel is None:
             if self._credentials is None:
-                self._channel = grpc.aio.insecure_channel(self.address)
+                self._channel = grpc.aio.insecure_channel(self.address,
+                                                          interceptors=self._interceptors)
             else:
-                self._channel = grpc.aio.secure_channel(self.address, self._credentials)
+                self._channel = grpc.aio.secure_channel(self.address, self._credentials,
+                                                        interceptors=self._interceptors)
         return peer_pb2_grpc.ShardServiceStub(self._channel)
 
     async def close(self) -> None:

@@ -10,102 +10,31 @@ from __future__ import annotations
 import asyncio
 import collections
 import errno
-import json
+import logging
 import os
-import re
 import time
 import uuid
 from pathlib import Path
+from typing import Any, Protocol
 
 import grpc
 
 from stalwart.daemon.checksum import crc32c
 from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.quota import DiskQuota, QuotaExceeded
+from stalwart.daemon.shard_store import ShardStore
+from stalwart.daemon.streams import send_within
 from stalwart.v1 import peer_pb2, peer_pb2_grpc
+
+log = logging.getLogger("stalwart.daemon.shard_service")
 
 PIECE_BYTES = 1 << 20
 MAX_SHARD_BYTES = 1 << 30
-MAX_ID_CHARS = 256
 # Open PutShard/GetShard streams per calling host: every rank of a big node may push at
 # once, and each stream holds at most ~1 MiB here, so this bounds a peer to ~64 MiB.
 MAX_STREAMS_PER_PEER = 64
 PIECE_IDLE_S = 30.0       # a sender silent this long between pieces is cut off (seconds)
-_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-_META = ".meta.json"
-
-
-def validate_id(value: str, what: str, allow_slash: bool = True) -> str:
-    """`value` if it is a safe relative identifier, else ValueError saying why.
-
-    Allowed: components of [A-Za-z0-9._-] (not starting with '.' or '-') joined by
-    '/' when `allow_slash`; so no '..', no absolute paths, no empty components.
-    """
-    if not value or len(value) > MAX_ID_CHARS:
-        raise ValueError(f"{what} must be 1-{MAX_ID_CHARS} characters, got {len(value)}")
-    parts = value.split("/") if allow_slash else [value]
-    if any(not _PART.fullmatch(p) for p in parts) or value.endswith(_META):
-        raise ValueError(
-            f"{what} {value!r} is not allowed: use letters, digits, '.', '_', '-'"
-            + (" and '/' between parts" if allow_slash else "")
-            + ", not starting with '.' or '-'")
-    return value
-
-
-class ShardStore:
-    """Shards of every job under `root/<job_id>/<shard_id>`, with a JSON sidecar each."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-
-    def path(self, job_id: str, shard_id: str) -> Path:
-        validate_id(job_id, "job_id", allow_slash=False)
-        validate_id(shard_id, "shard_id")
-        return self.root / job_id / shard_id
-
-    def meta(self, path: Path) -> dict:
-        return json.loads(path.with_name(path.name + _META).read_text())
-
-    def commit(self, tmp: Path, path: Path, meta: dict) -> None:
-        """Make a fully written temp file visible under `path` (durably)."""
-        side = path.with_name(path.name + _META)
-        side_tmp = side.with_name(side.name + f".tmp-{uuid.uuid4().hex}")
-        side_tmp.write_text(json.dumps(meta))
-        with side_tmp.open("rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        os.replace(side_tmp, side)
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def delete(self, job_id: str, shard_ids: list[str], below_step: int) -> int:
-        """Remove the named shards and, when below_step > 0, every shard of an older step."""
-        job_dir = self.root / validate_id(job_id, "job_id", allow_slash=False)
-        doomed = {self.path(job_id, s) for s in shard_ids}
-        if below_step and job_dir.is_dir():
-            for side in job_dir.rglob("*" + _META):
-                if json.loads(side.read_text()).get("step", 0) < below_step:
-                    doomed.add(side.with_name(side.name[: -len(_META)]))
-        deleted = 0
-        for path in doomed:
-            if path.exists():
-                path.unlink()
-                deleted += 1
-            path.with_name(path.name + _META).unlink(missing_ok=True)
-        return deleted
-
-    def scrub(self) -> list[str]:
-        """Paths (relative to root) of stored shards whose CRC32C no longer matches."""
-        bad = []
-        for side in sorted(self.root.rglob("*" + _META)):
-            path = side.with_name(side.name[: -len(_META)])
-            meta = json.loads(side.read_text())
-            if not path.exists() or crc32c(path.read_bytes()) != meta["crc32c"]:
-                bad.append(str(path.relative_to(self.root)))
-        return bad
+MIN_PUT_BYTES_PER_S = 1 << 20  # a put may take PIECE_IDLE_S + size / this rate, no longer
 
 
 def _peer_host(context: grpc.aio.ServicerContext) -> str:
@@ -114,15 +43,31 @@ def _peer_host(context: grpc.aio.ServicerContext) -> str:
     return peer if peer.startswith("unix:") else peer.rpartition(":")[0] or peer
 
 
-async def _idle_limited(pieces, idle_s: float):
-    """The pieces of a client stream; TimeoutError if the sender goes quiet for idle_s."""
+class _Deadline:
+    """When a stream must end (monotonic seconds); set once its size is known."""
+
+    def __init__(self) -> None:
+        self.end = float("inf")
+
+
+async def _idle_limited(pieces, idle_s: float, deadline: _Deadline):
+    """The pieces of a client stream; TimeoutError if the sender goes quiet for idle_s,
+    or the stream outlives `deadline`."""
     it = pieces.__aiter__()
     while True:
+        left = min(idle_s, deadline.end - time.monotonic())
+        if left <= 0:
+            raise TimeoutError
         try:
-            piece = await asyncio.wait_for(it.__anext__(), idle_s)
+            piece = await asyncio.wait_for(it.__anext__(), left)
         except StopAsyncIteration:
             return
         yield piece
+
+
+class ShardPolicy(Protocol):
+    def may_delete(self, caller: str, owner: str, step: int) -> str:
+        """Why `caller` may not delete a shard of `step` put by `owner`; "" if it may."""
 
 
 class ShardServicer(peer_pb2_grpc.ShardServiceServicer):
@@ -131,13 +76,22 @@ class ShardServicer(peer_pb2_grpc.ShardServiceServicer):
     def __init__(self, store_dir: Path, metrics: Metrics,
                  max_shard_bytes: int = MAX_SHARD_BYTES,
                  max_streams_per_peer: int = MAX_STREAMS_PER_PEER,
-                 piece_idle_s: float = PIECE_IDLE_S) -> None:
+                 piece_idle_s: float = PIECE_IDLE_S, *, auth: Any = None,
+                 quota: DiskQuota | None = None, policy: ShardPolicy | None = None) -> None:
+        """`auth` (auth.Authenticator) makes every call prove it comes from a daemon of the
+        job; `policy` says who may delete what (without one, nobody may); `quota` bounds
+        the bytes stored. A daemon passes all three; tests of the storage alone may not."""
+        self.auth, self.quota, self.policy = auth, quota, policy
         self.store = ShardStore(store_dir)
         self.metrics = metrics
         self.max_shard_bytes = max_shard_bytes
         self.max_streams_per_peer = max_streams_per_peer
         self.piece_idle_s = piece_idle_s
         self._open: collections.Counter[str] = collections.Counter()
+
+    async def _caller(self, context: grpc.aio.ServicerContext) -> str:
+        """The calling daemon's node ("" when this servicer runs without authentication)."""
+        return "" if self.auth is None else await self.auth.daemon(context)
 
     async def _admit(self, context: grpc.aio.ServicerContext) -> str:
         """Count a stream against its peer's limit; RESOURCE_EXHAUSTED (retryable) beyond."""
@@ -159,14 +113,21 @@ class ShardServicer(peer_pb2_grpc.ShardServiceServicer):
     async def PutShard(self, request_iterator, context: grpc.aio.ServicerContext
                        ) -> peer_pb2.PutShardReply:
         started = time.perf_counter()
+        caller = await self._caller(context)
         peer = await self._admit(context)
+        deadline = _Deadline()
         try:
-            return await self._receive(_idle_limited(request_iterator, self.piece_idle_s),
-                                       context, started)
+            return await self._receive(
+                _idle_limited(request_iterator, self.piece_idle_s, deadline), context,
+                started, caller, deadline)
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"no shard piece arrived for {self.piece_idle_s:g} s; "
+                                f"no shard piece arrived for {self.piece_idle_s:g} s, or the "
+                                f"shard took longer than {self.piece_idle_s:g} s + 1 s per MiB; "
                                 "the sender should retry")
+        except QuotaExceeded as exc:
+            self.metrics.auth_refused.labels("quota").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except (FileExistsError, NotADirectoryError, IsADirectoryError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"shard id clashes with a stored shard's path: {exc.strerror}")
@@ -180,7 +141,8 @@ class ShardServicer(peer_pb2_grpc.ShardServiceServicer):
             self._done(peer)
 
     async def _receive(self, request_iterator, context: grpc.aio.ServicerContext,
-                       started: float) -> peer_pb2.PutShardReply:
+                       started: float, caller: str, deadline: _Deadline
+                       ) -> peer_pb2.PutShardReply:
         header = None
         tmp: Path | None = None
         f = None
@@ -198,12 +160,19 @@ class ShardServicer(peer_pb2_grpc.ShardServiceServicer):
                             grpc.StatusCode.INVALID_ARGUMENT,
                             f"shard {header.shard_id} declares {header.size} bytes, more than "
                             f"the {self.max_shard_bytes}-byte limit")
+                    deadline.end = (time.monotonic() + self.piece_idle_s
+                                    + header.size / MIN_PUT_BYTES_PER_S)
+                    if self.quota is not None:
+                        self.quota.reserve(header.size)
                     path.parent.mkdir(parents=True, exist_ok=True)
                     tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex}")
                     f = tmp.open("wb")
                 elif piece.HasField("header"):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                         "only the first ShardPiece may carry a header")
+                elif not piece.data:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                        "a ShardPiece after the first must carry data")
                 received += len(piece.data)
                 if received > header.size:
                     await context.abort(
@@ -224,7 +193,7 @@ class ShardServicer(peer_pb2_grpc.ShardServiceServicer):
                     grpc.StatusCode.DATA_LOSS,
                     f"shard {header.shard_id} arrived with CRC32C {crc:#010x}, header says "
                     f"{header.crc32c:#010x}; the sender should retry")
-            await asyncio.to_thread(self._finish, f, tmp, path, header)
+            await asyncio.to_thread(self._finish, f, tmp, path, header, caller)
             f = None
             tmp = None
             self.metrics.stored_bytes.labels("peer").inc(received)
@@ -236,12 +205,14 @@ class ShardServicer(peer_pb2_grpc.ShardServiceServicer):
             if tmp is not None:
                 tmp.unlink(missing_ok=True)
 
-    def _finish(self, f, tmp: Path, path: Path, header: peer_pb2.ShardHeader) -> None:
+    def _finish(self, f, tmp: Path, path: Path, header: peer_pb2.ShardHeader,
+                owner: str) -> None:
         f.flush()
         os.fsync(f.fileno())
         f.close()
         self.store.commit(tmp, path, {"size": header.size, "crc32c": header.crc32c,
-                                      "step": header.step, "generation": header.generation})
+                                      "step": header.step, "generation": header.generation,
+                                      "owner": owner})
 
     async def _checked_path(self, context: grpc.aio.ServicerContext, job_id: str,
                             shard_id: str) -> Path:
@@ -253,13 +224,19 @@ class ShardServicer(peer_pb2_grpc.ShardServiceServicer):
             raise  # abort always raises; this keeps type checkers informed
 
     async def GetShard(self, request: peer_pb2.GetShardRequest,
-                       context: grpc.aio.ServicerContext):
+                       context: grpc.aio.ServicerContext) -> None:
         started = time.perf_counter()
+        await self._caller(context)
         path = await self._checked_path(context, request.job_id, request.shard_id)
         peer = await self._admit(context)
         try:
             async for piece in self._send(request, context, path, started):
-                yield piece
+                # A reader that stops reading would hold its stream slot forever.
+                if not await send_within(context, piece, self.piece_idle_s):
+                    self.metrics.auth_refused.labels("stalled").inc()
+                    log.warning("shard reader cut off: it took no piece for %g s",
+                                self.piece_idle_s, extra={"shard": request.shard_id})
+                    return
         finally:
             self._done(peer)
 
@@ -268,7 +245,7 @@ class ShardServicer(peer_pb2_grpc.ShardServiceServicer):
         try:
             meta = self.store.meta(path)
             f = path.open("rb")
-        except FileNotFoundError:
+        except (OSError, ValueError):  # absent, a folder, or a torn sidecar
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"shard {request.shard_id} of job {request.job_id} is not here")
         with f:
@@ -298,10 +275,27 @@ class ShardServicer(peer_pb2_grpc.ShardServiceServicer):
 
     async def DeleteShards(self, request: peer_pb2.DeleteShardsRequest,
                            context: grpc.aio.ServicerContext) -> peer_pb2.DeleteShardsReply:
+        caller = await self._caller(context)
+
+        def refuse(meta: dict) -> str:
+            if self.policy is None:
+                return "this shard store deletes nothing (no deletion policy)"
+            return self.policy.may_delete(caller, str(meta.get("owner", "")),
+                                          int(meta.get("step", 0)))
+
         try:
-            deleted = await asyncio.to_thread(self.store.delete, request.job_id,
-                                              list(request.shard_ids), request.below_step)
+            deleted, kept = await asyncio.to_thread(
+                self.store.delete, request.job_id, list(request.shard_ids),
+                request.below_step, refuse)
         except ValueError as exc:
             self.metrics.auth_refused.labels("bad_id").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except OSError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"cannot delete these shards: {exc.strerror}")
+        if kept:
+            self.metrics.auth_refused.labels("role").inc(len(kept))
+            if not deleted:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"{len(kept)} shards kept: {kept[0]}")
         return peer_pb2.DeleteShardsReply(deleted=deleted)

@@ -15,6 +15,7 @@ import os
 import secrets
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ log = logging.getLogger(__name__)
 
 PREFAULT_BLOCK = 64 << 20  # bytes touched per write while pre-faulting
 MAX_REQUEST = 256          # bytes: "<slot_id> <token>\n"
+MAX_FD_CONNECTIONS = 64    # slot requests served at once
+FD_REQUEST_DEADLINE_S = 1.0  # a caller gets this long to send its request (seconds)
 
 
 class SlotError(Exception):
@@ -135,17 +138,23 @@ class SlotPool:
 class FdServer:
     """Hands a slot's fd to a local process that names the slot (and the token).
 
-    The caller must also pass the uid check of peercred.refusal: a slot holds the
-    model's state, so a process of another user never gets its fd.
+    The caller must pass the uid check of peercred.refusal and, in a daemon
+    (`owner_check` set), be the very process that registered as the slot's rank: a slot
+    holds the model's state. Connections are served side by side, each with a short
+    deadline, so idle or slow callers cannot hold up a rank's slot.
     """
 
-    def __init__(self, pool: SlotPool, path: Path, metrics: Any = None) -> None:
+    def __init__(self, pool: SlotPool, path: Path, metrics: Any = None,
+                 owner_check: Callable[[str, int], str] | None = None) -> None:
         self.pool = pool
         self.path = path
         self.metrics = metrics  # stalwart.daemon.metrics.Metrics: counts refused callers
+        # (rank_id, the caller's pid by SO_PEERCRED) -> why it may not have the slot, or "".
+        self.owner_check = owner_check
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._open = threading.BoundedSemaphore(MAX_FD_CONNECTIONS)
 
     def start(self) -> None:
         self.path.unlink(missing_ok=True)
@@ -168,12 +177,23 @@ class FdServer:
                 continue
             except OSError:
                 return
+            if not self._open.acquire(blocking=False):
+                with conn:
+                    self._refused(conn, "busy", f"{MAX_FD_CONNECTIONS} slot requests are "
+                                  "already open; retry")
+                continue
+            threading.Thread(target=self._one, args=(conn,), name="stalwart-fd-request",
+                             daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        try:
             with conn:
-                conn.settimeout(5.0)
-                try:
-                    self._answer(conn)
-                except (OSError, ValueError) as exc:
-                    log.warning("fd request failed: %s", exc)
+                conn.settimeout(FD_REQUEST_DEADLINE_S)
+                self._answer(conn)
+        except (OSError, ValueError) as exc:
+            log.warning("fd request failed: %s", exc)
+        finally:
+            self._open.release()
 
     def _refused(self, conn: socket.socket, reason: str, message: str) -> None:
         if self.metrics is not None:
@@ -182,7 +202,8 @@ class FdServer:
         conn.sendall(f"ERR {message}\n".encode())
 
     def _answer(self, conn: socket.socket) -> None:
-        why = refusal(peer_cred(conn))
+        cred = peer_cred(conn)
+        why = refusal(cred)
         if why:
             self._refused(conn, "uid", why)
             return
@@ -199,6 +220,10 @@ class FdServer:
         except SlotError as exc:
             conn.sendall(f"ERR {exc}\n".encode())
             return
+        why = "" if self.owner_check is None else self.owner_check(slot.rank_id, cred.pid)
+        if why:
+            self._refused(conn, "pid", f"slot {slot_id} belongs to rank {slot.rank_id}; {why}")
+            return
         socket.send_fds(conn, [f"OK {slot.size}\n".encode()], [slot.fd])
 
     def stop(self) -> None:
@@ -208,4 +233,3 @@ class FdServer:
         if self._thread is not None:
             self._thread.join(timeout=2.0)
         self.path.unlink(missing_ok=True)
-

@@ -28,6 +28,7 @@ from stalwart.daemon.coder import ZfecCodec, default_km
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.local_store import CorruptChunkError, LocalStore
 from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.quota import DiskQuota, QuotaExceeded  # noqa: F401 - re-exported
 from stalwart.daemon.registry import Registry
 from stalwart.daemon.s3_tier import ManifestExistsError, S3Tier
 from stalwart.daemon.scrub import Scrubber
@@ -57,39 +58,6 @@ class Peer:
 PrepareSender = Callable[[peer_pb2.PrepareStepRequest], Awaitable[None]]
 
 
-class QuotaExceeded(RuntimeError):
-    """The local tier would hold more than [snapshot] disk_quota_bytes."""
-
-
-class DiskQuota:
-    """Bytes under the local tier's folders against a quota; re-measured every few
-    seconds (a walk of the folders), with the bytes reserved since then added."""
-
-    def __init__(self, roots: list[Path], limit: int, every_s: float = 5.0) -> None:
-        self.roots, self.limit, self.every_s = roots, limit, every_s
-        self._used, self._at = 0, float("-inf")
-
-    def used(self) -> int:
-        if time.monotonic() - self._at > self.every_s:
-            self._used = sum(f.stat().st_size for root in self.roots if root.exists()
-                             for f in root.rglob("*") if f.is_file())
-            self._at = time.monotonic()
-        return self._used
-
-    def reserve(self, nbytes: int) -> None:
-        """Account for `nbytes` about to be written, or raise QuotaExceeded."""
-        if not self.limit:
-            return
-        used = self.used()
-        if used + nbytes > self.limit:
-            raise QuotaExceeded(
-                f"local tier quota exceeded: {used} bytes used + {nbytes} for this step > "
-                f"[snapshot] disk_quota_bytes = {self.limit}; the step is not made durable "
-                "(the last committed step stays restorable). Raise the quota or lower "
-                "[snapshot] retain.")
-        self._used += nbytes
-
-
 class SnapshotPath:
     """Snapshot handlers and stores of one daemon."""
 
@@ -117,6 +85,7 @@ class SnapshotPath:
                              prefix=config.s3.prefix, endpoint_url=config.s3.endpoint or None,
                              region=config.s3.region or None, metrics=metrics)
         self._clients: dict[str, ShardClient] = {}
+        self.stamp: list[grpc.aio.ClientInterceptor] = []  # auth.stamp, set by the Daemon
         # One byte budget for every peer: shard bytes in flight stay bounded per daemon,
         # however many peers it sends to.
         self._shard_budget = ByteBudget(SHARD_BYTES_IN_FLIGHT)
@@ -268,7 +237,8 @@ class SnapshotPath:
                                                        credentials=client_credentials(
                                                            self.config.tls),
                                                        metrics=self.metrics,
-                                                       budget=self._shard_budget)
+                                                       budget=self._shard_budget,
+                                                       interceptors=self.stamp)
         return c
 
     def _peer(self, node: str) -> Peer:
@@ -442,7 +412,8 @@ class SnapshotPath:
                 continue
             ch = self._push_channels.get(p.address)
             if ch is None:
-                ch = self._push_channels[p.address] = aio_channel(p.address, self.config.tls)
+                ch = self._push_channels[p.address] = aio_channel(
+                    p.address, self.config.tls, interceptors=self.stamp)
             try:
                 await peer_pb2_grpc.PeerServiceStub(ch).CommitStep(request,
                                                                    timeout=PUSH_TIMEOUT_S)

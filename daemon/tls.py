@@ -125,9 +125,14 @@ def client_credentials(tls: TlsConfig) -> grpc.ChannelCredentials | None:
 
 
 def aio_channel(address: str, tls: TlsConfig,
-                options: list[tuple[str, object]] | None = None) -> grpc.aio.Channel:
-    """A grpc.aio channel to a peer daemon: mutual TLS when configured, else plaintext."""
+                options: list[tuple[str, object]] | None = None,
+                interceptors: list[grpc.aio.ClientInterceptor] | None = None
+                ) -> grpc.aio.Channel:
+    """A grpc.aio channel to a peer daemon: mutual TLS when configured, else plaintext;
+    `interceptors` (auth.stamp) add the caller's token and node to every call."""
     creds = client_credentials(tls)
     if creds is None:
-        return grpc.aio.insecure_channel(address, options=options)
-    return grpc.aio.secure_channel(address, creds, options=options)
+        return grpc.aio.insecure_channel(address, options=options,
+                                         interceptors=interceptors or None)
+    return grpc.aio.secure_channel(address, creds, options=options,
+                                   interceptors=interceptors or None)

@@ -1,24 +1,22 @@
 """Checks every RPC's request before a handler acts on it: sizes, counts, ranges, identifiers.
 
 A request that fails a check is refused with INVALID_ARGUMENT and a message
-naming the field, its value and the allowed range; a caller without the job's
-token is refused with UNAUTHENTICATED. Refusals are counted in
-stalwart_auth_refused_total{reason}.
+naming the field, its value and the allowed range (who may call is daemon/auth.py's
+business). Refusals are counted in stalwart_auth_refused_total{reason}.
 """
 
 from __future__ import annotations
 
 import re
-import secrets
 from collections.abc import Iterable
 from typing import Any, NoReturn
 
 import grpc
 
-from stalwart.daemon.shard_service import validate_id
+from stalwart.core import manifest as mf
+from stalwart.daemon.shard_store import validate_id
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, rank_pb2
 
-TOKEN_METADATA = "stalwart-token"  # gRPC metadata key that carries the job token
 MAX_STEP = 10**12 - 1          # steps are stored as 12 zero-padded digits
 MAX_GENERATION = 2**53         # exact in JSON and float; far beyond any real job
 MAX_WORLD = 1 << 20            # ranks in a job
@@ -30,6 +28,7 @@ MAX_SLOT_BYTES = 1 << 40       # one shared-memory slot
 MAX_LIST = 1 << 16             # entries of any other repeated field (peers, rank ids, labels)
 MAX_WAIT_S = 3600.0            # longest a caller may ask the daemon to wait (seconds)
 MAX_RANKS_PER_NODE = 4096      # registrations one daemon keeps (a GPU node has a handful)
+MAX_LIVE_RANKS_PER_NODE = 1024 # live ranks and spares of one node (gossip, prepares)
 MAX_PEERS = 4096               # daemons one daemon gossips with
 MAX_COLLECTIVES = 64           # distinct collective names counted by link (metric labels)
 COLLECTIVE_NAME = re.compile(r"[a-z0-9_]{1,48}")
@@ -128,8 +127,14 @@ def manifest(m: manifest_pb2.Manifest) -> None:
     in_range(m.generation, 0, MAX_GENERATION, "manifest.generation")
     _layout(m.layout, "manifest.layout")
     count(m.ranks, "manifest.ranks", MAX_WORLD)
+    if not m.ranks:
+        _fail(f"manifest of step {m.step} has no ranks; a committed step holds every rank")
     for r in m.ranks:
         manifest_ids(r, f"manifest rank {r.rank}")
+    try:
+        mf.validate(m)  # every rank of the layout once, coordinates inside it, chunks sane
+    except mf.ManifestError as e:
+        _fail(f"inconsistent manifest: {e}")
 
 
 def request(message: Any) -> None:
@@ -225,7 +230,7 @@ def _peer_info(r: peer_pb2.PeerInfo) -> None:
         text(k, "label name", MAX_NAME)
         text(v, f"label {k}", MAX_NAME)
     in_range(r.generation, 0, MAX_GENERATION, "generation")
-    count(r.rank_ids, "rank_ids", MAX_WORLD)
+    count(r.rank_ids, "rank_ids", MAX_LIVE_RANKS_PER_NODE)
     for rid in r.rank_ids:
         rank_id(rid, "rank_ids")
 
@@ -249,8 +254,11 @@ def _prepare(r: peer_pb2.PrepareStepRequest) -> None:
     in_range(r.step, 0, MAX_STEP, "step")
     in_range(r.generation, 0, MAX_GENERATION, "generation")
     text(r.node, "node", MAX_NAME)
-    count(r.ranks, "ranks", MAX_WORLD)
+    count(r.ranks, "ranks", MAX_LIVE_RANKS_PER_NODE)
     for state in r.ranks:
+        if state.node != r.node:
+            _fail(f"rank {state.rank} is recorded for node {state.node!r}, but the prepare "
+                  f"is from node {r.node!r}; a daemon prepares only its own ranks")
         manifest_ids(state, f"rank {state.rank}")
     _layout(r.layout)
 
@@ -272,30 +280,8 @@ _CHECKS: dict[type, Any] = {
 }
 
 
-def token_matches(given: str, expected: str) -> bool:
-    """Constant-time comparison of job tokens (any characters)."""
-    return secrets.compare_digest(given.encode(), expected.encode())
-
-
-def metadata_token(context: grpc.aio.ServicerContext) -> str:
-    for key, value in context.invocation_metadata() or ():
-        if key == TOKEN_METADATA:
-            return value if isinstance(value, str) else value.decode("utf-8", "replace")
-    return ""
-
-
-async def admit(context: grpc.aio.ServicerContext, metrics: Any, message: Any,
-                token: str = "", given_token: str | None = None) -> None:
-    """Abort the call unless the caller has the job token (when one is set) and `message`
-    is within limits. `given_token` overrides the metadata (Register carries it inline)."""
-    if token:
-        given = metadata_token(context) if given_token is None else given_token
-        if not token_matches(given, token):
-            metrics.auth_refused.labels("token").inc()
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"{'a wrong' if given else 'no'} job token; ranks must run with STALWART_TOKEN "
-                "set to the daemon's token")
+async def admit(context: grpc.aio.ServicerContext, metrics: Any, message: Any) -> None:
+    """Abort the call with INVALID_ARGUMENT unless `message` is within limits."""
     try:
         request(message)
     except InvalidRequest as e:

@@ -7,6 +7,7 @@ path fits) and a text log file; a start waits for gRPC health SERVING over TCP.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -54,6 +55,15 @@ class DaemonHandle:
     @property
     def socket_target(self) -> str:
         return f"unix:{self.unix_socket}"
+
+    @property
+    def token(self) -> str:
+        """The job token this daemon checks (kept in its data dir)."""
+        return (self.data_dir / "job.token").read_text().strip()
+
+    @property
+    def token_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("stalwart-token", self.token),)
 
     def status(self, timeout_s: float = 5.0) -> operator_pb2.StatusReply:
         with grpc.insecure_channel(self.address) as channel:
@@ -109,6 +119,7 @@ class DaemonFactory:
     def __init__(self, base_dir: Path) -> None:
         self.base_dir = base_dir
         self.daemons: list[DaemonHandle] = []
+        self.token = secrets.token_urlsafe(16)  # one job: its daemons share the token
 
     def start(self, node: str = "n0", *, port: int | None = None, peers: tuple[str, ...] = (),
               settings: Mapping[str, Any] | None = None, args: tuple[str, ...] = (),
@@ -121,6 +132,8 @@ class DaemonFactory:
         """
         data_dir = self.base_dir / node
         data_dir.mkdir(parents=True, exist_ok=True)
+        if "token" not in (settings or {}):
+            env = {"STALWART_TOKEN": self.token, **(env or {})}
         port = port or free_port()
         metrics_port = free_port()
         cmd = [sys.executable, "-m", "stalwart.cli", "daemon", "--node", node,

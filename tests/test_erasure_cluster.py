@@ -38,9 +38,11 @@ SPEC = {"model": "tiny",
 def restore(node: Node, step: int, rank: int = 0, timeout_s: float = 60.0
             ) -> tuple[int, bytes]:
     """(step restored, state bytes) from `node`'s Restore RPC; step 0 = newest recoverable."""
+    token = (node.data_dir / "job.token").read_text().strip()  # RankService needs it
     with grpc.insecure_channel(node.address) as ch:
         pieces = list(rank_pb2_grpc.RankServiceStub(ch).Restore(
-            rank_pb2.RestoreRequest(rank_id="test", step=step, rank=rank), timeout=timeout_s))
+            rank_pb2.RestoreRequest(rank_id="test", step=step, rank=rank), timeout=timeout_s,
+            metadata=(("stalwart-token", token),)))
     return pieces[0].step, b"".join(p.data for p in pieces[1:])
 
 

@@ -35,6 +35,9 @@ def _why_not() -> str | None:
     return None if shutil.which("iptables") else "iptables is not installed"
 
 
+TOKEN = "netns-job-token"  # the daemons of one job share it (peers authenticate)
+
+
 def _status(node: Node) -> operator_pb2.StatusReply | None:
     try:
         with grpc.insecure_channel(f"unix:{node.socket}") as ch:
@@ -47,14 +50,15 @@ def _status(node: Node) -> operator_pb2.StatusReply | None:
 def _restore(node: Node, step: int, timeout_s: float) -> bytes:
     with grpc.insecure_channel(f"unix:{node.socket}") as ch:
         pieces = list(rank_pb2_grpc.RankServiceStub(ch).Restore(
-            rank_pb2.RestoreRequest(rank_id="test", step=step, rank=0), timeout=timeout_s))
+            rank_pb2.RestoreRequest(rank_id="test", step=step, rank=0), timeout=timeout_s,
+            metadata=(("stalwart-token", TOKEN),)))
     return b"".join(p.data for p in pieces[1:])
 
 
 def _config(name: str, address: str, data_dir: Path, peers: list[str]) -> str:
     top = {"node": name, "listen": address, "data_dir": str(data_dir),
            "unix_socket": str(data_dir / "daemon.sock"), "metrics_port": 0,
-           "log_format": "json", "peers": peers, "heartbeat_interval_s": 0.5,
+           "log_format": "json", "peers": peers, "heartbeat_interval_s": 0.5, "token": TOKEN,
            "heartbeat_timeout_s": 300.0}
     lines = [f"{k} = {json.dumps(v)}" for k, v in top.items()]
     return "\n".join([*lines, "[erasure]", "k = 2", "m = 2",
@@ -66,7 +70,7 @@ def _config(name: str, address: str, data_dir: Path, peers: list[str]) -> str:
 def test_peer_with_dropped_traffic_is_read_around_within_the_deadline(tmp_path: Path) -> None:
     with emulated_cluster(4, rate_mbit=1000) as nets:
         addresses = [f"{n.addr}:7070" for n in nets]
-        cluster = LocalCluster(nodes=4, workdir=tmp_path)
+        cluster = LocalCluster(nodes=4, workdir=tmp_path, env={"STALWART_TOKEN": TOKEN})
         try:
             for i, net in enumerate(nets):
                 node = Node(f"node-{i}", i, addresses[i], tmp_path / f"node-{i}")

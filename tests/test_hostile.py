@@ -469,7 +469,8 @@ def test_a_daemon_whose_local_disk_fills_up_keeps_its_last_committed_step(
         # The newest committed step restores while the disk is full.
         with grpc.insecure_channel(node.address) as ch:
             pieces = list(rank_pb2_grpc.RankServiceStub(ch).Restore(
-                rank_pb2.RestoreRequest(rank_id="test", step=0, rank=0), timeout=60))
+                rank_pb2.RestoreRequest(rank_id="test", step=0, rank=0), timeout=60,
+                metadata=(("stalwart-token", cluster.env["STALWART_TOKEN"]),)))
         assert pieces[0].step >= last and pieces[0].state.total_bytes == sum(
             len(p.data) for p in pieces[1:])
         # Space comes back: training ends and its last step commits.
@@ -544,7 +545,7 @@ def test_s3_outage_during_training_loses_no_committed_step_and_catches_up(
             # Every step committed before the outage restores from either daemon, S3 down.
             for step in range(1, before + 1):
                 for node in (node0, node1):
-                    assert restored_bytes(node.address, step) > 0
+                    assert restored_bytes(node.address, step, cluster.env["STALWART_TOKEN"]) > 0
         finally:
             s3_server.start()
             rank.proc.send_signal(signal.SIGCONT)
@@ -568,11 +569,12 @@ def test_s3_outage_during_training_loses_no_committed_step_and_catches_up(
         cluster.close()
 
 
-def restored_bytes(address: str, step: int) -> int:
+def restored_bytes(address: str, step: int, token: str) -> int:
     """Size of rank 0's state at `step` as a daemon's Restore RPC returns it (checked)."""
     with grpc.insecure_channel(address) as ch:
         pieces = list(rank_pb2_grpc.RankServiceStub(ch).Restore(
-            rank_pb2.RestoreRequest(rank_id="test", step=step, rank=0), timeout=60))
+            rank_pb2.RestoreRequest(rank_id="test", step=step, rank=0), timeout=60,
+            metadata=(("stalwart-token", token),)))
     size = sum(len(p.data) for p in pieces[1:])
     assert size == pieces[0].state.total_bytes
     return size

@@ -104,7 +104,9 @@ def test_heartbeat_of_an_older_generation_is_refused(daemon_factory: DaemonFacto
     events = client.watch_plan()
     with grpc.insecure_channel(d.address) as channel:
         ack = peer_pb2_grpc.PeerServiceStub(channel).InstallPlan(
-            common_pb2.Plan(generation=2, reason="spare replaces rank 1"), timeout=5)
+            common_pb2.Plan(generation=2, reason="spare replaces rank 1"), timeout=5,
+            # As the coordinator would: this daemon (node "a") holding the job token.
+            metadata=(*d.token_metadata, ("stalwart-node", "a")))
     assert ack.accepted, ack.message
     event = next(events)
     assert (event.plan.generation, event.plan.reason) == (2, "spare replaces rank 1")

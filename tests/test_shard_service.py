@@ -20,14 +20,23 @@ from stalwart.daemon.shard_client import (
     ShardClient,
     ShardTransferError,
 )
-from stalwart.daemon.shard_service import ShardServicer, validate_id
+from stalwart.daemon.shard_service import ShardServicer
+from stalwart.daemon.shard_store import validate_id
 from stalwart.v1 import peer_pb2, peer_pb2_grpc
+
+
+class AnyDeletes:
+    """A deletion policy for the storage tests: every delete is allowed (the daemon's own
+    policy is tested in test_hostile_peers.py)."""
+
+    def may_delete(self, caller: str, owner: str, step: int) -> str:
+        return ""
 
 
 @contextlib.asynccontextmanager
 async def shard_server(store: Path, metrics: Metrics | None = None):
     server = grpc.aio.server()
-    servicer = ShardServicer(store, metrics or Metrics())
+    servicer = ShardServicer(store, metrics or Metrics(), policy=AnyDeletes())
     peer_pb2_grpc.add_ShardServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -191,7 +200,7 @@ def test_shard_id_clashing_with_a_stored_path_is_refused(tmp_path):
 @settings(max_examples=300, deadline=None)
 @given(st.text(max_size=80))
 def test_any_accepted_shard_id_stays_inside_the_store(tmp_path_factory, shard_id):
-    from stalwart.daemon.shard_service import ShardStore
+    from stalwart.daemon.shard_store import ShardStore
 
     root = tmp_path_factory.getbasetemp() / "store"
     store = ShardStore(root)

@@ -197,3 +197,42 @@ def test_tls_flags_set_the_tls_section() -> None:
     args = parser.parse_args(["--tls-cert", "/c.pem", "--tls-key", "/k.pem",
                               "--tls-ca", "/ca.pem"])
     assert config_from_args(args).tls == TlsConfig("/c.pem", "/k.pem", "/ca.pem")
+
+
+def test_with_mtls_the_certificate_names_the_calling_daemon(
+        tmp_path: Path, pki: dict[str, Path]) -> None:
+    from stalwart.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+
+    cluster = pki["cluster"]
+
+    async def call(address: str, name: str, rpc: str, request, metadata=()) -> str:
+        async with grpc.aio.secure_channel(address, credentials(cluster / "ca.pem", cluster,
+                                                                name)) as ch:
+            try:
+                await getattr(peer_pb2_grpc.PeerServiceStub(ch), rpc)(
+                    request, metadata=metadata, timeout=5.0)
+            except grpc.aio.AioRpcError as e:
+                return f"{e.code().name}: {e.details()}"
+        return "OK"
+
+    async def body(daemon: Daemon) -> dict[str, str]:
+        a = daemon.address
+        me = peer_pb2.PeerInfo(node="node2", address="127.0.0.1:1")
+        return {
+            # No token between daemons with TLS: the node certificate is the credential.
+            "node2 gossips": await call(a, "node2", "Gossip", me),
+            "node2 claims node1": await call(a, "node2", "Gossip", me,
+                                             (("stalwart-node", "node1"),)),
+            "operator plans": await call(a, "operator", "InstallPlan",
+                                         common_pb2.Plan(generation=2)),
+            "node2 plans": await call(a, "node2", "InstallPlan", common_pb2.Plan(generation=2)),
+        }
+
+    seen = run_with_daemon(daemon_config(tmp_path, tls_of(cluster)), body)
+    assert seen["node2 gossips"] == "OK"
+    assert seen["node2 claims node1"].startswith(
+        "PERMISSION_DENIED: certificate names node 'node2' but the call claims 'node1'")
+    assert seen["operator plans"].startswith("PERMISSION_DENIED: a plan comes only from the "
+                                             "coordinator (node1), not from daemon operator")
+    # node2 is now a live peer, but "node1" < "node2": node1 coordinates, not node2.
+    assert seen["node2 plans"].startswith("PERMISSION_DENIED: a plan comes only from")

@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stalwart.core import manifest as mf
+from stalwart.daemon.auth import Authenticator
 from stalwart.daemon.config import DaemonConfig, SnapshotConfig
 from stalwart.daemon.peer_service import PeerServicer
 from stalwart.daemon.rank_service import RankServicer
@@ -33,6 +34,8 @@ from stalwart.daemon.server import Daemon
 from stalwart.daemon.shard_service import ShardServicer
 from stalwart.v1 import common_pb2, manifest_pb2, operator_pb2, peer_pb2, rank_pb2
 
+FUZZ_TOKEN = "fuzz-token"
+CREDENTIALS = (("stalwart-token", FUZZ_TOKEN), ("stalwart-node", "n1"))
 CALL_DEADLINE_S = 5.0      # a handler that takes longer than this is hung
 WAITING_CALLS = {"WatchPlan", "WaitCommitted"}  # may legitimately wait for news...
 WAIT_S = 0.02              # ...so they are cut short after this long (seconds)
@@ -132,6 +135,12 @@ class FakeContext:
     def peer(self) -> str:
         return "ipv4:127.0.0.1:5"
 
+    def auth_context(self) -> dict:
+        return {}
+
+    async def write(self, message) -> None:
+        pass
+
     def set_trailing_metadata(self, md) -> None:
         pass
 
@@ -170,21 +179,25 @@ class Harness:
         self.daemon = Daemon(cfg)
         d = self.daemon
         self.loop.run_until_complete(d.job.snapshots.start())
+        auth = Authenticator(FUZZ_TOKEN, tls=False, metrics=d.metrics)
         self.servicers = {
-            "RankService": RankServicer(cfg, d.registry, d.metrics, d.stopping,
+            "RankService": RankServicer(cfg, d.registry, d.metrics, d.stopping, auth,
                                         snapshots=d.job.snapshots,
                                         on_register=d.job.on_register),
-            "PeerService": PeerServicer(d.membership, d.registry, d.peer_info, steps=d.job,
-                                        metrics=d.metrics, job_id=cfg.job_id),
+            "PeerService": PeerServicer(d.membership, d.registry, d.peer_info, auth,
+                                        steps=d.job.gate, metrics=d.metrics,
+                                        job_id=cfg.job_id),
             "OperatorService": d.operator,
-            "ShardService": ShardServicer(root / "shards", d.metrics),
+            "ShardService": ShardServicer(root / "shards", d.metrics, auth=auth,
+                                          quota=d.job.snapshots.quota, policy=d.job.gate),
         }
 
     def call(self, service: str, method: str, request: Any) -> str:
         handler = getattr(self.servicers[service], method)
 
         async def run() -> None:
-            await _drain(handler(request, FakeContext()))
+            # Past authentication (a daemon of the job calling): the handlers' own checks.
+            await _drain(handler(request, FakeContext(CREDENTIALS)))
 
         try:
             deadline = WAIT_S if method in WAITING_CALLS else CALL_DEADLINE_S
@@ -225,7 +238,7 @@ MEMORY_CALLS = 1200
 def harness(tmp_path_factory: pytest.TempPathFactory):
     h = Harness(Path(tmp_path_factory.mktemp("fuzz")))
     # A fuzzed plan could name any pid as a rank to fence: never send real signals.
-    with mock.patch("stalwart.daemon.job.os"):
+    with mock.patch("stalwart.daemon.fencing.os"):
         yield h
     h.close()
 
@@ -341,7 +354,7 @@ def test_the_manifest_parser_refuses_garbage_with_a_manifest_error(data: bytes) 
 def test_fuzzing_calls_real_handlers(tmp_path: Path) -> None:
     fresh = Harness(tmp_path)  # the module's harness holds whatever the fuzzing left
     try:
-        with mock.patch("stalwart.daemon.job.os"):
+        with mock.patch("stalwart.daemon.fencing.os"):
             ok = fresh.call("RankService", "Register",
                             rank_pb2.RegisterRequest(pid=os.getpid(), rank=0, world_size=1))
             bad = fresh.call("RankService", "Register", rank_pb2.RegisterRequest(pid=-5))

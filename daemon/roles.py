@@ -1,0 +1,204 @@
+"""Who may do what to the job: the role checks behind every PeerService call.
+
+Only the coordinator (the etcd seat holder, or the smallest live node name) installs
+plans and commits new steps, for generations at most MAX_GENERATION_JUMP ahead; a
+daemon announces and prepares only ranks of its own node; a death reported by one
+node for a rank of another is believed once that rank's daemon does not vouch for it.
+Callers are already authenticated (daemon/auth.py); refusals raise Forbidden.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from typing import TYPE_CHECKING
+
+import grpc
+
+from stalwart.core.decide import PlanState
+from stalwart.core.failures import Failure, FailureKind
+from stalwart.daemon.auth import Forbidden
+from stalwart.daemon.coordinator import StaleStep
+from stalwart.daemon.membership import LOST, SUSPECT, UP
+from stalwart.daemon.validate import MAX_LIVE_RANKS_PER_NODE
+from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
+
+if TYPE_CHECKING:
+    from stalwart.daemon.job import Job
+
+log = logging.getLogger("stalwart.daemon.roles")
+
+MAX_GENERATION_JUMP = 64   # a plan or commit may be at most this many generations ahead
+MAX_STEPS_AHEAD = 10_000   # a prepare may be at most this many steps past the last commit
+MAX_PENDING_STEPS = 256    # steps prepared but not yet committed, at most
+CONFIRM_TIMEOUT_S = 2.0    # how long the subject's daemon gets to vouch for its rank
+_CONFIRMED_BY_LIVENESS = (FailureKind.PROCESS_EXIT, FailureKind.HEARTBEAT_MISSED)
+
+
+def node_of(name: str) -> str:
+    """The node of a rank id "<node>/<pid>", or the name itself (a node)."""
+    node, sep, pid = name.rpartition("/")
+    return node if sep and pid.isdigit() else name
+
+
+def check_prepare(plan: PlanState | None, caller: str, req: peer_pb2.PrepareStepRequest,
+                  latest: int | None, pending: Collection[int] = ()) -> None:
+    """Raise unless `req` prepares only ranks that `plan` places on `caller`'s node, in the
+    plan's layout, for a step within MAX_STEPS_AHEAD of the last commit, without taking
+    the steps awaiting commit (`pending`) past MAX_PENDING_STEPS."""
+    if plan is None:
+        raise StaleStep(f"step {req.step} prepared before this daemon coordinates a plan")
+    if req.generation > plan.generation:
+        raise Forbidden(f"prepare of generation {req.generation} is ahead of the plan "
+                        f"(generation {plan.generation})")
+    if req.generation < plan.generation:
+        return  # the coordinator answers StaleStep
+    floor = max(latest or 0, plan.resume_step)
+    if req.step > floor + MAX_STEPS_AHEAD:
+        raise Forbidden(f"step {req.step} is more than {MAX_STEPS_AHEAD} steps past the last "
+                        f"committed step {floor}")
+    if req.step not in pending and len(pending) >= MAX_PENDING_STEPS:
+        raise Forbidden(f"{len(pending)} steps already await their commit; step {req.step} "
+                        "is refused until older ones commit or are skipped")
+    lay = req.layout
+    if (lay.dp, lay.pp, lay.tp) != (plan.layout.dp, plan.layout.pp, plan.layout.tp):
+        raise Forbidden(f"step {req.step} was captured in layout {lay.dp}x{lay.pp}x{lay.tp}, "
+                        f"the plan's is {plan.layout.dp}x{plan.layout.pp}x{plan.layout.tp}")
+    where = {m.coord.rank: m.node for m in plan.members}
+    for r in req.ranks:
+        if where.get(r.rank) != caller:
+            raise Forbidden(f"daemon {caller} prepared rank {r.rank}, which the plan of "
+                            f"generation {plan.generation} places on "
+                            f"{where.get(r.rank, 'no node')}; a daemon prepares its own ranks")
+
+
+class JobGate:
+    """The job as PeerService sees it: each call checked against the caller's role, then
+    done by the job. The caller is the authenticated node name."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    async def _is_coordinator(self, node: str) -> bool:
+        membership = self.job.membership
+        if membership.coordinator() == node:
+            return True
+        if self.job.election is None:
+            # The rule is the smallest live name, and views lag: a caller that takes over
+            # when the old coordinator died is believed once every smaller node this daemon
+            # knows has gone quiet (suspect or lost). It must itself be a live peer.
+            peers = membership.peers()
+            live = {p.node for p in peers if p.state in (UP, SUSPECT)}
+            smaller_up = [p for p in peers if p.node and p.node < node and p.state == UP]
+            return node in live and membership.self_node > node and not smaller_up
+        try:  # the seat may have moved since this daemon last read it
+            return await self.job.election.leader() == node
+        except Exception as exc:  # etcd unreachable: no proof of the seat
+            log.warning("cannot confirm the coordinator seat: %s", exc)
+            return False
+
+    async def _coordinator(self, caller: str, what: str) -> None:
+        if not await self._is_coordinator(caller):
+            raise Forbidden(f"{what} comes only from the coordinator "
+                            f"({self.job.membership.coordinator() or 'none known'}), not from "
+                            f"daemon {caller}")
+
+    def _generation_bound(self, generation: int, what: str) -> None:
+        current = self.job.registry.generation
+        if generation > current + MAX_GENERATION_JUMP:
+            raise Forbidden(f"{what} of generation {generation} jumps more than "
+                            f"{MAX_GENERATION_JUMP} generations past {current}")
+
+    async def install_from(self, caller: str, plan: common_pb2.Plan) -> common_pb2.Ack:
+        await self._coordinator(caller, "a plan")
+        self._generation_bound(plan.generation, "plan")
+        return self.job.adopt_plan(plan)
+
+    async def commit_from(self, caller: str, manifest: manifest_pb2.Manifest) -> None:
+        store = self.job.snapshots.store
+        if manifest.step not in store.committed_steps():
+            await self._coordinator(caller, f"the commit of step {manifest.step}")
+            self._generation_bound(manifest.generation, "commit")
+        elif caller not in self.job.nodes():
+            # A repaired manifest (new shard holders only, checked by the store) of a step
+            # committed here may come from the repair leader, a live daemon of the job.
+            raise Forbidden(f"daemon {caller} is not a live member of this job")
+        await self.job.snapshots.commit(manifest)
+
+    async def prepare_from(self, caller: str, req: peer_pb2.PrepareStepRequest) -> None:
+        if req.node != caller:
+            raise Forbidden(f"daemon {caller} sent a prepare for node {req.node!r}")
+        coordinator = self.job.coordinator
+        if self.job.is_coordinator():
+            coordinator.take_over(self.job.registry.current_plan())
+        check_prepare(coordinator.plan, caller, req, self.job.snapshots.store.latest_committed(),
+                      coordinator.pending)
+        await coordinator.prepared(req)
+
+    async def announce_from(self, caller: str, a: peer_pb2.RankAnnouncement) -> None:
+        if a.node != caller:
+            raise Forbidden(f"daemon {caller} announced a rank of node {a.node!r}; a daemon "
+                            "announces only its own ranks")
+        if caller not in self.job.nodes():
+            raise Forbidden(f"daemon {caller} is not a live member of this job yet; it "
+                            "announces its ranks once gossip has seen it")
+        announced = self.job.coordinator.announced
+        mine = sum(1 for x in announced.values() if x.node == caller)
+        if a.rank_id not in announced and mine >= MAX_LIVE_RANKS_PER_NODE:
+            raise Forbidden(f"daemon {caller} already announced {mine} ranks")
+        await self.job.coordinator.announce(a)
+
+    def may_delete(self, caller: str, owner: str, step: int) -> str:
+        """Why `caller` may not delete a shard of `step` stored for `owner` ("" if it may):
+        only the coordinator or the owner, and never a step retention keeps, the newest
+        committed step, or one still in flight."""
+        coordinator = self.job.membership.coordinator()
+        if caller not in (coordinator, owner):
+            return (f"shards are deleted only by their owner ({owner or 'unknown'}) or the "
+                    f"coordinator ({coordinator or 'none known'}), not by daemon {caller}")
+        store = self.job.snapshots.store
+        latest = store.latest_committed()
+        if latest is None or step >= latest or step in store.committed_steps():
+            return (f"step {step} is kept (retention keeps {store.committed_steps()[-5:]}, "
+                    f"newest committed {latest})")
+        return ""
+
+    # failures -------------------------------------------------------------------
+
+    async def confirmed(self, failure: Failure) -> bool:
+        """False for a death reported by one node about a rank of another that the rank's
+        own daemon still reports alive; its silence (or its own report) confirms."""
+        subject = node_of(failure.subject)
+        reporter = node_of(failure.reporter)
+        if not failure.subject or reporter == subject:
+            return True
+        if failure.kind is FailureKind.PEER_LOST:
+            return await self._silent(subject)
+        if failure.kind not in _CONFIRMED_BY_LIVENESS:
+            return True
+        if subject == self.job.node:
+            record = self.job.registry.get(failure.subject)
+            return record is None or record.state == "dead"
+        alive = await self._alive_ranks(subject)
+        return alive is None or failure.subject not in alive
+
+    async def _silent(self, node: str) -> bool:
+        peer = next((p for p in self.job.membership.peers() if p.node == node), None)
+        if peer is None or peer.state == LOST:
+            return True
+        return await self._alive_ranks(node) is None
+
+    async def _alive_ranks(self, node: str) -> set[str] | None:
+        """The live rank ids `node`'s daemon reports now, None when it does not answer."""
+        address = next((p.address for p in self.job.peers() if p.node == node), None)
+        if address is None:
+            return None
+        stub = peer_pb2_grpc.PeerServiceStub(self.job._channel(address))
+        try:
+            reply = await stub.Gossip(self.job.me(), timeout=CONFIRM_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return None
+        first = reply.peers[0] if reply.peers else None
+        if first is None or first.node != node:
+            return None
+        return set(first.rank_ids)
