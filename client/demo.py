@@ -183,6 +183,7 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
 
     follow = StepLog()
     seen_failures: set[tuple[str, int]] = set()
+    detected: list[dict[str, str]] = []  # every failure a daemon reported, in order
     generation, committed, shown_step = 0, 0, 0
     committed_at: list[tuple[float, int]] = []  # (unix time, latest committed step)
     plans: list[dict[str, Any]] = []
@@ -204,6 +205,8 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
                 key = (f.subject, f.kind)
                 if key not in seen_failures:
                     seen_failures.add(key)
+                    detected.append({"subject": f.subject, "kind": _kind(f.kind),
+                                     "by": st.node})
                     _say(t0, f"DETECTED {_kind(f.kind)} of {f.subject} by {st.node}: "
                              f"{f.evidence}")
         if coord is not None:
@@ -240,6 +243,12 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
     summary = _summarise(cluster, args, faults, follow, plans, committed_at,
                          time.monotonic() - t0)
     summary["coordinators"] = coordinators
+    summary["detected"] = detected
+    # How each process had ended when training did (None: still running then), before
+    # the demo's own clean-up ends the rest: a fenced rank shows -9 here.
+    summary["exits"] = {r.log_path.stem: r.proc.poll() for r in cluster.ranks}
+    summary["pids"] = {r.log_path.stem: r.proc.pid for r in cluster.ranks}
+    summary["rank_nodes"] = {r.log_path.stem: r.node.index for r in cluster.ranks}
     return summary
 
 

@@ -4,7 +4,6 @@ trajectory) and widens again when a rank joins; real daemons and rank processes.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -83,10 +82,8 @@ def test_a_rank_that_joins_later_is_admitted_and_the_plan_widened() -> None:
         plan = coord.status().plan
         assert plan.reason.startswith("widen dp=1 pp=3 tp=1 -> dp=1 pp=4"), plan.reason
         assert plan.layout.dp * plan.layout.pp == 4  # every rank has a role again
-        started = time.monotonic()
         wait_until(lambda: (coord.status().latest_committed_step or 0) > plan.resume_step + 2,
                    120, "training to go on in the widened plan")
-        assert time.monotonic() - started < 120
     finally:
         cluster.close()
 

@@ -16,7 +16,8 @@ from stalwart.client.daemon_client import DaemonClient, DaemonUnavailable
 from stalwart.daemon.election import EtcdElection, FixedCoordinator
 
 TTL_S = 2
-TAKEOVER_S = TTL_S + 10.0  # lease expiry plus generous slack for a loaded machine
+TAKEOVER_S = TTL_S + 10.0  # how long a wait may last before the test gives up
+WITHIN_LEASE_S = TTL_S + 5.0  # what "within its lease time" allows a loaded machine
 
 
 class Candidate:
@@ -140,7 +141,8 @@ def test_a_sigkilled_leader_process_is_replaced_within_its_lease_time(etcd):
             await proc.wait()
 
     took = asyncio.run(scenario())
-    assert took < TAKEOVER_S
+    # Not before the dead leader's lease could have run out, and soon after it did.
+    assert TTL_S * 0.5 <= took < WITHIN_LEASE_S
 
 
 def test_a_leader_cut_off_from_etcd_steps_down_within_its_lease_time(tmp_path):
@@ -162,7 +164,7 @@ def test_a_leader_cut_off_from_etcd_steps_down_within_its_lease_time(tmp_path):
         took, reason, still_leader = asyncio.run(scenario())
     finally:
         stop_etcd(proc)
-    assert took < TAKEOVER_S and "could not renew" in reason and not still_leader
+    assert took < WITHIN_LEASE_S and "could not renew" in reason and not still_leader
 
 
 def test_the_fixed_coordinator_leads_on_its_own_node_only():
