@@ -21,7 +21,7 @@ from stalwart.daemon.auth import Forbidden
 from stalwart.daemon.coordinator import StaleStep
 from stalwart.daemon.membership import LOST, SUSPECT, UP
 from stalwart.daemon.validate import MAX_LIVE_RANKS_PER_NODE
-from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
+from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
 
 if TYPE_CHECKING:
     from stalwart.daemon.job import Job
@@ -190,13 +190,10 @@ class JobGate:
 
     async def _alive_ranks(self, node: str) -> set[str] | None:
         """The live rank ids `node`'s daemon reports now, None when it does not answer."""
-        address = next((p.address for p in self.job.peers() if p.node == node), None)
-        if address is None:
-            return None
-        stub = peer_pb2_grpc.PeerServiceStub(self.job._channel(address))
         try:
-            reply = await stub.Gossip(self.job.me(), timeout=CONFIRM_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
+            reply = await self.job.peer_stub(node).Gossip(self.job.me(),
+                                                          timeout=CONFIRM_TIMEOUT_S)
+        except (grpc.aio.AioRpcError, LookupError):  # not a live member, or no answer
             return None
         first = reply.peers[0] if reply.peers else None
         if first is None or first.node != node:
