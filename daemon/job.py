@@ -211,7 +211,7 @@ class Job:
     def holds_seat(self) -> bool:
         return self.election is None or self.election.is_leader
 
-    def _peer_stub(self, node: str) -> peer_pb2_grpc.PeerServiceStub:
+    def peer_stub(self, node: str) -> peer_pb2_grpc.PeerServiceStub:
         if not node:
             raise LookupError("no coordinator is known yet (the etcd seat is empty)")
         address = next((p.address for p in self.peers() if p.node == node), None)
@@ -245,7 +245,7 @@ class Job:
             if not ack.accepted:
                 log.info("plan not installed here: %s", ack.message)
             return
-        ack = await self._peer_stub(node).InstallPlan(plan, timeout=RPC_TIMEOUT_S)
+        ack = await self.peer_stub(node).InstallPlan(plan, timeout=RPC_TIMEOUT_S)
         if not ack.accepted:
             log.warning("plan refused", extra={"node": node, "why": ack.message})
 
@@ -253,7 +253,7 @@ class Job:
         if node == self.node:
             await self.snapshots.commit(manifest)
             return
-        await self._peer_stub(node).CommitStep(
+        await self.peer_stub(node).CommitStep(
             peer_pb2.CommitStepRequest(manifest=manifest), timeout=RPC_TIMEOUT_S)
 
     # plans ------------------------------------------------------------------------
@@ -310,7 +310,7 @@ class Job:
             self.coordinator.take_over(self.registry.current_plan())
             await self.coordinator.announce(a)
             return
-        await self._peer_stub(coordinator).Announce(a, timeout=RPC_TIMEOUT_S)
+        await self.peer_stub(coordinator).Announce(a, timeout=RPC_TIMEOUT_S)
 
     # failures ---------------------------------------------------------------------
 
@@ -358,7 +358,7 @@ class Job:
             return
         for i, f in enumerate(failures):
             try:
-                await self._peer_stub(self.membership.coordinator()).ReportFailure(
+                await self.peer_stub(self.membership.coordinator()).ReportFailure(
                     f.to_proto(), timeout=RPC_TIMEOUT_S)
             except (grpc.aio.AioRpcError, LookupError) as exc:
                 # The coordinator may be the thing that died: resend to its successor.
@@ -385,7 +385,7 @@ class Job:
         if self.is_coordinator():
             await self.coordinator.prepared(req)
             return
-        await self._peer_stub(self.membership.coordinator()).PrepareStep(
+        await self.peer_stub(self.membership.coordinator()).PrepareStep(
             req, timeout=RPC_TIMEOUT_S)
 
     async def _resend_prepares(self) -> None:

@@ -21,7 +21,7 @@ from stalwart.daemon.auth import Forbidden
 from stalwart.daemon.coordinator import StaleStep
 from stalwart.daemon.membership import LOST, SUSPECT, UP
 from stalwart.daemon.validate import MAX_LIVE_RANKS_PER_NODE
-from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
+from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
 
 if TYPE_CHECKING:
     from stalwart.daemon.job import Job
@@ -41,11 +41,19 @@ def node_of(name: str) -> str:
     return node if sep and pid.isdigit() else name
 
 
+def placement(plan: PlanState) -> dict[int, str]:
+    """Global rank -> the node the plan puts it on."""
+    return {m.coord.rank: m.node for m in plan.members if m.coord is not None}
+
+
 def check_prepare(plan: PlanState | None, caller: str, req: peer_pb2.PrepareStepRequest,
-                  latest: int | None, pending: Collection[int] = ()) -> None:
+                  latest: int | None, pending: Collection[int] = (),
+                  where: dict[int, str] | None = None) -> None:
     """Raise unless `req` prepares only ranks that `plan` places on `caller`'s node, in the
     plan's layout, for a step within MAX_STEPS_AHEAD of the last commit, without taking
-    the steps awaiting commit (`pending`) past MAX_PENDING_STEPS."""
+    the steps awaiting commit (`pending`) past MAX_PENDING_STEPS. `where` is the plan's
+    placement when the caller keeps it (the coordinator's work per prepare then grows
+    with the caller's ranks, not the world)."""
     if plan is None:
         raise StaleStep(f"step {req.step} prepared before this daemon coordinates a plan")
     if req.generation > plan.generation:
@@ -64,7 +72,7 @@ def check_prepare(plan: PlanState | None, caller: str, req: peer_pb2.PrepareStep
     if (lay.dp, lay.pp, lay.tp) != (plan.layout.dp, plan.layout.pp, plan.layout.tp):
         raise Forbidden(f"step {req.step} was captured in layout {lay.dp}x{lay.pp}x{lay.tp}, "
                         f"the plan's is {plan.layout.dp}x{plan.layout.pp}x{plan.layout.tp}")
-    where = {m.coord.rank: m.node for m in plan.members}
+    where = placement(plan) if where is None else where
     for r in req.ranks:
         if where.get(r.rank) != caller:
             raise Forbidden(f"daemon {caller} prepared rank {r.rank}, which the plan of "
@@ -78,6 +86,7 @@ class JobGate:
 
     def __init__(self, job: Job) -> None:
         self.job = job
+        self._placed: tuple[PlanState | None, dict[int, str]] = (None, {})
 
     async def _is_coordinator(self, node: str) -> bool:
         membership = self.job.membership
@@ -131,8 +140,11 @@ class JobGate:
         coordinator = self.job.coordinator
         if self.job.is_coordinator():
             coordinator.take_over(self.job.registry.current_plan())
-        check_prepare(coordinator.plan, caller, req, self.job.snapshots.store.latest_committed(),
-                      coordinator.pending)
+        plan = coordinator.plan
+        if plan is not None and self._placed[0] is not plan:
+            self._placed = (plan, placement(plan))
+        check_prepare(plan, caller, req, self.job.snapshots.store.latest_committed(),
+                      coordinator.pending, self._placed[1])
         await coordinator.prepared(req)
 
     async def announce_from(self, caller: str, a: peer_pb2.RankAnnouncement) -> None:
@@ -190,13 +202,10 @@ class JobGate:
 
     async def _alive_ranks(self, node: str) -> set[str] | None:
         """The live rank ids `node`'s daemon reports now, None when it does not answer."""
-        address = next((p.address for p in self.job.peers() if p.node == node), None)
-        if address is None:
-            return None
-        stub = peer_pb2_grpc.PeerServiceStub(self.job._channel(address))
         try:
-            reply = await stub.Gossip(self.job.me(), timeout=CONFIRM_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
+            reply = await self.job.peer_stub(node).Gossip(self.job.me(),
+                                                          timeout=CONFIRM_TIMEOUT_S)
+        except (grpc.aio.AioRpcError, LookupError):  # not a live member, or no answer
             return None
         first = reply.peers[0] if reply.peers else None
         if first is None or first.node != node:
