@@ -94,11 +94,12 @@ class GrpcCaptureTransport:
         return [(sid, reply.fd_socket) for sid in (reply.slot_ids or [reply.slot_id])]
 
     def send_capture(self, step: int, slot_id: str, metas: list[common_pb2.TensorMeta],
-                     extra: bytes, hints: Sequence[Any] = (), stall_s: float = 0.0) -> None:
+                     extra: bytes, hints: Sequence[Any] = (), stall_s: float = 0.0,
+                     final: bool = False) -> None:
         self.daemon.call("capture", "Capture", rank_pb2.CaptureRequest(
             rank_id=self.daemon.rank_id, generation=self.generation, step=step,
             slot_id=slot_id, tensors=metas, extra=extra, coord=self.coord, layout=self.layout,
-            adamw=hints, stall_s=stall_s), timeout=120)
+            adamw=hints, stall_s=stall_s, final=final), timeout=120)
 
 
 @dataclass
@@ -253,6 +254,8 @@ class ElasticAgent:
         self.program.warm_up()
         plan = self._next_plan(after=0)
         while True:
+            if plan.stop and plan.completed:
+                return self.result  # the job trained its last step without this rank
             if plan.stop:
                 self.result.stopped = plan.stop_message
                 raise JobStopped(plan.stop_message)

@@ -33,9 +33,11 @@ class CaptureTransport(Protocol):
         """Return [(slot_id, fd_socket_path)] of slots holding at least nbytes."""
 
     def send_capture(self, step: int, slot_id: str, metas: list[common_pb2.TensorMeta],
-                     extra: bytes, hints: Sequence[Any] = (), stall_s: float = 0.0) -> None:
+                     extra: bytes, hints: Sequence[Any] = (), stall_s: float = 0.0,
+                     final: bool = False) -> None:
         """Tell the daemon the slot holds `step`; return once it has consumed the slot.
-        `stall_s` is how long the previous capture blocked training (for metrics)."""
+        `stall_s` is how long the previous capture blocked training (for metrics);
+        `final` marks the job's last step."""
 
 
 @dataclass
@@ -81,11 +83,11 @@ class Capturer:
         self._size = min(s.mapped.size for s in self._slots)
 
     def capture(self, step: int, tensors: Sequence[StateTensor], extra: dict,
-                hints: Sequence[Any] = ()) -> None:
+                hints: Sequence[Any] = (), final: bool = False) -> None:
         """Schedule a snapshot of `tensors` (and the small JSON-able `extra`) for step.
 
         `hints` (stalwart.v1 AdamWHint) describe the optimizer update; they only make
-        the daemon's deltas smaller.
+        the daemon's deltas smaller. `final` marks the job's last step.
         """
         started = time.perf_counter()
         self.before_update()
@@ -104,7 +106,7 @@ class Capturer:
             self._prepare_cuda(slot)
         snapshot = list(tensors)
         self._copied = self._copier.submit(self._copy_then_send, step, slot, snapshot, metas,
-                                           payload, on_cuda, list(hints))
+                                           payload, on_cuda, list(hints), final)
         self.stats.stalls_s.append(time.perf_counter() - started)
 
     def _prepare_cuda(self, slot: _SlotState) -> None:
@@ -119,7 +121,7 @@ class Capturer:
 
     def _copy_then_send(self, step: int, slot: _SlotState, tensors: list[StateTensor],
                         metas: list[common_pb2.TensorMeta], extra: bytes, on_cuda: bool,
-                        hints: list[Any]) -> None:
+                        hints: list[Any], final: bool) -> None:
         if not slot.free.wait(timeout=600):
             raise TimeoutError(f"daemon did not consume slot {slot.mapped.slot_id} in 600 s")
         slot.free.clear()
@@ -131,13 +133,15 @@ class Capturer:
         else:
             pack_into(slot.buffer, tensors, metas)
         self.stats.copies_s.append(time.perf_counter() - t0)
-        self._sent.append(self._sender.submit(self._send, step, slot, metas, extra, hints))
+        self._sent.append(self._sender.submit(self._send, step, slot, metas, extra, hints,
+                                              final))
 
     def _send(self, step: int, slot: _SlotState, metas: list[common_pb2.TensorMeta],
-              extra: bytes, hints: list[Any]) -> None:
+              extra: bytes, hints: list[Any], final: bool) -> None:
         try:
             stall = self.stats.stalls_s[-2] if len(self.stats.stalls_s) > 1 else 0.0
-            self.transport.send_capture(step, slot.mapped.slot_id, metas, extra, hints, stall)
+            self.transport.send_capture(step, slot.mapped.slot_id, metas, extra, hints, stall,
+                                        final)
         finally:
             slot.free.set()
 

@@ -219,8 +219,10 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
                 committed = coord.latest_committed_step
                 committed_at.append((time.time(), committed))
             if coord.generation > generation:
-                if generation:
-                    plan = coord.plan
+                plan = coord.plan
+                if generation and plan.completed:
+                    _say(t0, f"COMPLETED: {plan.stop_message}")
+                elif generation:
                     _say(t0, f"NEW PLAN generation {coord.generation}: {plan.reason or '-'}; "
                              f"resume from committed step {plan.resume_step}")
                     plans.append({"generation": coord.generation, "reason": plan.reason,

@@ -87,7 +87,8 @@ class TrainerProgram:
                 loss = gen.run_or_abandon(trainer.step, "step")
                 step = trainer.step_count
                 tensors, extra = state_tensors(trainer)
-                capturer.capture(step, tensors, extra, adamw_hints(trainer))
+                capturer.capture(step, tensors, extra, adamw_hints(trainer),
+                                 final=step == self.steps)
                 gen.step_done(step, loss, time.perf_counter() - t0)
             capturer.drain()
             hook.remove()

@@ -113,7 +113,7 @@ class Context:
                 raise RuntimeError(f"step {self._step} ended without optimizer.step(); "
                                    "call it once in every iteration of ctx.steps()")
             self._step += 1
-            self._program.capture(gen, self._step)
+            self._program.capture(gen, self._step, final=self._step == total)
             gen.step_done(self._step, self._program.last_loss, time.perf_counter() - t0)
         self._finished = total
 
@@ -235,12 +235,12 @@ class _UserLoopProgram:
     def _after_update(self, ctx: Context) -> None:
         ctx._stepped = True
 
-    def capture(self, gen: Generation, step: int) -> None:
+    def capture(self, gen: Generation, step: int, final: bool = False) -> None:
         tensors, extra = self.registry.capture(step)
         coord = gen.role.coord
         extra["layout"] = {"dp": gen.plan.layout.dp, "pp": 1, "tp": 1,
                            "coords": {"dp": coord.dp, "pp": 0, "tp": 0}}
-        self.capturer.capture(step, tensors, extra, self.registry.adamw_hints())
+        self.capturer.capture(step, tensors, extra, self.registry.adamw_hints(), final=final)
 
 
 def run(train: Callable[[Context], None], *, model: torch.nn.Module,

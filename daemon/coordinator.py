@@ -9,6 +9,7 @@ through `PeerLinks` (gRPC in the daemon, in-process calls in tests).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -85,6 +86,8 @@ class Coordinator:
     pending: dict[int, dict[int, manifest_pb2.RankState]] = field(default_factory=dict)
     layouts: dict[int, common_pb2.ParallelLayout] = field(default_factory=dict)
     generations: dict[int, int] = field(default_factory=dict)
+    finals: dict[int, set[int]] = field(default_factory=dict)  # step -> ranks ending there
+    completed: bool = False  # every rank trained its last step: nothing is re-planned
     recoveries: list[RecoveryRecord] = field(default_factory=list)
     _in_flight: PlanDecision | None = None
     _joined: set[str] = field(default_factory=set)  # ranks that came after the last plan
@@ -250,6 +253,10 @@ class Coordinator:
         """Decide and install the next plan (or the stop) after `failures`."""
         t0 = time.monotonic()
         async with self._lock:
+            if self.completed:
+                log.info("failure after the job completed; nothing to re-plan",
+                         extra={"failures": [f.describe() for f in failures]})
+                return
             if self.plan is None:
                 log.warning("failure before the first plan; nothing to re-plan",
                             extra={"failures": [f.describe() for f in failures]})
@@ -333,6 +340,8 @@ class Coordinator:
             ranks[r.rank] = r
         self.layouts[req.step] = req.layout
         self.generations[req.step] = req.generation
+        if req.final:
+            self.finals.setdefault(req.step, set()).update(r.rank for r in req.ranks)
         await self._commit_ready()
         if self.plan is not None and self._joined and self._in_flight is None:
             async with self._lock:  # a joiner that came during a recovery
@@ -382,6 +391,22 @@ class Coordinator:
                 self.layouts.pop(step, None)
                 self.generations.pop(step, None)
                 latest = step
+                if len(self.finals.pop(step, ())) >= _world(lay):
+                    await self._complete(step)
+
+    async def _complete(self, step: int) -> None:
+        """Every rank committed its last step: tell every daemon (and through them the
+        spares, which then leave) that the job is done."""
+        assert self.plan is not None
+        generation = self.plan.generation + 1
+        await self._install(common_pb2.Plan(
+            generation=generation, stop=True, completed=True, resume_step=step,
+            layout=self.plan.to_proto().layout,
+            stop_message=f"the job completed: its last step {step} is committed"))
+        self.plan = dataclasses.replace(self.plan, generation=generation, resume_step=step,
+                                        reason="completed")
+        self.completed = True
+        log.info("job completed", extra={"step": step})
 
 
     def _complete_after(self, step: int) -> bool:

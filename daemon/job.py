@@ -272,7 +272,7 @@ class Job:
             if dropped:
                 log.warning("discarded committed steps past the resume point",
                             extra={"steps": dropped, "resume_step": plan.resume_step})
-        if plan.stop:
+        if plan.stop and not plan.completed:
             # Every process of a stopped job ends: ranks leave on their own when they see
             # the stop; one that is hung (or never answers) is ended after a grace period.
             asyncio.get_running_loop().call_later(STOP_GRACE_S, self._fence_all_local)

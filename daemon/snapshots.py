@@ -201,7 +201,7 @@ class SnapshotPath:
             state = await self._protect(step, generation, state, prepared.payloads)
             await self.send_prepare(peer_pb2.PrepareStepRequest(
                 job_id=self.config.job_id, step=step, generation=generation, node=self.node,
-                ranks=[state], layout=request.layout))
+                ranks=[state], layout=request.layout, final=request.final))
         except Exception:
             log.exception("step could not be made durable; it will not commit",
                           extra={"step": step, "rank": request.coord.rank})

@@ -23,7 +23,7 @@ class LoopbackTransport:
     def open_slots(self, nbytes):
         return [(s.slot_id, str(self.server.path)) for s in self.pool.open("rank-0", nbytes)]
 
-    def send_capture(self, step, slot_id, metas, extra, hints=(), stall_s=0.0):
+    def send_capture(self, step, slot_id, metas, extra, hints=(), stall_s=0.0, final=False):
         assert self.gate.wait(timeout=30)
         slot = self.pool.get(slot_id)
         total = max(m.offset + m.nbytes for m in metas)

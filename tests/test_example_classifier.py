@@ -88,3 +88,22 @@ def test_an_export_of_the_jobs_store_holds_the_trained_model(tmp_path: Path,
               and "running_" not in k and "num_batches" not in k}
     assert stalwart.param_digest(params) == uninterrupted.digest()
     assert "optimizer/model/head.1.weight/momentum_buffer" in state
+
+
+def test_an_unused_spare_leaves_cleanly_once_the_job_has_trained_its_last_step(
+        tmp_path: Path) -> None:
+    from stalwart.client.local_cluster import LocalCluster, wait_until
+
+    cluster = LocalCluster(nodes=2, workdir=tmp_path / "cluster")
+    try:
+        cluster.start_daemons()
+        cluster.launch(None, 2, spares=1, argv=[str(REPO / SCRIPT), *ARGS])
+        wait_until(lambda: all(r.proc.poll() is not None for r in cluster.ranks), 180,
+                   "every rank and the spare to exit on their own")
+        codes = {("spare" if r.rank < 0 else f"rank{r.rank}"): r.proc.returncode
+                 for r in cluster.ranks}
+        status = cluster.daemons[0].status()
+    finally:
+        cluster.close()
+    assert codes == {"rank0": 0, "rank1": 0, "spare": 0}
+    assert status.plan.completed and status.plan.resume_step == 24

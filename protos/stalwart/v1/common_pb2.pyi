@@ -198,6 +198,7 @@ class Plan(_message.Message):
     STOP_FIELD_NUMBER: _builtins.int
     STOP_MESSAGE_FIELD_NUMBER: _builtins.int
     COORDINATOR_FIELD_NUMBER: _builtins.int
+    COMPLETED_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     reason: _builtins.str
     resume_step: _builtins.int
@@ -207,6 +208,8 @@ class Plan(_message.Message):
     stop_message: _builtins.str
     coordinator: _builtins.str
     """node of the daemon that decided this plan"""
+    completed: _builtins.bool
+    """with stop: every rank trained its last step; spares leave"""
     @_builtins.property
     def layout(self) -> Global___ParallelLayout: ...
     @_builtins.property
@@ -222,10 +225,11 @@ class Plan(_message.Message):
         stop: _builtins.bool = ...,
         stop_message: _builtins.str = ...,
         coordinator: _builtins.str = ...,
+        completed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "coordinator", b"coordinator", "generation", b"generation", "layout", b"layout", "reason", b"reason", "resume_step", b"resume_step", "stop", b"stop", "stop_message", b"stop_message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "completed", b"completed", "coordinator", b"coordinator", "generation", b"generation", "layout", b"layout", "reason", b"reason", "resume_step", b"resume_step", "stop", b"stop", "stop_message", b"stop_message"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

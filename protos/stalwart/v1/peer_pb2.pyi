@@ -305,11 +305,14 @@ class PrepareStepRequest(_message.Message):
     NODE_FIELD_NUMBER: _builtins.int
     RANKS_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
+    FINAL_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     step: _builtins.int
     generation: _builtins.int
     node: _builtins.str
     """the daemon whose ranks are durable"""
+    final: _builtins.bool
+    """the ranks' last step of the job"""
     @_builtins.property
     def ranks(self) -> _containers.RepeatedCompositeFieldContainer[_manifest_pb2.RankState]:
         """their records, shards placed"""
@@ -327,10 +330,11 @@ class PrepareStepRequest(_message.Message):
         node: _builtins.str = ...,
         ranks: _abc.Iterable[_manifest_pb2.RankState] | None = ...,
         layout: _common_pb2.ParallelLayout | None = ...,
+        final: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "job_id", b"job_id", "layout", b"layout", "node", b"node", "ranks", b"ranks", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "generation", b"generation", "job_id", b"job_id", "layout", b"layout", "node", b"node", "ranks", b"ranks", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
