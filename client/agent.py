@@ -11,6 +11,7 @@ A program is what the rank trains: Stalwart's 3D loop over a model's layers
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import queue
@@ -112,6 +113,8 @@ class Generation:
     dims: ParallelDims
     agent: ElasticAgent
     record: dict[str, Any]
+    store: Any = None
+    """The store this generation's groups started from (the job's, for programs)."""
     abandoned: bool = False
     """A step of this generation is stuck in a collective: its groups are left alone."""
 
@@ -195,9 +198,12 @@ class Generation:
 class ElasticAgent:
     """Runs one rank of the job until its program has trained or the job stops."""
 
-    def __init__(self, program: Program, cfg: AgentConfig, daemon: DaemonClient, store: Any,
-                 on_step: Callable[[int, float], None] | None = None) -> None:
+    def __init__(self, program: Program, cfg: AgentConfig, daemon: DaemonClient,
+                 store: Any = None, on_step: Callable[[int, float], None] | None = None) -> None:
+        # `store`: a fixed store for every generation (a launcher's); without one, each
+        # generation starts from the store a rank of its plan serves (a survivor).
         self.program, self.cfg, self.daemon, self.store = program, cfg, daemon, store
+        self._served: Any = None  # the store this rank serves, for plans that name it
         self.on_step = on_step
         self.result = AgentResult()
         self.links = LinkBytes()  # what each step sent, by link; heartbeats carry it
@@ -241,9 +247,14 @@ class ElasticAgent:
     # the loop -------------------------------------------------------------------
 
     def run(self) -> AgentResult:
+        import torch.distributed as dist
+
+        self._served = dist.TCPStore("0.0.0.0", 0, None, True, wait_for_workers=False,
+                                     timeout=datetime.timedelta(seconds=self.cfg.plan_timeout_s))
         reply = self.daemon.register(spare=self.cfg.spare, device=self.cfg.device,
                                      layout=self.program.start_layout(),
-                                     profile=self.program.profile())
+                                     profile=self.program.profile(),
+                                     store_port=self._served.port)
         self.result.rank_id = reply.rank_id
         self.daemon.start_heartbeats()
         threading.Thread(target=self._watch, name="stalwart-plan-watch", daemon=True).start()
@@ -274,6 +285,23 @@ class ElasticAgent:
                 self._report_collective_error(plan, exc)
             plan = self._next_plan(after=plan.generation)
 
+    def _store_of(self, plan: common_pb2.Plan) -> Any:
+        """The store the generation's groups start from: the one a rank of the plan
+        serves (this rank's own when the plan names it), else the launcher's."""
+        import torch.distributed as dist
+
+        if plan.store_rank_id == self.daemon.rank_id:
+            return self._served
+        if plan.store:
+            host, _, port = plan.store.rpartition(":")
+            return dist.TCPStore(host.strip("[]"), int(port), None, False,
+                                 wait_for_workers=False, timeout=datetime.timedelta(
+                                     seconds=self.cfg.collective_timeout_s * 3))
+        if self.store is None:
+            raise RuntimeError(f"plan {plan.generation} names no store and this rank has no "
+                               "launcher store (MASTER_ADDR); is every daemon up to date?")
+        return self.store
+
     def _report_collective_error(self, plan: common_pb2.Plan, exc: BaseException) -> None:
         text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
         log.warning("generation %d broke: %s", plan.generation, text)
@@ -293,8 +321,9 @@ class ElasticAgent:
         self.daemon.generation = plan.generation
         node_of = {a.coord.rank: a.node for a in plan.assignments if not a.spare}
         t_build = time.monotonic()
+        store = self._store_of(plan)
         dims = ParallelDims(dp=lay.dp, pp=lay.pp, tp=lay.tp).build(
-            self.store, role.coord.rank, plan.generation, backend=cfg.backend,
+            store, role.coord.rank, plan.generation, backend=cfg.backend,
             timeout_s=cfg.collective_timeout_s, node_of=node_of, links=self.links)
         self.result.coord = {"rank": role.coord.rank, "dp": role.coord.dp,
                              "pp": role.coord.pp, "tp": role.coord.tp}
@@ -303,7 +332,7 @@ class ElasticAgent:
                   "reason": plan.reason, "plan_received_unix": received_unix,
                   "first_step_unix": None, "t_build": t_build}
         self.result.generations.append(record)
-        gen = Generation(plan, role, dims, self, record)
+        gen = Generation(plan, role, dims, self, record, store)
         try:
             self.program.train(gen)
         finally:

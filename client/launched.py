@@ -33,11 +33,10 @@ def launched_agent(program: Program, *, device: str, collective_timeout_s: float
     from stalwart.client.launch import connect_store
 
     env = os.environ
-    if "STALWART_UNIX_SOCKET" not in env or "MASTER_ADDR" not in env:
+    if "STALWART_UNIX_SOCKET" not in env:
         raise RuntimeError(f"{who} needs a Stalwart launcher: start the script with "
                            "`stalwart demo`, or from stalwart.client.local_cluster in tests, "
-                           "next to a `stalwart daemon`; STALWART_UNIX_SOCKET and MASTER_ADDR "
-                           "are not set")
+                           "next to a `stalwart daemon`; STALWART_UNIX_SOCKET is not set")
     rank = int(env.get("RANK", "-1"))
     cfg = AgentConfig(spare=rank < 0, collective_timeout_s=collective_timeout_s,
                       plan_timeout_s=float(env.get("STALWART_PLAN_TIMEOUT_S", "120")),
@@ -50,7 +49,10 @@ def launched_agent(program: Program, *, device: str, collective_timeout_s: float
         for hook in hooks:
             hook(step, loss)
 
-    agent = ElasticAgent(program, cfg, daemon, connect_store(), on_step=on_step)
+    # Generations start from a store a survivor serves (the plan names it); a launcher's
+    # fixed store (MASTER_ADDR) is used only by plans that name none.
+    store = connect_store() if "MASTER_ADDR" in env else None
+    agent = ElasticAgent(program, cfg, daemon, store, on_step=on_step)
     return agent, daemon
 
 

@@ -137,7 +137,6 @@ class LocalCluster:
     env: dict[str, str] = field(default_factory=dict)
     daemons: list[Node] = field(default_factory=list)
     ranks: list[RankProc] = field(default_factory=list)
-    store: Any = None
     argv: list[str] | None = None
     _own_workdir: bool = False
 
@@ -213,18 +212,10 @@ class LocalCluster:
                ranks_per_node: int | None = None, argv: list[str] | None = None) -> None:
         """Start `world` ranks (RANK 0..world-1, consecutive ranks share a node) and
         `spares` spare processes on the last nodes, each running `python *argv` (a script
-        written against the public API), by default the GPT example as `spec` says."""
-        import datetime
-
-        import torch.distributed as dist
-
+        written against the public API), by default the GPT example as `spec` says.
+        No store is hosted here: each generation starts from one a rank of its plan serves,
+        so this process is not needed by the job (as no host is on real ones)."""
         assert self.workdir is not None
-        if self.store is None:
-            port = free_port()
-            self.store = dist.TCPStore("127.0.0.1", port, None, True,
-                                       timeout=datetime.timedelta(seconds=300),
-                                       wait_for_workers=False)
-            self.master_port = port
         per_node = ranks_per_node or -(-world // self.nodes)
         if argv is None:
             argv, env = gpt_command(spec or {})
@@ -243,8 +234,7 @@ class LocalCluster:
     def _start_rank(self, rank: int, node: Node, world: int, name: str) -> None:
         local = sum(r.node is node for r in self.ranks)
         env = {**os.environ, **self.env, "RANK": str(rank), "WORLD_SIZE": str(world),
-               "LOCAL_RANK": str(local), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(self.master_port),
+               "LOCAL_RANK": str(local),
                "STALWART_UNIX_SOCKET": str(node.socket),
                "STALWART_NODE_INDEX": str(node.index),
                "STALWART_DAEMON_PID": str(node.proc.pid if node.proc else 0),
@@ -260,7 +250,7 @@ class LocalCluster:
 
     def add_spares(self, count: int = 1, node: int | None = None) -> None:
         """Start `count` more spare processes (a node coming back, a rank joining late)."""
-        assert self.workdir is not None and self.store is not None, "launch() first"
+        assert self.workdir is not None and self.argv is not None, "launch() first"
         world = len([r for r in self.ranks if r.rank >= 0])
         for _ in range(count):
             target = self.daemons[self.nodes - 1 if node is None else node]

@@ -111,10 +111,10 @@ def _job_digest(gen: Generation, hashes: dict[str, str]) -> str:
     """Every stage's parameter hashes through the job's store; the same on every rank."""
     me, prefix = gen.role.coord, f"stalwart/digest/g{gen.plan.generation}"
     if me.dp == 0 and me.tp == 0:
-        gen.agent.store.set(f"{prefix}/stage{me.pp}", json.dumps(hashes))
+        gen.store.set(f"{prefix}/stage{me.pp}", json.dumps(hashes))
     merged: dict[str, str] = {}
     for stage in range(gen.plan.layout.pp):
-        merged.update(json.loads(gen.agent.store.get(f"{prefix}/stage{stage}")))
+        merged.update(json.loads(gen.store.get(f"{prefix}/stage{stage}")))
     return param_digest(merged)
 
 

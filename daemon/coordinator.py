@@ -210,6 +210,8 @@ class Coordinator:
                       extra={"generation": plan.generation})
             return
         plan.coordinator = self.node
+        if not plan.stop:
+            self._name_store(plan)
         nodes = self.links.nodes()
         if plan.resume_step and not plan.stop:
             await self._finish_commit(plan.resume_step, nodes)
@@ -219,6 +221,16 @@ class Coordinator:
             if isinstance(result, BaseException):
                 log.warning("plan not delivered", extra={"node": node, "error": str(result),
                                                          "generation": plan.generation})
+
+    def _name_store(self, plan: common_pb2.Plan) -> None:
+        """The generation's process groups start from a store a rank of the plan serves:
+        the lowest global rank with one, a survivor, so no host outside the plan is
+        needed (a rank that served an older generation's store may be gone)."""
+        holders = sorted((a.coord.rank, a.rank_id) for a in plan.assignments if not a.spare
+                         and self.announced.get(a.rank_id, peer_pb2.RankAnnouncement()).store)
+        if holders:
+            rank_id = holders[0][1]
+            plan.store, plan.store_rank_id = self.announced[rank_id].store, rank_id
 
     async def _finish_commit(self, step: int, nodes: list[str]) -> None:
         """Make sure every daemon holds the commit of the step the plan resumes from.

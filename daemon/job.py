@@ -66,9 +66,9 @@ class Job:
         self._coordinator_seen = ""
         self._had_coordinator = False
         self._unsent: list[Failure] = []  # reports the coordinator never received
-        # rank_id -> (layout, layer profile) each local rank registered with
+        # rank_id -> (layout, layer profile, store port) each local rank registered with
         self._registered: dict[str, tuple[common_pb2.ParallelLayout,
-                                          common_pb2.LayerProfile | None]] = {}
+                                          common_pb2.LayerProfile | None, int]] = {}
         # Prepares of steps not yet committed here, by step: sent again to a new
         # coordinator, since the old one may have died with them.
         self._prepares: dict[int, list[peer_pb2.PrepareStepRequest]] = {}
@@ -187,7 +187,7 @@ class Job:
                 if record.state in ("alive", "late"):
                     try:
                         await self.on_register(record, *self._registered.get(
-                            record.rank_id, (common_pb2.ParallelLayout(), None)))
+                            record.rank_id, (common_pb2.ParallelLayout(), None, 0)))
                     except (grpc.aio.AioRpcError, LookupError) as exc:
                         log.warning("re-announce failed: %s", exc)
 
@@ -295,13 +295,15 @@ class Job:
     # registrations ----------------------------------------------------------------
 
     async def on_register(self, record: RankRecord, layout: common_pb2.ParallelLayout,
-                          profile: common_pb2.LayerProfile | None = None) -> None:
+                          profile: common_pb2.LayerProfile | None = None,
+                          store_port: int = 0) -> None:
         # Kept for a later coordinator: without the layer profile it could not shrink.
-        self._registered[record.rank_id] = (layout, profile)
+        self._registered[record.rank_id] = (layout, profile, store_port)
+        host = self.address().rpartition(":")[0]
         announcement = peer_pb2.RankAnnouncement(
             node=self.node, rank_id=record.rank_id, rank=-1 if record.spare else record.rank,
             world_size=record.world_size, layout=layout, generation=self.registry.generation,
-            profile=profile)
+            profile=profile, store=f"{host}:{store_port}" if store_port else "")
         await self.announce(announcement)
 
     async def announce(self, a: peer_pb2.RankAnnouncement) -> None:

@@ -55,7 +55,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
     def __init__(self, config: DaemonConfig, registry: Registry, metrics: Metrics,
                  stopping: asyncio.Event, auth: Authenticator, snapshots: Any = None,
                  on_register: Callable[[RankRecord, common_pb2.ParallelLayout,
-                                        common_pb2.LayerProfile], Awaitable[None]]
+                                        common_pb2.LayerProfile, int], Awaitable[None]]
                  | None = None) -> None:
         self.config, self.registry, self.metrics = config, registry, metrics
         self.stopping, self.auth = stopping, auth
@@ -95,7 +95,8 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             watch_pid=watch)
         if self.on_register is not None:
             try:
-                await self.on_register(record, request.layout, request.profile)
+                await self.on_register(record, request.layout, request.profile,
+                                       request.store_port)
             except (grpc.aio.AioRpcError, LookupError) as e:
                 detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                 await context.abort(

@@ -199,6 +199,8 @@ class Plan(_message.Message):
     STOP_MESSAGE_FIELD_NUMBER: _builtins.int
     COORDINATOR_FIELD_NUMBER: _builtins.int
     COMPLETED_FIELD_NUMBER: _builtins.int
+    STORE_FIELD_NUMBER: _builtins.int
+    STORE_RANK_ID_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     reason: _builtins.str
     resume_step: _builtins.int
@@ -210,6 +212,10 @@ class Plan(_message.Message):
     """node of the daemon that decided this plan"""
     completed: _builtins.bool
     """with stop: every rank trained its last step; spares leave"""
+    store: _builtins.str
+    """HOST:PORT of the store this generation's groups start from,"""
+    store_rank_id: _builtins.str
+    """served by this rank of the plan (a survivor)"""
     @_builtins.property
     def layout(self) -> Global___ParallelLayout: ...
     @_builtins.property
@@ -226,10 +232,12 @@ class Plan(_message.Message):
         stop_message: _builtins.str = ...,
         coordinator: _builtins.str = ...,
         completed: _builtins.bool = ...,
+        store: _builtins.str = ...,
+        store_rank_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "completed", b"completed", "coordinator", b"coordinator", "generation", b"generation", "layout", b"layout", "reason", b"reason", "resume_step", b"resume_step", "stop", b"stop", "stop_message", b"stop_message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "completed", b"completed", "coordinator", b"coordinator", "generation", b"generation", "layout", b"layout", "reason", b"reason", "resume_step", b"resume_step", "stop", b"stop", "stop_message", b"stop_message", "store", b"store", "store_rank_id", b"store_rank_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

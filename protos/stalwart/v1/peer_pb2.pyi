@@ -31,12 +31,15 @@ class RankAnnouncement(_message.Message):
     LAYOUT_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     PROFILE_FIELD_NUMBER: _builtins.int
+    STORE_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     rank_id: _builtins.str
     rank: _builtins.int
     """torchrun RANK, -1 for a spare"""
     world_size: _builtins.int
     generation: _builtins.int
+    store: _builtins.str
+    """HOST:PORT of the store the rank serves ("" if none)"""
     @_builtins.property
     def layout(self) -> _common_pb2.ParallelLayout: ...
     @_builtins.property
@@ -51,10 +54,11 @@ class RankAnnouncement(_message.Message):
         layout: _common_pb2.ParallelLayout | None = ...,
         generation: _builtins.int = ...,
         profile: _common_pb2.LayerProfile | None = ...,
+        store: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "profile", b"profile"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "layout", b"layout", "node", b"node", "profile", b"profile", "rank", b"rank", "rank_id", b"rank_id", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "layout", b"layout", "node", b"node", "profile", b"profile", "rank", b"rank", "rank_id", b"rank_id", "store", b"store", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
