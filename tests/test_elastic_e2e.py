@@ -65,7 +65,7 @@ def test_a_rank_that_joins_later_is_admitted_and_the_plan_widened() -> None:
             "train": {"global_batch": 8, "seed": 0},
             "layout": {"dp": 1, "pp": 4, "tp": 1, "microbatches": 4}, "steps": 400,
             "faults": [{"kind": "kill", "target": "rank", "index": 2, "step": 3}],
-            "collective_timeout_s": 4.0}
+            "collective_timeout_s": 4.0, "flops_costs": True}
     cluster = LocalCluster(nodes=2, daemon_settings={"elastic": {"grow_threshold": 0.0}})
     try:
         cluster.start_daemons()
