@@ -1,0 +1,96 @@
+"""`stalwart run`, the per-host launcher: one per host next to that host's daemon, the
+torchrun environment for its ranks and spares, survivors never ended when a sibling
+dies, the job's status as its exit code with a one-line reason."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stalwart.client.local_cluster import LocalCluster, wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = str(REPO / "examples/classifier/train.py")
+
+
+def launch(cluster: LocalCluster, tmp_path: Path, spares_on_last: int = 0
+           ) -> list[tuple[subprocess.Popen, Path]]:
+    """One `stalwart run` per daemon (host), each with one rank."""
+    out = []
+    for node in cluster.daemons:
+        log = tmp_path / f"run-{node.name}.log"
+        spares = spares_on_last if node is cluster.daemons[-1] else 0
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "stalwart.cli", "run", "--nnodes", str(cluster.nodes),
+                 "--node-rank", str(node.index), "--nproc-per-node", "1",
+                 "--spares", str(spares), "--socket", str(node.socket), SCRIPT,
+                 "--steps", "24", "--global-batch", "16"],
+                stdout=f, stderr=subprocess.STDOUT,
+                env={**os.environ, "STALWART_STEP_LOG": "1", "OMP_NUM_THREADS": "1"})
+        out.append((proc, log))
+    return out
+
+
+def digests(runs: list[tuple[subprocess.Popen, Path]]) -> set[str]:
+    return {m for _, log in runs
+            for m in re.findall(r"param_digest ([0-9a-f]{64})", log.read_text())}
+
+
+def run_job(tmp_path: Path, *, kill_rank0_after: int | None = None) -> tuple[list, list]:
+    cluster = LocalCluster(nodes=2, workdir=tmp_path / "cluster")
+    try:
+        cluster.start_daemons()
+        runs = launch(cluster, tmp_path, spares_on_last=1 if kill_rank0_after else 0)
+        if kill_rank0_after is not None:
+            def rank0_pid() -> int:
+                st = cluster.daemons[0].status()
+                live = [r for r in (st.ranks if st else []) if r.rank == 0 and not r.spare
+                        and r.step >= kill_rank0_after]
+                return live[0].pid if live else 0
+
+            # Rank 0 also serves the store its generation started from.
+            os.kill(wait_until(rank0_pid, 120, "rank 0 to take its steps"), signal.SIGKILL)
+        for proc, _ in runs:
+            proc.wait(timeout=240)
+        codes = [proc.returncode for proc, _ in runs]
+        return codes, runs
+    finally:
+        for proc, _ in runs if "runs" in locals() else []:
+            if proc.poll() is None:
+                proc.kill()
+        cluster.close()
+
+
+@pytest.mark.multiprocess
+def test_two_hosts_survive_the_loss_of_the_rank_0_host_process_bitwise(tmp_path: Path) -> None:
+    codes, base = run_job(tmp_path / "base")
+    assert codes == [0, 0], [log.read_text()[-2000:] for _, log in base]
+    codes, runs = run_job(tmp_path / "fault", kill_rank0_after=5)
+    logs = [log.read_text() for _, log in runs]
+    # The launcher of the killed rank ends nobody else and reports the job's outcome.
+    assert codes == [0, 0], [text[-2000:] for text in logs]
+    assert all("stalwart run: the job completed: its last step 24 is committed" in text
+               for text in logs)
+    assert len(digests(runs)) == 1 and digests(runs) == digests(base)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--master-addr", "h"], "--master-addr is not taken: hosts find the job through"),
+    (["--rdzv-backend", "c10d"], "--rdzv-backend is not taken"),
+    (["--max-restarts", "3"], "--max-restarts is not taken: survivors are never restarted"),
+    (["--nnodes", "1:4"], "--nnodes 1:4: give the number of hosts"),
+    (["--nnodes", "2", "--node-rank", "2"], "--node-rank 2 is outside 0..1"),
+    (["--socket", "/nonexistent/d.sock"], "no daemon socket at /nonexistent/d.sock"),
+])
+def test_flags_the_launcher_refuses_get_one_line_naming_them(flags, message) -> None:
+    proc = subprocess.run([sys.executable, "-m", "stalwart.cli", "run", *flags, SCRIPT],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and message in proc.stderr, proc.stderr
