@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Debian packages the integration tests use: prometheus/promtool, etcd, systemd-analyze.
+# Debian packages the integration tests use: prometheus/promtool, etcd, systemd-analyze, shellcheck.
 # Installs only what is missing; a no-op on a machine that already has them.
 set -euo pipefail
 need=()
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
+command -v shellcheck >/dev/null 2>&1 || need+=(shellcheck)
 command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v iptables >/dev/null 2>&1 || need+=(iptables)

@@ -152,7 +152,7 @@ def test_peer_discovery_is_headless_and_read_only() -> None:
 
 
 def test_training_job_reaches_the_daemon_socket() -> None:
-    pod = find("Job", "gpt-train")["spec"]["template"]["spec"]
+    pod = find("Job", "classifier-train")["spec"]["template"]["spec"]
     (train,) = pod["containers"]
     env = {e["name"]: e.get("value") for e in train["env"]}
     socket_path = Path(env["STALWART_UNIX_SOCKET"])
@@ -205,7 +205,8 @@ def test_committed_dashboards_match_their_generator() -> None:
 
 def test_system_deps_script_installs_the_tools_used_here() -> None:
     script = (ROOT / "scripts" / "install-system-deps.sh").read_text()
-    for command, package in (("promtool", "prometheus"), ("systemd-analyze", "systemd")):
+    for command, package in (("promtool", "prometheus"), ("systemd-analyze", "systemd"),
+                             ("shellcheck", "shellcheck")):
         assert f"command -v {command}" in script and f"need+=({package})" in script
 
 
@@ -258,3 +259,34 @@ def test_grafana_provisioning_points_at_the_dashboards() -> None:
     (provider,) = yaml.safe_load((provisioning / "dashboards" / "stalwart.yaml").read_text())[
         "providers"]
     assert provider["type"] == "file" and provider["options"]["path"]
+
+
+LAUNCH_SCRIPTS = [ROOT / "deploy" / "slurm" / "train.sbatch",
+                  ROOT / "deploy" / "ssh" / "run-job.sh"]
+
+
+@pytest.mark.parametrize("script", LAUNCH_SCRIPTS, ids=lambda p: p.name)
+def test_launch_examples_pass_shellcheck_and_start_stalwart_run_per_host(script: Path) -> None:
+    result = run(tool("shellcheck"), str(script))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert run("bash", "-n", str(script)).returncode == 0
+    text = script.read_text()
+    assert "stalwart run --nnodes" in text and "--standby" in text
+    assert "MASTER_ADDR" not in text.replace("no MASTER_ADDR", "").replace(
+        "not through a fixed MASTER_ADDR", "")
+
+
+def test_slurm_keeps_the_other_tasks_when_one_host_is_lost() -> None:
+    assert "--kill-on-bad-exit=0" in (ROOT / "deploy" / "slurm" / "train.sbatch").read_text()
+
+
+def test_the_kubernetes_job_is_indexed_one_pod_per_node_and_runs_a_protected_example() -> None:
+    job = find("Job", "classifier-train")["spec"]
+    assert job["completionMode"] == "Indexed" and job["completions"] == job["parallelism"]
+    pod = job["template"]["spec"]
+    anti = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert anti[0]["topologyKey"] == "kubernetes.io/hostname"
+    args = pod["containers"][0]["args"]
+    assert args[0] == "run" and args[args.index("--nnodes") + 1] == str(job["completions"])
+    script = next(a for a in args if a.endswith(".py"))
+    assert (ROOT / "examples" / Path(script).relative_to("/opt/stalwart/examples")).exists()
