@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -254,7 +255,9 @@ class ElasticAgent:
         reply = self.daemon.register(spare=self.cfg.spare, device=self.cfg.device,
                                      layout=self.program.start_layout(),
                                      profile=self.program.profile(),
-                                     store_port=self._served.port)
+                                     store_port=self._served.port,
+                                     # A rank in a network of its own (a pod) names its address.
+                                     store_host=os.environ.get("STALWART_ADVERTISE_HOST", ""))
         self.result.rank_id = reply.rank_id
         self.daemon.start_heartbeats()
         threading.Thread(target=self._watch, name="stalwart-plan-watch", daemon=True).start()

@@ -194,14 +194,14 @@ class DaemonClient:
                  env: Mapping[str, str] | None = None,
                  layout: common_pb2.ParallelLayout | None = None,
                  profile: common_pb2.LayerProfile | None = None,
-                 store_port: int = 0) -> rank_pb2.RegisterReply:
+                 store_port: int = 0, store_host: str = "") -> rank_pb2.RegisterReply:
         """Announce this process to the daemon with its torchrun RANK/WORLD_SIZE/LOCAL_RANK."""
         rank_env = RankEnv.from_environ(env)
         request = rank_pb2.RegisterRequest(
             job_id=self.job_id, pid=os.getpid(), rank=-1 if spare else rank_env.rank,
             world_size=rank_env.world_size, local_rank=rank_env.local_rank,
             hostname=socket.gethostname(), token=self.token, spare=spare, device=device,
-            layout=layout, profile=profile, store_port=store_port)
+            layout=layout, profile=profile, store_port=store_port, store_host=store_host)
         reply = self._call("register", self._rank_stub().Register, request)
         self.rank_id, self.generation = reply.rank_id, reply.generation
         self.heartbeat_interval_s = reply.heartbeat_interval_s or self.heartbeat_interval_s

@@ -66,9 +66,10 @@ class Job:
         self._coordinator_seen = ""
         self._had_coordinator = False
         self._unsent: list[Failure] = []  # reports the coordinator never received
-        # rank_id -> (layout, layer profile, store port) each local rank registered with
+        # rank_id -> (layout, layer profile, store (host, port)) each local rank registered
         self._registered: dict[str, tuple[common_pb2.ParallelLayout,
-                                          common_pb2.LayerProfile | None, int]] = {}
+                                          common_pb2.LayerProfile | None,
+                                          tuple[str, int] | None]] = {}
         # Prepares of steps not yet committed here, by step: sent again to a new
         # coordinator, since the old one may have died with them.
         self._prepares: dict[int, list[peer_pb2.PrepareStepRequest]] = {}
@@ -187,7 +188,7 @@ class Job:
                 if record.state in ("alive", "late"):
                     try:
                         await self.on_register(record, *self._registered.get(
-                            record.rank_id, (common_pb2.ParallelLayout(), None, 0)))
+                            record.rank_id, (common_pb2.ParallelLayout(), None, None)))
                     except (grpc.aio.AioRpcError, LookupError) as exc:
                         log.warning("re-announce failed: %s", exc)
 
@@ -296,14 +297,16 @@ class Job:
 
     async def on_register(self, record: RankRecord, layout: common_pb2.ParallelLayout,
                           profile: common_pb2.LayerProfile | None = None,
-                          store_port: int = 0) -> None:
+                          store: tuple[str, int] | None = None) -> None:
         # Kept for a later coordinator: without the layer profile it could not shrink.
-        self._registered[record.rank_id] = (layout, profile, store_port)
-        host = self.address().rpartition(":")[0]
+        self._registered[record.rank_id] = (layout, profile, store)
+        endpoint = ""
+        if store is not None:  # the rank's own host, else this daemon's (the same node)
+            endpoint = f"{store[0] or self.address().rpartition(':')[0]}:{store[1]}"
         announcement = peer_pb2.RankAnnouncement(
             node=self.node, rank_id=record.rank_id, rank=-1 if record.spare else record.rank,
             world_size=record.world_size, layout=layout, generation=self.registry.generation,
-            profile=profile, store=f"{host}:{store_port}" if store_port else "")
+            profile=profile, store=endpoint)
         await self.announce(announcement)
 
     async def announce(self, a: peer_pb2.RankAnnouncement) -> None:

@@ -55,7 +55,8 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
     def __init__(self, config: DaemonConfig, registry: Registry, metrics: Metrics,
                  stopping: asyncio.Event, auth: Authenticator, snapshots: Any = None,
                  on_register: Callable[[RankRecord, common_pb2.ParallelLayout,
-                                        common_pb2.LayerProfile, int], Awaitable[None]]
+                                        common_pb2.LayerProfile, tuple[str, int] | None],
+                                       Awaitable[None]]
                  | None = None) -> None:
         self.config, self.registry, self.metrics = config, registry, metrics
         self.stopping, self.auth = stopping, auth
@@ -95,8 +96,9 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             watch_pid=watch)
         if self.on_register is not None:
             try:
-                await self.on_register(record, request.layout, request.profile,
-                                       request.store_port)
+                store = (request.store_host, request.store_port) if request.store_port \
+                    else None
+                await self.on_register(record, request.layout, request.profile, store)
             except (grpc.aio.AioRpcError, LookupError) as e:
                 detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                 await context.abort(
