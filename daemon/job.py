@@ -34,6 +34,7 @@ log = logging.getLogger("stalwart.daemon.job")
 RPC_TIMEOUT_S = 10.0
 HANG_WINDOW_S = 1.5   # collect hang reports this long before deciding (seconds)
 STOP_GRACE_S = 5.0    # after a stop plan, ranks still running this long are ended
+RESEND_TRIES = 10     # a returning daemon gets the current plan within this many beats
 FACT_WINDOW_S = 0.2   # a dead process often takes its peers' reports with it
 
 
@@ -231,11 +232,16 @@ class Job:
             return  # no plan yet
 
         async def send() -> None:
-            try:
-                await self.install_plan(node, plan)
-            except (grpc.aio.AioRpcError, LookupError) as exc:
-                log.warning("current plan not re-sent", extra={"node": node,
-                                                               "error": str(exc)})
+            for attempt in range(RESEND_TRIES):
+                try:
+                    await self.install_plan(node, self.registry.current_plan())
+                    return
+                except (grpc.aio.AioRpcError, LookupError) as exc:
+                    if attempt == RESEND_TRIES - 1:
+                        log.warning("current plan not re-sent",
+                                    extra={"node": node, "error": str(exc)})
+                    else:  # its channel may still be reconnecting
+                        await asyncio.sleep(self.config.heartbeat_interval_s)
         asyncio.get_running_loop().create_task(send())
 
     # PeerLinks (the coordinator's outbound calls) ---------------------------------

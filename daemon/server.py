@@ -241,8 +241,14 @@ class Daemon:
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
             # round_robin: a seed that is a DNS name for many daemons reaches each in turn.
+            # Short reconnect backoff: a daemon that restarts at the same address (a host
+            # that comes back) is reached within seconds, not after gRPC's default 120 s.
             self._channels[address] = aio_channel(
-                address, self.config.tls, options=[("grpc.lb_policy_name", "round_robin")],
+                address, self.config.tls, options=[
+                    ("grpc.lb_policy_name", "round_robin"),
+                    ("grpc.initial_reconnect_backoff_ms", 200),
+                    ("grpc.min_reconnect_backoff_ms", 200),
+                    ("grpc.max_reconnect_backoff_ms", 2000)],
                 interceptors=self.job.auth_stamp)
         return self._channels[address]
 

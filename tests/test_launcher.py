@@ -94,3 +94,32 @@ def test_flags_the_launcher_refuses_get_one_line_naming_them(flags, message) -> 
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_the_launcher_reaches_every_process_it_started(tmp_path: Path) -> None:
+    cluster = LocalCluster(nodes=1, workdir=tmp_path / "cluster")
+    try:
+        cluster.start_daemons()
+        node = cluster.daemons[0]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stalwart.cli", "run", "--nproc-per-node", "2", "--spares",
+             "1", "--socket", str(node.socket), SCRIPT, "--steps", "100000"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        def children() -> list[int]:
+            st = node.status()
+            return [r.pid for r in (st.ranks if st else [])
+                    if Path(f"/proc/{r.pid}").exists()]
+
+        started = wait_until(lambda: len(children()) == 3 and children(), 120,
+                             "two ranks and a spare to register")
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in started), 30,
+                   "the ranks and the spare to end")
+        assert proc.returncode != 0  # the job did not complete
+    finally:
+        if "proc" in locals() and proc.poll() is None:
+            proc.kill()
+        cluster.close()

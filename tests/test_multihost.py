@@ -34,7 +34,7 @@ pytestmark = pytest.mark.multiprocess
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = str(REPO / "examples/classifier/train.py")
 TOKEN = "multihost-job-token"
-TRAINING, STEPS = 3, 60
+TRAINING, STEPS = 3, 150  # long enough for a returning host to join before the end
 NETNS = netns_unavailable() is None and shutil.which("iptables") is not None
 FIGURES: dict[str, float] = {}
 
