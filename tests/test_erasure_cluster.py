@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import signal
+import time
 import urllib.request
 from pathlib import Path
 
@@ -141,32 +142,50 @@ def test_m_lost_restore_bitwise_and_m_plus_one_names_the_newest_recoverable(clus
 
 
 @pytest.mark.multiprocess
+def first_reads(manifest: manifest_pb2.Manifest, reader: Node) -> list[manifest_pb2.ShardRecord]:
+    """Per chunk, the shard `reader` asks for first: the lowest index held by a peer
+    (ShardReader reads its own memory first, then peers' data shards before parity)."""
+    return [min((rec for rec in chunk.shards if rec.node != reader.name),
+                key=lambda rec: rec.index)
+            for r in manifest.ranks for chunk in r.chunks]
+
+
+def read_errors(node: Node) -> float:
+    """Shard reads this daemon found wrong or could not finish (its metrics)."""
+    return sum(v for k, v in scrape(node).items()
+               if k.startswith(("stalwart_scrub_errors_total", "stalwart_peer_errors_total")))
+
+
 def test_corrupt_shard_and_frozen_peer_are_read_around(cluster) -> None:
     c = cluster(4, heartbeat_timeout_s=300.0)
     reference = train(c)
-    reader, latest = c.daemons[3], max(reference)
-    found = manifests(reader)
-    # Corrupt every shard node-1 holds of the newest step: reads must use other holders.
-    shard_dir = c.daemons[1].data_dir / "shards" / "default"
-    corrupted = 0
-    for r in found[latest].ranks:
-        for chunk in r.chunks:
-            for rec in chunk.shards:
-                if rec.node == "node-1":
-                    path = shard_dir / rec.location
-                    data = bytearray(path.read_bytes())
-                    data[len(data) // 2] ^= 0xFF
-                    path.write_bytes(bytes(data))
-                    corrupted += 1
-    assert corrupted
+    latest = max(reference)
+    found = manifests(c.daemons[3])
+    # Corrupt, for every chunk of the newest step, the shard the reader asks for first.
+    reader = c.daemons[3]
+    victims = first_reads(found[latest], reader)
+    by_name = {n.name: n for n in c.daemons}
+    for rec in victims:
+        path = by_name[rec.node].data_dir / "shards" / "default" / rec.location
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    before = read_errors(reader)
     assert restore(reader, latest) == (latest, reference[latest])
+    assert read_errors(reader) >= before + len(victims)  # each was read, refused, read around
 
-    # A frozen peer accepts connections and never answers: the read hedges to others.
-    c.daemons[2].proc.send_signal(signal.SIGSTOP)
+    # A frozen peer accepts connections and never answers: the read hedges to others. The
+    # reader has restored nothing yet (no cached chunk), and the frozen daemon holds the
+    # first shard it asks for.
+    reader = c.daemons[1]
+    frozen = by_name[first_reads(found[latest], reader)[0].node]
+    frozen.proc.send_signal(signal.SIGSTOP)
     try:
-        assert restore(reader, latest, timeout_s=30.0) == (latest, reference[latest])
+        t0 = time.monotonic()
+        assert restore(reader, latest, timeout_s=60.0) == (latest, reference[latest])
+        assert time.monotonic() - t0 >= 2.0  # it waited on the frozen holder, then hedged
     finally:
-        c.daemons[2].proc.send_signal(signal.SIGCONT)
+        frozen.proc.send_signal(signal.SIGCONT)
 
 
 @pytest.mark.multiprocess
