@@ -113,7 +113,16 @@ def test_a_second_failure_during_recovery_is_folded_in(tmp_path: Path) -> None:
         plan = wait_until(second_generation, 120, "the plan that replaces rank 0")
         heir = next(a.rank_id for a in plan.assignments if not a.spare and a.coord.rank == 0)
         victim = next(r for r in cluster.ranks if heir.endswith(f"/{r.proc.pid}"))
-        victim.proc.send_signal(signal.SIGKILL)  # restoring or in its first step
+        survivor = next(r for r in cluster.ranks if r.rank == 1)
+        # Generation 2 cannot train its first step while rank 1 is frozen (well inside its
+        # heartbeat timeout), so the heir dies while the recovery is still in flight.
+        survivor.proc.send_signal(signal.SIGSTOP)
+        try:
+            victim.proc.send_signal(signal.SIGKILL)
+            wait_until(lambda: (st := coordinator.status()) is not None and st.generation >= 3,
+                       60, "the decision that folds the heir's death in")
+        finally:
+            survivor.proc.send_signal(signal.SIGCONT)
         wait_until(lambda: len([r for r in cluster.ranks if (res := r.result())
                                 and res.get("result")]) == 2, 180, "both roles to finish")
         changes = [c.reason for c in coordinator.status().plan_changes]
