@@ -407,7 +407,9 @@ def _result(state: PlanState, failed: frozenset[str], pool: list[Member], groups
     layout = Layout(dp=best.dp, pp=best.pp, tp=tp, stages=best.stages, schedule=old.schedule,
                     microbatches=m, grad_accum=ga)
     spares = tuple(Member(x.rank_id, x.node) for x in pool if x.rank_id not in used)
-    reason = (f"{'shrink' if len(members) < old.world_size else 'widen'} dp={old.dp} pp={old.pp}"
+    verb = ("shrink" if len(members) < old.world_size else
+            "widen" if len(members) > old.world_size else "re-form")  # e.g. a TP group moved
+    reason = (f"{verb} dp={old.dp} pp={old.pp}"
               f" tp={tp} -> dp={best.dp} pp={best.pp} tp={tp}, stages {list(best.stages)}, "
               f"grad_accum {old.grad_accum} -> {ga}, {best.key[1]} layers moved; the fastest "
               f"of {len(considered)} layout(s) that fit")

@@ -221,3 +221,17 @@ def test_lone_ranks_on_different_nodes_form_a_tp_group_across_nodes_only_as_a_la
     with pytest.raises(ShrinkMemoryError, match="no layout fits the 2 surviving ranks"):
         plan_shrink(before, frozenset({"r0", "r3"}),
                     ElasticConfig(costs=COSTS, tp_across_nodes_speed=0))
+
+
+def test_a_tp_group_that_lost_a_rank_moves_whole_onto_the_spares_of_another_node():
+    # (2,1,2): pairs on n0 and n1; n0 loses one rank and has no spare; n2 has two spares.
+    # Keeping dp=2 with a fresh pair on n2 beats halving the replicas.
+    before = grid(2, 1, 2, partition(COSTS, 1).stages, per_node=2)
+    state = PlanState(1, before.layout, before.members,
+                      spares=(Member("s0", "n2"), Member("s1", "n2")))
+    result = plan_shrink(state, frozenset({"r0"}), ElasticConfig(costs=COSTS))
+    lay = result.plan.layout
+    assert (lay.dp, lay.pp, lay.tp) == (2, 1, 2)
+    moved = {m.rank_id for m in result.plan.members if m.coord.dp == 0}
+    assert moved == {"s0", "s1"} and result.plan.reason.startswith("re-form")
+    assert "r1" in {s.rank_id for s in result.plan.spares}  # the lone survivor waits
