@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "daemon": ("stalwart.daemon.cli", "run the per-node daemon"),
     "status": ("stalwart.daemon.status_cli", "show daemons, ranks, plan and storage"),
     "demo": ("stalwart.client.demo", "run a local cluster: train, inject failures, recover"),
+    "chaos": ("stalwart.client.chaos", "run a seeded campaign of fault schedules, check each"),
     "train": ("stalwart.client.train_cli", "train the GPT with DP x PP x TP as local processes"),
     "plan": ("stalwart.core.plan_cli", "partition layers into stages, advise a parallel strategy"),
     "bench": ("stalwart.bench.cli", "run a benchmark and write its figures as JSON"),
