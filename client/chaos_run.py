@@ -141,9 +141,10 @@ def _conclude(cluster: LocalCluster, injector: Injector, out: Outcome, follow: S
     out.losses = dict(follow.losses)
     for res in finished:
         out.losses.update({int(k): v for k, v in res["losses"].items()})
-    out.completed = sorted(out.losses) == list(range(1, steps + 1))
+    # Done: every step trained, and the ranks that finished agree on the parameters.
     digests = {res["result"]["param_digest"] for res in finished}
-    out.digest = digests.pop() if out.completed and len(digests) == 1 else None
+    out.completed = sorted(out.losses) == list(range(1, steps + 1)) and len(digests) == 1
+    out.digest = digests.pop() if out.completed else None
     if out.plans:
         out.final_layout = out.plans[-1]["layout"]
     fired = sorted(injector.fired, key=lambda f: f.time_unix)
