@@ -7,6 +7,7 @@ table of fault kind x layout, and per kind the median time from fault to first s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import statistics
@@ -86,12 +87,12 @@ def _interrupted(signum: int, _frame: Any) -> None:
 def campaign(schedules: list[Schedule], *, steps: int, timeout_s: float,
              root: Path) -> list[dict[str, Any]]:
     """Run each schedule after its layout's baseline (one per layout); a line per run."""
-    baselines: dict[tuple[int, ...], Outcome] = {}
+    baselines: dict[tuple[int, int, int], Outcome] = {}
     rows = []
     for i, s in enumerate(schedules):
         key = s.layout.key()
         if key not in baselines:
-            quiet = Layout(*key[:3], spares=0, nodes=key[3], ranks_per_node=key[4])
+            quiet = dataclasses.replace(s.layout, spares=0)
             baselines[key] = run_job(Schedule("baseline", quiet), steps=steps,
                                      timeout_s=timeout_s, workdir=root / f"base-{i}")
             if baselines[key].completed:

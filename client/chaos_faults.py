@@ -24,7 +24,7 @@ __all__ = ["IN_RANK", "Injector", "mount_tmpfs", "unmount"]
 IN_RANK = {"hang": "hang", "gpu": "gpu"}  # chaos kind -> STALWART_FAULTS kind
 PAUSE_S = 7.0  # a SIGSTOPped daemon's pause: past the 3 s heartbeat timeout of LocalCluster
 FREE_AFTER_S = 2.0  # a full disk is freed this long after the plan that follows the kill
-DISK_BYTES = 256 << 20  # a node's tmpfs for full-disk runs: roomy until filled
+DISK_BYTES = 64 << 20  # a node's tmpfs for full-disk runs: roomy until filled
 
 
 @dataclass
@@ -32,6 +32,11 @@ class Fired:
     fault: Fault
     time_unix: float
     generation: int  # the job's generation when it fired
+
+    @property
+    def disruptive(self) -> bool:
+        """It takes a process out of the job (a filled disk only holds commits back)."""
+        return self.fault.kind != "full-disk"
 
 
 @dataclass
@@ -57,7 +62,10 @@ class Injector:
             fault, _ = self._kill_after_fill
             self._kill_after_fill = None
             self._signal(self._rank(fault.index), signal.SIGKILL)
-        if self.ballast is not None and self.fired and generation > self.fired[0].generation:
+            self.fired.append(Fired(Fault("kill-rank", "rank", fault.index, step),
+                                    time.time(), generation))
+        killed = self.fired[1] if len(self.fired) > 1 else None  # the kill after the fill
+        if self.ballast is not None and killed and generation > killed.generation:
             self._free_at = self._free_at or time.monotonic() + FREE_AFTER_S
             if time.monotonic() >= self._free_at:
                 self.ballast.unlink(missing_ok=True)  # the restore ran on a full disk

@@ -154,13 +154,14 @@ def _conclude(cluster: LocalCluster, injector: Injector, out: Outcome, follow: S
                      and p["generation"] > f.generation), None)
         if plan is not None and before:
             out.lost_steps += max(0, before[-1] - plan["resume_step"])
-    if not fired:
+    first = next((f for f in fired if f.disruptive), None)
+    if first is None:
         return
-    t_fault = fired[0].time_unix
+    t_fault = first.time_unix
     last = out.plans[-1]["generation"] if out.plans else 0
     firsts = [g["first_step_unix"] for res in finished for g in res.get("generations", [])
               if g["generation"] == last and g.get("first_step_unix")]
-    if last > fired[0].generation and firsts:
+    if last > first.generation and firsts:
         out.fault_to_first_step_s = round(max(firsts) - t_fault, 3)
     else:  # no re-plan (a spare lost, say): the next step any rank printed
         later = [t for seen in follow.seen.values() for _, t in seen if t > t_fault]

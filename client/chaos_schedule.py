@@ -53,9 +53,10 @@ class Layout:
     def world(self) -> int:
         return self.dp * self.pp * self.tp
 
-    def key(self) -> tuple[int, ...]:
-        """What a failure-free baseline depends on (spares never train in it)."""
-        return (self.dp, self.pp, self.tp, self.nodes, self.ranks_per_node)
+    def key(self) -> tuple[int, int, int]:
+        """What a failure-free run's numbers depend on: the degrees, not the placement
+        (gloo's sums do not depend on which node a rank runs on), nor the spares."""
+        return (self.dp, self.pp, self.tp)
 
     def __str__(self) -> str:
         return (f"dp{self.dp}pp{self.pp}tp{self.tp} s{self.spares} "
@@ -115,6 +116,8 @@ def feasible(s: Schedule) -> bool:
             or lay.ranks_per_node % lay.tp):
         return False
     ranks, spares = placement(lay)
+    if len({(f.target, f.index) for f in s.faults}) < len(s.faults):
+        return False  # two faults on one process or node are one fault
     for f in s.faults:
         if f.target == "rank" and not 0 <= f.index < lay.world:
             return False
