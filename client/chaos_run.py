@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import shutil
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from stalwart.client.chaos_faults import IN_RANK, Injector, job_state, mount_tmpfs, unmount
 from stalwart.client.chaos_schedule import Layout, Schedule
-from stalwart.client.local_cluster import ClusterError, LocalCluster, StepLog
+from stalwart.client.local_cluster import ClusterError, LocalCluster, Node, StepLog
 
 __all__ = ["TOLERANCE", "Outcome", "judge", "run_job"]
 
@@ -36,6 +37,8 @@ class Outcome:
     elapsed_s: float = 0.0
     error: str = ""
     workdir: str = ""
+    evidence: dict[str, int] = field(default_factory=dict)
+    """What shows the fault's mechanism ran: victims ended, chunks read around."""
 
 
 def _spec(lay: Layout, steps: int, in_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -53,7 +56,8 @@ def run_job(schedule: Schedule, *, steps: int, timeout_s: float, workdir: Path) 
     settings: dict[str, Any] = {"elastic": {"shrink": True}}
     if schedule.kind == "bitflip":
         settings["snapshot"] = {"ram_bytes": 1}  # nothing cached: restores read the disk
-    cluster = LocalCluster(nodes=lay.nodes, workdir=workdir, daemon_settings=settings)
+    cluster = LocalCluster(nodes=lay.nodes, workdir=workdir, daemon_settings=settings,
+                           metrics=schedule.kind == "bitflip")
     cluster.env["STALWART_FAULT_LOG"] = str(workdir)
     in_rank = [{"kind": IN_RANK[f.kind], "target": "rank", "index": f.index, "step": f.step}
                for f in schedule.faults if f.kind in IN_RANK]
@@ -147,6 +151,7 @@ def _conclude(cluster: LocalCluster, injector: Injector, out: Outcome, follow: S
     out.digest = digests.pop() if out.completed else None
     if out.plans:
         out.final_layout = out.plans[-1]["layout"]
+    out.evidence = _evidence(cluster, injector)
     fired = sorted(injector.fired, key=lambda f: f.time_unix)
     for f in fired:
         before = [c for t, c in committed_at if t <= f.time_unix]
@@ -166,6 +171,27 @@ def _conclude(cluster: LocalCluster, injector: Injector, out: Outcome, follow: S
     else:  # no re-plan (a spare lost, say): the next step any rank printed
         later = [t for seen in follow.seen.values() for _, t in seen if t > t_fault]
         out.fault_to_first_step_s = round(min(later) - t_fault, 3) if later else None
+
+
+def _evidence(cluster: LocalCluster, injector: Injector) -> dict[str, int]:
+    victims = [r for f in injector.fired if f.fault.target == "rank" for r in cluster.ranks
+               if r.rank == f.fault.index]
+    return {"victims_ended": sum(r.proc.poll() is not None for r in victims),
+            "victims": len(victims),
+            "corrupt_chunks_found": sum(_disk_errors(n) for n in cluster.daemons
+                                        if cluster.metrics and n.alive)}
+
+
+def _disk_errors(node: Node) -> int:
+    """Chunks the daemon read from its disk and found failing their checksum."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics",
+                                    timeout=2.0) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return 0
+    return sum(int(float(line.split()[-1])) for line in text.splitlines()
+               if line.startswith('stalwart_scrub_errors_total{tier="disk"}'))
 
 
 def judge(out: Outcome, baseline: Outcome, layout: Layout) -> bool:
@@ -189,7 +215,8 @@ def to_json(schedule: Schedule, out: Outcome, equal: bool) -> dict[str, Any]:
     return {**schedule.to_json(), "recovered": out.completed, "lost_steps": out.lost_steps,
             "equal": equal, "fault_to_first_step_s": out.fault_to_first_step_s,
             "plans": [p["reason"] for p in out.plans[1:]], "elapsed_s": out.elapsed_s,
-            "error": out.error, **({"workdir": out.workdir} if not equal else {})}
+            "evidence": out.evidence, "error": out.error,
+            **({"workdir": out.workdir} if not equal else {})}
 
 
 def dumps(runs: list[dict[str, Any]]) -> str:
