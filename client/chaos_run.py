@@ -54,8 +54,6 @@ def run_job(schedule: Schedule, *, steps: int, timeout_s: float, workdir: Path) 
     """Run `schedule` (no faults: a baseline) and observe it; never raises for the job."""
     lay, out, t0 = schedule.layout, Outcome(), time.monotonic()
     settings: dict[str, Any] = {"elastic": {"shrink": True}}
-    if schedule.kind == "bitflip":
-        settings["snapshot"] = {"ram_bytes": 1}  # nothing cached: restores read the disk
     cluster = LocalCluster(nodes=lay.nodes, workdir=workdir, daemon_settings=settings,
                            metrics=schedule.kind == "bitflip")
     cluster.env["STALWART_FAULT_LOG"] = str(workdir)
