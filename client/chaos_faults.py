@@ -124,7 +124,9 @@ class Injector:
             self._signal(self.cluster.daemons[f.index].proc, signal.SIGSTOP)
             self.paused[f.index] = time.monotonic() + PAUSE_S
         elif f.kind == "bitflip":
-            flip_chunks(self._node_of(f.index).data_dir, f.index)
+            own = self._node_of(f.index)
+            flip_chunks([own.data_dir, *(n.data_dir for n in self.cluster.daemons
+                                         if n is not own)], f.index)
             self._signal(self._rank(f.index), signal.SIGKILL)
         elif f.kind == "full-disk":
             self.ballast = fill(self._node_of(f.index).data_dir)
@@ -152,11 +154,14 @@ class Injector:
                 proc.send_signal(sig)
 
 
-def flip_chunks(data_dir: Path, rank: int) -> list[Path]:
-    """Flip one bit in the middle of every stored chunk of `rank` (every step this daemon
-    holds), so a restore of any committed step must read the chunks from shards."""
+def flip_chunks(data_dirs: list[Path], rank: int) -> list[Path]:
+    """Flip one bit in the middle of every stored chunk of `rank` on its own daemon, and
+    of the first data shard of each on every daemon (the one a shard reader asks for
+    first; a parity shard would never be read), so a restore must read around both."""
+    paths = [p for d in data_dirs for p in d.glob(f"shards/*/s*-r{rank}-c*.0")]
+    paths += data_dirs[0].glob(f"snapshots/*/steps/*/r{rank}/c*.chunk")
     flipped = []
-    for path in sorted(data_dir.glob(f"snapshots/*/steps/*/r{rank}/c*.chunk")):
+    for path in sorted(paths):
         with contextlib.suppress(FileNotFoundError), open(path, "r+b") as f:
             data = bytearray(f.read())
             if not data:

@@ -38,7 +38,7 @@ class Outcome:
     error: str = ""
     workdir: str = ""
     evidence: dict[str, int] = field(default_factory=dict)
-    """What shows the fault's mechanism ran: victims ended, chunks read around."""
+    """What shows the fault's mechanism ran: victims ended, corrupt bytes caught."""
 
 
 def _spec(lay: Layout, steps: int, in_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -176,12 +176,12 @@ def _evidence(cluster: LocalCluster, injector: Injector) -> dict[str, int]:
                if r.rank == f.fault.index]
     return {"victims_ended": sum(r.proc.poll() is not None for r in victims),
             "victims": len(victims),
-            "corrupt_chunks_found": sum(_disk_errors(n) for n in cluster.daemons
-                                        if cluster.metrics and n.alive)}
+            "checksum_failures": sum(_checksum_failures(n) for n in cluster.daemons
+                                     if cluster.metrics and n.alive)}
 
 
-def _disk_errors(node: Node) -> int:
-    """Chunks the daemon read from its disk and found failing their checksum."""
+def _checksum_failures(node: Node) -> int:
+    """Chunks and shards the daemon read (or scrubbed) and found failing their CRC32C."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics",
                                     timeout=2.0) as reply:
@@ -189,7 +189,7 @@ def _disk_errors(node: Node) -> int:
     except OSError:
         return 0
     return sum(int(float(line.split()[-1])) for line in text.splitlines()
-               if line.startswith('stalwart_scrub_errors_total{tier="disk"}'))
+               if line.startswith("stalwart_scrub_errors_total{"))
 
 
 def judge(out: Outcome, baseline: Outcome, layout: Layout) -> bool:
