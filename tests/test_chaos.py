@@ -25,15 +25,17 @@ SEEDS = [
 
 
 def _left_behind(folder: Path) -> list[str]:
-    """Command lines of live processes that name `folder` (the runs' daemons and ranks)."""
+    """Live processes whose command line (daemons: their config) or environment (ranks:
+    their result file) names `folder`."""
     found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            text = b" ".join((proc / name).read_bytes() for name in ("cmdline", "environ"))
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if str(folder) in text and "pytest" not in text:
-            found.append(text)
+        if str(folder).encode() in text and state != "Z" and b"pytest" not in text:
+            found.append(text.split(b"\0")[0].decode(errors="replace"))
     return found
 
 
