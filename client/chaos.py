@@ -122,14 +122,15 @@ def table(rows: list[dict[str, Any]]) -> str:
         t = r["fault_to_first_step_s"]
         lines.append(f"{r['kind']:16}  {_layout(r)!s:18}  {_yn(r['recovered']):9}  "
                      f"{_yn(r['equal']):5}  {t if t is not None else '-'}")
-    lines += ["", "| fault kind | runs | recovered | equal | median s to first step |",
-              "|---|---|---|---|---|"]
+    lines += ["", "| fault kind | runs | layouts | recovered | equal | lost steps | "
+              "s to first step: median (max) |", "|---|---|---|---|---|---|---|"]
     for kind in sorted({r["kind"] for r in rows}):
         of = [r for r in rows if r["kind"] == kind]
         times = [r["fault_to_first_step_s"] for r in of if r["fault_to_first_step_s"]]
-        med = f"{statistics.median(times):.2f}" if times else "-"
-        lines.append(f"| {kind} | {len(of)} | {sum(r['recovered'] for r in of)} | "
-                     f"{sum(r['equal'] for r in of)} | {med} |")
+        med = f"{statistics.median(times):.2f} ({max(times):.2f})" if times else "-"
+        lines.append(f"| {kind} | {len(of)} | {len({str(_layout(r)) for r in of})} | "
+                     f"{sum(r['recovered'] for r in of)} | {sum(r['equal'] for r in of)} | "
+                     f"{sum(r['lost_steps'] for r in of)} | {med} |")
     return "\n".join(lines)
 
 

@@ -67,3 +67,15 @@ def test_a_tp_pair_needs_two_survivors() -> None:
 def test_a_fault_on_a_node_that_runs_nothing_is_not_generated() -> None:
     lay = Layout(dp=1, pp=1, tp=1, spares=0, nodes=4, ranks_per_node=1)
     assert not feasible(Schedule("kill-node", lay, (Fault("kill-node", "node", 3, 3),)))
+
+
+def test_the_table_gives_each_kind_its_runs_and_median_time() -> None:
+    from stalwart.client.chaos import table
+
+    lay = {"dp": 2, "pp": 1, "tp": 1, "spares": 1, "nodes": 2, "ranks_per_node": 1}
+    rows = [{"kind": "hang", "layout": lay, "recovered": True, "equal": True,
+             "lost_steps": 0, "fault_to_first_step_s": t} for t in (5.0, 6.0, 9.0)]
+    rows.append({**rows[0], "kind": "gpu", "equal": False, "fault_to_first_step_s": None})
+    text = table(rows)
+    assert "| hang | 3 | 1 | 3 | 3 | 0 | 6.00 (9.00) |" in text
+    assert "| gpu | 1 | 1 | 1 | 0 | 0 | - |" in text
