@@ -128,11 +128,12 @@ def _watch(cluster: LocalCluster, injector: Injector, out: Outcome, steps: int,
 
 
 def _finished(cluster: LocalCluster, steps: int) -> int:
-    """Rank processes that exited after training every step."""
+    """Rank processes that ended after training every step (whatever their exit status:
+    see `dirty_exits`); ranks and spares left out of the last plan may still wait."""
     done = 0
     for r in cluster.ranks:
-        if r.proc.poll() == 0:
-            done += str(steps) in ((r.result() or {}).get("losses") or {})
+        if r.proc.poll() is not None and (res := r.result()) and res.get("result"):
+            done += str(steps) in (res.get("losses") or {})
     return done
 
 
@@ -174,7 +175,11 @@ def _conclude(cluster: LocalCluster, injector: Injector, out: Outcome, follow: S
 def _evidence(cluster: LocalCluster, injector: Injector) -> dict[str, int]:
     victims = [r for f in injector.fired if f.fault.target == "rank" for r in cluster.ranks
                if r.rank == f.fault.index]
+    # Ranks that trained to the end and then exited with an error or a signal.
+    dirty = [r for r in cluster.ranks if r.proc.poll() not in (None, 0)
+             and (r.result() or {}).get("result")]
     return {"victims_ended": sum(r.proc.poll() is not None for r in victims),
+            "dirty_exits": len(dirty),
             "victims": len(victims),
             "checksum_failures": sum(_checksum_failures(n) for n in cluster.daemons
                                      if cluster.metrics and n.alive)}
