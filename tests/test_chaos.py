@@ -19,8 +19,8 @@ pytestmark = pytest.mark.multiprocess
 # exercise the most machinery (a second fault during recovery, a read around a flipped
 # bit, a paused daemon, the coordinator's node, an in-rank hang).
 SEEDS = [
-    (2, 4, "kill-node,kill-coordinator,hang,double"),
-    (4, 3, "stop-daemon,bitflip,full-disk"),
+    (7, 4, "kill-node,kill-coordinator,hang,double"),
+    (11, 3, "bitflip,full-disk,stop-daemon"),
 ]
 
 
@@ -58,5 +58,9 @@ def test_a_fixed_seed_recovers_every_run_equal_to_the_baseline(
         assert row["lost_steps"] == 0, row
         assert row["equal"], row
         assert row["fault_to_first_step_s"] is not None and row["fault_to_first_step_s"] > 0
+        evidence = row["evidence"]
+        assert evidence["victims_ended"] == evidence["victims"], row  # hung ones fenced
+        if row["kind"] == "bitflip":
+            assert evidence["checksum_failures"] > 0, row  # the flipped bits were caught
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert not _left_behind(tmp_path / "runs")
