@@ -77,6 +77,9 @@ def run_job(schedule: Schedule, *, steps: int, timeout_s: float, workdir: Path) 
         injector.release()
         cluster.close(keep_workdir=True)
         for path in mounted:
+            if not out.completed:  # keep the failed node's logs: the tmpfs goes with it
+                shutil.copytree(path, path.with_name(path.name + "-tmpfs"), dirs_exist_ok=True,
+                                ignore=shutil.ignore_patterns("ballast", "*.sock"))
             unmount(path)
     out.elapsed_s = round(time.monotonic() - t0, 2)
     out.workdir = str(workdir)
