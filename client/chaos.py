@@ -126,7 +126,8 @@ def table(rows: list[dict[str, Any]]) -> str:
               "s to first step: median (max) |", "|---|---|---|---|---|---|---|"]
     for kind in sorted({r["kind"] for r in rows}):
         of = [r for r in rows if r["kind"] == kind]
-        times = [r["fault_to_first_step_s"] for r in of if r["fault_to_first_step_s"]]
+        times = [r["fault_to_first_step_s"] for r in of
+                 if r["recovered"] and r["fault_to_first_step_s"]]
         med = f"{statistics.median(times):.2f} ({max(times):.2f})" if times else "-"
         lines.append(f"| {kind} | {len(of)} | {len({str(_layout(r)) for r in of})} | "
                      f"{sum(r['recovered'] for r in of)} | {sum(r['equal'] for r in of)} | "

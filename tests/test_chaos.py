@@ -5,6 +5,7 @@ of any run is left behind."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,13 @@ def _left_behind(folder: Path) -> list[str]:
     return found
 
 
+def _restored_from_ram(row: dict) -> bool:
+    """A spare on the victim's own node took over: its daemon restores the victim's
+    state from its RAM tier and reads neither the flipped chunk files nor the shards."""
+    return any(m[1] == m[2] for p in row["plans"]
+               if (m := re.match(r"replace (node-\d+)/\d+ with spare (node-\d+)/", p)))
+
+
 @pytest.mark.parametrize(("seed", "runs", "kinds"), SEEDS)
 def test_a_fixed_seed_recovers_every_run_equal_to_the_baseline(
         tmp_path: Path, seed: int, runs: int, kinds: str) -> None:
@@ -58,7 +66,7 @@ def test_a_fixed_seed_recovers_every_run_equal_to_the_baseline(
         assert row["fault_to_first_step_s"] is not None and row["fault_to_first_step_s"] > 0
         evidence = row["evidence"]
         assert evidence["victims_ended"] == evidence["victims"], row  # hung ones fenced
-        if row["kind"] == "bitflip":
+        if row["kind"] == "bitflip" and not _restored_from_ram(row):
             assert evidence["checksum_failures"] > 0, row  # the flipped bits were caught
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert not _left_behind(tmp_path / "runs")
