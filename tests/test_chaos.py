@@ -21,7 +21,7 @@ SEEDS = [
     (7, 4, "kill-node,kill-coordinator,hang,double"),
     # full-disk is left out: steps captured while a disk is full never commit, so when
     # they are a job's last steps the job cannot finish (see README, Chaos campaign).
-    (11, 2, "bitflip,stop-daemon"),
+    (12, 2, "bitflip,stop-daemon"),
 ]
 
 
