@@ -34,6 +34,8 @@ from stalwart.v1 import common_pb2, rank_pb2
 log = logging.getLogger("stalwart.client.agent")
 
 T = TypeVar("T")
+# How often a rank waiting for its final step to commit looks for a newer plan (seconds).
+COMMIT_WAIT_SLICE_S = 0.5
 
 
 class JobStopped(RuntimeError):
@@ -188,12 +190,22 @@ class Generation:
             self.agent.on_step(step, loss if loss is not None else float("nan"))
 
     def wait_committed(self, step: int, timeout_s: float = 120.0) -> None:
-        """The last step is durable before this rank reports success."""
-        reply = self.daemon.call("wait_committed", "WaitCommitted",
-                                 rank_pb2.WaitCommittedRequest(step=step, timeout_s=timeout_s),
-                                 timeout=timeout_s + 5)
-        if not reply.committed:
-            raise RuntimeError(f"final step {step} was not committed: {reply.message}")
+        """The last step is durable before this rank reports success. A newer plan ends
+        the wait with PlanChanged: a peer was lost before `step` committed, and the rank
+        must redo the steps after that plan's resume step (waiting on would time out)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_plan()
+            left = deadline - time.monotonic()
+            wait_s = max(0.01, min(left, COMMIT_WAIT_SLICE_S))
+            reply = self.daemon.call("wait_committed", "WaitCommitted",
+                                     rank_pb2.WaitCommittedRequest(step=step, timeout_s=wait_s),
+                                     timeout=wait_s + 5)
+            if reply.committed:
+                return
+            if left <= COMMIT_WAIT_SLICE_S:
+                raise RuntimeError(f"final step {step} was not committed within "
+                                   f"{timeout_s:g} s: {reply.message}")
 
 
 class ElasticAgent:

@@ -35,6 +35,7 @@ from stalwart.daemon.config import ElasticSettings
 from stalwart.daemon.metrics import Metrics
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
 
+COMMIT_RETRY_S = 1.0  # seconds before a commit that failed on the coordinator is retried
 log = logging.getLogger("stalwart.daemon.coordinator")
 
 
@@ -94,6 +95,11 @@ class Coordinator:
     took_over_at: float = float("-inf")  # monotonic time this daemon became coordinator
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _committing: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # The manifest first sent for each pending step: a retry sends the same bytes, so a
+    # daemon that committed the first attempt accepts it again (a rebuilt one differs).
+    _built: dict[int, manifest_pb2.Manifest] = field(default_factory=dict)
+    _retry: asyncio.TimerHandle | None = None
+    _retrying: asyncio.Future[None] | None = None
 
     # membership ---------------------------------------------------------------
 
@@ -327,6 +333,7 @@ class Coordinator:
                 decided_s=decided, message=message))
             # Steps prepared by the old generation after the resume point are abandoned.
             self.pending = {s: r for s, r in self.pending.items() if s <= resume}
+            self._built = {s: m for s, m in self._built.items() if s <= resume}
 
     def recovery_done(self, generation: int) -> None:
         """Every rank of `generation` trained a step: the recovery is over."""
@@ -377,9 +384,13 @@ class Coordinator:
                         del self.pending[step]
                         continue
                     return  # steps commit in order; a later one waits for this one
-                manifest = mf.build_manifest(
-                    job_id=self.job_id, step=step, generation=self.generations[step],
-                    layout=lay, ranks=self.pending[step].values())
+                ranks = sorted(self.pending[step].values(), key=lambda r: r.rank)
+                manifest = self._built.get(step)
+                if (manifest is None or manifest.generation != self.generations[step]
+                        or list(manifest.ranks) != ranks):
+                    manifest = self._built[step] = mf.build_manifest(
+                        job_id=self.job_id, step=step, generation=self.generations[step],
+                        layout=lay, ranks=ranks)
                 t0 = time.monotonic()
                 nodes = self.links.nodes()
                 results = await asyncio.gather(
@@ -389,9 +400,11 @@ class Coordinator:
                           if isinstance(r, BaseException)}
                 failed = [f"{n}: {r}" for n, r in errors.items()]
                 if self.node in errors:
-                    # Not committed here means not committed: keep it pending, retry later.
+                    # Not committed here means not committed: keep it pending and retry
+                    # soon, since the last prepares of a job may already be in.
                     log.error("commit failed on the coordinator itself",
                               extra={"step": step, "errors": failed})
+                    self._retry_commit_later()
                     return
                 if failed:
                     log.warning("commit not acknowledged by every daemon",
@@ -402,6 +415,7 @@ class Coordinator:
                 del self.pending[step]
                 self.layouts.pop(step, None)
                 self.generations.pop(step, None)
+                self._built = {s: m for s, m in self._built.items() if s in self.pending}
                 latest = step
                 if len(self.finals.pop(step, ())) >= _world(lay):
                     await self._complete(step)
@@ -419,6 +433,13 @@ class Coordinator:
                                         reason="completed")
         self.completed = True
         log.info("job completed", extra={"step": step})
+
+    def _retry_commit_later(self) -> None:
+        if self._retry is None:
+            def retry() -> None:
+                self._retry = None
+                self._retrying = asyncio.ensure_future(self._commit_ready())
+            self._retry = asyncio.get_running_loop().call_later(COMMIT_RETRY_S, retry)
 
 
     def _complete_after(self, step: int) -> bool:

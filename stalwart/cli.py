@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("stalwart.client.demo", "run a local cluster: train, inject failures, recover"),
     "run": ("stalwart.client.run_cli", "start this host's ranks and spares of a protected job "
             "(torchrun-compatible)"),
+    "chaos": ("stalwart.client.chaos", "run a seeded campaign of fault schedules, check each"),
     "train": ("stalwart.client.train_cli", "train the GPT with DP x PP x TP as local processes"),
     "plan": ("stalwart.core.plan_cli", "partition layers into stages, advise a parallel strategy"),
     "bench": ("stalwart.bench.cli", "run a benchmark and write its figures as JSON"),

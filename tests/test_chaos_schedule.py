@@ -1,0 +1,81 @@
+"""The chaos campaign's schedule generator: seeded, feasible, covering every kind."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from stalwart.client.chaos_schedule import (
+    KINDS,
+    MAX_PROCESSES,
+    Fault,
+    Layout,
+    Schedule,
+    feasible,
+    generate,
+    placement,
+)
+
+
+def test_the_same_seed_generates_the_same_schedules() -> None:
+    assert generate(7, 30) == generate(7, 30)
+    assert generate(7, 30) != generate(8, 30)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_every_generated_schedule_is_feasible_for_its_layout(seed: int) -> None:
+    for s in generate(seed, 24):
+        lay = s.layout
+        assert feasible(s), s
+        assert {lay.dp, lay.pp, lay.tp} <= {1, 2} and 0 <= lay.spares <= 2
+        assert 2 <= lay.nodes <= 4 and lay.world + lay.spares <= MAX_PROCESSES
+        ranks, _ = placement(lay)
+        for first in range(0, lay.world, lay.tp):  # a TP group sits on one node
+            assert len(set(ranks[first:first + lay.tp])) == 1, s
+
+
+def test_every_kind_is_reached_within_one_round() -> None:
+    for seed in range(5):
+        assert Counter(s.kind for s in generate(seed, len(KINDS))) == Counter(list(KINDS))
+
+
+def test_a_subset_of_kinds_is_honoured() -> None:
+    assert {s.kind for s in generate(3, 10, kinds=["hang", "gpu"])} == {"hang", "gpu"}
+
+
+def test_a_double_fault_hits_two_ranks_the_second_during_recovery() -> None:
+    for s in generate(2, 60, kinds=["double"]):
+        first, second = s.faults
+        assert first.index != second.index and second.after == "recovery"
+
+
+def test_a_lone_rank_without_a_spare_is_not_killed() -> None:
+    lay = Layout(dp=1, pp=1, tp=1, spares=0, nodes=2, ranks_per_node=1)
+    assert not feasible(Schedule("kill-rank", lay, (Fault("kill-rank", "rank", 0, 3),)))
+    spared = Layout(dp=1, pp=1, tp=1, spares=1, nodes=2, ranks_per_node=1)
+    assert feasible(Schedule("kill-rank", spared, (Fault("kill-rank", "rank", 0, 3),)))
+
+
+def test_a_tp_pair_needs_two_survivors() -> None:
+    lay = Layout(dp=1, pp=1, tp=2, spares=0, nodes=2, ranks_per_node=2)
+    assert not feasible(Schedule("kill-rank", lay, (Fault("kill-rank", "rank", 1, 3),)))
+    lay = Layout(dp=2, pp=1, tp=2, spares=0, nodes=2, ranks_per_node=2)
+    assert feasible(Schedule("kill-node", lay, (Fault("kill-node", "node", 1, 3),)))
+
+
+def test_a_fault_on_a_node_that_runs_nothing_is_not_generated() -> None:
+    lay = Layout(dp=1, pp=1, tp=1, spares=0, nodes=4, ranks_per_node=1)
+    assert not feasible(Schedule("kill-node", lay, (Fault("kill-node", "node", 3, 3),)))
+
+
+def test_the_table_gives_each_kind_its_runs_and_median_time() -> None:
+    from stalwart.client.chaos import table
+
+    lay = {"dp": 2, "pp": 1, "tp": 1, "spares": 1, "nodes": 2, "ranks_per_node": 1}
+    rows = [{"kind": "hang", "layout": lay, "recovered": True, "equal": True,
+             "lost_steps": 0, "fault_to_first_step_s": t} for t in (5.0, 6.0, 9.0)]
+    rows.append({**rows[0], "kind": "gpu", "equal": False, "fault_to_first_step_s": None})
+    text = table(rows)
+    assert "| hang | 3 | 1 | 3 | 3 | 0 | 6.00 (9.00) |" in text
+    assert "| gpu | 1 | 1 | 1 | 0 | 0 | - |" in text

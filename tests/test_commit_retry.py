@@ -1,0 +1,62 @@
+"""A commit that fails on the coordinator's own disk (full) while a peer committed it is
+retried on its own, with the same manifest, so the job's last steps still commit once
+the disk has room (before: retried only when another prepare came, and with a rebuilt
+manifest the peer refused)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import time
+
+from stalwart.daemon.coordinator import Coordinator
+from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.repair import same_but_holders
+from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
+
+
+class Links:
+    """Two daemons: n0 (the coordinator) with a full disk until `full` is cleared, n1
+    that refuses a second, different manifest for a step it committed."""
+
+    def __init__(self) -> None:
+        self.full = True
+        self.committed: dict[str, dict[int, manifest_pb2.Manifest]] = {"n0": {}, "n1": {}}
+        self.refused = 0
+
+    def nodes(self) -> list[str]:
+        return ["n0", "n1"]
+
+    async def commit_step(self, node: str, manifest: manifest_pb2.Manifest) -> None:
+        if node == "n0" and self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        old = self.committed[node].get(manifest.step)
+        if old is not None and old != manifest and not same_but_holders(old, manifest):
+            self.refused += 1
+            raise ValueError(f"step {manifest.step} is already committed with a different "
+                             "manifest")
+        self.committed[node][manifest.step] = manifest
+
+
+def test_a_commit_that_failed_on_the_coordinators_full_disk_is_retried_unprompted() -> None:
+    async def scenario() -> Links:
+        links = Links()
+        coordinator = Coordinator(
+            node="n0", job_id="job", metrics=Metrics(), links=links,
+            latest_committed=lambda: max(links.committed["n0"], default=None))
+        await coordinator.prepared(peer_pb2.PrepareStepRequest(
+            job_id="job", step=12, generation=1, node="n0",
+            ranks=[manifest_pb2.RankState(rank=0, node="n0")],
+            layout=common_pb2.ParallelLayout(dp=1, pp=1, tp=1)))
+        assert 12 in links.committed["n1"] and not links.committed["n0"]
+        await asyncio.sleep(0)  # lets the first retry, still on a full disk, fail too
+        links.full = False  # space freed; no further prepare will come
+        deadline = time.monotonic() + 30.0
+        while 12 not in links.committed["n0"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return links
+
+    links = asyncio.run(scenario())
+    assert 12 in links.committed["n0"], "the final step never committed on the coordinator"
+    assert links.refused == 0
+    assert links.committed["n0"][12] == links.committed["n1"][12]
