@@ -25,6 +25,7 @@ class FailureKind(enum.Enum):
     GPU_FAULT = common_pb2.FailureEvent.GPU_FAULT
     PEER_LOST = common_pb2.FailureEvent.PEER_LOST
     STRAGGLER = common_pb2.FailureEvent.STRAGGLER
+    STALLED = common_pb2.FailureEvent.STALLED
 
     @property
     def is_fact(self) -> bool:

@@ -33,6 +33,12 @@ SPARE = "spare"
 LEFT = "left"  # stopped cleanly (final heartbeat with leaving=True)
 KEEP_DEAD = 256  # dead or departed ranks kept for `stalwart status` before the oldest is dropped
 KEEP_FAILURES = 100
+# A rank with a role that heartbeats but makes no step for this long is stalled: alone
+# in its job (no peer's collective can time out on it), or as a backstop behind the
+# peers' collective timeouts; and never sooner than STALL_STEPS of its own step times.
+STALL_ALONE_S = 10.0
+STALL_BACKSTOP_S = 120.0
+STALL_STEPS = 20
 STRAGGLER_WINDOW_HEARTBEATS = 4  # heartbeat intervals per straggler window (at least 2 s)
 RANK_PHASES = ("rebuild", "restore")  # recovery phases a rank times and reports
 
@@ -69,6 +75,7 @@ class RankRecord:
     process: ProcessIdentity | None = None
     step: int = 0
     step_time_s: float = 0.0
+    progress_at: float = 0.0  # registry clock of its last step change (or plan change)
     state: str = ALIVE
     cause: str = ""  # evidence of the death, once dead
 
@@ -153,6 +160,8 @@ class Registry:
         record.last_heartbeat = self.clock()
         if step > record.step and step_time_s > 0:  # a new step finished: one sample
             self.stragglers.observe(rank_id, step_time_s)
+        if step != record.step:
+            record.progress_at = record.last_heartbeat
         record.step, record.step_time_s = step, step_time_s
         self._observe_phases(rank_id, generation, recovery_phases or {})
         if leaving:
@@ -185,6 +194,24 @@ class Registry:
     def get(self, rank_id: str) -> RankRecord | None:
         return self._ranks.get(rank_id)
 
+    def _stalled(self, record: RankRecord, now: float) -> str | None:
+        """Evidence that a rank with a role stopped making steps while it heartbeats (a
+        hang no peer can see: a job of one rank), or None. With peers, their collective
+        timeouts see a hang first; this is then only a backstop."""
+        if self.plan is None or self.plan.stop or record.step == 0 or not record.progress_at:
+            return None
+        if not any(a.rank_id == record.rank_id and not a.spare for a in self.plan.assignments):
+            return None  # a spare, or a rank the plan left out
+        lay = self.plan.layout
+        alone = lay.dp * max(1, lay.pp) * max(1, lay.tp) == 1
+        limit = max(STALL_ALONE_S if alone else STALL_BACKSTOP_S,
+                    STALL_STEPS * record.step_time_s)
+        idle = now - record.progress_at
+        if idle <= limit:
+            return None
+        return (f"heartbeating but no step for {idle:.1f} s after step {record.step} "
+                f"(limit {limit:.0f} s)")
+
     def heartbeat_age_s(self, record: RankRecord) -> float:
         return max(0.0, self.clock() - record.last_heartbeat)
 
@@ -208,6 +235,10 @@ class Registry:
                 continue
             if paused:  # its heartbeats queued behind this daemon's pause, not the rank's
                 record.last_heartbeat = max(record.last_heartbeat, now - self.heartbeat_interval_s)
+                record.progress_at = max(record.progress_at, now - self.heartbeat_interval_s)
+                continue
+            if (stalled := self._stalled(record, now)) is not None:
+                found.append(self._declare_dead(record, FailureKind.STALLED, stalled))
                 continue
             age = self.heartbeat_age_s(record)
             state = heartbeat_state(age, self.heartbeat_interval_s, self.heartbeat_timeout_s)
@@ -298,6 +329,9 @@ class Registry:
                 f"generation {self.generation}")
         self.previous_plan = self.current_plan()
         self.generation, self.plan = plan.generation, plan
+        now = self.clock()
+        for record in self._ranks.values():  # restoring for the new plan is not a stall
+            record.progress_at = now if record.progress_at else 0.0
         self.stragglers.generation = plan.generation
         self.metrics.generation.set(self.generation)
         self.metrics.plan.info(plan_labels(plan))

@@ -231,3 +231,38 @@ def test_the_coordinator_of_the_installed_plan_keeps_the_role_while_it_lives() -
     clock.now += 3
     table.check()  # b is lost now
     assert table.coordinator() == "a"
+
+
+def _plan(world_dp: int, rank_id: str) -> common_pb2.Plan:
+    return common_pb2.Plan(generation=2, layout=common_pb2.ParallelLayout(dp=world_dp, pp=1,
+                                                                         tp=1),
+                           assignments=[common_pb2.RankAssignment(rank_id=rank_id, node="n0")])
+
+
+def test_a_rank_alone_in_its_job_that_heartbeats_without_steps_is_stalled() -> None:
+    clock = Clock()
+    reg = registry(clock)
+    rank_id = add_rank(reg)
+    reg.install_plan(_plan(1, rank_id))
+    for step in (1, 2):
+        clock.now += 0.1
+        reg.heartbeat(rank_id, 2, step=step, step_time_s=0.1)
+    for _ in range(11):  # it keeps heartbeating, step 2 forever (a hang)
+        clock.now += 1.0
+        reg.heartbeat(rank_id, 2, step=2, step_time_s=0.1)
+        found = reg.check()
+    [failure] = found
+    assert failure.kind is FailureKind.STALLED and failure.subject == rank_id
+    assert "no step for 11.0 s after step 2" in failure.evidence
+
+
+def test_with_peers_a_slow_step_is_left_to_their_collective_timeouts() -> None:
+    clock = Clock()
+    reg = registry(clock)
+    rank_id = add_rank(reg)
+    reg.install_plan(_plan(4, rank_id))
+    reg.heartbeat(rank_id, 2, step=1, step_time_s=0.1)
+    for _ in range(60):
+        clock.now += 1.0
+        reg.heartbeat(rank_id, 2, step=1, step_time_s=0.1)
+        assert reg.check() == []

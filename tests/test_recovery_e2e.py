@@ -174,3 +174,13 @@ def test_without_a_spare_the_job_stops_at_the_last_committed_step(tmp_path: Path
     assert summary["lost_steps"] == 0
     assert "Training stops at the last committed step" in summary["stopped"]
     assert "spare" in summary["stopped"]
+
+
+def test_a_hang_of_a_jobs_only_rank_is_detected_as_a_stall_and_replaced(tmp_path: Path) -> None:
+    # No peer's collective can time out on it: its daemon sees it heartbeat without steps.
+    layout = ("--nodes", "2", "--ranks-per-node", "1", "--dp", "1", "--pp", "1")
+    code, summary = demo(tmp_path, *layout, "--spares", "1", "--hang", "rank:0@step:3")
+    assert code == 0, summary
+    assert_recovered(summary, uninterrupted(tmp_path, *layout), 1)
+    assert "stalled" in {d["kind"] for d in summary["detected"]}
+    assert summary["exits"]["rank0"] == -9  # ended by its daemon

@@ -313,6 +313,8 @@ class FailureEvent(_message.Message):
         GPU_FAULT: FailureEvent._Kind.ValueType  # 4
         PEER_LOST: FailureEvent._Kind.ValueType  # 5
         STRAGGLER: FailureEvent._Kind.ValueType  # 6
+        STALLED: FailureEvent._Kind.ValueType  # 7
+        """alive and heartbeating, but its steps stopped"""
 
     class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
     KIND_UNSPECIFIED: FailureEvent.Kind.ValueType  # 0
@@ -322,6 +324,8 @@ class FailureEvent(_message.Message):
     GPU_FAULT: FailureEvent.Kind.ValueType  # 4
     PEER_LOST: FailureEvent.Kind.ValueType  # 5
     STRAGGLER: FailureEvent.Kind.ValueType  # 6
+    STALLED: FailureEvent.Kind.ValueType  # 7
+    """alive and heartbeating, but its steps stopped"""
 
     KIND_FIELD_NUMBER: _builtins.int
     SUBJECT_FIELD_NUMBER: _builtins.int
