@@ -120,6 +120,7 @@ def _cluster_run(quick: bool) -> dict[str, Any]:
     cluster = LocalCluster(nodes=2, metrics=True, daemon_settings={"elastic": {"shrink": True}})
     cluster.env["STALWART_FAULT_LOG"] = str(cluster.workdir)
     first_plan, roles, next_status, keep = None, 3, 0.0, True
+    shrunk = None  # the plan after the kill (the status ends on the completion plan)
     try:
         cluster.start_daemons()
         coord = cluster.coordinator()
@@ -135,6 +136,7 @@ def _cluster_run(quick: bool) -> dict[str, Any]:
                     first_plan = st.plan
                 if st is not None and st.generation >= 2 and not st.plan.stop:
                     roles = len([a for a in st.plan.assignments if not a.spare])
+                    shrunk = st.plan
             if clock.finished(steps) >= roles:
                 break  # every rank with a role in the new plan trained the last step
             time.sleep(POLL_S)
@@ -144,6 +146,8 @@ def _cluster_run(quick: bool) -> dict[str, Any]:
         while cluster.running() and time.monotonic() < end:
             time.sleep(0.1)
         final = coord.status()
+        if final is not None and final.plan.completed and shrunk is not None:
+            final.plan.CopyFrom(shrunk)
         scraped = _scrape(coord.metrics_port)
         assert cluster.workdir is not None
         faults = [json.loads(p.read_text()) for p in cluster.workdir.glob("fault-*.json")]

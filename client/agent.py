@@ -343,6 +343,8 @@ class ElasticAgent:
         self.result.coord = {"rank": role.coord.rank, "dp": role.coord.dp,
                              "pp": role.coord.pp, "tp": role.coord.tp}
         record = {"generation": plan.generation, "resume_step": plan.resume_step,
+                  "layout": {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp,
+                             "grad_accum": lay.grad_accum},
                   "rebuild_s": None, "restore_s": None, "first_step_s": None,
                   "reason": plan.reason, "plan_received_unix": received_unix,
                   "first_step_unix": None, "t_build": t_build}

@@ -242,6 +242,7 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
     follow.poll([r.log_path for r in cluster.ranks])
     if (last := cluster.coordinator()) is not None:  # a hand-over in the last interval
         _note_coordinator(coordinators, last.name)
+    _add_missed_plans(cluster, plans)
     summary = _summarise(cluster, args, faults, follow, plans, committed_at,
                          time.monotonic() - t0)
     summary["coordinators"] = coordinators
@@ -252,6 +253,21 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
     summary["pids"] = {r.log_path.stem: r.proc.pid for r in cluster.ranks}
     summary["rank_nodes"] = {r.log_path.stem: r.node.index for r in cluster.ranks}
     return summary
+
+
+def _add_missed_plans(cluster: Any, plans: list[dict[str, Any]]) -> None:
+    """A re-plan the job outran between two looks (it completed soon after) is known
+    from the generations its ranks trained in."""
+    seen = {p["generation"] for p in plans}
+    for r in cluster.ranks:
+        for g in (r.result() or {}).get("generations", []):
+            if g["generation"] > 1 and g["generation"] not in seen:
+                seen.add(g["generation"])
+                plans.append({"generation": g["generation"], "reason": g["reason"],
+                              "resume_step": g["resume_step"],
+                              "time_unix": g["plan_received_unix"], "stop": False,
+                              "stop_message": ""})
+    plans.sort(key=lambda p: p["generation"])
 
 
 def _finished(cluster: Any, steps: int) -> int:

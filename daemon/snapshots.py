@@ -44,6 +44,8 @@ PIECE_BYTES = 1 << 20       # restore stream message size
 SHARD_BYTES_IN_FLIGHT = 256 << 20  # shard bytes being sent to or read from peers
 MAX_BACKLOG = 3             # captures per rank copied but not yet encoded, at most
 PUSH_TIMEOUT_S = 10.0       # a repaired manifest sent to one peer
+FINAL_RETRY_S = 120.0       # the job's last step is retried this long when it cannot be stored
+FINAL_RETRY_EVERY_S = 1.0
 DEFAULT_SLOT_BUDGET = 8 << 30  # bytes of shared memory for all ranks when ram_bytes is 0
 T = TypeVar("T")
 
@@ -194,17 +196,32 @@ class SnapshotPath:
             await asyncio.gather(previous, return_exceptions=True)  # keep step order
         try:
             prepared = await self._encode(request, owned)
-            if prepared is None:
-                return  # the job moved on while this capture waited; it will not commit
-            self.quota.reserve(sum(len(p) for p in prepared.payloads))
-            state = await self._run(self.store.prepare, step, prepared)
-            state = await self._protect(step, generation, state, prepared.payloads)
-            await self.send_prepare(peer_pb2.PrepareStepRequest(
-                job_id=self.config.job_id, step=step, generation=generation, node=self.node,
-                ranks=[state], layout=request.layout, final=request.final))
         except Exception:
-            log.exception("step could not be made durable; it will not commit",
+            log.exception("step could not be encoded; it will not commit",
                           extra={"step": step, "rank": request.coord.rank})
+            return
+        if prepared is None:
+            return  # the job moved on while this capture waited; it will not commit
+        # A later step's commit makes a lost one moot, but nothing follows the job's last
+        # step: that one is retried (a full disk may be freed) while its generation lasts.
+        give_up = time.monotonic() + (FINAL_RETRY_S if request.final else 0.0)
+        while True:
+            try:
+                self.quota.reserve(sum(len(p) for p in prepared.payloads))
+                state = await self._run(self.store.prepare, step, prepared)
+                state = await self._protect(step, generation, state, prepared.payloads)
+                await self.send_prepare(peer_pb2.PrepareStepRequest(
+                    job_id=self.config.job_id, step=step, generation=generation,
+                    node=self.node, ranks=[state], layout=request.layout, final=request.final))
+                return
+            except Exception:
+                if time.monotonic() >= give_up or generation < self.registry.generation:
+                    log.exception("step could not be made durable; it will not commit",
+                                  extra={"step": step, "rank": request.coord.rank})
+                    return
+                log.warning("the job's last step is not durable yet; retrying",
+                            extra={"step": step, "rank": request.coord.rank}, exc_info=True)
+                await asyncio.sleep(FINAL_RETRY_EVERY_S)
 
     async def _encode(self, request: rank_pb2.CaptureRequest, owned: bytes) -> Any:
         """Delta-encode one capture (None if its generation is over); frees its backlog."""

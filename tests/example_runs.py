@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.client.local_cluster import LocalCluster, StepLog, wait_until
+from stalwart.v1 import common_pb2
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -72,13 +73,15 @@ def run_example(tmp_path: Path, script: str, *args: str, nodes: int = 2, world: 
             status = coordinator.status() if coordinator else None
             if status is not None and status.generation > seen_generation:
                 seen_generation = status.generation
-                out.plans.append(status.plan)
+                if not status.plan.completed:  # the end of the job, not a re-plan
+                    out.plans.append(status.plan)
             if _done(cluster):
                 break
             time.sleep(0.2)
         follow.poll([r.log_path for r in cluster.ranks])
         out.losses = dict(follow.losses)
         out.results = [res for r in cluster.ranks if (res := r.result()) is not None]
+        _add_plans_the_ranks_trained_in(out)
         out.exit_codes = [r.proc.poll() for r in cluster.ranks]
         out.logs = "\n".join(f"--- {r.log_path.name}\n{r.log_path.read_text()[-3000:]}"
                              for r in cluster.ranks if r.log_path.exists())
@@ -89,6 +92,20 @@ def run_example(tmp_path: Path, script: str, *args: str, nodes: int = 2, world: 
 
 def _command(script: str) -> list[str]:
     return [str(REPO / script)] if script.endswith(".py") else ["-m", script]
+
+
+def _add_plans_the_ranks_trained_in(out: Run) -> None:
+    """A plan that lived shorter than one poll (the job ended soon after a re-plan) is
+    known from the generations the ranks trained in."""
+    seen = {p.generation for p in out.plans}
+    for res in out.results:
+        for g in res.get("generations", []):
+            if g["generation"] not in seen:
+                seen.add(g["generation"])
+                out.plans.append(common_pb2.Plan(
+                    generation=g["generation"], resume_step=g["resume_step"],
+                    layout=common_pb2.ParallelLayout(**g["layout"])))
+    out.plans.sort(key=lambda p: p.generation)
 
 
 def _done(cluster: LocalCluster) -> bool:

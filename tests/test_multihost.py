@@ -225,14 +225,20 @@ def inject(fault: str, job: list[Host], launchers: dict[str, subprocess.Popen],
 
     def replanned() -> operator_pb2.StatusReply | None:
         st = newest(survivors)
-        return st if st is not None and st.generation > before.generation else None
+        return st if (st is not None and st.generation > before.generation
+                      and not st.plan.completed) else None
 
-    plan = wait_until(replanned, 120, "a plan without the lost host").plan
-    out["resume_step"] = plan.resume_step
+    if any(not a.spare and a.node == victim.name for a in before.plan.assignments):
+        plan = wait_until(replanned, 120, "a plan without the lost host").plan
+    else:  # the seat holder held only spares: the job goes on in its plan
+        plan = before.plan
+    out["resume_step"] = max(plan.resume_step, committed) if plan is before.plan \
+        else plan.resume_step
     out["layout"] = (plan.layout.dp, plan.layout.pp, plan.layout.tp)
+
     def stepped_on() -> bool:
         statuses = [h.status() for h in survivors]
-        return any(r.step > plan.resume_step for st in statuses if st for r in st.ranks)
+        return any(r.step > out["resume_step"] for st in statuses if st for r in st.ranks)
 
     wait_until(stepped_on, 120, "the first step after the fault")
     out["fault_to_first_step_s"] = round(time.monotonic() - t0, 2)
