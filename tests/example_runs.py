@@ -67,17 +67,19 @@ def run_example(tmp_path: Path, script: str, *args: str, nodes: int = 2, world: 
             coordinator = cluster.coordinator()
             status = coordinator.status() if coordinator else None
             out.committed_at_kill = status.latest_committed_step if status else None
-        seen_generation = 0
-        while cluster.running() and time.monotonic() < deadline:
+        seen = [0]  # the newest generation recorded
+
+        def record_plans_until_done() -> bool:
             coordinator = cluster.coordinator()
             status = coordinator.status() if coordinator else None
-            if status is not None and status.generation > seen_generation:
-                seen_generation = status.generation
+            if status is not None and status.generation > seen[0]:
+                seen[0] = status.generation
                 if not status.plan.completed:  # the end of the job, not a re-plan
                     out.plans.append(status.plan)
-            if _done(cluster):
-                break
-            time.sleep(0.2)
+            return _done(cluster) or not cluster.running()
+
+        wait_until(record_plans_until_done, max(1.0, deadline - time.monotonic()),
+                   "every rank with a role to finish", every_s=0.2)
         follow.poll([r.log_path for r in cluster.ranks])
         out.losses = dict(follow.losses)
         out.results = [res for r in cluster.ranks if (res := r.result()) is not None]

@@ -3,7 +3,6 @@ started, the ranks and the spares; nothing is left running."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -11,28 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import processes_naming
 
 from stalwart.client.local_cluster import wait_until
 
 pytestmark = pytest.mark.multiprocess
 
 MICRO = '{"d_model": 32, "n_layer": 2, "n_head": 2, "d_ff": 64, "seq_len": 16}'
-
-
-def processes_of(workdir: Path) -> list[int]:
-    """Live processes whose command line or environment names the demo's folder."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            text = (entry / "cmdline").read_bytes() + (entry / "environ").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if str(workdir).encode() in text and state not in ("Z", "X"):
-            found.append(int(entry.name))
-    return found
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -47,11 +31,11 @@ def test_a_signal_to_the_demo_ends_every_process_it_started(tmp_path: Path, sig)
         for line in proc.stdout:
             if "launched" in line or time.monotonic() - started > 120:
                 break
-        wait_until(lambda: len(processes_of(workdir)) >= 7, 60,
+        wait_until(lambda: len(processes_naming(workdir)) >= 7, 60,
                    "two daemons, four ranks and a spare to run")
         proc.send_signal(sig)
         assert proc.wait(timeout=60) == 130
-        wait_until(lambda: not processes_of(workdir), 30, "every process to end")
+        wait_until(lambda: not processes_naming(workdir), 30, "every process to end")
     finally:
         if proc.poll() is None:
             proc.kill()

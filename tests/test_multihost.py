@@ -24,6 +24,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from processes import processes_naming
 
 from bench.netns_cluster import emulated_cluster, netns_unavailable
 from stalwart.client.local_cluster import free_port, wait_until
@@ -66,18 +67,7 @@ class Host:
 
     def pids(self) -> list[int]:
         """Every live process of this host: its daemon, launcher, ranks and spares."""
-        found = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                text = (entry / "cmdline").read_bytes() + (entry / "environ").read_bytes()
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if str(self.folder).encode() in text and state not in ("Z", "X"):
-                found.append(int(entry.name))
-        return found
+        return processes_naming(self.folder)
 
     def kill_all(self) -> None:
         for pid in self.pids():
