@@ -105,7 +105,9 @@ def _watch(cluster: LocalCluster, injector: Injector, out: Outcome, steps: int,
         now = time.time()
         if gen:
             committed_at.append((now, committed))
-        if gen > seen_gen:
+        if gen > seen_gen and plan.completed:
+            seen_gen = gen  # the job trained its last step: not a re-plan
+        elif gen > seen_gen:
             seen_gen = gen
             generation_at[now] = gen
             lay = plan.layout
