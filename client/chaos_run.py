@@ -34,6 +34,7 @@ class Outcome:
     fault_to_first_step_s: float | None = None
     plans: list[dict[str, Any]] = field(default_factory=list)
     final_layout: tuple[int, int, int] | None = None
+    ended_layout: tuple[int, int, int] | None = None  # of the completion plan
     elapsed_s: float = 0.0
     error: str = ""
     workdir: str = ""
@@ -106,7 +107,9 @@ def _watch(cluster: LocalCluster, injector: Injector, out: Outcome, steps: int,
         if gen:
             committed_at.append((now, committed))
         if gen > seen_gen and plan.completed:
-            seen_gen = gen  # the job trained its last step: not a re-plan
+            seen_gen = gen  # the job trained its last step: not a re-plan, but its layout
+            lay = plan.layout  # is the one the job ended in (a re-plan may be outrun)
+            out.ended_layout = (lay.dp, lay.pp, max(1, lay.tp))
         elif gen > seen_gen:
             seen_gen = gen
             generation_at[now] = gen
@@ -155,6 +158,8 @@ def _conclude(cluster: LocalCluster, injector: Injector, out: Outcome, follow: S
     out.digest = digests.pop() if out.completed else None
     if out.plans:
         out.final_layout = out.plans[-1]["layout"]
+    if out.ended_layout is not None and out.ended_layout != out.final_layout:
+        out.final_layout = out.ended_layout
     out.evidence = _evidence(cluster, injector)
     fired = sorted(injector.fired, key=lambda f: f.time_unix)
     for f in fired:
