@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from fixtures_hostile import run as with_daemon
 from snapshot_states import commit_step, state
 
 from stalwart.daemon.config import DaemonConfig
@@ -48,15 +49,6 @@ def config(data_dir: Path, **kw) -> DaemonConfig:
                         heartbeat_timeout_s=2.0, **kw)
 
 
-def with_daemon(cfg: DaemonConfig, body):
-    async def main():
-        daemon = Daemon(cfg)
-        await daemon.start()
-        try:
-            return await body(daemon)
-        finally:
-            await daemon.stop(grace_s=0)
-    return asyncio.run(main())
 
 
 async def code_of(call) -> str:
