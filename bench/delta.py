@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from stalwart.daemon import delta
-from stalwart.daemon.chunks import decode_rank, encode_rank, plan_chunks
+from stalwart.daemon.snapshot import codecs
+from stalwart.daemon.snapshot.chunks import decode_rank, encode_rank, plan_chunks
 from stalwart.v1 import manifest_pb2
 
 CHUNK_BYTES = 4 << 20
@@ -105,11 +105,11 @@ def _variants(cur: np.ndarray, prev: np.ndarray, base: np.ndarray, metas: list,
               hints: list) -> dict:
     """Stored bytes of one step under each encoding idea."""
     def full(lv):
-        return lambda sl, regions: delta.encode_full(cur[sl], regions, level=lv)
+        return lambda sl, regions: codecs.encode_full(cur[sl], regions, level=lv)
 
     def xor(ref, lv, shuffled=True):
         def code(sl, regions):
-            return delta.encode_xor(cur[sl], ref[sl], regions if shuffled else [], level=lv)
+            return codecs.encode_xor(cur[sl], ref[sl], regions if shuffled else [], level=lv)
         return code
 
     predicted = encode_rank(2, 0, cur, metas, chunk_bytes=CHUNK_BYTES, reference=prev,

@@ -30,7 +30,7 @@ def _best(fn, repeats: int) -> float:
 
 
 def _coder_figures(buf: np.ndarray, k: int, m: int, repeats: int) -> dict:
-    from stalwart.daemon.coder import CoderPool, ZfecCodec
+    from stalwart.daemon.snapshot.coder import CoderPool, ZfecCodec
 
     codec = ZfecCodec(k, m)
     view = memoryview(buf)
@@ -63,12 +63,12 @@ async def _restore_figures(buf: np.ndarray, k: int, m: int) -> dict:
     import grpc
 
     from stalwart.core.placement import Node, place_chunk
-    from stalwart.daemon.checksum import crc32c
-    from stalwart.daemon.coder import ZfecCodec
     from stalwart.daemon.metrics import Metrics
-    from stalwart.daemon.shard_client import ShardClient
-    from stalwart.daemon.shard_reader import ShardReader, read_chunks
-    from stalwart.daemon.shard_service import ShardServicer
+    from stalwart.daemon.rpc.shard_service import ShardServicer
+    from stalwart.daemon.snapshot.checksum import crc32c
+    from stalwart.daemon.snapshot.coder import ZfecCodec
+    from stalwart.daemon.snapshot.shard_client import ShardClient
+    from stalwart.daemon.snapshot.shard_reader import ShardReader, read_chunks
     from stalwart.v1 import manifest_pb2, peer_pb2_grpc
 
     codec = ZfecCodec(k, m)

@@ -65,7 +65,7 @@ def read_from_store(data_dir: Path, job_id: str, step: int
                     ) -> list[tuple[manifest_pb2.RankState, bytes]]:
     """The same, offline from a store no daemon is writing: the ranks of data-parallel
     replica 0 (the others hold identical copies), whose chunks must be on this disk."""
-    from stalwart.daemon.local_store import CorruptChunkError, LocalStore
+    from stalwart.daemon.snapshot.local_store import CorruptChunkError, LocalStore
 
     _refuse_live_daemon(data_dir)
     if not (data_dir / "snapshots" / job_id / "manifests").is_dir():
@@ -284,7 +284,7 @@ def commit_checkpoint(tensors: dict[str, torch.Tensor], data_dir: Path, step: in
     """Write `tensors` as committed `step` of layout (1,1,1) in the store under data_dir."""
     from stalwart.client.state_layout import StateTensor, describe, pack_into
     from stalwart.core import manifest as mf
-    from stalwart.daemon.local_store import LocalStore
+    from stalwart.daemon.snapshot.local_store import LocalStore
     from stalwart.v1 import common_pb2
 
     _refuse_live_daemon(data_dir)

@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-TOKEN_FILE = "job.token"  # the daemon's name for it (stalwart.daemon.auth.TOKEN_FILE)
+TOKEN_FILE = "job.token"  # the daemon's name for it (stalwart.daemon.security.auth.TOKEN_FILE)
 
 
 def find_token(target: str, env: Mapping[str, str] | None = None) -> str:

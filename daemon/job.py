@@ -17,16 +17,16 @@ import grpc
 
 from stalwart.core.failures import Failure, FailureKind
 from stalwart.daemon.config import DaemonConfig
-from stalwart.daemon.coordinator import Coordinator, StaleStep
-from stalwart.daemon.election import EtcdElection
-from stalwart.daemon.fencing import RankProcesses
-from stalwart.daemon.liveness import process_alive
-from stalwart.daemon.membership import SUSPECT, UP, Membership
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.nvml import GpuHealthMonitor
-from stalwart.daemon.registry import RankRecord, Registry, StaleGeneration
-from stalwart.daemon.roles import JobGate
-from stalwart.daemon.snapshots import Peer, SnapshotPath
+from stalwart.daemon.recovery.coordinator import Coordinator, StaleStep
+from stalwart.daemon.recovery.election import EtcdElection
+from stalwart.daemon.recovery.fencing import RankProcesses
+from stalwart.daemon.recovery.gpu_health import GpuHealthMonitor
+from stalwart.daemon.recovery.liveness import process_alive
+from stalwart.daemon.recovery.membership import SUSPECT, UP, Membership
+from stalwart.daemon.recovery.registry import RankRecord, Registry, StaleGeneration
+from stalwart.daemon.security.roles import JobGate
+from stalwart.daemon.snapshot.path import Peer, SnapshotPath
 from stalwart.v1 import common_pb2, manifest_pb2, operator_pb2, peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon.job")

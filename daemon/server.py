@@ -24,19 +24,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from stalwart.daemon.auth import Authenticator, job_token, stamp
 from stalwart.daemon.config import DaemonConfig
-from stalwart.daemon.guard import Guard
 from stalwart.daemon.job import Job
-from stalwart.daemon.membership import Membership
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.operator_service import OperatorServicer
-from stalwart.daemon.peer_service import PeerServicer, gossip_forever
-from stalwart.daemon.protection import ProtectionWatch
-from stalwart.daemon.rank_service import RankServicer
-from stalwart.daemon.registry import Registry
-from stalwart.daemon.tls import ReloadingServerCredentials, TlsError, aio_channel
-from stalwart.daemon.tls import enabled as tls_enabled
+from stalwart.daemon.recovery.membership import Membership
+from stalwart.daemon.recovery.registry import Registry
+from stalwart.daemon.rpc.guard import Guard
+from stalwart.daemon.rpc.operator_service import OperatorServicer
+from stalwart.daemon.rpc.peer_service import PeerServicer, gossip_forever
+from stalwart.daemon.rpc.rank_service import RankServicer
+from stalwart.daemon.security.auth import Authenticator, job_token, stamp
+from stalwart.daemon.security.tls import ReloadingServerCredentials, TlsError, aio_channel
+from stalwart.daemon.security.tls import enabled as tls_enabled
+from stalwart.daemon.snapshot.protection import ProtectionWatch
 from stalwart.v1 import operator_pb2, operator_pb2_grpc, peer_pb2, peer_pb2_grpc, rank_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon")
@@ -67,9 +67,9 @@ class DaemonStartError(RuntimeError):
 def load_shard_servicer(store_dir: Path, metrics: Metrics, **policy: Any) -> Any:
     """The ShardService implementation, or None while this build has none."""
     try:
-        from stalwart.daemon.shard_service import ShardServicer
+        from stalwart.daemon.rpc.shard_service import ShardServicer
     except ModuleNotFoundError as e:
-        if e.name != "stalwart.daemon.shard_service":
+        if e.name != "stalwart.daemon.rpc.shard_service":
             raise
         return None
     return ShardServicer(store_dir, metrics, **policy)

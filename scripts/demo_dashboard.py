@@ -55,15 +55,18 @@ def wait(what: str, check: Callable[[], object], timeout_s: float) -> object:
         time.sleep(0.2)  # polling interval of a deadline-bound wait
 
 
-def start_prometheus(targets: list[str], root: Path, port: int) -> subprocess.Popen[bytes]:
-    """Debian `prometheus` scraping `targets` (HOST:PORT) every second, ready on return."""
+def start_prometheus(targets: list[str], root: Path, port: int,
+                     scrape_s: float = SCRAPE_S) -> subprocess.Popen[bytes]:
+    """Debian `prometheus` scraping `targets` (HOST:PORT) every `scrape_s` seconds, ready
+    on return."""
     binary = shutil.which("prometheus")
     if binary is None:
         raise RuntimeError("prometheus is not installed; run scripts/install-system-deps.sh")
     root.mkdir(parents=True, exist_ok=True)
     (root / "prometheus.yml").write_text(json.dumps({  # JSON is YAML
-        "global": {"scrape_interval": f"{SCRAPE_S:g}s", "scrape_timeout": f"{SCRAPE_S:g}s",
-                   "evaluation_interval": f"{SCRAPE_S:g}s"},
+        "global": {"scrape_interval": f"{scrape_s * 1000:.0f}ms",
+                   "scrape_timeout": f"{scrape_s * 1000:.0f}ms",
+                   "evaluation_interval": f"{scrape_s * 1000:.0f}ms"},
         "scrape_configs": [{"job_name": "stalwart",
                             "static_configs": [{"targets": targets}]}]}))
     with open(root / "prometheus.log", "ab") as log:

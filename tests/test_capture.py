@@ -8,7 +8,7 @@ import torch
 
 from stalwart.client.capture import Capturer
 from stalwart.client.state_layout import StateTensor, describe, unpack
-from stalwart.daemon.slots import FdServer, SlotPool
+from stalwart.daemon.snapshot.slots import FdServer, SlotPool
 
 
 class LoopbackTransport:

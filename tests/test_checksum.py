@@ -6,7 +6,7 @@ import mmap
 
 import numpy as np
 
-from stalwart.daemon.checksum import crc32c
+from stalwart.daemon.snapshot.checksum import crc32c
 
 
 def test_standard_check_value() -> None:

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from snapshot_states import state, tensors
 
 from stalwart.core.manifest import DTYPE_SIZE
-from stalwart.daemon.checksum import crc32c
-from stalwart.daemon.chunks import chunk_regions, decode_rank, encode_rank, plan_chunks
+from stalwart.daemon.snapshot.checksum import crc32c
+from stalwart.daemon.snapshot.chunks import chunk_regions, decode_rank, encode_rank, plan_chunks
 from stalwart.v1 import common_pb2, manifest_pb2
 
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stalwart.daemon.coder import CoderPool, ZfecCodec, default_km
 from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.snapshot.coder import CoderPool, ZfecCodec, default_km
 
 CODES = [(1, 1), (2, 1), (3, 2), (4, 2), (8, 2), (8, 3)]
 

@@ -9,9 +9,9 @@ import asyncio
 import errno
 import time
 
-from stalwart.daemon.coordinator import Coordinator
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.repair import same_but_holders
+from stalwart.daemon.recovery.coordinator import Coordinator
+from stalwart.daemon.snapshot.repair import same_but_holders
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
 
 

@@ -126,8 +126,8 @@ def test_daemons_find_each_other_and_notice_a_lost_peer(daemon_factory: DaemonFa
 def test_importing_the_daemon_does_not_import_torch() -> None:
     code = ("import sys, importlib.util\n"
             "import stalwart.daemon.server, stalwart.daemon.cli\n"
-            "if importlib.util.find_spec('stalwart.daemon.shard_service'):\n"
-            "    import stalwart.daemon.shard_service\n"
+            "if importlib.util.find_spec('stalwart.daemon.rpc.shard_service'):\n"
+            "    import stalwart.daemon.rpc.shard_service\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, env=daemon_env())

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stalwart.daemon import delta
-from stalwart.daemon.delta import Region
+from stalwart.daemon.snapshot import codecs
+from stalwart.daemon.snapshot.codecs import Region
 from stalwart.v1 import common_pb2, manifest_pb2
 
 # Bit patterns worth a special look: NaNs with payloads (quiet, signalling, negative),
@@ -50,7 +50,7 @@ def typed_buffers(draw):
 @given(typed_buffers())
 def test_shuffle_then_unshuffle_is_identity(case) -> None:
     cur, _, regions = case
-    assert delta.unshuffle(delta.shuffle(cur, regions), regions).tobytes() == cur
+    assert codecs.unshuffle(codecs.shuffle(cur, regions), regions).tobytes() == cur
 
 
 @settings(max_examples=100, deadline=None)
@@ -58,22 +58,22 @@ def test_shuffle_then_unshuffle_is_identity(case) -> None:
                                          manifest_pb2.XOR_DELTA_ZSTD]))
 def test_lossless_codecs_round_trip_bitwise(case, codec) -> None:
     cur, ref, regions = case
-    payload = delta.encode(codec, cur, regions, ref)
-    assert delta.decode(codec, payload, regions, len(cur), ref).tobytes() == cur
+    payload = codecs.encode(codec, cur, regions, ref)
+    assert codecs.decode(codec, payload, regions, len(cur), ref).tobytes() == cur
 
 
 @settings(max_examples=40, deadline=None)
 @given(typed_buffers())
 def test_lossy_decode_reproduces_the_encoders_reconstruction(case) -> None:
     cur, ref, regions = case
-    payload, recon = delta.encode_quant(cur, ref, regions)
-    decoded = delta.decode(manifest_pb2.QUANT_DELTA, payload, regions, len(cur), ref)
+    payload, recon = codecs.encode_quant(cur, ref, regions)
+    decoded = codecs.decode(manifest_pb2.QUANT_DELTA, payload, regions, len(cur), ref)
     assert decoded.tobytes() == recon.tobytes()
 
 
 def test_byte_planes_group_bytes_by_significance() -> None:
     data = np.array([0x04030201, 0x08070605], dtype=np.uint32).view(np.uint8)
-    planes = delta.shuffle(data, [Region(0, 8, common_pb2.FLOAT32)])
+    planes = codecs.shuffle(data, [Region(0, 8, common_pb2.FLOAT32)])
     assert list(planes) == [1, 5, 2, 6, 3, 7, 4, 8]
 
 
@@ -82,8 +82,8 @@ def test_xor_delta_of_a_small_update_is_smaller_than_a_full_base() -> None:
     ref = rng.standard_normal(1 << 16).astype(np.float32)
     cur = ref + np.float32(1e-4) * rng.standard_normal(ref.size).astype(np.float32)
     regions = [Region(0, cur.nbytes, common_pb2.FLOAT32)]
-    full = delta.encode_full(cur, regions)
-    xor = delta.encode_xor(cur, ref, regions)
+    full = codecs.encode_full(cur, regions)
+    xor = codecs.encode_xor(cur, ref, regions)
     assert len(xor) < 0.75 * len(full) < cur.nbytes
 
 
@@ -94,7 +94,7 @@ def test_lossy_errors_do_not_accumulate_over_steps() -> None:
     recon = truth.copy()
     for _ in range(30):
         truth = truth + np.float32(1e-2) * rng.standard_normal(truth.size).astype(np.float32)
-        _, out = delta.encode_quant(truth, recon, regions)
+        _, out = codecs.encode_quant(truth, recon, regions)
         recon = out.view(np.float32)
     # one step's quantisation error (<= scale / 2 of a ~4-sigma delta / 127), not 30 steps'
     assert np.abs(recon - truth).max() < 4e-2 * 4 / 127
@@ -105,21 +105,21 @@ def test_lossy_keeps_non_finite_values_exact() -> None:
     cur = np.array([1.0, np.nan, -np.inf, 2.0], dtype=np.float32)
     ref = np.array([1.5, 0.0, 0.0, 2.5], dtype=np.float32)
     regions = [Region(0, cur.nbytes, common_pb2.FLOAT32)]
-    _, recon = delta.encode_quant(cur, ref, regions)
+    _, recon = codecs.encode_quant(cur, ref, regions)
     assert recon.tobytes() == cur.tobytes()
     huge = np.array([3e38, -3e38], dtype=np.float32)  # their difference overflows float32
-    _, recon = delta.encode_quant(huge, -huge, [Region(0, 8, common_pb2.FLOAT32)])
+    _, recon = codecs.encode_quant(huge, -huge, [Region(0, 8, common_pb2.FLOAT32)])
     assert recon.tobytes() == huge.tobytes()
 
 
 def test_truncated_payload_is_refused() -> None:
     data = np.arange(1000, dtype=np.float32)
     regions = [Region(0, data.nbytes, common_pb2.FLOAT32)]
-    payload = delta.encode_full(data, regions)
+    payload = codecs.encode_full(data, regions)
     with pytest.raises(Exception, match="(?i)size|data|frame|decompress"):
-        delta.decode_full(payload[:-4], regions, data.nbytes)
+        codecs.decode_full(payload[:-4], regions, data.nbytes)
 
 
 def test_delta_against_a_reference_of_another_size_is_refused() -> None:
-    with pytest.raises(delta.CodecError, match="reference"):
-        delta.encode_xor(b"\x00" * 8, b"\x00" * 4, [])
+    with pytest.raises(codecs.CodecError, match="reference"):
+        codecs.encode_xor(b"\x00" * 8, b"\x00" * 4, [])

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from stalwart.core.failures import Failure, FailureKind
-from stalwart.daemon.detectors import HeartbeatMonitor, PeerMonitor, PidWatcher
+from stalwart.daemon.recovery.detectors import HeartbeatMonitor, PeerMonitor, PidWatcher
 
 DEADLINE_S = 10.0  # generous: other helpers' tests load the same two cores
 

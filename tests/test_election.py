@@ -13,7 +13,7 @@ from fixtures_daemon import wait_for
 from fixtures_etcd import free_port, start_etcd, stop_etcd
 
 from stalwart.client.daemon_client import DaemonClient, DaemonUnavailable
-from stalwart.daemon.election import EtcdElection, FixedCoordinator
+from stalwart.daemon.recovery.election import EtcdElection, FixedCoordinator
 
 TTL_S = 2
 TAKEOVER_S = TTL_S + 10.0  # how long a wait may last before the test gives up
@@ -107,7 +107,7 @@ def test_a_resigning_leader_is_replaced_without_waiting_for_its_lease(etcd):
 
 CANDIDATE_PROCESS = """
 import asyncio, sys
-from stalwart.daemon.election import EtcdElection
+from stalwart.daemon.recovery.election import EtcdElection
 
 async def main():
     e = EtcdElection("killed-node", endpoint=sys.argv[1], job_id="kill", ttl_s=2,

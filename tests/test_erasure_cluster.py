@@ -22,10 +22,10 @@ import pytest
 from stalwart.client.local_cluster import LocalCluster, Node, wait_until
 from stalwart.core import manifest as mf
 from stalwart.core.placement import decodable
-from stalwart.daemon import repair
-from stalwart.daemon.checksum import crc32c
-from stalwart.daemon.local_store import LocalStore
-from stalwart.daemon.shard_reader import placement_of
+from stalwart.daemon.snapshot import repair
+from stalwart.daemon.snapshot.checksum import crc32c
+from stalwart.daemon.snapshot.local_store import LocalStore
+from stalwart.daemon.snapshot.shard_reader import placement_of
 from stalwart.v1 import common_pb2, manifest_pb2, rank_pb2, rank_pb2_grpc
 
 K, M = 2, 2
@@ -285,8 +285,8 @@ def test_status_storage_reports_shards_protection_repair_and_scrub(tmp_path: Pat
 
     from stalwart.daemon.config import DaemonConfig
     from stalwart.daemon.metrics import Metrics
-    from stalwart.daemon.registry import Registry
-    from stalwart.daemon.snapshots import Peer, SnapshotPath
+    from stalwart.daemon.recovery.registry import Registry
+    from stalwart.daemon.snapshot.path import Peer, SnapshotPath
 
     metrics = Metrics()
     path = SnapshotPath(dataclasses.replace(DaemonConfig(), node="a"),
@@ -318,8 +318,8 @@ def test_shard_bytes_in_flight_are_bounded_per_daemon_not_per_peer(tmp_path: Pat
 
     from stalwart.daemon.config import DaemonConfig
     from stalwart.daemon.metrics import Metrics
-    from stalwart.daemon.registry import Registry
-    from stalwart.daemon.snapshots import SHARD_BYTES_IN_FLIGHT, Peer, SnapshotPath
+    from stalwart.daemon.recovery.registry import Registry
+    from stalwart.daemon.snapshot.path import SHARD_BYTES_IN_FLIGHT, Peer, SnapshotPath
 
     metrics = Metrics()
     peers = [Peer("b", "127.0.0.1:2", {}), Peer("c", "127.0.0.1:3", {})]

@@ -20,12 +20,12 @@ from fixtures_hostile import run as with_daemon
 from snapshot_states import commit_step, state
 
 from stalwart.daemon.config import DaemonConfig
-from stalwart.daemon.local_store import LocalStore
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.peercred import PeerCred, refusal
+from stalwart.daemon.rpc.shard_service import ShardServicer
+from stalwart.daemon.security.peercred import PeerCred, refusal
 from stalwart.daemon.server import Daemon
-from stalwart.daemon.shard_service import ShardServicer
-from stalwart.daemon.slots import FdServer, SlotPool
+from stalwart.daemon.snapshot.local_store import LocalStore
+from stalwart.daemon.snapshot.slots import FdServer, SlotPool
 from stalwart.v1 import manifest_pb2, peer_pb2, peer_pb2_grpc, rank_pb2, rank_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
@@ -334,7 +334,7 @@ def test_a_full_shard_disk_answers_resource_exhausted_and_keeps_stored_shards(
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
-            from stalwart.daemon.shard_client import ShardClient, ShardTransferError
+            from stalwart.daemon.snapshot.shard_client import ShardClient, ShardTransferError
             client = ShardClient(f"127.0.0.1:{port}", job_id="default", attempts=1)
             await client.put("c0.0", b"k" * 1000)
             result = "fits"

@@ -15,9 +15,9 @@ from fixtures_hostile import TOKEN, as_node, code_of, config, refused, register_
 from snapshot_states import commit_step
 
 from stalwart.daemon.config import SnapshotConfig
-from stalwart.daemon.roles import MAX_GENERATION_JUMP
+from stalwart.daemon.security.roles import MAX_GENERATION_JUMP
 from stalwart.daemon.server import Daemon
-from stalwart.daemon.shard_client import ShardClient, ShardTransferError
+from stalwart.daemon.snapshot.shard_client import ShardClient, ShardTransferError
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
 
 
@@ -76,7 +76,7 @@ def test_a_plan_that_jumps_generations_is_refused_and_real_plans_still_install(
 
 def test_a_forged_or_empty_commit_is_refused(tmp_path: Path) -> None:
     async def body(daemon: Daemon) -> tuple[str, str, int | None]:
-        from stalwart.daemon.local_store import LocalStore
+        from stalwart.daemon.snapshot.local_store import LocalStore
         store = daemon.job.snapshots.store
         commit_step(store, 1)
         elsewhere = LocalStore(tmp_path / "attacker", chunk_bytes=8192)
@@ -244,7 +244,7 @@ def test_shards_are_deleted_only_by_owner_or_coordinator_and_never_while_kept(
         commit_step(daemon.job.snapshots.store, 4)
 
         def client(node: str) -> ShardClient:
-            from stalwart.daemon.auth import stamp
+            from stalwart.daemon.security.auth import stamp
             return ShardClient(daemon.address, job_id="default", attempts=1,
                                interceptors=stamp(TOKEN, node))
 
@@ -276,7 +276,7 @@ def test_peer_shards_count_against_the_disk_quota(tmp_path: Path) -> None:
                                                    disk_quota_bytes=1 << 20))
 
     async def body(daemon: Daemon) -> str:
-        from stalwart.daemon.auth import stamp
+        from stalwart.daemon.security.auth import stamp
         c = ShardClient(daemon.address, job_id="default", attempts=1,
                         interceptors=stamp(TOKEN, "n2"))
         try:

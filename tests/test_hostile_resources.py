@@ -20,10 +20,10 @@ from snapshot_states import commit_step
 
 from stalwart.client.shm import SlotRefused, receive_fd
 from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.rpc.shard_service import ShardServicer
 from stalwart.daemon.server import Daemon
-from stalwart.daemon.shard_client import ShardClient
-from stalwart.daemon.shard_service import ShardServicer
-from stalwart.daemon.slots import FdServer, SlotPool
+from stalwart.daemon.snapshot.shard_client import ShardClient
+from stalwart.daemon.snapshot.slots import FdServer, SlotPool
 from stalwart.v1 import (
     common_pb2,
     operator_pb2,
@@ -324,7 +324,7 @@ def test_files_and_folders_are_private_whatever_the_umask(
         os.umask(old)
 
     async def put() -> None:
-        from stalwart.daemon.auth import stamp
+        from stalwart.daemon.security.auth import stamp
         c = ShardClient(d.address, job_id="default", interceptors=stamp(d.token, "a"))
         await c.put("c1.0", b"shard", step=1)
         await c.close()

@@ -21,7 +21,7 @@ from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.state_layout import describe, pack_into, unpack
 from stalwart.client.trainer import TrainConfig, Trainer
 from stalwart.client.trainer_state import load_state, state_tensors
-from stalwart.daemon.local_store import LocalStore
+from stalwart.daemon.snapshot.local_store import LocalStore
 from stalwart.v1 import common_pb2, manifest_pb2
 from stalwart_examples.gpt import job
 

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stalwart.client.link_bytes import LinkBytes
 from stalwart.client.local_cluster import LocalCluster, wait_until
-from stalwart.daemon.validate import InvalidRequest, request
+from stalwart.daemon.rpc.validate import InvalidRequest, request
 from stalwart.v1 import rank_pb2
 
 

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from stalwart.core.failures import FailureKind
-from stalwart.daemon.liveness import (
+from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.recovery.liveness import (
     ALIVE,
     DEAD,
     LATE,
@@ -19,9 +20,8 @@ from stalwart.daemon.liveness import (
     process_alive,
     process_identity,
 )
-from stalwart.daemon.membership import LOST, SUSPECT, UP, Membership
-from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.registry import RankFenced, Registry, StaleGeneration, UnknownRank
+from stalwart.daemon.recovery.membership import LOST, SUSPECT, UP, Membership
+from stalwart.daemon.recovery.registry import RankFenced, Registry, StaleGeneration, UnknownRank
 from stalwart.v1 import common_pb2, peer_pb2
 
 

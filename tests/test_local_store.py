@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from snapshot_states import commit_step, state, tensors
 
 from stalwart.core.manifest import ManifestError, build_manifest, plan_chain
-from stalwart.daemon.local_store import CorruptChunkError, LocalStore
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.predict import predict_param
+from stalwart.daemon.snapshot.local_store import CorruptChunkError, LocalStore
+from stalwart.daemon.snapshot.predict import predict_param
 from stalwart.v1 import common_pb2, manifest_pb2
 
 SMALL = dict(chunk_bytes=8192)
@@ -300,7 +300,7 @@ import sys
 sys.path.insert(0, {tests!r})
 from pathlib import Path
 from snapshot_states import commit_step
-from stalwart.daemon.local_store import LocalStore
+from stalwart.daemon.snapshot.local_store import LocalStore
 
 store = LocalStore(Path({root!r}), chunk_bytes=4096, base_every=5, retain=3)
 step = 0

@@ -10,7 +10,12 @@ import pynvml
 import pytest
 
 from stalwart.core.failures import Failure, FailureKind
-from stalwart.daemon.nvml import INJECT_ENV, GpuHealthMonitor, InjectedFault, parse_inject
+from stalwart.daemon.recovery.gpu_health import (
+    INJECT_ENV,
+    GpuHealthMonitor,
+    InjectedFault,
+    parse_inject,
+)
 
 WAIT_S = 10.0
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from stalwart.core.protection import census, chunk_margin
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.registry import Registry
+from stalwart.daemon.recovery.registry import Registry
 from stalwart.v1 import manifest_pb2
 
 

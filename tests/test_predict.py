@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stalwart.daemon.chunks import decode_rank, encode_rank
+from stalwart.daemon.snapshot.chunks import decode_rank, encode_rank
 from stalwart.v1 import common_pb2, manifest_pb2
 
 F32 = common_pb2.FLOAT32

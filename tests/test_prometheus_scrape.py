@@ -32,12 +32,14 @@ from stalwart.v1 import rank_pb2, rank_pb2_grpc
 sys.path.insert(0, str(ROOT / "scripts"))
 from demo_dashboard import SMALLEST, roles_done, start_prometheus, stop, tiny_spec  # noqa: E402
 
-# Enough steps after the kill that every rank heartbeats a step time before it leaves
-# (a leaving rank's series are dropped), even when recovery takes well under a second.
-STEPS, KILL_STEP, WORLD = 30, 4, 4
+# Every phase of the run (the killed rank's life, the spare's role, generation 2) lasts
+# many scrapes: a leaving rank's series are dropped, and recovery can take well under a
+# second. At about 0.05 s a step, 30 steps are 1.5 s, six 0.25 s scrapes at the least.
+STEPS, KILL_STEP, WORLD = 120, 30, 4
+SCRAPE_S = 0.25
 RUN_DEADLINE_S = 240.0
 QUERY_DEADLINE_S = 20.0
-WINDOW = "5s"  # rate windows: five 1 s scrapes
+WINDOW = "5s"  # rate windows: twenty scrapes
 # (dashboard, panel title) -> the fault its data needs, which this run does not inject.
 NO_DATA_WITHOUT = {
     ("storage", "S3 errors by operation and code"): "a failing S3 request",
@@ -75,7 +77,7 @@ def run(s3_server, tmp_path_factory) -> Iterator[Run]:
         cluster.start_daemons()
         port = free_port()
         prometheus = start_prometheus([f"127.0.0.1:{n.metrics_port}" for n in cluster.daemons],
-                                      tmp_path_factory.mktemp("prometheus"), port)
+                                      tmp_path_factory.mktemp("prometheus"), port, SCRAPE_S)
         start = time.time()
         spec = tiny_spec(STEPS, kill_rank=1, kill_step=KILL_STEP, overrides=SMALLEST)
         cluster.launch(spec, WORLD, spares=1)
@@ -110,7 +112,7 @@ def poll(run: Run, expr: str) -> list[dict]:
     while not (found := range_query(run.prometheus, expr, run.start, time.time())):
         if time.monotonic() > deadline:
             return []
-        time.sleep(0.5)  # one scrape interval is 1 s
+        time.sleep(SCRAPE_S)  # one scrape interval
     return found
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stalwart.daemon.ram_tier import RamTier
+from stalwart.daemon.snapshot.ram_tier import RamTier
 
 
 def test_evicts_oldest_unprotected_first_then_protected() -> None:

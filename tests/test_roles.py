@@ -1,4 +1,4 @@
-"""The prepare rule of daemon/roles.py, in one process: a daemon prepares only its own
+"""The prepare rule of daemon/security/roles.py, in one process: a daemon prepares only its own
 ranks of the current plan, in its layout, near the last commit, within a bounded number
 of steps awaiting commit."""
 
@@ -7,9 +7,14 @@ from __future__ import annotations
 import pytest
 
 from stalwart.core.decide import Coord, Layout, Member, PlanState
-from stalwart.daemon.auth import Forbidden
-from stalwart.daemon.coordinator import StaleStep
-from stalwart.daemon.roles import MAX_PENDING_STEPS, MAX_STEPS_AHEAD, check_prepare, node_of
+from stalwart.daemon.recovery.coordinator import StaleStep
+from stalwart.daemon.security.auth import Forbidden
+from stalwart.daemon.security.roles import (
+    MAX_PENDING_STEPS,
+    MAX_STEPS_AHEAD,
+    check_prepare,
+    node_of,
+)
 from stalwart.v1 import common_pb2, peer_pb2
 
 PLAN = PlanState(generation=3, layout=Layout(dp=2, pp=1, tp=1), resume_step=10,

@@ -11,9 +11,9 @@ import pytest
 from botocore.config import Config
 from botocore.stub import ANY, Stubber
 
-from stalwart.daemon.checksum import crc32c
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.s3_tier import (
+from stalwart.daemon.snapshot.checksum import crc32c
+from stalwart.daemon.snapshot.s3_tier import (
     ManifestExistsError,
     S3ChecksumError,
     S3Tier,

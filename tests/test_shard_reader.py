@@ -10,13 +10,13 @@ import socket
 import grpc
 import pytest
 
-from stalwart.daemon.checksum import crc32c
-from stalwart.daemon.coder import ZfecCodec
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.s3_tier import S3Tier
-from stalwart.daemon.shard_client import ShardClient
-from stalwart.daemon.shard_reader import BeyondToleranceError, ShardReader, read_chunks
-from stalwart.daemon.shard_service import ShardServicer
+from stalwart.daemon.rpc.shard_service import ShardServicer
+from stalwart.daemon.snapshot.checksum import crc32c
+from stalwart.daemon.snapshot.coder import ZfecCodec
+from stalwart.daemon.snapshot.s3_tier import S3Tier
+from stalwart.daemon.snapshot.shard_client import ShardClient
+from stalwart.daemon.snapshot.shard_reader import BeyondToleranceError, ShardReader, read_chunks
 from stalwart.v1 import manifest_pb2, peer_pb2_grpc
 
 JOB = "job1"
@@ -191,7 +191,7 @@ def test_too_many_lost_holders_name_the_chunk_and_each_missing_shard(tmp_path):
 
 def test_placement_of_a_chunk_record_feeds_the_margin_math():
     from stalwart.core.placement import chunk_margin
-    from stalwart.daemon.shard_reader import placement_of
+    from stalwart.daemon.snapshot.shard_reader import placement_of
 
     rec = manifest_pb2.ChunkRecord(chunk_id="c", k=2, m=2)
     for i, node in enumerate(["a", "b", "c", "s3"]):

@@ -12,16 +12,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stalwart.daemon.checksum import crc32c
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.shard_client import (
+from stalwart.daemon.rpc.shard_service import ShardServicer
+from stalwart.daemon.snapshot.checksum import crc32c
+from stalwart.daemon.snapshot.shard_client import (
     ByteBudget,
     ShardChecksumError,
     ShardClient,
     ShardTransferError,
 )
-from stalwart.daemon.shard_service import ShardServicer
-from stalwart.daemon.shard_store import validate_id
+from stalwart.daemon.snapshot.shard_store import validate_id
 from stalwart.v1 import peer_pb2, peer_pb2_grpc
 
 
@@ -200,7 +200,7 @@ def test_shard_id_clashing_with_a_stored_path_is_refused(tmp_path):
 @settings(max_examples=300, deadline=None)
 @given(st.text(max_size=80))
 def test_any_accepted_shard_id_stays_inside_the_store(tmp_path_factory, shard_id):
-    from stalwart.daemon.shard_store import ShardStore
+    from stalwart.daemon.snapshot.shard_store import ShardStore
 
     root = tmp_path_factory.getbasetemp() / "store"
     store = ShardStore(root)

@@ -5,7 +5,7 @@ import multiprocessing as mp
 import pytest
 
 from stalwart.client.shm import MappedSlot, SlotRefused
-from stalwart.daemon.slots import FdServer, SlotError, SlotPool
+from stalwart.daemon.snapshot.slots import FdServer, SlotError, SlotPool
 
 
 @pytest.fixture

@@ -26,12 +26,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stalwart.core import manifest as mf
-from stalwart.daemon.auth import Authenticator
 from stalwart.daemon.config import DaemonConfig, SnapshotConfig
-from stalwart.daemon.peer_service import PeerServicer
-from stalwart.daemon.rank_service import RankServicer
+from stalwart.daemon.rpc.peer_service import PeerServicer
+from stalwart.daemon.rpc.rank_service import RankServicer
+from stalwart.daemon.rpc.shard_service import ShardServicer
+from stalwart.daemon.security.auth import Authenticator
 from stalwart.daemon.server import Daemon
-from stalwart.daemon.shard_service import ShardServicer
 from stalwart.v1 import common_pb2, manifest_pb2, operator_pb2, peer_pb2, rank_pb2
 
 FUZZ_TOKEN = "fuzz-token"
@@ -238,7 +238,7 @@ MEMORY_CALLS = 1200
 def harness(tmp_path_factory: pytest.TempPathFactory):
     h = Harness(Path(tmp_path_factory.mktemp("fuzz")))
     # A fuzzed plan could name any pid as a rank to fence: never send real signals.
-    with mock.patch("stalwart.daemon.fencing.os"):
+    with mock.patch("stalwart.daemon.recovery.fencing.os"):
         yield h
     h.close()
 
@@ -302,7 +302,7 @@ def _valid_manifest() -> bytes:
 
     from snapshot_states import state, tensors
 
-    from stalwart.daemon.local_store import LocalStore
+    from stalwart.daemon.snapshot.local_store import LocalStore
     with tempfile.TemporaryDirectory() as d:
         store = LocalStore(Path(d), chunk_bytes=8192)
         coord = common_pb2.RankCoord(rank=0)
@@ -367,7 +367,7 @@ def test_the_valid_manifest_passes_and_one_flipped_bit_of_it_is_refused() -> Non
 def test_fuzzing_calls_real_handlers(tmp_path: Path) -> None:
     fresh = Harness(tmp_path)  # the module's harness holds whatever the fuzzing left
     try:
-        with mock.patch("stalwart.daemon.fencing.os"):
+        with mock.patch("stalwart.daemon.recovery.fencing.os"):
             ok = fresh.call("RankService", "Register",
                             rank_pb2.RegisterRequest(pid=os.getpid(), rank=0, world_size=1))
             bad = fresh.call("RankService", "Register", rank_pb2.RegisterRequest(pid=-5))

@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 
 from stalwart.core import manifest as mf
 from stalwart.core.placement import S3, Node, decodable, repair_plan
-from stalwart.daemon.checksum import crc32c
-from stalwart.daemon.local_store import LocalStore
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.shard_client import ShardClient
-from stalwart.daemon.shard_reader import ShardReader, placement_of
+from stalwart.daemon.snapshot.checksum import crc32c
+from stalwart.daemon.snapshot.local_store import LocalStore
+from stalwart.daemon.snapshot.shard_client import ShardClient
+from stalwart.daemon.snapshot.shard_reader import ShardReader, placement_of
 from stalwart.v1 import manifest_pb2
 
-log = logging.getLogger("stalwart.daemon.repair")
+log = logging.getLogger("stalwart.daemon.snapshot.repair")
 
 Manifests = Mapping[int, manifest_pb2.Manifest]
 

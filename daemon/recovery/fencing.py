@@ -13,11 +13,11 @@ import logging
 import os
 import signal
 
-from stalwart.daemon.liveness import process_alive, process_identity
-from stalwart.daemon.peercred import cred_of, refusal
-from stalwart.daemon.registry import RankRecord, Registry
+from stalwart.daemon.recovery.liveness import process_alive, process_identity
+from stalwart.daemon.recovery.registry import RankRecord, Registry
+from stalwart.daemon.security.peercred import cred_of, refusal
 
-log = logging.getLogger("stalwart.daemon.fencing")
+log = logging.getLogger("stalwart.daemon.recovery.fencing")
 
 
 class RankProcesses:

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-log = logging.getLogger("stalwart.daemon.guard")
+log = logging.getLogger("stalwart.daemon.rpc.guard")
 
 
 class _Undecodable:

@@ -15,7 +15,7 @@ import numpy as np
 import zstandard
 
 from stalwart.core.manifest import DTYPE_SIZE
-from stalwart.daemon.checksum import Buffer
+from stalwart.daemon.snapshot.checksum import Buffer
 from stalwart.v1 import common_pb2, manifest_pb2
 
 DEFAULT_LEVEL = 1

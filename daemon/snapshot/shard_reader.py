@@ -14,11 +14,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from stalwart.core.placement import S3, ChunkPlacement
-from stalwart.daemon.checksum import crc32c
-from stalwart.daemon.coder import Codec, ZfecCodec
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.s3_tier import S3Tier
-from stalwart.daemon.shard_client import ShardClient
+from stalwart.daemon.snapshot.checksum import crc32c
+from stalwart.daemon.snapshot.coder import Codec, ZfecCodec
+from stalwart.daemon.snapshot.s3_tier import S3Tier
+from stalwart.daemon.snapshot.shard_client import ShardClient
 from stalwart.v1 import manifest_pb2
 
 LocalLookup = Callable[[str], bytes | memoryview | None]

@@ -4,7 +4,7 @@ Only the coordinator (the etcd seat holder, or the smallest live node name) inst
 plans and commits new steps, for generations at most MAX_GENERATION_JUMP ahead; a
 daemon announces and prepares only ranks of its own node; a death reported by one
 node for a rank of another is believed once that rank's daemon does not vouch for it.
-Callers are already authenticated (daemon/auth.py); refusals raise Forbidden.
+Callers are already authenticated (daemon/security/auth.py); refusals raise Forbidden.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ import grpc
 
 from stalwart.core.decide import PlanState
 from stalwart.core.failures import Failure, FailureKind
-from stalwart.daemon.auth import Forbidden
-from stalwart.daemon.coordinator import StaleStep
-from stalwart.daemon.membership import LOST, SUSPECT, UP
-from stalwart.daemon.validate import MAX_LIVE_RANKS_PER_NODE
+from stalwart.daemon.recovery.coordinator import StaleStep
+from stalwart.daemon.recovery.membership import LOST, SUSPECT, UP
+from stalwart.daemon.rpc.validate import MAX_LIVE_RANKS_PER_NODE
+from stalwart.daemon.security.auth import Forbidden
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
 
 if TYPE_CHECKING:
     from stalwart.daemon.job import Job
 
-log = logging.getLogger("stalwart.daemon.roles")
+log = logging.getLogger("stalwart.daemon.security.roles")
 
 MAX_GENERATION_JUMP = 64   # a plan or commit may be at most this many generations ahead
 MAX_STEPS_AHEAD = 10_000   # a prepare may be at most this many steps past the last commit

@@ -1,7 +1,7 @@
 """Checks every RPC's request before a handler acts on it: sizes, counts, ranges, identifiers.
 
 A request that fails a check is refused with INVALID_ARGUMENT and a message
-naming the field, its value and the allowed range (who may call is daemon/auth.py's
+naming the field, its value and the allowed range (who may call is daemon/security/auth.py's
 business). Refusals are counted in stalwart_auth_refused_total{reason}.
 """
 
@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 import grpc
 
 from stalwart.core import manifest as mf
-from stalwart.daemon.shard_store import validate_id
+from stalwart.daemon.snapshot.shard_store import validate_id
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, rank_pb2
 
 MAX_STEP = 10**12 - 1          # steps are stored as 12 zero-padded digits

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from stalwart import __version__
-from stalwart.daemon.membership import Membership
-from stalwart.daemon.registry import Registry
+from stalwart.daemon.recovery.membership import Membership
+from stalwart.daemon.recovery.registry import Registry
 from stalwart.v1 import operator_pb2, operator_pb2_grpc
 
 RECENT_FAILURES = 20

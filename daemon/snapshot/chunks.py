@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from stalwart.core.manifest import BASE_CODECS, element_size
-from stalwart.daemon import delta, predict
-from stalwart.daemon.checksum import Buffer, crc32c
-from stalwart.daemon.delta import Region
+from stalwart.daemon.snapshot import codecs, predict
+from stalwart.daemon.snapshot.checksum import Buffer, crc32c
+from stalwart.daemon.snapshot.codecs import Region
 from stalwart.v1 import common_pb2, manifest_pb2
 
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
@@ -63,7 +63,7 @@ def plan_chunks(tensors: Sequence[common_pb2.TensorMeta], total_bytes: int,
     """Deterministic chunking of a `total_bytes` buffer holding `tensors` (bytes)."""
     if chunk_bytes < 8:
         raise ValueError(f"chunk_bytes={chunk_bytes} is below one 8-byte element")
-    regions = delta.tile(_tensor_regions(tensors), total_bytes)
+    regions = codecs.tile(_tensor_regions(tensors), total_bytes)
     cuts = [0]
     fill = 0  # bytes in the open chunk
     for r in regions:
@@ -122,7 +122,7 @@ def chunk_id(step: int, rank: int, index: int) -> str:
 def encode_rank(step: int, rank: int, data: Buffer, tensors: Sequence[common_pb2.TensorMeta], *,
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, reference: Buffer | None = None,
                 reference_step: int | None = None, lossy: bool = False,
-                level: int = delta.DEFAULT_LEVEL,
+                level: int = codecs.DEFAULT_LEVEL,
                 adamw: Sequence[manifest_pb2.AdamWHint] = (),
                 executor: Executor | None = None) -> EncodedRank:
     """Encode a rank's buffer: a base when `reference` is None, else a delta against it.
@@ -149,18 +149,18 @@ def encode_rank(step: int, rank: int, data: Buffer, tensors: Sequence[common_pb2
         regions = list(span.regions)
         if reference is None:
             codec, base_step = manifest_pb2.ZSTD, step
-            payload = delta.encode_full(piece, regions, level=level)
+            payload = codecs.encode_full(piece, regions, level=level)
         else:
             base_step = reference_step
             ref_piece = ref[span.offset:span.offset + span.size]
             if lossy:
                 codec = manifest_pb2.QUANT_DELTA
-                payload, recon = delta.encode_quant(piece, ref_piece, regions, level=level)
+                payload, recon = codecs.encode_quant(piece, ref_piece, regions, level=level)
                 decoded[span.offset:span.offset + span.size] = recon
                 piece = recon
             else:
                 codec = delta_codec
-                payload = delta.encode_xor(piece, ref_piece, regions, level=level)
+                payload = codecs.encode_xor(piece, ref_piece, regions, level=level)
         record = manifest_pb2.ChunkRecord(
             chunk_id=chunk_id(step, rank, span.index), offset=span.offset, size=span.size,
             stored_size=len(payload), crc32c=crc32c(piece), stored_crc32c=crc32c(payload),
@@ -192,7 +192,7 @@ def decode_rank(state: manifest_pb2.RankState, payloads: Sequence[Buffer],
         if codec == manifest_pb2.ADAM_PREDICTED_XOR_ZSTD:
             codec, predicted_from = manifest_pb2.XOR_DELTA_ZSTD, c.base_step
         regions = index.regions(c.offset, c.size)
-        out[c.offset:c.offset + c.size] = delta.decode(codec, payload, regions, c.size, ref)
+        out[c.offset:c.offset + c.size] = codecs.decode(codec, payload, regions, c.size, ref)
     if predicted_from is not None:
         predict.correct(out, references[predicted_from], state.tensors, state.adamw)
     return out

@@ -17,27 +17,33 @@ from typing import Any, NoReturn
 import grpc
 
 from stalwart.core.failures import Failure
-from stalwart.daemon.auth import Authenticator
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.peercred import connected_pids, connected_to, cred_of, inner_pid, refusal
-from stalwart.daemon.registry import (
+from stalwart.daemon.recovery.registry import (
     RankFenced,
     RankRecord,
     Registry,
     StaleGeneration,
     UnknownRank,
 )
-from stalwart.daemon.streams import send_within
-from stalwart.daemon.validate import (
+from stalwart.daemon.rpc.streams import send_within
+from stalwart.daemon.rpc.validate import (
     MAX_COLLECTIVES,
     MAX_LIVE_RANKS_PER_NODE,
     MAX_RANKS_PER_NODE,
     admit,
 )
+from stalwart.daemon.security.auth import Authenticator
+from stalwart.daemon.security.peercred import (
+    connected_pids,
+    connected_to,
+    cred_of,
+    inner_pid,
+    refusal,
+)
 from stalwart.v1 import common_pb2, rank_pb2, rank_pb2_grpc
 
-log = logging.getLogger("stalwart.daemon.rank_service")
+log = logging.getLogger("stalwart.daemon.rpc.rank_service")
 
 WATCH_WAKE_S = 5.0  # WatchPlan re-checks for shutdown at least this often (seconds)
 RESTORE_IDLE_S = 60.0  # a Restore reader that takes no piece this long is let go (seconds)

@@ -22,23 +22,23 @@ import grpc
 from stalwart.core import manifest as mf
 from stalwart.core.placement import S3, Node, place_chunk
 from stalwart.core.protection import census
-from stalwart.daemon import repair
-from stalwart.daemon.checksum import crc32c
-from stalwart.daemon.coder import ZfecCodec, default_km
 from stalwart.daemon.config import DaemonConfig
-from stalwart.daemon.local_store import CorruptChunkError, LocalStore
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.quota import DiskQuota, QuotaExceeded  # noqa: F401 - re-exported
-from stalwart.daemon.registry import Registry
-from stalwart.daemon.s3_tier import ManifestExistsError, S3Tier
-from stalwart.daemon.scrub import Scrubber
-from stalwart.daemon.shard_client import ByteBudget, ShardClient, ShardTransferError
-from stalwart.daemon.shard_reader import BeyondToleranceError, ShardReader
-from stalwart.daemon.slots import FdServer, SlotError, SlotPool
-from stalwart.daemon.tls import aio_channel, client_credentials
+from stalwart.daemon.recovery.registry import Registry
+from stalwart.daemon.security.tls import aio_channel, client_credentials
+from stalwart.daemon.snapshot import repair
+from stalwart.daemon.snapshot.checksum import crc32c
+from stalwart.daemon.snapshot.coder import ZfecCodec, default_km
+from stalwart.daemon.snapshot.local_store import CorruptChunkError, LocalStore
+from stalwart.daemon.snapshot.quota import DiskQuota, QuotaExceeded  # noqa: F401 - re-exported
+from stalwart.daemon.snapshot.s3_tier import ManifestExistsError, S3Tier
+from stalwart.daemon.snapshot.scrub import Scrubber
+from stalwart.daemon.snapshot.shard_client import ByteBudget, ShardClient, ShardTransferError
+from stalwart.daemon.snapshot.shard_reader import BeyondToleranceError, ShardReader
+from stalwart.daemon.snapshot.slots import FdServer, SlotError, SlotPool
 from stalwart.v1 import manifest_pb2, peer_pb2, peer_pb2_grpc, rank_pb2
 
-log = logging.getLogger("stalwart.daemon.snapshots")
+log = logging.getLogger("stalwart.daemon.snapshot.path")
 
 PIECE_BYTES = 1 << 20       # restore stream message size
 SHARD_BYTES_IN_FLIGHT = 256 << 20  # shard bytes being sent to or read from peers

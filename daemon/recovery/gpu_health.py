@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.core.failures import Failure, FailureKind
-from stalwart.daemon.detectors import FailureSink, deliver
+from stalwart.daemon.recovery.detectors import FailureSink, deliver
 
 __all__ = ["FATAL_XIDS", "GpuHealthMonitor", "InjectedFault", "parse_inject", "INJECT_ENV"]
 

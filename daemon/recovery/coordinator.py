@@ -36,7 +36,7 @@ from stalwart.daemon.metrics import Metrics
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
 
 COMMIT_RETRY_S = 1.0  # seconds before a commit that failed on the coordinator is retried
-log = logging.getLogger("stalwart.daemon.coordinator")
+log = logging.getLogger("stalwart.daemon.recovery.coordinator")
 
 
 class PeerLinks(Protocol):

@@ -15,11 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stalwart.core.failures import Failure, FailureKind
-from stalwart.daemon.liveness import ALIVE, DEAD, LATE, heartbeat_state
 from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.recovery.liveness import ALIVE, DEAD, LATE, heartbeat_state
 from stalwart.v1 import peer_pb2
 
-log = logging.getLogger("stalwart.daemon.membership")
+log = logging.getLogger("stalwart.daemon.recovery.membership")
 
 UP, SUSPECT, LOST, UNKNOWN = "up", "suspect", "lost", "unknown"
 _FROM_LIVENESS = {ALIVE: UP, LATE: SUSPECT, DEAD: LOST}

@@ -19,9 +19,9 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from stalwart.daemon.checksum import crc32c
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.shard_store import validate_id
+from stalwart.daemon.snapshot.checksum import crc32c
+from stalwart.daemon.snapshot.shard_store import validate_id
 
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview

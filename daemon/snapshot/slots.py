@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stalwart.daemon.peercred import peer_cred, refusal
+from stalwart.daemon.security.peercred import peer_cred, refusal
 
 log = logging.getLogger(__name__)
 

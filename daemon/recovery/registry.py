@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from stalwart.core.failures import Failure, FailureKind
 from stalwart.core.straggler import StragglerConfig, StragglerDetector
-from stalwart.daemon.liveness import (
+from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.recovery.liveness import (
     ALIVE,
     DEAD,
     LATE,
@@ -24,10 +25,9 @@ from stalwart.daemon.liveness import (
     process_alive,
     process_identity,
 )
-from stalwart.daemon.metrics import Metrics
 from stalwart.v1 import common_pb2
 
-log = logging.getLogger("stalwart.daemon.registry")
+log = logging.getLogger("stalwart.daemon.recovery.registry")
 
 SPARE = "spare"
 LEFT = "left"  # stopped cleanly (final heartbeat with leaving=True)

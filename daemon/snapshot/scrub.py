@@ -15,13 +15,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from stalwart.daemon.local_store import LocalStore
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.shard_reader import ShardReader
-from stalwart.daemon.shard_store import ShardStore
+from stalwart.daemon.snapshot.local_store import LocalStore
+from stalwart.daemon.snapshot.shard_reader import ShardReader
+from stalwart.daemon.snapshot.shard_store import ShardStore
 from stalwart.v1 import manifest_pb2
 
-log = logging.getLogger("stalwart.daemon.scrub")
+log = logging.getLogger("stalwart.daemon.snapshot.scrub")
 
 # Seconds between passes; a pass reads every stored shard once.
 DEFAULT_INTERVAL_S = float(os.environ.get("STALWART_SCRUB_INTERVAL_S", "300"))

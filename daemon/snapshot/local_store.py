@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 
 from stalwart.core import manifest as mf
-from stalwart.daemon.checksum import Buffer, crc32c
-from stalwart.daemon.chunks import DEFAULT_CHUNK_BYTES, decode_rank, encode_rank
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.ram_tier import RamTier
+from stalwart.daemon.snapshot.checksum import Buffer, crc32c
+from stalwart.daemon.snapshot.chunks import DEFAULT_CHUNK_BYTES, decode_rank, encode_rank
+from stalwart.daemon.snapshot.ram_tier import RamTier
 from stalwart.v1 import common_pb2, manifest_pb2
 
 _STEP_DIGITS = 12  # zero-padded step numbers sort as text

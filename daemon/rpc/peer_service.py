@@ -17,15 +17,15 @@ from typing import Any, NoReturn
 import grpc
 
 from stalwart.core.failures import Failure
-from stalwart.daemon.auth import Authenticator, Forbidden
-from stalwart.daemon.coordinator import StaleStep
-from stalwart.daemon.membership import Membership
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.registry import Registry
-from stalwart.daemon.validate import MAX_PEERS, admit
+from stalwart.daemon.recovery.coordinator import StaleStep
+from stalwart.daemon.recovery.membership import Membership
+from stalwart.daemon.recovery.registry import Registry
+from stalwart.daemon.rpc.validate import MAX_PEERS, admit
+from stalwart.daemon.security.auth import Authenticator, Forbidden
 from stalwart.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
-log = logging.getLogger("stalwart.daemon.peer_service")
+log = logging.getLogger("stalwart.daemon.rpc.peer_service")
 
 
 class PeerServicer(peer_pb2_grpc.PeerServiceServicer):

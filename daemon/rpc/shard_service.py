@@ -19,14 +19,14 @@ from typing import Any, Protocol
 
 import grpc
 
-from stalwart.daemon.checksum import crc32c
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.quota import DiskQuota, QuotaExceeded
-from stalwart.daemon.shard_store import ShardStore
-from stalwart.daemon.streams import send_within
+from stalwart.daemon.rpc.streams import send_within
+from stalwart.daemon.snapshot.checksum import crc32c
+from stalwart.daemon.snapshot.quota import DiskQuota, QuotaExceeded
+from stalwart.daemon.snapshot.shard_store import ShardStore
 from stalwart.v1 import peer_pb2, peer_pb2_grpc
 
-log = logging.getLogger("stalwart.daemon.shard_service")
+log = logging.getLogger("stalwart.daemon.rpc.shard_service")
 
 PIECE_BYTES = 1 << 20
 MAX_SHARD_BYTES = 1 << 30

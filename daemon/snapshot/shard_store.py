@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from stalwart.daemon.checksum import crc32c
+from stalwart.daemon.snapshot.checksum import crc32c
 
 MAX_ID_CHARS = 256
 MAX_PART_CHARS = 200      # one path component, leaving room for sidecar and temp suffixes

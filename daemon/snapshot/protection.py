@@ -12,10 +12,10 @@ from collections.abc import Callable
 
 from stalwart.core import manifest as mf
 from stalwart.core.protection import Census, census
-from stalwart.daemon.local_store import LocalStore
 from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.snapshot.local_store import LocalStore
 
-log = logging.getLogger("stalwart.daemon.protection")
+log = logging.getLogger("stalwart.daemon.snapshot.protection")
 
 
 class ProtectionWatch:

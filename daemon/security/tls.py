@@ -17,7 +17,7 @@ import grpc
 
 from stalwart.daemon.config import TlsConfig
 
-log = logging.getLogger("stalwart.daemon.tls")
+log = logging.getLogger("stalwart.daemon.security.tls")
 
 
 class TlsError(ValueError):

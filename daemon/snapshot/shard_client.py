@@ -15,9 +15,9 @@ from typing import TypeVar
 
 import grpc
 
-from stalwart.daemon.checksum import crc32c
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.shard_service import PIECE_BYTES
+from stalwart.daemon.rpc.shard_service import PIECE_BYTES
+from stalwart.daemon.snapshot.checksum import crc32c
 from stalwart.v1 import peer_pb2, peer_pb2_grpc
 
 T = TypeVar("T")
