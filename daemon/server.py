@@ -27,14 +27,16 @@ from prometheus_client import start_http_server
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.job import Job
 from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.peers import PeerChannels
 from stalwart.daemon.recovery.membership import Membership
 from stalwart.daemon.recovery.registry import Registry
 from stalwart.daemon.rpc.guard import Guard
 from stalwart.daemon.rpc.operator_service import OperatorServicer
 from stalwart.daemon.rpc.peer_service import PeerServicer, gossip_forever
 from stalwart.daemon.rpc.rank_service import RankServicer
+from stalwart.daemon.rpc.shard_service import ShardServicer
 from stalwart.daemon.security.auth import Authenticator, job_token, stamp
-from stalwart.daemon.security.tls import ReloadingServerCredentials, TlsError, aio_channel
+from stalwart.daemon.security.tls import ReloadingServerCredentials, TlsError
 from stalwart.daemon.security.tls import enabled as tls_enabled
 from stalwart.daemon.snapshot.protection import ProtectionWatch
 from stalwart.v1 import operator_pb2, operator_pb2_grpc, peer_pb2, peer_pb2_grpc, rank_pb2_grpc
@@ -64,17 +66,6 @@ class DaemonStartError(RuntimeError):
     """The daemon cannot start; the message says which setting to change."""
 
 
-def load_shard_servicer(store_dir: Path, metrics: Metrics, **policy: Any) -> Any:
-    """The ShardService implementation, or None while this build has none."""
-    try:
-        from stalwart.daemon.rpc.shard_service import ShardServicer
-    except ModuleNotFoundError as e:
-        if e.name != "stalwart.daemon.rpc.shard_service":
-            raise
-        return None
-    return ShardServicer(store_dir, metrics, **policy)
-
-
 class Daemon:
     """One daemon: its configuration, state, servicers and the gRPC server."""
 
@@ -92,19 +83,20 @@ class Daemon:
                                      config.heartbeat_timeout_s, self.metrics,
                                      self.registry.report, seeds=config.peers)
         self.health = health.aio.HealthServicer()
-        self.operator = OperatorServicer(config.node, self.address, self.registry,
-                                         self.membership)
+        self.channels = PeerChannels(config.tls)
         self.job = Job(config, self.registry, self.membership, self.metrics, self.data_dir,
-                       lambda: self.address, self._channel)
+                       lambda: self.address, self.channels)
+        self.operator = OperatorServicer(config.node, self.address, self.registry,
+                                         self.membership, self.job.leadership.leader)
         self.job.me = self.peer_info
         self.operator.decorators.append(self.job.decorate_status)
-        self.protection = ProtectionWatch(self.job.snapshots.store, self.job.nodes, self.metrics)
+        self.protection = ProtectionWatch(self.job.snapshots.store, self.job.links.nodes,
+                                          self.metrics)
         self._server: grpc.aio.Server | None = None
         self._unix_server: grpc.aio.Server | None = None
         self.auth: Authenticator | None = None
         self._metrics_http: Any = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._channels: dict[str, grpc.aio.Channel] = {}
         self.tls: ReloadingServerCredentials | None = None
 
     # lifecycle -----------------------------------------------------------
@@ -128,7 +120,7 @@ class Daemon:
         self.config = cfg = replace(cfg, token=token)
         self.job.snapshots.pool.token = token
         self.auth = Authenticator(token, tls_enabled(cfg.tls), self.metrics)
-        self.job.auth_stamp = self.job.snapshots.stamp = stamp(token, cfg.node)
+        self.channels.interceptors = stamp(token, cfg.node)
         if tls_enabled(cfg.tls):
             try:
                 self.tls = ReloadingServerCredentials(cfg.tls)
@@ -138,21 +130,20 @@ class Daemon:
         unix_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[Guard()])
         self._server, self._unix_server = server, unix_server
         rank = RankServicer(cfg, self.registry, self.metrics, self.stopping, self.auth,
-                            snapshots=self.job.snapshots, on_register=self.job.on_register)
+                            snapshots=self.job.snapshots,
+                            on_register=self.job.announcer.on_register)
         for s in (server, unix_server):
             rank_pb2_grpc.add_RankServiceServicer_to_server(rank, s)
             operator_pb2_grpc.add_OperatorServiceServicer_to_server(self.operator, s)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, s)
         peer_pb2_grpc.add_PeerServiceServicer_to_server(
             PeerServicer(self.membership, self.registry, self.peer_info, self.auth,
-                         steps=self.job.gate, metrics=self.metrics, job_id=cfg.job_id), server)
-        names = list(SERVICES)
-        shard = load_shard_servicer(
-            self.data_dir / "shards", self.metrics, auth=self.auth,
-            quota=self.job.snapshots.quota, policy=self.job.gate)
-        if shard is not None:
-            peer_pb2_grpc.add_ShardServiceServicer_to_server(shard, server)
-            names.append("stalwart.v1.ShardService")
+                         self.job.gate, self.job.leadership.leader, metrics=self.metrics,
+                         job_id=cfg.job_id), server)
+        names = [*SERVICES, "stalwart.v1.ShardService"]
+        shard = ShardServicer(self.data_dir / "shards", self.metrics, auth=self.auth,
+                              quota=self.job.snapshots.quota, policy=self.job.gate)
+        peer_pb2_grpc.add_ShardServiceServicer_to_server(shard, server)
         reflection.enable_server_reflection(
             [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
         reflection.enable_server_reflection(
@@ -190,7 +181,7 @@ class Daemon:
             asyncio.create_task(self._detect_forever(), name="detect"),
             asyncio.create_task(self._watch_protection_forever(), name="protection"),
             asyncio.create_task(gossip_forever(
-                self.membership, self.peer_info, self._channel, cfg.heartbeat_interval_s,
+                self.membership, self.peer_info, self.channels.get, cfg.heartbeat_interval_s,
                 self.stopping), name="gossip"),
         ]
         self._write_endpoint_file()
@@ -206,8 +197,7 @@ class Daemon:
         await asyncio.gather(*(s.stop(grace_s) for s in (self._server, self._unix_server)
                                if s is not None))
         await self.job.stop()
-        for channel in self._channels.values():
-            await channel.close()
+        await self.channels.close()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
@@ -237,20 +227,6 @@ class Daemon:
             except Exception:  # a counting bug must not stop the daemon
                 log.exception("protection census failed")
             await asyncio.sleep(self.config.heartbeat_interval_s)
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            # round_robin: a seed that is a DNS name for many daemons reaches each in turn.
-            # Short reconnect backoff: a daemon that restarts at the same address (a host
-            # that comes back) is reached within seconds, not after gRPC's default 120 s.
-            self._channels[address] = aio_channel(
-                address, self.config.tls, options=[
-                    ("grpc.lb_policy_name", "round_robin"),
-                    ("grpc.initial_reconnect_backoff_ms", 200),
-                    ("grpc.min_reconnect_backoff_ms", 200),
-                    ("grpc.max_reconnect_backoff_ms", 2000)],
-                interceptors=self.job.auth_stamp)
-        return self._channels[address]
 
     def peer_info(self) -> peer_pb2.PeerInfo:
         """How this daemon describes itself to peers."""

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.daemon.config import ConfigError, load_config
-from stalwart.daemon.snapshot.path import DiskQuota, QuotaExceeded
+from stalwart.daemon.snapshot.quota import DiskQuota, QuotaExceeded
 
 
 def test_a_step_past_the_quota_is_refused_with_the_setting_named(tmp_path: Path) -> None:

@@ -285,14 +285,16 @@ def test_status_storage_reports_shards_protection_repair_and_scrub(tmp_path: Pat
 
     from stalwart.daemon.config import DaemonConfig
     from stalwart.daemon.metrics import Metrics
+    from stalwart.daemon.peers import Peer, PeerChannels
     from stalwart.daemon.recovery.registry import Registry
-    from stalwart.daemon.snapshot.path import Peer, SnapshotPath
+    from stalwart.daemon.snapshot.path import SnapshotPath
 
     metrics = Metrics()
-    path = SnapshotPath(dataclasses.replace(DaemonConfig(), node="a"),
-                        Registry("a", 1.0, 5.0, metrics), metrics, tmp_path,
+    config = dataclasses.replace(DaemonConfig(), node="a")
+    path = SnapshotPath(config, Registry("a", 1.0, 5.0, metrics), metrics, tmp_path,
                         lambda: [Peer("a", "127.0.0.1:1", {}), Peer("b", "127.0.0.1:2", {})],
-                        send_prepare=None)  # type: ignore[arg-type]
+                        PeerChannels(config.tls), send_prepare=None,  # type: ignore[arg-type]
+                        is_leader=lambda: True)
     try:
         path.store.commit(_step(5, 5, ["a", "b", "c", "d"], node="x"), local_node="a")
         status = path.status_storage()
@@ -318,17 +320,21 @@ def test_shard_bytes_in_flight_are_bounded_per_daemon_not_per_peer(tmp_path: Pat
 
     from stalwart.daemon.config import DaemonConfig
     from stalwart.daemon.metrics import Metrics
+    from stalwart.daemon.peers import Peer, PeerChannels
     from stalwart.daemon.recovery.registry import Registry
-    from stalwart.daemon.snapshot.path import SHARD_BYTES_IN_FLIGHT, Peer, SnapshotPath
+    from stalwart.daemon.snapshot.holders import SHARD_BYTES_IN_FLIGHT
+    from stalwart.daemon.snapshot.path import SnapshotPath
 
     metrics = Metrics()
     peers = [Peer("b", "127.0.0.1:2", {}), Peer("c", "127.0.0.1:3", {})]
-    path = SnapshotPath(dataclasses.replace(DaemonConfig(), node="a"),
-                        Registry("a", 1.0, 5.0, metrics), metrics, tmp_path,
-                        lambda: peers, send_prepare=None)  # type: ignore[arg-type]
+    config = dataclasses.replace(DaemonConfig(), node="a")
+    path = SnapshotPath(config, Registry("a", 1.0, 5.0, metrics), metrics, tmp_path,
+                        lambda: peers, PeerChannels(config.tls),
+                        send_prepare=None,  # type: ignore[arg-type]
+                        is_leader=lambda: True)
 
     async def left_for_c_while_b_holds_three_quarters() -> int:
-        to_b, to_c = path._client(peers[0]), path._client(peers[1])
+        to_b, to_c = path.holders.client("b"), path.holders.client("c")
         await to_b.budget.acquire(SHARD_BYTES_IN_FLIGHT // 4 * 3)
         return to_c.budget.available
 

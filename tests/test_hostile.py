@@ -98,7 +98,7 @@ def test_a_rank_without_the_job_token_is_refused_on_every_call(open_dir: Path) -
 
 def test_a_step_message_of_another_job_is_refused(open_dir: Path) -> None:
     async def body(daemon: Daemon) -> str:
-        stub = peer_pb2_grpc.PeerServiceStub(daemon._channel(daemon.address))
+        stub = peer_pb2_grpc.PeerServiceStub(daemon.channels.get(daemon.address))
         request = peer_pb2.PrepareStepRequest(job_id="other-job", step=3, generation=1)
         return await code_of(stub.PrepareStep(request, timeout=5))
 
@@ -197,7 +197,7 @@ def test_peer_uid_rule_admits_owner_root_and_group_only() -> None:
                                       "a//b", "x\x00y", "a" * 300])
 def test_a_shard_id_that_leaves_the_store_is_refused(open_dir: Path, shard_id: str) -> None:
     async def body(daemon: Daemon) -> list[str]:
-        stub = peer_pb2_grpc.ShardServiceStub(daemon._channel(daemon.address))
+        stub = peer_pb2_grpc.ShardServiceStub(daemon.channels.get(daemon.address))
         header = peer_pb2.ShardHeader(job_id="default", shard_id=shard_id, size=1, crc32c=0)
 
         async def pieces():
@@ -221,7 +221,7 @@ def test_a_shard_id_that_leaves_the_store_is_refused(open_dir: Path, shard_id: s
 
 def test_a_manifest_naming_a_chunk_outside_the_store_is_refused(open_dir: Path) -> None:
     async def body(daemon: Daemon) -> str:
-        stub = peer_pb2_grpc.PeerServiceStub(daemon._channel(daemon.address))
+        stub = peer_pb2_grpc.PeerServiceStub(daemon.channels.get(daemon.address))
         manifest = manifest_pb2.Manifest(job_id="default", step=1, generation=1)
         manifest.ranks.add(rank=0).chunks.add(chunk_id="../../etc/passwd")
         return await code_of(stub.CommitStep(

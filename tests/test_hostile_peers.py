@@ -296,7 +296,7 @@ def test_an_overlong_or_directory_shard_name_is_invalid_not_unknown(
         tmp_path: Path, shard_id: str) -> None:
     async def body(daemon: Daemon) -> list[str]:
         (daemon.data_dir / "shards" / "default" / "dir" / "x").mkdir(parents=True)
-        stub = peer_pb2_grpc.ShardServiceStub(daemon._channel(daemon.address))
+        stub = peer_pb2_grpc.ShardServiceStub(daemon.channels.get(daemon.address))
         return [
             await code_of(stub.GetShard(peer_pb2.GetShardRequest(
                 job_id="default", shard_id=shard_id), timeout=5).read()),

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from stalwart.core.failures import FailureKind
+from stalwart.core.generation import StaleGeneration
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.liveness import (
     ALIVE,
@@ -21,7 +22,7 @@ from stalwart.daemon.recovery.liveness import (
     process_identity,
 )
 from stalwart.daemon.recovery.membership import LOST, SUSPECT, UP, Membership
-from stalwart.daemon.recovery.registry import RankFenced, Registry, StaleGeneration, UnknownRank
+from stalwart.daemon.recovery.registry import RankFenced, Registry, UnknownRank
 from stalwart.v1 import common_pb2, peer_pb2
 
 
@@ -168,7 +169,7 @@ def test_peers_move_from_up_to_suspect_to_lost_with_one_failure() -> None:
     table.add_address("h:2")
     assert table.check() == [] and table.peers()[0].state == "unknown"
     table.observe(peer_pb2.PeerInfo(node="b", address="h:2"))
-    assert table.peers()[0].state == UP and table.coordinator() == "a"
+    assert table.peers()[0].state == UP and table.by_rule() == "a"
     clock.now += 3
     assert table.check() == [] and table.peers()[0].state == SUSPECT
     clock.now += 3
@@ -207,15 +208,15 @@ def test_a_paused_daemon_declares_no_peer_lost_and_defers_until_it_heard_them() 
     table = Membership("a", "h:1", 1.0, 5.0, metrics, reg.report, clock=clock)
     table.observe(peer_pb2.PeerInfo(node="b", address="h:2", generation=1))
     table.self_generation = lambda: 1
-    assert table.check() == [] and table.coordinator() == "a"
+    assert table.check() == [] and table.by_rule() == "a"
     clock.now += 30
     assert table.check() == []  # b kept its place: this daemon was the one frozen
-    assert table.peers()[0].state == UP and table.coordinator() == "b"
+    assert table.peers()[0].state == UP and table.by_rule() == "b"
     clock.now += 0.5
     table.observe(peer_pb2.PeerInfo(node="b", address="h:2", generation=2))
-    assert table.coordinator() == "b"  # heard from b, but b is a generation ahead
+    assert table.by_rule() == "b"  # heard from b, but b is a generation ahead
     table.self_generation = lambda: 2
-    assert table.coordinator() == "a"  # caught up, and no plan names another coordinator
+    assert table.by_rule() == "a"  # caught up, and no plan names another coordinator
 
 
 def test_the_coordinator_of_the_installed_plan_keeps_the_role_while_it_lives() -> None:
@@ -225,12 +226,12 @@ def test_the_coordinator_of_the_installed_plan_keeps_the_role_while_it_lives() -
                        incumbent=lambda: "b")
     table.observe(peer_pb2.PeerInfo(node="a", address="h:1"))
     table.observe(peer_pb2.PeerInfo(node="b", address="h:2"))
-    assert table.coordinator() == "b"  # a (smaller) came back; b decided the plan
+    assert table.by_rule() == "b"  # a (smaller) came back; b decided the plan
     clock.now += 3
     table.observe(peer_pb2.PeerInfo(node="a", address="h:1"))
     clock.now += 3
     table.check()  # b is lost now
-    assert table.coordinator() == "a"
+    assert table.by_rule() == "a"
 
 
 def _plan(world_dp: int, rank_id: str) -> common_pb2.Plan:

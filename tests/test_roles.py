@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from stalwart.core.decide import Coord, Layout, Member, PlanState
-from stalwart.daemon.recovery.coordinator import StaleStep
+from stalwart.daemon.errors import NotReady
 from stalwart.daemon.security.auth import Forbidden
 from stalwart.daemon.security.roles import (
     MAX_PENDING_STEPS,
@@ -48,7 +48,7 @@ def test_a_prepare_outside_the_callers_role_is_forbidden(req, latest, pending, s
 
 def test_an_older_generation_is_left_to_the_stale_check_and_no_plan_is_stale() -> None:
     check_prepare(PLAN, "b", prepare(generation=2, dp=1), latest=10)
-    with pytest.raises(StaleStep):
+    with pytest.raises(NotReady, match="before this daemon coordinates"):
         check_prepare(None, "b", prepare(), latest=None)
 
 

@@ -124,7 +124,7 @@ def test_daemons_talk_to_each_other_over_mtls(tmp_path: Path, pki: dict[str, Pat
     cluster = pki["cluster"]
 
     async def body(daemon: Daemon) -> str:
-        stub = operator_pb2_grpc.OperatorServiceStub(daemon._channel(daemon.address))
+        stub = operator_pb2_grpc.OperatorServiceStub(daemon.channels.get(daemon.address))
         reply = await stub.Status(operator_pb2.StatusRequest(), timeout=5.0)
         return reply.node
 

@@ -183,9 +183,9 @@ class Harness:
         self.servicers = {
             "RankService": RankServicer(cfg, d.registry, d.metrics, d.stopping, auth,
                                         snapshots=d.job.snapshots,
-                                        on_register=d.job.on_register),
+                                        on_register=d.job.announcer.on_register),
             "PeerService": PeerServicer(d.membership, d.registry, d.peer_info, auth,
-                                        steps=d.job.gate, metrics=d.metrics,
+                                        d.job.gate, d.job.leadership.leader, metrics=d.metrics,
                                         job_id=cfg.job_id),
             "OperatorService": d.operator,
             "ShardService": ShardServicer(root / "shards", d.metrics, auth=auth,

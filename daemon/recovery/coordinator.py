@@ -29,6 +29,7 @@ from stalwart.core.decide import (
     decide,
 )
 from stalwart.core.failures import Failure
+from stalwart.core.generation import check_generation
 from stalwart.core.grow import GrowPolicy
 from stalwart.core.shrink import ElasticConfig, ElasticPlanner, ShrinkMemoryError
 from stalwart.daemon.config import ElasticSettings
@@ -345,9 +346,9 @@ class Coordinator:
 
     async def prepared(self, req: peer_pb2.PrepareStepRequest) -> None:
         """Phase one from one daemon: its ranks' records for a step are durable."""
-        if self.plan is not None and req.generation < self.plan.generation:
-            raise StaleStep(f"step {req.step} was prepared in generation {req.generation}; "
-                            f"the job is at generation {self.plan.generation}")
+        if self.plan is not None:
+            check_generation(req.generation, self.plan.generation,
+                             f"prepare of step {req.step}")
         latest = self.latest_committed()
         if latest is not None and req.step <= latest:
             # Sent again after a change of coordinator, by a daemon that may have missed
@@ -448,10 +449,6 @@ class Coordinator:
             if s > step and lay is not None and len(ranks) >= _world(lay):
                 return True
         return False
-
-
-class StaleStep(RuntimeError):
-    """A prepare from an older generation arrived after a re-plan."""
 
 
 def _world(lay: common_pb2.ParallelLayout) -> int:

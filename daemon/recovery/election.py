@@ -1,9 +1,9 @@
-"""Who coordinates: leader election through etcd in a cluster, a fixed node otherwise.
+"""Who leads the job: one daemon coordinates, repairs lost shards and uploads manifests.
 
-Both sides share one interface: `start()`, `stop()`, `is_leader`, `term` (a fencing
-token that grows with every new leader), `leader()`, and `write`/`read` of small
-coordinator state (the current plan) that only the seated leader can write, with
-`on_elected(term)` and `on_lost(reason)` callbacks (plain or coroutine functions).
+`Leadership` is the one interface every such decision asks. In a cluster with etcd
+the leader is the holder of a lease-based seat (`EtcdElection`, whose `term` grows
+with every new leader); without etcd it is membership's rule (the daemon that
+decided the installed plan while it lives, else the smallest eligible live name).
 """
 
 from __future__ import annotations
@@ -14,9 +14,12 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
-__all__ = ["Election", "EtcdElection", "FixedCoordinator"]
+from stalwart.daemon.config import DaemonConfig
+from stalwart.daemon.recovery.membership import SUSPECT, UP, Membership
+
+__all__ = ["EtcdElection", "Leadership"]
 
 log = logging.getLogger(__name__)
 
@@ -30,53 +33,6 @@ async def _call(cb: Callable[..., object] | None, arg: object) -> None:
     result = cb(arg)
     if inspect.isawaitable(result):
         await result
-
-
-class Election(Protocol):
-    is_leader: bool
-    term: int
-
-    async def start(self) -> None: ...
-    async def stop(self) -> None: ...
-    async def leader(self) -> str | None: ...
-    async def write(self, name: str, value: bytes) -> bool: ...
-    async def read(self, name: str) -> bytes | None: ...
-
-
-class FixedCoordinator:
-    """The single-machine default: `coordinator` (default: this node) always leads."""
-
-    def __init__(self, node: str, coordinator: str | None = None, *,
-                 on_elected: ElectedCallback | None = None,
-                 on_lost: LostCallback | None = None) -> None:
-        self.node = node
-        self.coordinator = coordinator or node
-        self.on_elected, self.on_lost = on_elected, on_lost
-        self.is_leader = False
-        self.term = 0
-        self._state: dict[str, bytes] = {}
-
-    async def start(self) -> None:
-        if self.node == self.coordinator:
-            self.is_leader, self.term = True, 1
-            await _call(self.on_elected, self.term)
-
-    async def stop(self) -> None:
-        if self.is_leader:
-            self.is_leader = False
-            await _call(self.on_lost, "stopped")
-
-    async def leader(self) -> str | None:
-        return self.coordinator
-
-    async def write(self, name: str, value: bytes) -> bool:
-        """Keep `value` under `name` (in memory: one machine, one coordinator process)."""
-        if self.is_leader:
-            self._state[name] = value
-        return self.is_leader
-
-    async def read(self, name: str) -> bytes | None:
-        return self._state.get(name)
 
 
 class EtcdElection:
@@ -163,28 +119,6 @@ class EtcdElection:
         got = await self._bounded(self._client.get(self.key))
         return got.value.decode() if got is not None else None
 
-    async def write(self, name: str, value: bytes) -> bool:
-        """Store coordinator state (e.g. the current plan) under `name`, only while this
-        candidate still holds the seat it won in `term`; False when it no longer does, so a
-        deposed coordinator cannot overwrite its successor's plan."""
-        if not self.is_leader:
-            return False
-        c = self._client
-        ok, _ = await self._bounded(c.transaction(
-            compare=[c.transactions.create(self.key) == self.term],
-            success=[c.transactions.put(self._state_key(name), value)],
-            failure=[],
-        ))
-        return ok
-
-    async def read(self, name: str) -> bytes | None:
-        """Coordinator state stored under `name` by any leader, or None."""
-        got = await self._bounded(self._client.get(self._state_key(name)))
-        return got.value if got is not None else None
-
-    def _state_key(self, name: str) -> bytes:
-        return self.key.rsplit(b"/", 1)[0] + b"/state/" + name.encode()
-
     async def _campaign(self) -> None:
         while True:
             try:
@@ -250,3 +184,100 @@ class EtcdElection:
             await self._bounded(self._client.watch_once(self.key, timeout=self.ttl_s * 2,
                                                         start_revision=got.header.revision + 1),
                                 self.ttl_s * 3)
+
+
+class Leadership:
+    """The job's leader as this daemon sees it: etcd's seat holder, else membership's rule."""
+
+    def __init__(self, config: DaemonConfig, membership: Membership) -> None:
+        self.node, self.config, self.membership = config.node, config, membership
+        self.seat = ""  # the etcd seat holder last seen, "" while none is known
+        self.on_won: Callable[[], None] = lambda: None  # this daemon took the seat
+        self.etcd: EtcdElection | None = None
+        if config.etcd:
+            self.etcd = EtcdElection(config.node, endpoint=config.etcd, job_id=config.job_id,
+                                     ttl_s=config.etcd_lease_s, on_elected=self._won,
+                                     on_lost=self._lost)
+        self._task: asyncio.Task[None] | None = None
+
+    def leader(self) -> str:
+        """The leading daemon's node name ("" while the etcd seat is empty)."""
+        return self.seat if self.etcd is not None else self.membership.by_rule()
+
+    def is_leader(self) -> bool:
+        return self.leader() == self.node
+
+    def holds_seat(self) -> bool:
+        """False once this daemon has lost the etcd seat it led from (always True
+        without etcd): a deposed coordinator must not install plans."""
+        return self.etcd is None or self.etcd.is_leader
+
+    async def start(self) -> None:
+        if self.etcd is not None:
+            await self.etcd.start()
+            self._task = asyncio.create_task(self._track_seat(), name="seat")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self.etcd is not None:
+            await self.etcd.stop()  # a leader resigns: a successor need not wait
+
+    def _won(self, term: int) -> None:
+        log.warning("this daemon coordinates the job (etcd term %d)", term)
+        self.seat = self.node
+        self.on_won()
+
+    def _lost(self, reason: str) -> None:
+        log.error("this daemon no longer coordinates: %s", reason)
+        if self.seat == self.node:
+            self.seat = ""
+
+    async def _track_seat(self) -> None:
+        """Learn who holds the seat when it is not this daemon (read once per heartbeat);
+        the last holder seen stays the answer while the seat is empty between leaders."""
+        assert self.etcd is not None
+        interval, complained = self.config.heartbeat_interval_s, False
+        while True:
+            if not self.etcd.is_leader:
+                try:
+                    holder = await self.etcd.leader()
+                    complained = False
+                except Exception as exc:  # etcd down: keep the last holder, say so once
+                    if not complained:
+                        log.error("cannot read the coordinator seat from etcd at %s: %s",
+                                  self.config.etcd, exc)
+                    complained, holder = True, None
+                if holder and holder != self.seat:
+                    self.seat = holder
+            await asyncio.sleep(interval)
+
+    async def known(self) -> str:
+        """The leader's name, waiting up to one lease time for a first election (within a
+        rank's registration deadline, so it gets this error, not a timeout)."""
+        deadline = time.monotonic() + self.config.etcd_lease_s
+        while not (holder := self.leader()) and time.monotonic() < deadline:
+            await asyncio.sleep(self.config.heartbeat_interval_s / 4)
+        if not holder:
+            raise LookupError(f"no coordinator is elected in etcd at {self.config.etcd}: is "
+                              "etcd up and reachable from every daemon (see the daemon log)?")
+        return holder
+
+    async def confirm(self, node: str) -> bool:
+        """Whether a call from `node` may be the leader's, even if this daemon's view lags."""
+        if self.leader() == node:
+            return True
+        if self.etcd is None:
+            # The rule is the smallest live name, and views lag: a caller that takes over
+            # when the old coordinator died is believed once every smaller node this daemon
+            # knows has gone quiet (suspect or lost). It must itself be a live peer.
+            peers = self.membership.peers()
+            live = {p.node for p in peers if p.state in (UP, SUSPECT)}
+            smaller_up = [p for p in peers if p.node and p.node < node and p.state == UP]
+            return node in live and self.node > node and not smaller_up
+        try:  # the seat may have moved since this daemon last read it
+            return await self.etcd.leader() == node
+        except Exception as exc:  # etcd unreachable: no proof of the seat
+            log.warning("cannot confirm the coordinator seat: %s", exc)
+            return False

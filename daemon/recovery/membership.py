@@ -51,8 +51,6 @@ class Membership:
     clock: Callable[[], float] = time.monotonic
     wall: Callable[[], float] = time.time
     seeds: tuple[str, ...] = ()
-    elected: bool = False  # the coordinator is whoever holds the etcd seat (`seat`)
-    seat: str = ""  # that holder's node name, "" while none is known
     self_generation: Callable[[], int] = lambda: 0
     """This daemon's installed generation (the registry's)."""
     incumbent: Callable[[], str] = lambda: ""
@@ -148,21 +146,19 @@ class Membership:
         """Seconds since direct contact, -1 if never reached."""
         return -1.0 if record.last_seen is None else max(0.0, self.clock() - record.last_seen)
 
-    def to_proto(self, me: peer_pb2.PeerInfo) -> peer_pb2.Membership:
+    def to_proto(self, me: peer_pb2.PeerInfo, coordinator: str) -> peer_pb2.Membership:
         """This daemon first, then every peer it has reached. Peers are hearsay to the
         receiver (it keeps only their addresses), so their rank ids stay out: a reply
         grows with the number of daemons, not daemons x ranks."""
         known = [peer_pb2.PeerInfo(node=p.node, address=p.address, labels=p.labels,
                                    generation=p.generation)
                  for p in self._peers.values() if p.last_seen is not None]
-        return peer_pb2.Membership(peers=[me, *known], coordinator=self.coordinator(),
+        return peer_pb2.Membership(peers=[me, *known], coordinator=coordinator,
                                    generation=me.generation)
 
-    def coordinator(self) -> str:
-        """The node that coordinates: the holder of the etcd seat when elections are on
-        ("" until one is known), else the fixed rule: the smallest live node name."""
-        if self.elected:
-            return self.seat
+    def by_rule(self) -> str:
+        """The leader without etcd (see election.Leadership): the daemon that decided the
+        installed plan while it lives, else the smallest eligible live node name."""
         live = [p for p in self._peers.values() if p.state in (UP, SUSPECT) and p.node]
         if self._resumed_at is not None and all(
                 p.heard_at is not None and p.heard_at > self._resumed_at for p in live):

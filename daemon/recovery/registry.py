@@ -14,7 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stalwart.core.failures import Failure, FailureKind
+from stalwart.core.generation import StaleGeneration, check_generation
 from stalwart.core.straggler import StragglerConfig, StragglerDetector
+from stalwart.daemon.errors import NotFound, NotReady
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.liveness import (
     ALIVE,
@@ -43,19 +45,11 @@ STRAGGLER_WINDOW_HEARTBEATS = 4  # heartbeat intervals per straggler window (at 
 RANK_PHASES = ("rebuild", "restore")  # recovery phases a rank times and reports
 
 
-class RegistryError(Exception):
-    """A rank request that must be refused; the message says what to do."""
-
-
-class UnknownRank(RegistryError):
+class UnknownRank(NotFound):
     pass
 
 
-class StaleGeneration(RegistryError):
-    pass
-
-
-class RankFenced(RegistryError):
+class RankFenced(NotReady):
     """The rank was declared dead; its heartbeats are refused until it registers again."""
 
 
@@ -153,10 +147,7 @@ class Registry:
         if record.state in (DEAD, LEFT):
             raise RankFenced(
                 f"rank {rank_id} was declared dead ({record.cause}); register again to rejoin")
-        if generation < self.generation:
-            raise StaleGeneration(
-                f"heartbeat of rank {rank_id} is from generation {generation}, but the job is "
-                f"at generation {self.generation}; fetch the new plan (WatchPlan) and rejoin")
+        check_generation(generation, self.generation, f"heartbeat of rank {rank_id}")
         record.last_heartbeat = self.clock()
         if step > record.step and step_time_s > 0:  # a new step finished: one sample
             self.stragglers.observe(rank_id, step_time_s)

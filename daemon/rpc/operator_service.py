@@ -26,6 +26,7 @@ class OperatorServicer(operator_pb2_grpc.OperatorServiceServicer):
     address: str
     registry: Registry
     membership: Membership
+    leader: Callable[[], str]  # the coordinator's node name (election.Leadership.leader)
     started: float = field(default_factory=time.monotonic)
     decorators: list[Callable[[operator_pb2.StatusReply], None]] = field(default_factory=list)
 
@@ -35,7 +36,7 @@ class OperatorServicer(operator_pb2_grpc.OperatorServiceServicer):
 
     def status(self) -> operator_pb2.StatusReply:
         reg = self.registry
-        coordinator = self.membership.coordinator()
+        coordinator = self.leader()
         reply = operator_pb2.StatusReply(
             node=self.node, version=__version__, uptime_s=time.monotonic() - self.started,
             generation=reg.generation, plan=reg.current_plan(),

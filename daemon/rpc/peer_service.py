@@ -18,11 +18,12 @@ import grpc
 
 from stalwart.core.failures import Failure
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.recovery.coordinator import StaleStep
 from stalwart.daemon.recovery.membership import Membership
 from stalwart.daemon.recovery.registry import Registry
+from stalwart.daemon.rpc.errors import TYPED, abort
 from stalwart.daemon.rpc.validate import MAX_PEERS, admit
 from stalwart.daemon.security.auth import Authenticator, Forbidden
+from stalwart.daemon.security.roles import JobGate
 from stalwart.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon.rpc.peer_service")
@@ -34,14 +35,15 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     PERMISSION_DENIED."""
 
     def __init__(self, membership: Membership, registry: Registry,
-                 me: Callable[[], peer_pb2.PeerInfo], auth: Authenticator, steps: Any = None,
-                 metrics: Metrics | None = None, job_id: str = "") -> None:
+                 me: Callable[[], peer_pb2.PeerInfo], auth: Authenticator, steps: JobGate,
+                 leader: Callable[[], str], metrics: Metrics | None = None,
+                 job_id: str = "") -> None:
         self.membership, self.registry, self.me = membership, registry, me
         self.auth = auth
         self.metrics = metrics or Metrics()  # counts refused requests
         self.job_id = job_id  # when set, step messages of other jobs are refused
-        # The job (stalwart.daemon.job.Job): role checks, plans, commits, announcements.
-        self.steps = steps
+        # Role checks, then plans, commits, announcements (security.roles.JobGate).
+        self.steps, self.leader = steps, leader
 
     async def _caller(self, context: grpc.aio.ServicerContext, request: Any) -> str:
         node = await self.auth.daemon(context)
@@ -65,13 +67,11 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
                                 f"this daemon already knows {MAX_PEERS} peers; a cluster that "
                                 "large needs a seed list per rack")
         self.membership.observe(request)
-        return self.membership.to_proto(self.me())
+        return self.membership.to_proto(self.me(), self.leader())
 
     async def InstallPlan(self, request: common_pb2.Plan,
                           context: grpc.aio.ServicerContext) -> common_pb2.Ack:
         caller = await self._caller(context, request)
-        if self.steps is None:
-            await _not_here(context, "InstallPlan")
         try:
             return await self.steps.install_from(caller, request)
         except Forbidden as exc:
@@ -95,8 +95,6 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     async def Announce(self, request: peer_pb2.RankAnnouncement,
                        context: grpc.aio.ServicerContext) -> common_pb2.Ack:
         caller = await self._caller(context, request)
-        if self.steps is None:
-            await _not_here(context, "Announce")
         try:
             await self.steps.announce_from(caller, request)
         except Forbidden as exc:
@@ -107,22 +105,18 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
                           context: grpc.aio.ServicerContext) -> peer_pb2.PrepareStepReply:
         caller = await self._caller(context, request)
         await self._same_job(context, request.job_id)
-        if self.steps is None:
-            await _not_here(context, "PrepareStep")
         try:
             await self.steps.prepare_from(caller, request)
         except Forbidden as exc:
             await self._forbidden(context, exc)
-        except StaleStep as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except TYPED as exc:
+            await abort(context, exc)
         return peer_pb2.PrepareStepReply(ready=True)
 
     async def CommitStep(self, request: peer_pb2.CommitStepRequest,
                          context: grpc.aio.ServicerContext) -> peer_pb2.CommitStepReply:
         caller = await self._caller(context, request)
         await self._same_job(context, request.manifest.job_id)
-        if self.steps is None:
-            await _not_here(context, "CommitStep")
         try:
             await self.steps.commit_from(caller, request.manifest)
         except Forbidden as exc:
@@ -138,13 +132,6 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"step message of job {job_id!r} sent to a daemon of job {self.job_id!r}; "
                 "check the peers list: daemons of different jobs must not be peers")
-
-
-async def _not_here(context: grpc.aio.ServicerContext, method: str) -> NoReturn:
-    await context.abort(
-        grpc.StatusCode.UNIMPLEMENTED,
-        f"PeerService.{method}: this daemon has no job wired in; run daemons of one version")
-    raise AssertionError("unreachable: abort raises")
 
 
 async def gossip_forever(membership: Membership, me: Callable[[], peer_pb2.PeerInfo],

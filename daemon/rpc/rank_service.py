@@ -1,8 +1,8 @@
 """RankService: what the daemon offers the training ranks of its node (over the Unix socket).
 
 Registration, heartbeats, plan watching and client-side failure reports live
-here. The snapshot calls (OpenSlot, Capture, WaitCommitted, Restore) are
-forwarded to a snapshot handler when the server is given one.
+here. The snapshot calls (OpenSlot, Capture, WaitCommitted, Restore) go to the
+snapshot path's intake, committer and restorer; their typed errors become statuses.
 """
 
 from __future__ import annotations
@@ -12,20 +12,15 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, NoReturn
 
 import grpc
 
 from stalwart.core.failures import Failure
+from stalwart.core.generation import StaleGeneration, check_generation
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.recovery.registry import (
-    RankFenced,
-    RankRecord,
-    Registry,
-    StaleGeneration,
-    UnknownRank,
-)
+from stalwart.daemon.recovery.registry import RankRecord, Registry
+from stalwart.daemon.rpc.errors import TYPED, abort
 from stalwart.daemon.rpc.streams import send_within
 from stalwart.daemon.rpc.validate import (
     MAX_COLLECTIVES,
@@ -41,25 +36,20 @@ from stalwart.daemon.security.peercred import (
     inner_pid,
     refusal,
 )
+from stalwart.daemon.snapshot.path import SnapshotPath
 from stalwart.v1 import common_pb2, rank_pb2, rank_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon.rpc.rank_service")
 
 WATCH_WAKE_S = 5.0  # WatchPlan re-checks for shutdown at least this often (seconds)
 RESTORE_IDLE_S = 60.0  # a Restore reader that takes no piece this long is let go (seconds)
-_REFUSALS = {
-    UnknownRank: grpc.StatusCode.NOT_FOUND,
-    RankFenced: grpc.StatusCode.FAILED_PRECONDITION,
-    # Retryable: the caller follows the new plan and carries on (ABORTED, not fatal).
-    StaleGeneration: grpc.StatusCode.ABORTED,
-}
 
 
 class RankServicer(rank_pb2_grpc.RankServiceServicer):
     """Handlers of RankService; state lives in the Registry."""
 
     def __init__(self, config: DaemonConfig, registry: Registry, metrics: Metrics,
-                 stopping: asyncio.Event, auth: Authenticator, snapshots: Any = None,
+                 stopping: asyncio.Event, auth: Authenticator, snapshots: SnapshotPath,
                  on_register: Callable[[RankRecord, common_pb2.ParallelLayout,
                                         common_pb2.LayerProfile, tuple[str, int] | None],
                                        Awaitable[None]]
@@ -69,7 +59,6 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         self.unix_socket = str(Path(config.unix_socket).resolve())
         # Tells the coordinator (through the job) that a rank or spare is here.
         self.on_register = on_register
-        # Object with async OpenSlot/Capture/WaitCommitted/Restore(request, context).
         self.snapshots = snapshots
         self._collectives: set[str] = set()  # label values of stalwart_link_bytes_total
 
@@ -159,8 +148,8 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             self.registry.heartbeat(request.rank_id, request.generation, request.step,
                                     request.step_time_s, leaving=request.leaving,
                                     recovery_phases=dict(request.recovery_phase_s))
-        except (UnknownRank, RankFenced, StaleGeneration) as e:
-            await context.abort(_REFUSALS[type(e)], str(e))
+        except TYPED as exc:
+            await abort(context, exc)
         self._count_link_bytes(request.link_bytes)
         return rank_pb2.HeartbeatReply(generation=self.registry.generation)
 
@@ -190,11 +179,11 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
                             context: grpc.aio.ServicerContext) -> common_pb2.Ack:
         await self.auth.token_holder(context)
         await admit(context, self.metrics, request)
-        if request.generation and request.generation < self.registry.generation:
-            return common_pb2.Ack(
-                accepted=False,
-                message=f"report is from generation {request.generation}; the job is at "
-                        f"generation {self.registry.generation}")
+        try:
+            check_generation(request.generation or self.registry.generation,
+                             self.registry.generation, "failure report")
+        except StaleGeneration as exc:
+            return common_pb2.Ack(accepted=False, message=str(exc))
         if request.kind == common_pb2.FailureEvent.KIND_UNSPECIFIED:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "failure report needs a kind (FailureEvent.Kind)")
@@ -206,48 +195,42 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
                                      generation=failure.generation or self.registry.generation))
         return common_pb2.Ack(accepted=True)
 
-    # Snapshot path: forwarded to the snapshot handler when one is wired in.
+    # Snapshot path: the daemon's SnapshotPath (intake, commit, restore) does the work.
 
     async def OpenSlot(self, request: rank_pb2.OpenSlotRequest,
                        context: grpc.aio.ServicerContext) -> rank_pb2.OpenSlotReply:
         await self.auth.token_holder(context)
         await admit(context, self.metrics, request)
-        if self.snapshots is None:
-            await _not_here(context, "OpenSlot")
-        return await self.snapshots.OpenSlot(request, context)
+        try:
+            return await self.snapshots.intake.open_slot(request)
+        except TYPED as exc:
+            await abort(context, exc)
 
     async def Capture(self, request: rank_pb2.CaptureRequest,
                       context: grpc.aio.ServicerContext) -> rank_pb2.CaptureReply:
         await self.auth.token_holder(context)
         await admit(context, self.metrics, request)
-        if self.snapshots is None:
-            await _not_here(context, "Capture")
-        return await self.snapshots.Capture(request, context)
+        try:
+            await self.snapshots.intake.capture(request)
+        except TYPED as exc:
+            await abort(context, exc)
+        return rank_pb2.CaptureReply(accepted=True)
 
     async def WaitCommitted(self, request: rank_pb2.WaitCommittedRequest,
                             context: grpc.aio.ServicerContext) -> rank_pb2.WaitCommittedReply:
         await self.auth.token_holder(context)
         await admit(context, self.metrics, request)
-        if self.snapshots is None:
-            await _not_here(context, "WaitCommitted")
-        return await self.snapshots.WaitCommitted(request, context)
+        return await self.snapshots.committer.wait_committed(request.step, request.timeout_s)
 
     async def Restore(self, request: rank_pb2.RestoreRequest,
                       context: grpc.aio.ServicerContext) -> None:
         await self.auth.token_holder(context)
         await admit(context, self.metrics, request)
-        if self.snapshots is None:
-            await _not_here(context, "Restore")
-        async for piece in self.snapshots.Restore(request, context):
-            if not await send_within(context, piece, RESTORE_IDLE_S):
-                log.warning("restore reader cut off: it took no piece for %g s",
-                            RESTORE_IDLE_S, extra={"rank_id": request.rank_id})
-                return
-
-
-async def _not_here(context: grpc.aio.ServicerContext, method: str) -> NoReturn:
-    await context.abort(
-        grpc.StatusCode.UNIMPLEMENTED,
-        f"RankService.{method}: this daemon has no snapshot store yet (the snapshot path is "
-        "not wired into stalwart.daemon.server); upgrade the daemon to capture and restore")
-    raise AssertionError("unreachable: abort raises")
+        try:
+            async for piece in self.snapshots.restorer.restore(request.step, request.rank):
+                if not await send_within(context, piece, RESTORE_IDLE_S):
+                    log.warning("restore reader cut off: it took no piece for %g s",
+                                RESTORE_IDLE_S, extra={"rank_id": request.rank_id})
+                    return
+        except TYPED as exc:
+            await abort(context, exc)

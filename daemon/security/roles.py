@@ -10,21 +10,21 @@ Callers are already authenticated (daemon/security/auth.py); refusals raise Forb
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Collection
 
 import grpc
 
 from stalwart.core.decide import PlanState
 from stalwart.core.failures import Failure, FailureKind
-from stalwart.daemon.recovery.coordinator import StaleStep
-from stalwart.daemon.recovery.membership import LOST, SUSPECT, UP
+from stalwart.daemon.errors import NotReady
+from stalwart.daemon.recovery.coordinator import Coordinator
+from stalwart.daemon.recovery.election import Leadership
+from stalwart.daemon.recovery.membership import LOST, Membership
+from stalwart.daemon.recovery.registry import Registry
 from stalwart.daemon.rpc.validate import MAX_LIVE_RANKS_PER_NODE
 from stalwart.daemon.security.auth import Forbidden
-from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
-
-if TYPE_CHECKING:
-    from stalwart.daemon.job import Job
+from stalwart.daemon.snapshot.local_store import LocalStore
+from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon.security.roles")
 
@@ -55,12 +55,12 @@ def check_prepare(plan: PlanState | None, caller: str, req: peer_pb2.PrepareStep
     placement when the caller keeps it (the coordinator's work per prepare then grows
     with the caller's ranks, not the world)."""
     if plan is None:
-        raise StaleStep(f"step {req.step} prepared before this daemon coordinates a plan")
+        raise NotReady(f"step {req.step} prepared before this daemon coordinates a plan")
     if req.generation > plan.generation:
         raise Forbidden(f"prepare of generation {req.generation} is ahead of the plan "
                         f"(generation {plan.generation})")
     if req.generation < plan.generation:
-        return  # the coordinator answers StaleStep
+        return  # the coordinator answers StaleGeneration
     floor = max(latest or 0, plan.resume_step)
     if req.step > floor + MAX_STEPS_AHEAD:
         raise Forbidden(f"step {req.step} is more than {MAX_STEPS_AHEAD} steps past the last "
@@ -82,38 +82,29 @@ def check_prepare(plan: PlanState | None, caller: str, req: peer_pb2.PrepareStep
 
 class JobGate:
     """The job as PeerService sees it: each call checked against the caller's role, then
-    done by the job. The caller is the authenticated node name."""
+    done by the part of the daemon it is for. The caller is the authenticated node name."""
 
-    def __init__(self, job: Job) -> None:
-        self.job = job
+    def __init__(self, *, node: str, registry: Registry, membership: Membership,
+                 leadership: Leadership, coordinator: Coordinator, store: LocalStore,
+                 adopt_plan: Callable[[common_pb2.Plan], common_pb2.Ack],
+                 commit: Callable[[manifest_pb2.Manifest], Awaitable[None]],
+                 nodes: Callable[[], list[str]],
+                 stub: Callable[[str], peer_pb2_grpc.PeerServiceStub],
+                 me: Callable[[], peer_pb2.PeerInfo]) -> None:
+        self.node, self.registry, self.membership = node, registry, membership
+        self.leadership, self.coordinator, self.store = leadership, coordinator, store
+        self.adopt_plan, self.commit, self.nodes = adopt_plan, commit, nodes
+        self.stub, self.me = stub, me
         self._placed: tuple[PlanState | None, dict[int, str]] = (None, {})
 
-    async def _is_coordinator(self, node: str) -> bool:
-        membership = self.job.membership
-        if membership.coordinator() == node:
-            return True
-        if self.job.election is None:
-            # The rule is the smallest live name, and views lag: a caller that takes over
-            # when the old coordinator died is believed once every smaller node this daemon
-            # knows has gone quiet (suspect or lost). It must itself be a live peer.
-            peers = membership.peers()
-            live = {p.node for p in peers if p.state in (UP, SUSPECT)}
-            smaller_up = [p for p in peers if p.node and p.node < node and p.state == UP]
-            return node in live and membership.self_node > node and not smaller_up
-        try:  # the seat may have moved since this daemon last read it
-            return await self.job.election.leader() == node
-        except Exception as exc:  # etcd unreachable: no proof of the seat
-            log.warning("cannot confirm the coordinator seat: %s", exc)
-            return False
-
     async def _coordinator(self, caller: str, what: str) -> None:
-        if not await self._is_coordinator(caller):
+        if not await self.leadership.confirm(caller):
             raise Forbidden(f"{what} comes only from the coordinator "
-                            f"({self.job.membership.coordinator() or 'none known'}), not from "
+                            f"({self.leadership.leader() or 'none known'}), not from "
                             f"daemon {caller}")
 
     def _generation_bound(self, generation: int, what: str) -> None:
-        current = self.job.registry.generation
+        current = self.registry.generation
         if generation > current + MAX_GENERATION_JUMP:
             raise Forbidden(f"{what} of generation {generation} jumps more than "
                             f"{MAX_GENERATION_JUMP} generations past {current}")
@@ -121,29 +112,28 @@ class JobGate:
     async def install_from(self, caller: str, plan: common_pb2.Plan) -> common_pb2.Ack:
         await self._coordinator(caller, "a plan")
         self._generation_bound(plan.generation, "plan")
-        return self.job.adopt_plan(plan)
+        return self.adopt_plan(plan)
 
     async def commit_from(self, caller: str, manifest: manifest_pb2.Manifest) -> None:
-        store = self.job.snapshots.store
-        if manifest.step not in store.committed_steps():
+        if manifest.step not in self.store.committed_steps():
             await self._coordinator(caller, f"the commit of step {manifest.step}")
             self._generation_bound(manifest.generation, "commit")
-        elif caller not in self.job.nodes():
+        elif caller not in self.nodes():
             # A repaired manifest (new shard holders only, checked by the store) of a step
             # committed here may come from the repair leader, a live daemon of the job.
             raise Forbidden(f"daemon {caller} is not a live member of this job")
-        await self.job.snapshots.commit(manifest)
+        await self.commit(manifest)
 
     async def prepare_from(self, caller: str, req: peer_pb2.PrepareStepRequest) -> None:
         if req.node != caller:
             raise Forbidden(f"daemon {caller} sent a prepare for node {req.node!r}")
-        coordinator = self.job.coordinator
-        if self.job.is_coordinator():
-            coordinator.take_over(self.job.registry.current_plan())
+        coordinator = self.coordinator
+        if self.leadership.is_leader():
+            coordinator.take_over(self.registry.current_plan())
         plan = coordinator.plan
         if plan is not None and self._placed[0] is not plan:
             self._placed = (plan, placement(plan))
-        check_prepare(plan, caller, req, self.job.snapshots.store.latest_committed(),
+        check_prepare(plan, caller, req, self.store.latest_committed(),
                       coordinator.pending, self._placed[1])
         await coordinator.prepared(req)
 
@@ -151,24 +141,24 @@ class JobGate:
         if a.node != caller:
             raise Forbidden(f"daemon {caller} announced a rank of node {a.node!r}; a daemon "
                             "announces only its own ranks")
-        if caller not in self.job.nodes():
+        if caller not in self.nodes():
             raise Forbidden(f"daemon {caller} is not a live member of this job yet; it "
                             "announces its ranks once gossip has seen it")
-        announced = self.job.coordinator.announced
+        announced = self.coordinator.announced
         mine = sum(1 for x in announced.values() if x.node == caller)
         if a.rank_id not in announced and mine >= MAX_LIVE_RANKS_PER_NODE:
             raise Forbidden(f"daemon {caller} already announced {mine} ranks")
-        await self.job.coordinator.announce(a)
+        await self.coordinator.announce(a)
 
     def may_delete(self, caller: str, owner: str, step: int) -> str:
         """Why `caller` may not delete a shard of `step` stored for `owner` ("" if it may):
         only the coordinator or the owner, and never a step retention keeps, the newest
         committed step, or one still in flight."""
-        coordinator = self.job.membership.coordinator()
+        coordinator = self.leadership.leader()
         if caller not in (coordinator, owner):
             return (f"shards are deleted only by their owner ({owner or 'unknown'}) or the "
                     f"coordinator ({coordinator or 'none known'}), not by daemon {caller}")
-        store = self.job.snapshots.store
+        store = self.store
         latest = store.latest_committed()
         if latest is None or step >= latest or step in store.committed_steps():
             return (f"step {step} is kept (retention keeps {store.committed_steps()[-5:]}, "
@@ -188,14 +178,14 @@ class JobGate:
             return await self._silent(subject)
         if failure.kind not in _CONFIRMED_BY_LIVENESS:
             return True
-        if subject == self.job.node:
-            record = self.job.registry.get(failure.subject)
+        if subject == self.node:
+            record = self.registry.get(failure.subject)
             return record is None or record.state == "dead"
         alive = await self._alive_ranks(subject)
         return alive is None or failure.subject not in alive
 
     async def _silent(self, node: str) -> bool:
-        peer = next((p for p in self.job.membership.peers() if p.node == node), None)
+        peer = next((p for p in self.membership.peers() if p.node == node), None)
         if peer is None or peer.state == LOST:
             return True
         return await self._alive_ranks(node) is None
@@ -203,8 +193,7 @@ class JobGate:
     async def _alive_ranks(self, node: str) -> set[str] | None:
         """The live rank ids `node`'s daemon reports now, None when it does not answer."""
         try:
-            reply = await self.job.peer_stub(node).Gossip(self.job.me(),
-                                                          timeout=CONFIRM_TIMEOUT_S)
+            reply = await self.stub(node).Gossip(self.me(), timeout=CONFIRM_TIMEOUT_S)
         except (grpc.aio.AioRpcError, LookupError):  # not a live member, or no answer
             return None
         first = reply.peers[0] if reply.peers else None

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from stalwart.core import manifest as mf
+from stalwart.daemon.errors import DataLoss
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.snapshot.checksum import Buffer, crc32c
 from stalwart.daemon.snapshot.chunks import DEFAULT_CHUNK_BYTES, decode_rank, encode_rank
@@ -30,7 +31,7 @@ _STEP_DIGITS = 12  # zero-padded step numbers sort as text
 Fetch = Callable[[manifest_pb2.ChunkRecord], bytes]
 
 
-class CorruptChunkError(RuntimeError):
+class CorruptChunkError(DataLoss):
     """A stored chunk is missing or fails its checksum in every tier that holds it."""
 
     def __init__(self, step: int, rank: int, chunk_id: str, tier: str, detail: str) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from stalwart.daemon.errors import Exhausted
 
-class QuotaExceeded(RuntimeError):
+
+class QuotaExceeded(Exhausted):
     """The local tier would hold more than [snapshot] disk_quota_bytes."""
 
 

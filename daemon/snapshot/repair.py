@@ -154,10 +154,11 @@ class Repairer:
     def __init__(self, *, node: str, store: LocalStore, metrics: Metrics,
                  live: Callable[[], list[Node]], client: Callable[[str], ShardClient],
                  reader: Callable[[], ShardReader], publish: Publish,
-                 s3_available: bool) -> None:
+                 s3_available: bool, is_leader: Callable[[], bool]) -> None:
         self.node, self.store, self.metrics = node, store, metrics
         self.live, self.client, self.reader, self.publish = live, client, reader, publish
         self.s3_available = s3_available
+        self.is_leader = is_leader  # the coordinator repairs (core of one election)
         self.state = RepairState()
         self._lock = asyncio.Lock()
         self._again = False
@@ -167,9 +168,6 @@ class Repairer:
         names = {n.name for n in self.live()}
         gone = {h for h in holders(manifests) if h != S3 and h not in names}
         return gone if self.s3_available else gone | {S3}
-
-    def is_leader(self) -> bool:
-        return self.node == min(n.name for n in self.live())
 
     async def run(self) -> None:
         """Repair passes until no loss arrived during the last one (leader only)."""

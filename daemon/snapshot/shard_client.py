@@ -77,7 +77,10 @@ class ShardClient:
                  budget: ByteBudget | None = None, deadline_s: float = 10.0,
                  attempts: int = 3, backoff_s: float = 0.05, max_backoff_s: float = 2.0,
                  credentials: grpc.ChannelCredentials | None = None,
-                 interceptors: list[grpc.aio.ClientInterceptor] | None = None) -> None:
+                 interceptors: list[grpc.aio.ClientInterceptor] | None = None,
+                 channel: grpc.aio.Channel | None = None) -> None:
+        """`channel`: the daemon's own channel to this peer (its PeerChannels), kept open
+        by its owner; without one (tools, tests) the client makes and closes its own."""
         self.address = address
         self.job_id = job_id
         self.metrics = metrics
@@ -88,7 +91,8 @@ class ShardClient:
         self.max_backoff_s = max_backoff_s
         self._credentials = credentials
         self._interceptors = interceptors or None  # the daemon's token and node (auth.stamp)
-        self._channel: grpc.aio.Channel | None = None
+        self._channel: grpc.aio.Channel | None = channel
+        self._owns_channel = channel is None
 
     def _stub(self) -> peer_pb2_grpc.ShardServiceStub:
         # Channels are made lazily, inside the event loop (and process) that uses them.
@@ -102,7 +106,7 @@ class ShardClient:
         return peer_pb2_grpc.ShardServiceStub(self._channel)
 
     async def close(self) -> None:
-        if self._channel is not None:
+        if self._channel is not None and self._owns_channel:
             await self._channel.close()
             self._channel = None
 

@@ -71,6 +71,26 @@ class ShardStore:
         finally:
             os.close(fd)
 
+    def put(self, job_id: str, shard_id: str, data: bytes | memoryview, meta: dict) -> None:
+        """Write a whole shard at once (this daemon's own shards: no stream, no network)."""
+        path = self.path(job_id, shard_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex}")
+        try:
+            with tmp.open("wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            self.commit(tmp, path, meta)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def read(self, job_id: str, shard_id: str) -> tuple[bytes, dict]:
+        """A shard's bytes and sidecar; OSError or ValueError when it is not (whole) here."""
+        path = self.path(job_id, shard_id)
+        meta = self.meta(path)
+        return path.read_bytes(), meta
+
     def delete(self, job_id: str, shard_ids: list[str], below_step: int,
                refuse: Callable[[dict], str] = lambda meta: "") -> tuple[int, list[str]]:
         """Remove the named shards and, when below_step > 0, every shard of an older step,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stalwart.daemon.errors import DaemonError, Exhausted, Invalid, NotFound
 from stalwart.daemon.security.peercred import peer_cred, refusal
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,20 @@ MAX_FD_CONNECTIONS = 64    # slot requests served at once
 FD_REQUEST_DEADLINE_S = 1.0  # a caller gets this long to send its request (seconds)
 
 
-class SlotError(Exception):
-    """A slot request that cannot be served (unknown id, budget exceeded)."""
+class SlotError(DaemonError):
+    """A slot request that cannot be served."""
+
+
+class UnknownSlot(SlotError, NotFound):
+    pass
+
+
+class SlotBudgetExceeded(SlotError, Exhausted):
+    pass
+
+
+class BadSlotSize(SlotError, Invalid):
+    pass
 
 
 @dataclass
@@ -78,7 +91,7 @@ class SlotPool:
         step s+1.
         """
         if nbytes <= 0:
-            raise SlotError(f"slot size must be positive, got {nbytes} bytes")
+            raise BadSlotSize(f"slot size must be positive, got {nbytes} bytes")
         size = mmap.PAGESIZE * -(-nbytes // mmap.PAGESIZE)
         with self._lock:
             mine = [s for s in self._slots.values() if s.rank_id == rank_id]
@@ -86,7 +99,7 @@ class SlotPool:
                 return mine
             others = sum(s.size for s in self._slots.values() if s.rank_id != rank_id)
             if others + count * size > self.budget_bytes:
-                raise SlotError(
+                raise SlotBudgetExceeded(
                     f"shared-memory budget exceeded: rank {rank_id} needs {count} x {size} bytes "
                     f"but only {self.budget_bytes - others} of {self.budget_bytes} are free; "
                     "raise [snapshot] ram_bytes or the memory of /dev/shm")
@@ -116,7 +129,7 @@ class SlotPool:
         with self._lock:
             slot = self._slots.get(slot_id)
         if slot is None:
-            raise SlotError(f"unknown slot {slot_id!r}; ask for a new one with OpenSlot")
+            raise UnknownSlot(f"unknown slot {slot_id!r}; ask for a new one with OpenSlot")
         return slot
 
     def drop_rank(self, rank_id: str) -> None:

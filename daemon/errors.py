@@ -1,0 +1,45 @@
+"""What can go wrong in the daemon's domain objects, by kind, with no gRPC in sight.
+
+Domain code raises these (or `core.generation.StaleGeneration`); the servicers in
+`daemon/rpc/` map each kind to one status code (`rpc/errors.py`). Messages say what
+happened and what the caller can do.
+"""
+
+from __future__ import annotations
+
+
+class DaemonError(Exception):
+    """Base of the daemon's typed errors."""
+
+
+class NotFound(DaemonError):
+    """The rank, slot, step or shard asked for is not here."""
+
+
+class Refused(DaemonError):
+    """The caller may not do this (another rank's slot, another job)."""
+
+
+class Exhausted(DaemonError):
+    """A bound is reached: shared memory, disk quota, registrations."""
+
+
+class Invalid(DaemonError):
+    """The request contradicts itself or what it refers to."""
+
+
+class NotReady(DaemonError):
+    """The request is fine but the daemon's state does not allow it yet (or any more)."""
+
+
+class DataLoss(DaemonError):
+    """Stored bytes failed their checksum."""
+
+
+class NotRecoverable(NotReady):
+    """A step cannot be rebuilt from the shards that survive; `recoverable_step` is the
+    newest step that still can be (None when none can)."""
+
+    def __init__(self, message: str, recoverable_step: int | None) -> None:
+        super().__init__(message)
+        self.recoverable_step = recoverable_step

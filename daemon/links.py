@@ -1,0 +1,67 @@
+"""Calls from this daemon to another one (or to itself, without a socket).
+
+The coordinator's `PeerLinks` (install a plan, commit a step on every daemon) and
+the stubs that reach the coordinator (announcements, prepares, failure reports)
+live here, over the daemon's one channel per peer. A call addressed to this very
+daemon is handed to the local object instead of looping through gRPC.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from stalwart.daemon.peers import Peer, PeerChannels
+from stalwart.daemon.recovery.election import Leadership
+from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
+
+log = logging.getLogger("stalwart.daemon.links")
+
+RPC_TIMEOUT_S = 10.0
+
+
+class Links:
+    """This daemon's outbound calls to the daemons of the job."""
+
+    def __init__(self, node: str, peers: Callable[[], list[Peer]], channels: PeerChannels,
+                 leadership: Leadership,
+                 adopt_plan: Callable[[common_pb2.Plan], common_pb2.Ack],
+                 commit: Callable[[manifest_pb2.Manifest], Awaitable[None]]) -> None:
+        self.node, self.peers, self.channels, self.leadership = node, peers, channels, leadership
+        self.adopt_plan, self.commit = adopt_plan, commit
+
+    def nodes(self) -> list[str]:
+        """Live daemons of the job, by node name (this one included)."""
+        return [p.node for p in self.peers()]
+
+    def holds_seat(self) -> bool:
+        return self.leadership.holds_seat()
+
+    def stub(self, node: str) -> peer_pb2_grpc.PeerServiceStub:
+        """PeerService of a live daemon; LookupError when it is not one (or unknown)."""
+        if not node:
+            raise LookupError("no coordinator is known yet (the etcd seat is empty)")
+        address = next((p.address for p in self.peers() if p.node == node), None)
+        if address is None:
+            raise LookupError(f"daemon {node} is not a live member of this job")
+        return peer_pb2_grpc.PeerServiceStub(self.channels.get(address))
+
+    def coordinator(self) -> peer_pb2_grpc.PeerServiceStub:
+        return self.stub(self.leadership.leader())
+
+    async def install_plan(self, node: str, plan: common_pb2.Plan) -> None:
+        if node == self.node:
+            ack = self.adopt_plan(plan)
+            if not ack.accepted:
+                log.info("plan not installed here: %s", ack.message)
+            return
+        ack = await self.stub(node).InstallPlan(plan, timeout=RPC_TIMEOUT_S)
+        if not ack.accepted:
+            log.warning("plan refused", extra={"node": node, "why": ack.message})
+
+    async def commit_step(self, node: str, manifest: manifest_pb2.Manifest) -> None:
+        if node == self.node:
+            await self.commit(manifest)
+            return
+        await self.stub(node).CommitStep(peer_pb2.CommitStepRequest(manifest=manifest),
+                                         timeout=RPC_TIMEOUT_S)

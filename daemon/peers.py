@@ -1,0 +1,54 @@
+"""The daemon's view of its peers: who they are, and one cached gRPC channel per address.
+
+Every outbound call to a peer daemon (plans, prepares, commits, shards, repaired
+manifests) goes through `PeerChannels`, so a daemon holds one connection per peer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from stalwart.daemon.security.tls import TlsConfig, aio_channel
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A live daemon of the job (this one included): its node name, HOST:PORT, labels."""
+
+    node: str
+    address: str
+    labels: dict[str, str]
+
+
+class PeerChannels:
+    """One lazily made channel per peer address, stamped with this daemon's identity."""
+
+    def __init__(self, tls: TlsConfig) -> None:
+        self.tls = tls
+        # Outbound interceptors that carry this daemon's token and node (auth.stamp),
+        # set once the token is known; channels are made after that.
+        self.interceptors: Sequence[grpc.aio.ClientInterceptor] = ()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            # round_robin: a seed that is a DNS name for many daemons reaches each in turn.
+            # Short reconnect backoff: a daemon that restarts at the same address (a host
+            # that comes back) is reached within seconds, not after gRPC's default 120 s.
+            channel = self._channels[address] = aio_channel(
+                address, self.tls, options=[
+                    ("grpc.lb_policy_name", "round_robin"),
+                    ("grpc.initial_reconnect_backoff_ms", 200),
+                    ("grpc.min_reconnect_backoff_ms", 200),
+                    ("grpc.max_reconnect_backoff_ms", 2000)],
+                interceptors=list(self.interceptors))
+        return channel
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()

@@ -1,0 +1,88 @@
+"""This node's ranks and spares, made known to the coordinator, and again to each new one.
+
+A rank that registers here is announced to the coordinator (so it can be placed,
+or kept as a spare). When the coordinator changes, the new one is told about
+every live local rank, gets the prepares and failure reports the old one may
+have died with, and, if it is this daemon, takes over from the installed plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from stalwart.daemon.recovery.coordinator import Coordinator
+from stalwart.daemon.recovery.election import Leadership
+from stalwart.daemon.recovery.registry import RankRecord, Registry
+from stalwart.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+
+log = logging.getLogger("stalwart.daemon.recovery.announce")
+
+RPC_TIMEOUT_S = 10.0
+Registration = tuple[common_pb2.ParallelLayout, common_pb2.LayerProfile | None,
+                     tuple[str, int] | None]
+
+
+class Announcer:
+    """Announcements of this node's ranks to whichever daemon coordinates."""
+
+    def __init__(self, node: str, registry: Registry, leadership: Leadership,
+                 coordinator: Coordinator, address: Callable[[], str],
+                 stub: Callable[[str], peer_pb2_grpc.PeerServiceStub],
+                 redeliver: Callable[[], Awaitable[None]], interval_s: float) -> None:
+        self.node, self.registry, self.leadership = node, registry, leadership
+        self.coordinator, self.address, self.stub = coordinator, address, stub
+        self.redeliver, self.interval_s = redeliver, interval_s
+        # rank_id -> (layout, layer profile, store (host, port)) each local rank registered,
+        # kept for a later coordinator: without the layer profile it could not shrink.
+        self._registered: dict[str, Registration] = {}
+        self._seen = ""
+        self._had_coordinator = False
+
+    async def on_register(self, record: RankRecord, layout: common_pb2.ParallelLayout,
+                          profile: common_pb2.LayerProfile | None = None,
+                          store: tuple[str, int] | None = None) -> None:
+        self._registered[record.rank_id] = (layout, profile, store)
+        endpoint = ""
+        if store is not None:  # the rank's own host, else this daemon's (the same node)
+            endpoint = f"{store[0] or self.address().rpartition(':')[0]}:{store[1]}"
+        await self.announce(peer_pb2.RankAnnouncement(
+            node=self.node, rank_id=record.rank_id, rank=-1 if record.spare else record.rank,
+            world_size=record.world_size, layout=layout, generation=self.registry.generation,
+            profile=profile, store=endpoint))
+
+    async def announce(self, a: peer_pb2.RankAnnouncement) -> None:
+        coordinator = await self.leadership.known()
+        if coordinator == self.node:
+            self.coordinator.take_over(self.registry.current_plan())
+            await self.coordinator.announce(a)
+            return
+        await self.stub(coordinator).Announce(a, timeout=RPC_TIMEOUT_S)
+
+    async def follow(self) -> None:
+        """When the coordinator changes, tell the new one about this node's ranks."""
+        while True:
+            await asyncio.sleep(self.interval_s)
+            current = self.leadership.leader()
+            if current == self._seen:
+                continue
+            self._seen = current
+            if not current:
+                continue  # the etcd seat is empty: wait for its next holder
+            if not self._had_coordinator:
+                self._had_coordinator = True
+                continue  # the first coordinator this daemon sees: nothing to hand over
+            log.warning("coordinator changed", extra={"coordinator": current})
+            if current == self.node:
+                self.coordinator.take_over(self.registry.current_plan())
+            await self.redeliver()
+            for record in self.registry.ranks():
+                if record.state in ("alive", "late"):
+                    try:
+                        await self.on_register(record, *self._registered.get(
+                            record.rank_id, (common_pb2.ParallelLayout(), None, None)))
+                    except (grpc.aio.AioRpcError, LookupError) as exc:
+                        log.warning("re-announce failed: %s", exc)

@@ -1,0 +1,111 @@
+"""Failures this daemon learns of, on their way to the coordinator's decision.
+
+Detectors (registry, membership, GPU health, rank reports) put typed failures on one
+queue. The coordinator batches them over a short window (a dead process often takes
+its peers' reports with it; hang reports need every rank's word) and believes only
+what the subject's daemon confirms; any other daemon forwards each report at once,
+and keeps what it could not deliver for the next coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from stalwart.core.failures import Failure, FailureKind
+from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.recovery.coordinator import Coordinator
+from stalwart.daemon.recovery.registry import Registry
+from stalwart.v1 import peer_pb2_grpc
+
+log = logging.getLogger("stalwart.daemon.recovery.reports")
+
+RPC_TIMEOUT_S = 10.0
+HANG_WINDOW_S = 1.5   # collect hang reports this long before deciding (seconds)
+FACT_WINDOW_S = 0.2   # a dead process often takes its peers' reports with it
+
+
+class FailureReports:
+    """The queue of failures, and what happens to them on this daemon."""
+
+    def __init__(self, coordinator: Coordinator, registry: Registry, metrics: Metrics,
+                 is_leader: Callable[[], bool],
+                 stub: Callable[[], peer_pb2_grpc.PeerServiceStub],
+                 confirmed: Callable[[Failure], Awaitable[bool]],
+                 heartbeat_interval_s: float) -> None:
+        self.coordinator, self.registry, self.metrics = coordinator, registry, metrics
+        self.is_leader, self.stub, self.confirmed = is_leader, stub, confirmed
+        self.interval_s = heartbeat_interval_s
+        self._queue: asyncio.Queue[Failure] = asyncio.Queue()
+        self._unsent: list[Failure] = []  # reports the coordinator never received
+
+    def put(self, failure: Failure) -> None:
+        self._queue.put_nowait(failure)
+
+    def redeliver(self) -> None:
+        """A new coordinator: what the old one never received goes to it."""
+        unsent, self._unsent = self._unsent, []
+        for failure in unsent:
+            self._queue.put_nowait(failure)
+
+    async def forever(self) -> None:
+        while True:
+            first = await self._queue.get()
+            if not self.is_leader():
+                # Only the coordinator batches: a second window here would deliver these
+                # reports after the coordinator's own window closed, and a hang it sees
+                # reported by fewer ranks blames every silent one.
+                await self._forward([first])
+                continue
+            batch = [first]
+            window = HANG_WINDOW_S if first.kind is FailureKind.COLLECTIVE_HANG else FACT_WINDOW_S
+            loop = asyncio.get_running_loop()
+            end = loop.time() + window
+            while (left := end - loop.time()) > 0:
+                try:
+                    batch.append(await asyncio.wait_for(self._queue.get(), left))
+                except TimeoutError:
+                    break
+            try:
+                await self._decide(batch)
+            except Exception:
+                log.exception("failure handling failed",
+                              extra={"failures": [f.describe() for f in batch]})
+
+    async def _decide(self, failures: list[Failure]) -> None:
+        if not self.is_leader():
+            await self._forward(failures)  # the seat moved during the window
+            return
+        failures = [f for f in failures if await self._believed(f)]
+        if not failures:
+            return
+        self.coordinator.take_over(self.registry.current_plan())
+        # A new coordinator knows only the installed plan: give the other daemons a few
+        # heartbeats to re-announce their spares before deciding.
+        settle = self.coordinator.took_over_at + 3 * self.interval_s
+        if (wait := settle - time.monotonic()) > 0:
+            await asyncio.sleep(wait)
+        await self.coordinator.on_failures(failures)
+
+    async def _forward(self, failures: list[Failure]) -> None:
+        for i, f in enumerate(failures):
+            try:
+                await self.stub().ReportFailure(f.to_proto(), timeout=RPC_TIMEOUT_S)
+            except (grpc.aio.AioRpcError, LookupError) as exc:
+                # The coordinator may be the thing that died: resend to its successor.
+                log.warning("failure report not delivered; will resend to the next "
+                            "coordinator: %s", exc)
+                self._unsent.extend(failures[i:])
+                return
+
+    async def _believed(self, failure: Failure) -> bool:
+        if await self.confirmed(failure):
+            return True
+        self.metrics.auth_refused.labels("unconfirmed").inc()
+        log.warning("failure report not believed: the subject's daemon reports it alive",
+                    extra={"failure": failure.describe()})
+        return False

@@ -1,0 +1,95 @@
+"""Intake, the first stage of the snapshot path: a rank's capture, out of its slot.
+
+A rank copies its state into a shared-memory slot and calls Capture. The bytes are
+copied out (memory speed) and the slot handed back at once; encoding and making the
+step durable continue in the background, one capture after another per rank, so
+steps stay in order. At most MAX_BACKLOG captures per rank wait to be encoded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from stalwart.core.generation import check_generation
+from stalwart.daemon.errors import Invalid, NotFound, Refused
+from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.recovery.registry import Registry
+from stalwart.daemon.snapshot.slots import FdServer, SlotPool
+from stalwart.v1 import rank_pb2
+
+MAX_BACKLOG = 3  # captures per rank copied but not yet encoded, at most
+
+# (request, owned bytes, release): encode and make durable; call release() once encoded.
+Durable = Callable[[rank_pb2.CaptureRequest, bytes, Callable[[], Awaitable[None]]],
+                   Awaitable[None]]
+
+
+class Intake:
+    """Slots for this node's ranks, and their captures handed on in step order."""
+
+    def __init__(self, pool: SlotPool, fd_server: FdServer, registry: Registry,
+                 metrics: Metrics, node: str, durable: Durable) -> None:
+        self.pool, self.fd_server, self.registry, self.metrics = pool, fd_server, registry, metrics
+        self.node, self.durable = node, durable
+        self._tail: dict[str, asyncio.Task[None]] = {}  # per rank: its newest capture's work
+        self._backlog: dict[str, int] = {}  # per rank: captures copied but not yet encoded
+        self._encoded = asyncio.Condition()
+
+    async def open_slot(self, request: rank_pb2.OpenSlotRequest) -> rank_pb2.OpenSlotReply:
+        if self.registry.get(request.rank_id) is None:
+            raise NotFound(f"rank {request.rank_id!r} is not registered with {self.node}; "
+                           "call Register first")
+        slots = await asyncio.to_thread(self.pool.open, request.rank_id, request.nbytes)
+        return rank_pb2.OpenSlotReply(slot_id=slots[0].slot_id, size=slots[0].size,
+                                      fd_socket=str(self.fd_server.path),
+                                      slot_ids=[s.slot_id for s in slots])
+
+    async def capture(self, request: rank_pb2.CaptureRequest) -> None:
+        """Take the slot's bytes; returns once the slot may be reused."""
+        check_generation(request.generation, self.registry.generation,
+                         f"capture of step {request.step}")
+        slot = self.pool.get(request.slot_id)
+        if slot.rank_id != request.rank_id:
+            raise Refused(f"slot {request.slot_id} belongs to another rank")
+        total = max((t.offset + t.nbytes for t in request.tensors), default=0)
+        if total > slot.size:
+            raise Invalid(f"tensors describe {total} bytes but slot {request.slot_id} "
+                          f"holds {slot.size}")
+        if request.step > 1:
+            self.metrics.capture_stall.labels(request.rank_id).observe(request.stall_s)
+        # Backpressure, bounded memory: while encoding is MAX_BACKLOG captures behind,
+        # the slot is held (the rank blocks only if it needs it again). Skipping steps
+        # instead would need every rank to skip the same ones, or no step would commit.
+        rank = request.rank_id
+        async with self._encoded:
+            await self._encoded.wait_for(lambda: self._backlog.get(rank, 0) < MAX_BACKLOG)
+            self._backlog[rank] = self._backlog.get(rank, 0) + 1
+        owned = await asyncio.to_thread(bytes, memoryview(slot.view)[:total])
+        self.metrics.captured_bytes.inc(total)
+        self._tail[rank] = asyncio.create_task(
+            self._after(self._tail.get(rank), request, owned))
+
+    async def _after(self, previous: asyncio.Task[None] | None,
+                     request: rank_pb2.CaptureRequest, owned: bytes) -> None:
+        if previous is not None:
+            await asyncio.gather(previous, return_exceptions=True)  # keep step order
+        released = False
+
+        async def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                async with self._encoded:
+                    self._backlog[request.rank_id] -= 1
+                    self._encoded.notify_all()
+        try:
+            await self.durable(request, owned, release)
+        finally:
+            await release()
+
+    async def stop(self) -> None:
+        tasks = list(self._tail.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,119 @@
+"""Protect, the third stage: each encoded chunk as k + m shards on distinct daemons (and S3).
+
+Placement is `core.placement.place_chunk` (rendezvous hashing over the live daemons);
+a peer that cannot take its shard (dead but not yet detected as lost) is replaced
+by another live daemon that holds no shard of the chunk yet, and the record says
+where the shard really went.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from stalwart.core.placement import S3, Node, place_chunk
+from stalwart.daemon.config import DaemonConfig
+from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.peers import Peer
+from stalwart.daemon.snapshot.checksum import crc32c
+from stalwart.daemon.snapshot.coder import ZfecCodec, default_km
+from stalwart.daemon.snapshot.holders import ShardHolders
+from stalwart.daemon.snapshot.s3_tier import S3Tier
+from stalwart.daemon.snapshot.shard_client import ShardTransferError
+from stalwart.v1 import manifest_pb2
+
+log = logging.getLogger("stalwart.daemon.snapshot.protect")
+
+
+class Protector:
+    """Erasure-codes and places one rank's chunks for a step."""
+
+    def __init__(self, config: DaemonConfig, metrics: Metrics, holders: ShardHolders,
+                 s3: S3Tier | None, peers: Callable[[], list[Peer]]) -> None:
+        self.config, self.metrics, self.holders, self.s3 = config, metrics, holders, s3
+        self.node, self.peers = config.node, peers
+
+    def coding(self, nodes: int) -> tuple[int, int]:
+        """(k, m) for this many live daemons: the configured code when it fits."""
+        k, m = self.config.erasure.k, self.config.erasure.m
+        on_nodes = k if self.config.erasure.parity_to == "s3" else k + m
+        return (k, m) if on_nodes <= nodes else default_km(nodes)
+
+    async def protect(self, step: int, generation: int, state: manifest_pb2.RankState,
+                      payloads: list[bytes]) -> manifest_pb2.RankState:
+        """`state` with the shard records of every chunk, once all are stored."""
+        peers = self.peers()
+        if len(peers) < 2 and self.s3 is None:
+            return state  # a single daemon: the local disk is the only tier
+        k, m = self.coding(len(peers))
+        if m == 0:
+            return state
+        codec = ZfecCodec(k, m)
+        nodes = [Node(p.node, p.labels) for p in peers]
+        live = {p.node for p in peers}
+        out = manifest_pb2.RankState()
+        out.CopyFrom(state)
+        unreachable: set[str] = set()  # peers that failed a put during this capture
+        for chunk, payload in zip(out.chunks, payloads, strict=True):
+            t0 = time.perf_counter()
+            shards = await asyncio.to_thread(codec.encode, payload)
+            self.metrics.coder_seconds.labels("encode").inc(time.perf_counter() - t0)
+            self.metrics.coder_bytes.labels("encode").inc(len(payload))
+            placement = place_chunk(chunk.chunk_id, k, m, nodes, self.config.erasure.parity_to)
+            puts = []
+            chosen = {h for holders in placement.holders for h in holders}
+            for index, holders in enumerate(placement.holders):
+                body = bytes(shards[index])
+                sid = f"{chunk.chunk_id}.{index}"
+                crc = crc32c(body)
+                for holder in holders:
+                    chunk.shards.append(manifest_pb2.ShardRecord(
+                        index=index, node=holder, location=sid, size=len(body), crc32c=crc))
+                    if holder == S3:
+                        assert self.s3 is not None
+                        puts.append(self.s3.put_shard(sid, body))
+                    else:
+                        puts.append(self._put_shard(chunk.shards[-1], body, step, generation,
+                                                    live, chosen, unreachable))
+            chunk.k, chunk.m = k, m
+            await asyncio.gather(*puts)
+            self.metrics.stored_bytes.labels(tier="shards").inc(
+                sum(len(bytes(s)) for s in shards))
+        return out
+
+    async def _put_shard(self, record: manifest_pb2.ShardRecord, body: bytes, step: int,
+                         generation: int, live: set[str], chosen: set[str],
+                         unreachable: set[str]) -> None:
+        """Store one shard on `record.node`; when that peer cannot take it, on another live
+        daemon, else on this one, and record where.
+
+        Failing the whole step instead would drop every step captured between a node's
+        death and its detection, and a job that ends meanwhile could never commit them.
+        """
+        node = record.node
+        if node in unreachable:
+            node = self._alternate(live, chosen, unreachable)
+            chosen.add(node)
+        while True:
+            try:
+                await self.holders.client(node).put(record.location, body, step=step,
+                                                    generation=generation, crc=record.crc32c)
+                break
+            except (ShardTransferError, LookupError) as exc:
+                if node == self.node:
+                    raise  # this daemon's own shard store failed: nothing else to try
+                unreachable.add(node)
+                nxt = self._alternate(live, chosen, unreachable)
+                chosen.add(nxt)  # before the next await: a sibling shard picks another
+                log.warning("shard rerouted: its peer did not take it",
+                            extra={"shard": record.location, "peer": node, "to": nxt,
+                                   "error": str(exc)})
+                node = nxt
+        record.node = node
+
+    def _alternate(self, live: set[str], chosen: set[str], unreachable: set[str]) -> str:
+        """A live daemon holding no shard of this chunk yet, else this daemon."""
+        spare = sorted(n for n in live if n not in chosen and n not in unreachable)
+        return spare[0] if spare else self.node
