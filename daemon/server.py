@@ -28,11 +28,12 @@ from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.job import Job
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.peers import PeerChannels
+from stalwart.daemon.recovery.gossip import gossip_forever
 from stalwart.daemon.recovery.membership import Membership
 from stalwart.daemon.recovery.registry import Registry
 from stalwart.daemon.rpc.guard import Guard
 from stalwart.daemon.rpc.operator_service import OperatorServicer
-from stalwart.daemon.rpc.peer_service import PeerServicer, gossip_forever
+from stalwart.daemon.rpc.peer_service import PeerServicer
 from stalwart.daemon.rpc.rank_service import RankServicer
 from stalwart.daemon.rpc.shard_service import ShardServicer
 from stalwart.daemon.security.auth import Authenticator, job_token, stamp

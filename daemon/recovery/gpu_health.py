@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.core.failures import Failure, FailureKind
-from stalwart.daemon.recovery.detectors import FailureSink, deliver
 
 __all__ = ["FATAL_XIDS", "GpuHealthMonitor", "InjectedFault", "parse_inject", "INJECT_ENV"]
 
 log = logging.getLogger(__name__)
+
+FailureSink = Callable[[Failure], object]  # receives each failure once, on the loop
 
 INJECT_ENV = "STALWART_NVML_INJECT"
 """Faults to inject: "xid:79", "xid:48@1" (device 1), "ecc:2@0", "lost@0", comma separated,
@@ -252,4 +253,9 @@ class GpuHealthMonitor:
                               details={"gpu": index, **details})
             if self._loop is None:
                 raise RuntimeError("GpuHealthMonitor.start() must run before faults arrive")
-            self._loop.call_soon_threadsafe(deliver, self.on_failure, failure)
+            self._loop.call_soon_threadsafe(self._deliver, failure)
+
+    def _deliver(self, failure: Failure) -> None:
+        """On the event loop's thread: log the fault and hand it on."""
+        log.warning("failure detected: %s", failure.describe())
+        self.on_failure(failure)
