@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 from fixtures_hostile import run as with_daemon
+from fixtures_hostile import until
 from snapshot_states import commit_step, state
 
 from stalwart.daemon.config import DaemonConfig
@@ -256,10 +257,8 @@ def test_a_peer_gets_a_bounded_number_of_shard_streams_and_a_silent_one_is_cut_o
                     await never.wait()  # a slow peer: half a shard, then nothing
 
                 held = [stub.PutShard(stalled(i), timeout=10) for i in range(2)]
-                for _ in range(200):  # until the server counts both streams open
-                    if sum(servicer._open.values()) == 2:
-                        break
-                    await asyncio.sleep(0.01)
+                await until(lambda: sum(servicer._open.values()) == 2,
+                            "the server to count both streams open")
                 third = await code_of(stub.PutShard(stalled(3), timeout=10))
                 return [third, *[await code_of(h) for h in held]]
         finally:
