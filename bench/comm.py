@@ -10,7 +10,8 @@ from dataclasses import asdict
 from stalwart.bench.netns_cluster import emulated_cluster, netns_unavailable, run_workers
 from stalwart.core import comm_model as cm
 from stalwart.core.costs import GPTShape
-from stalwart.core.rank_placement import Layout, Placement, naive_placement
+from stalwart.core.layout import Layout
+from stalwart.core.rank_placement import Placement, naive_placement
 from stalwart.core.topology import Link, Topology
 
 CLUSTER = Topology(nodes=4, devices_per_node=8)

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.client.local_cluster import StepLog
-from stalwart.core.decide import Coord, Layout, Member, PlanState
+from stalwart.core.decide import Member, PlanState
+from stalwart.core.layout import Layout
 from stalwart.core.partition import partition
 from stalwart.core.shrink import ElasticConfig, plan_shrink
 
@@ -47,10 +48,10 @@ def _layer_bytes(cfg: Any) -> tuple[float, ...]:
 
 
 def _pipeline(costs: tuple[float, ...], dp: int, pp: int, per_node: int) -> PlanState:
-    stages = partition(list(costs), pp).stages
-    members = [Member(f"r{r}", f"n{r // per_node}", Coord(r, r % dp, r // dp, 0))
-               for r in range(dp * pp)]
-    return PlanState(1, Layout(dp, pp, 1, stages=stages, microbatches=pp), tuple(members))
+    layout = Layout(dp, pp, 1, stages=partition(list(costs), pp).stages, microbatches=pp)
+    members = [Member(f"r{r}", f"n{r // per_node}", layout.coords(r))
+               for r in range(layout.world_size)]
+    return PlanState(1, layout, tuple(members))
 
 
 def _planner_case(name: str, costs: tuple[float, ...], layer_bytes: tuple[float, ...],

@@ -134,6 +134,7 @@ def _pipeline_rank(ctx: Any, cases: list[dict], steps: int, warmup: int) -> list
     from stalwart.client.parallel_dims import ParallelDims
     from stalwart.client.pipeline import PipelineStats
     from stalwart.client.trainer import TrainConfig, Trainer
+    from stalwart.core.layout import Layout
     from stalwart_examples.gpt import GPTConfig, job
 
     torch.set_num_threads(1)
@@ -143,7 +144,7 @@ def _pipeline_rank(ctx: Any, cases: list[dict], steps: int, warmup: int) -> list
         # the machine falls on both alike.
         runs = {}
         for name in ("uniform", "balanced"):
-            dims = ParallelDims(dp=1, pp=case["pp"], tp=1).build(ctx.store, ctx.rank, generation)
+            dims = ParallelDims(Layout(pp=case["pp"])).build(ctx.store, ctx.rank, generation)
             generation += 1
             layers, data = job(GPTConfig(**case["model"]), global_batch=case["micro_batches"],
                                corpus_bytes=1 << 20)

@@ -49,9 +49,10 @@ def _bench_worker(ctx: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
 
     from stalwart.client.parallel_dims import ParallelDims
     from stalwart.client.pipeline import PipelineStats, run_schedule, schedule
+    from stalwart.core.layout import Layout
 
     torch.manual_seed(ctx.rank)
-    dims = ParallelDims(dp=1, pp=ctx.world_size, tp=1).build(ctx.store, ctx.rank, 0)
+    dims = ParallelDims(Layout(pp=ctx.world_size)).build(ctx.store, ctx.rank, 0)
     pp = dims.pp_group
     d, seq, mb = spec["d"], spec["seq"], spec["micro_size"]
     stage = _sleep_stage(d, spec["forward_s"])

@@ -68,6 +68,7 @@ def worker(spec_path: Path) -> int:
 
     from stalwart.client.parallel_dims import ParallelDims
     from stalwart.client.trainer import TrainConfig, Trainer
+    from stalwart.core.layout import Layout
     from stalwart_examples.gpt import job
 
     torch.set_num_threads(1)
@@ -75,7 +76,7 @@ def worker(spec_path: Path) -> int:
     dist.init_process_group("gloo", rank=rank, world_size=world)  # env:// as torchrun sets
     store = dist.distributed_c10d._get_default_store()
     lay = spec["layout"]
-    dims = ParallelDims(dp=lay["dp"], pp=lay["pp"], tp=lay["tp"]).build(
+    dims = ParallelDims(Layout(dp=lay["dp"], pp=lay["pp"], tp=lay["tp"])).build(
         store, rank, generation=restart + 1, timeout_s=60.0)
     train = spec["train"]
     layers, data = job(spec["model"], global_batch=train["global_batch"], seed=train["seed"],

@@ -29,6 +29,7 @@ from stalwart.client.daemon_client import DaemonClient, DaemonUnavailable
 from stalwart.client.link_bytes import LinkBytes
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.state_layout import unpack
+from stalwart.core.layout import Layout
 from stalwart.v1 import common_pb2, rank_pb2
 
 log = logging.getLogger("stalwart.client.agent")
@@ -337,7 +338,7 @@ class ElasticAgent:
         node_of = {a.coord.rank: a.node for a in plan.assignments if not a.spare}
         t_build = time.monotonic()
         store = self._store_of(plan)
-        dims = ParallelDims(dp=lay.dp, pp=lay.pp, tp=lay.tp).build(
+        dims = ParallelDims(Layout.from_proto(lay)).build(
             store, role.coord.rank, plan.generation, backend=cfg.backend,
             timeout_s=cfg.collective_timeout_s, node_of=node_of, links=self.links)
         self.result.coord = {"rank": role.coord.rank, "dp": role.coord.dp,

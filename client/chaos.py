@@ -18,7 +18,8 @@ from typing import Any
 
 from stalwart.client.chaos_faults import mount_tmpfs, unmount
 from stalwart.client.chaos_run import Outcome, dumps, judge, remove, run_job, to_json
-from stalwart.client.chaos_schedule import KINDS, NOT_COVERED, Layout, Schedule, generate
+from stalwart.client.chaos_schedule import KINDS, NOT_COVERED, Schedule, Setup, generate
+from stalwart.core.layout import Layout
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -87,24 +88,26 @@ def _interrupted(signum: int, _frame: Any) -> None:
 def campaign(schedules: list[Schedule], *, steps: int, timeout_s: float,
              root: Path) -> list[dict[str, Any]]:
     """Run each schedule after its layout's baseline (one per layout); a line per run."""
-    baselines: dict[tuple[int, int, int], Outcome] = {}
+    baselines: dict[Layout, Outcome] = {}
     rows = []
     for i, s in enumerate(schedules):
-        key = s.layout.key()
+        # A failure-free run's numbers depend on the layout alone: gloo's sums do not
+        # depend on which node a rank runs on, nor on the spares.
+        key = s.setup.layout
         if key not in baselines:
-            quiet = dataclasses.replace(s.layout, spares=0)
+            quiet = dataclasses.replace(s.setup, spares=0)
             baselines[key] = run_job(Schedule("baseline", quiet), steps=steps,
                                      timeout_s=timeout_s, workdir=root / f"base-{i}")
             if baselines[key].completed:
                 remove(baselines[key])
         out = run_job(s, steps=steps, timeout_s=timeout_s, workdir=root / f"run-{i}")
-        equal = judge(out, baselines[key], s.layout)
+        equal = judge(out, baselines[key], s.setup.layout)
         if equal and out.completed:
             remove(out)
         row = to_json(s, out, equal)
         rows.append(row)
         t = row["fault_to_first_step_s"]
-        print(f"[chaos {i + 1}/{len(schedules)}] {s.kind:16} {s.layout!s:18} "
+        print(f"[chaos {i + 1}/{len(schedules)}] {s.kind:16} {s.setup!s:18} "
               f"recovered={_yn(out.completed)} equal={_yn(equal)} lost={out.lost_steps} "
               f"first step {t if t is not None else '-'} s ({out.elapsed_s} s)"
               + (f" -- {out.error}" if out.error else ""), flush=True)
@@ -118,9 +121,9 @@ def _yn(ok: bool) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     """Fault kind x layout (recovered / equal / seconds to first step), then per kind."""
     lines = ["", f"{'fault kind':16}  {'layout':18}  recovered  equal  first step (s)"]
-    for r in sorted(rows, key=lambda r: (r["kind"], str(_layout(r)))):
+    for r in sorted(rows, key=lambda r: (r["kind"], str(_setup(r)))):
         t = r["fault_to_first_step_s"]
-        lines.append(f"{r['kind']:16}  {_layout(r)!s:18}  {_yn(r['recovered']):9}  "
+        lines.append(f"{r['kind']:16}  {_setup(r)!s:18}  {_yn(r['recovered']):9}  "
                      f"{_yn(r['equal']):5}  {t if t is not None else '-'}")
     lines += ["", "| fault kind | runs | layouts | recovered | equal | lost steps | "
               "s to first step: median (max) |", "|---|---|---|---|---|---|---|"]
@@ -129,14 +132,14 @@ def table(rows: list[dict[str, Any]]) -> str:
         times = [r["fault_to_first_step_s"] for r in of
                  if r["recovered"] and r["fault_to_first_step_s"]]
         med = f"{statistics.median(times):.2f} ({max(times):.2f})" if times else "-"
-        lines.append(f"| {kind} | {len(of)} | {len({str(_layout(r)) for r in of})} | "
+        lines.append(f"| {kind} | {len(of)} | {len({str(_setup(r)) for r in of})} | "
                      f"{sum(r['recovered'] for r in of)} | {sum(r['equal'] for r in of)} | "
                      f"{sum(r['lost_steps'] for r in of)} | {med} |")
     return "\n".join(lines)
 
 
-def _layout(row: dict[str, Any]) -> Layout:
-    return Layout(**row["layout"])
+def _setup(row: dict[str, Any]) -> Setup:
+    return Setup.from_json(row["setup"])
 
 
 __all__ = ["campaign", "configure", "run", "table", "tmpfs_available"]

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.client.chaos_faults import IN_RANK, Injector, job_state, mount_tmpfs, unmount
-from stalwart.client.chaos_schedule import Layout, Schedule
+from stalwart.client.chaos_schedule import Schedule, Setup
 from stalwart.client.local_cluster import ClusterError, LocalCluster, Node, StepLog
+from stalwart.core.layout import Layout
 
 __all__ = ["TOLERANCE", "Outcome", "judge", "run_job"]
 
@@ -53,9 +54,9 @@ def _spec(lay: Layout, steps: int, in_rank: list[dict[str, Any]]) -> dict[str, A
 
 def run_job(schedule: Schedule, *, steps: int, timeout_s: float, workdir: Path) -> Outcome:
     """Run `schedule` (no faults: a baseline) and observe it; never raises for the job."""
-    lay, out, t0 = schedule.layout, Outcome(), time.monotonic()
+    run, out, t0 = schedule.setup, Outcome(), time.monotonic()
     settings: dict[str, Any] = {"elastic": {"shrink": True}}
-    cluster = LocalCluster(nodes=lay.nodes, workdir=workdir, daemon_settings=settings,
+    cluster = LocalCluster(nodes=run.nodes, workdir=workdir, daemon_settings=settings,
                            metrics=schedule.kind == "bitflip")
     cluster.env["STALWART_FAULT_LOG"] = str(workdir)
     in_rank = [{"kind": IN_RANK[f.kind], "target": "rank", "index": f.index, "step": f.step}
@@ -65,12 +66,13 @@ def run_job(schedule: Schedule, *, steps: int, timeout_s: float, workdir: Path) 
     try:
         for f in schedule.faults:
             if f.kind == "full-disk":
-                path = workdir / f"node-{_node_of_rank(lay, f.index)}"
+                path = workdir / f"node-{_node_of_rank(run, f.index)}"
                 if (why := mount_tmpfs(path)) is not None:
                     raise ClusterError(f"full-disk needs a tmpfs on {path}: {why}")
                 mounted.append(path)
         cluster.start_daemons()
-        cluster.launch(_spec(lay, steps, in_rank), lay.world, lay.spares, lay.ranks_per_node)
+        cluster.launch(_spec(run.layout, steps, in_rank), run.world, run.spares,
+                       run.ranks_per_node)
         _watch(cluster, injector, out, steps, time.monotonic() + timeout_s)
     except ClusterError as exc:
         out.error = str(exc)
@@ -87,8 +89,8 @@ def run_job(schedule: Schedule, *, steps: int, timeout_s: float, workdir: Path) 
     return out
 
 
-def _node_of_rank(lay: Layout, rank: int) -> int:
-    return min(rank // lay.ranks_per_node, lay.nodes - 1)
+def _node_of_rank(run: Setup, rank: int) -> int:
+    return min(rank // run.ranks_per_node, run.nodes - 1)
 
 
 def _watch(cluster: LocalCluster, injector: Injector, out: Outcome, steps: int,
@@ -120,7 +122,7 @@ def _watch(cluster: LocalCluster, injector: Injector, out: Outcome, steps: int,
             if plan.stop:
                 stopped_at = time.monotonic()
             elif lay.dp:
-                roles = lay.dp * lay.pp * max(1, lay.tp)
+                roles = Layout.from_proto(lay).world_size
         injector.tick(max(follow.losses, default=0), seen_gen)
         if _finished(cluster, steps) >= roles:
             break

@@ -1,6 +1,6 @@
 """Seeded fault schedules for the chaos campaign (pure logic, no processes).
 
-A schedule is a layout (parallel degrees, spares, nodes) and the faults to inject into
+A schedule is a setup (the job's layout, spares, nodes) and the faults to inject into
 one run of it. Only schedules the job is expected to survive are generated: after every
 fault of a schedule, the live ranks and spares that still have a live daemon can run
 some layout with the same TP degree (the planner keeps TP and may span nodes), and at
@@ -13,7 +13,9 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["KINDS", "NOT_COVERED", "Fault", "Layout", "Schedule", "feasible", "generate",
+from stalwart.core.layout import Layout
+
+__all__ = ["KINDS", "NOT_COVERED", "Fault", "Schedule", "Setup", "feasible", "generate",
            "placement"]
 
 MAX_PROCESSES = 8  # ranks + spares of one run: bounds a run's time on a small machine
@@ -41,25 +43,31 @@ _RANK_KINDS = {"kill-rank", "hang", "gpu", "stop-rank", "bitflip", "full-disk"}
 
 
 @dataclass(frozen=True)
-class Layout:
-    dp: int
-    pp: int
-    tp: int
+class Setup:
+    """The processes of one run: the job's layout, its spares, and the nodes they run on."""
+
+    layout: Layout
     spares: int
     nodes: int
     ranks_per_node: int
 
     @property
     def world(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.layout.world_size
 
-    def key(self) -> tuple[int, int, int]:
-        """What a failure-free run's numbers depend on: the degrees, not the placement
-        (gloo's sums do not depend on which node a rank runs on), nor the spares."""
-        return (self.dp, self.pp, self.tp)
+    def to_json(self) -> dict[str, int]:
+        lay = self.layout
+        return {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp, "spares": self.spares,
+                "nodes": self.nodes, "ranks_per_node": self.ranks_per_node}
+
+    @classmethod
+    def from_json(cls, row: dict[str, int]) -> Setup:
+        return cls(Layout(row["dp"], row["pp"], row["tp"]), row["spares"], row["nodes"],
+                   row["ranks_per_node"])
 
     def __str__(self) -> str:
-        return (f"dp{self.dp}pp{self.pp}tp{self.tp} s{self.spares} "
+        lay = self.layout
+        return (f"dp{lay.dp}pp{lay.pp}tp{lay.tp} s{self.spares} "
                 f"n{self.nodes}x{self.ranks_per_node}")
 
 
@@ -75,25 +83,25 @@ class Fault:
 @dataclass(frozen=True)
 class Schedule:
     kind: str
-    layout: Layout
+    setup: Setup
     faults: tuple[Fault, ...] = field(default_factory=tuple)
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "layout": asdict(self.layout),
+        return {"kind": self.kind, "setup": self.setup.to_json(),
                 "faults": [asdict(f) for f in self.faults]}
 
 
-def placement(layout: Layout) -> tuple[list[int], list[int]]:
+def placement(setup: Setup) -> tuple[list[int], list[int]]:
     """Node of each training rank and of each spare, as LocalCluster.launch places them."""
-    n, per = layout.nodes, layout.ranks_per_node
-    ranks = [min(r // per, n - 1) for r in range(layout.world)]
-    spares = [n - 1 - (j % n) for j in range(layout.spares)]
+    n, per = setup.nodes, setup.ranks_per_node
+    ranks = [min(r // per, n - 1) for r in range(setup.world)]
+    spares = [n - 1 - (j % n) for j in range(setup.spares)]
     return ranks, spares
 
 
-def _lost(layout: Layout, faults: tuple[Fault, ...]) -> tuple[set[int], set[int], set[int]]:
+def _lost(setup: Setup, faults: tuple[Fault, ...]) -> tuple[set[int], set[int], set[int]]:
     """(training ranks, spares, nodes) the faults take out of the job."""
-    ranks, spares = placement(layout)
+    ranks, spares = placement(setup)
     lost_r: set[int] = set()
     lost_s: set[int] = set()
     lost_n: set[int] = set()
@@ -111,44 +119,44 @@ def _lost(layout: Layout, faults: tuple[Fault, ...]) -> tuple[set[int], set[int]
 
 def feasible(s: Schedule) -> bool:
     """The job is expected to survive `s` (see the module docstring)."""
-    lay = s.layout
-    if (lay.world + lay.spares > MAX_PROCESSES or lay.nodes * lay.ranks_per_node < lay.world
-            or lay.ranks_per_node % lay.tp):
+    run, tp = s.setup, s.setup.layout.tp
+    if (run.world + run.spares > MAX_PROCESSES or run.nodes * run.ranks_per_node < run.world
+            or run.ranks_per_node % tp):
         return False
-    ranks, spares = placement(lay)
+    ranks, spares = placement(run)
     if len({(f.target, f.index) for f in s.faults}) < len(s.faults):
         return False  # two faults on one process or node are one fault
     for f in s.faults:
-        if f.target == "rank" and not 0 <= f.index < lay.world:
+        if f.target == "rank" and not 0 <= f.index < run.world:
             return False
-        if f.target == "spare" and not 0 <= f.index < lay.spares:
+        if f.target == "spare" and not 0 <= f.index < run.spares:
             return False
-        if f.target == "node" and (not 0 <= f.index < lay.nodes or f.index not in
+        if f.target == "node" and (not 0 <= f.index < run.nodes or f.index not in
                                    set(ranks) | set(spares)):
             return False  # a fault on an empty node tests nothing
-    lost_r, lost_s, lost_n = _lost(lay, s.faults)
-    survivors = lay.world - len(lost_r) + lay.spares - len(lost_s)
-    return len(lost_n) <= 1 and survivors >= lay.tp and bool(lost_r | lost_s)
+    lost_r, lost_s, lost_n = _lost(run, s.faults)
+    survivors = run.world - len(lost_r) + run.spares - len(lost_s)
+    return len(lost_n) <= 1 and survivors >= tp and bool(lost_r | lost_s)
 
 
-def _layout(rng: random.Random) -> Layout:
-    dp, pp, tp = rng.choice((1, 2)), rng.choice((1, 2)), rng.choice((1, 2))
+def _setup(rng: random.Random) -> Setup:
+    layout = Layout(rng.choice((1, 2)), rng.choice((1, 2)), rng.choice((1, 2)))
     nodes, spares = rng.randint(2, 4), rng.randint(0, 2)
-    world = dp * pp * tp
-    per = tp * -(-world // (tp * nodes))  # fewest per node that hold the world, TP whole
-    return Layout(dp, pp, tp, spares, nodes, per)
+    # The fewest ranks per node that hold the world, each TP group on one node.
+    per = layout.tp * -(-layout.world_size // (layout.tp * nodes))
+    return Setup(layout, spares, nodes, per)
 
 
-def _faults(kind: str, lay: Layout, rng: random.Random, steps: int) -> tuple[Fault, ...]:
+def _faults(kind: str, run: Setup, rng: random.Random, steps: int) -> tuple[Fault, ...]:
     step = rng.randint(3, max(3, steps // 2))
-    ranks, spares = placement(lay)
-    rank = rng.randrange(lay.world)
+    ranks, spares = placement(run)
+    rank = rng.randrange(run.world)
     if kind in _RANK_KINDS:
         return (Fault(kind, "rank", rank, step),)
     if kind == "kill-spare":
-        return (Fault(kind, "spare", rng.randrange(max(1, lay.spares)), step),)
+        return (Fault(kind, "spare", rng.randrange(max(1, run.spares)), step),)
     if kind == "double":
-        other = rng.choice([r for r in range(lay.world) if r != rank] or [rank])
+        other = rng.choice([r for r in range(run.world) if r != rank] or [rank])
         return (Fault("kill-rank", "rank", rank, step),
                 Fault("kill-rank", "rank", other, step, after="recovery"))
     if kind == "kill-coordinator":
@@ -160,7 +168,7 @@ def _faults(kind: str, lay: Layout, rng: random.Random, steps: int) -> tuple[Fau
 def generate(seed: int, runs: int, *, kinds: list[str] | None = None,
              steps: int = 12) -> list[Schedule]:
     """`runs` feasible schedules; kinds taken in turn from a seeded order (every kind
-    appears once `runs` >= len(kinds)), layout and victims drawn until feasible."""
+    appears once `runs` >= len(kinds)), setup and victims drawn until feasible."""
     rng = random.Random(seed)
     order = list(kinds or KINDS)
     rng.shuffle(order)
@@ -168,8 +176,8 @@ def generate(seed: int, runs: int, *, kinds: list[str] | None = None,
     for i in range(runs):
         kind = order[i % len(order)]
         for _ in range(1000):
-            lay = _layout(rng)
-            s = Schedule(kind, lay, _faults(kind, lay, rng, steps))
+            run = _setup(rng)
+            s = Schedule(kind, run, _faults(kind, run, rng, steps))
             if feasible(s):
                 out.append(s)
                 break

@@ -180,6 +180,7 @@ def _interrupted(signum: int, _frame: Any) -> None:
 def _watch(cluster: Any, args: argparse.Namespace, t0: float,
            faults: list[dict[str, Any]]) -> dict[str, Any]:
     from stalwart.client.local_cluster import StepLog
+    from stalwart.core.layout import Layout
 
     follow = StepLog()
     seen_failures: set[tuple[str, int]] = set()
@@ -212,9 +213,8 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
         if coord is not None:
             if _note_coordinator(coordinators, coord.node) and len(coordinators) > 1:
                 _say(t0, f"COORDINATOR is now {coord.node}")
-            lay = coord.plan.layout
-            if lay.dp and not coord.plan.stop:
-                roles = lay.dp * lay.pp * max(1, lay.tp)
+            if coord.plan.layout.dp and not coord.plan.stop:
+                roles = Layout.from_proto(coord.plan.layout).world_size
             if coord.latest_committed_step != committed:
                 committed = coord.latest_committed_step
                 committed_at.append((time.time(), committed))

@@ -1,6 +1,6 @@
-"""Who talks to whom: the (dp, pp, tp) degrees of a job, each rank's coordinates, and the
-process groups of one generation. A generation's groups live under their own store prefix,
-so a later generation can be built in the same process after `destroy()`.
+"""Who talks to whom: the process groups of one generation over the job's (dp, pp, tp)
+layout (`core.layout`). A generation's groups live under their own store prefix, so a
+later generation can be built in the same process after `destroy()`.
 """
 
 from __future__ import annotations
@@ -14,17 +14,9 @@ import torch
 import torch.distributed as dist
 
 from stalwart.client.link_bytes import LinkBytes, link_between
+from stalwart.core.layout import Coord, Layout
 
-__all__ = ["Coords", "Group", "ParallelDims"]
-
-
-@dataclass(frozen=True)
-class Coords:
-    """Position of one rank in the (dp, pp, tp) grid; tp varies fastest, pp slowest."""
-
-    dp: int
-    pp: int
-    tp: int
+__all__ = ["Group", "ParallelDims"]
 
 
 @dataclass
@@ -99,49 +91,20 @@ class Group:
             self.pg.barrier().wait()
 
 
-@dataclass(kw_only=True)
 class ParallelDims:
-    """Degrees of data, pipeline and tensor parallelism; their product is the world size."""
+    """The process groups of one generation over a `Layout` (whose product of degrees is the
+    world size); the layout says who shares a group with whom."""
 
-    dp: int = 1
-    """Data-parallel replicas (each sees a different slice of the global batch)."""
-    pp: int = 1
-    """Pipeline stages (each holds a contiguous range of layers)."""
-    tp: int = 1
-    """Tensor-parallel ranks (each holds a slice of every block's heads and FFN)."""
-    world_size: int | None = None
-    """Checked against dp*pp*tp when given."""
-
-    def __post_init__(self) -> None:
-        for name in ("dp", "pp", "tp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: every degree must be >= 1")
-        if self.world_size is None:
-            self.world_size = self.dp * self.pp * self.tp
-        elif self.dp * self.pp * self.tp != self.world_size:
+    def __init__(self, layout: Layout | None = None, *, world_size: int | None = None) -> None:
+        layout = layout or Layout()
+        if world_size is not None and layout.world_size != world_size:
             raise ValueError(
-                f"dp*pp*tp = {self.dp}*{self.pp}*{self.tp} = {self.dp * self.pp * self.tp} "
-                f"but the world has {self.world_size} ranks; choose degrees whose product "
-                f"is {self.world_size}")
+                f"dp*pp*tp = {layout.dp}*{layout.pp}*{layout.tp} = {layout.world_size} but the "
+                f"world has {world_size} ranks; choose degrees whose product is {world_size}")
+        self.layout = layout
         self.generation: int | None = None
         self.rank: int | None = None
         self.groups: dict[str, Group] = {}
-
-    def coords(self, rank: int) -> Coords:
-        """Grid position of global `rank`."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
-        return Coords(dp=(rank // self.tp) % self.dp, pp=rank // (self.tp * self.dp),
-                      tp=rank % self.tp)
-
-    def rank_of(self, c: Coords) -> int:
-        return (c.pp * self.dp + c.dp) * self.tp + c.tp
-
-    def members(self, rank: int, axis: str) -> tuple[int, ...]:
-        """Global ranks that share every coordinate with `rank` except `axis` (dp|pp|tp)."""
-        c = self.coords(rank)
-        size = getattr(self, axis)
-        return tuple(self.rank_of(Coords(**{**c.__dict__, axis: i})) for i in range(size))
 
     def build(self, store: Any, rank: int, generation: int, *, backend: str = "gloo",
               timeout_s: float = 60.0, node_of: Mapping[int, str] | None = None,
@@ -158,8 +121,8 @@ class ParallelDims:
         gen_store = dist.PrefixStore(f"gen{generation}/", store)
         timeout = datetime.timedelta(seconds=timeout_s)
         for axis in ("dp", "pp", "tp", "world"):
-            ranks = (tuple(range(self.world_size)) if axis == "world"
-                     else self.members(rank, axis))
+            ranks = (tuple(range(self.layout.world_size)) if axis == "world"
+                     else self.layout.group(rank, axis))
             key = f"{axis}/{'-'.join(map(str, ranks))}/"
             pg = _make_pg(backend, dist.PrefixStore(key, gen_store), ranks.index(rank),
                           len(ranks), timeout)
@@ -191,10 +154,11 @@ class ParallelDims:
         return self.group("world")
 
     @property
-    def my(self) -> Coords:
+    def my(self) -> Coord:
+        """This rank's grid position."""
         if self.rank is None:
             raise RuntimeError("process groups are not built; call build(store, rank, gen)")
-        return self.coords(self.rank)
+        return self.layout.coords(self.rank)
 
     def destroy(self) -> None:
         """Drop this generation's groups; their threads and sockets close with them."""

@@ -15,37 +15,20 @@ import torch
 
 from stalwart.client.reshard import Piece, Want, assemble
 from stalwart.client.state_layout import unpack
+from stalwart.core.layout import Layout
 from stalwart.v1 import common_pb2
 
-__all__ = ["OldLayout", "Role", "fetch_and_assemble", "needed_ranks", "relayout"]
+__all__ = ["Role", "captured_layout", "fetch_and_assemble", "needed_ranks", "relayout"]
 
 
-@dataclass(frozen=True)
-class OldLayout:
-    """The layout that captured the step: degrees and inclusive stage bounds."""
-
-    dp: int
-    pp: int
-    tp: int
-    stages: tuple[tuple[int, int], ...]
-
-    def rank_of(self, dp: int, pp: int, tp: int) -> int:
-        return (pp * self.dp + dp) * self.tp + tp
-
-    @classmethod
-    def from_proto(cls, lay: common_pb2.ParallelLayout) -> OldLayout:
-        return cls(lay.dp, lay.pp, lay.tp,
-                   tuple((s.first_layer, s.last_layer) for s in lay.stages))
-
-    @classmethod
-    def from_extra(cls, extra: Mapping[str, Any]) -> OldLayout:
-        """The layout a captured rank recorded in its `extra` (Trainer.layout())."""
-        lay = extra.get("layout")
-        if not lay or "stage_bounds" not in lay:
-            raise ValueError("the captured state does not record its layout; pass the "
-                             "layout of the plan that committed the step")
-        return cls(int(lay["dp"]), int(lay["pp"]), int(lay["tp"]),
-                   tuple((int(a), int(b)) for a, b in lay["stage_bounds"]))
+def captured_layout(extra: Mapping[str, Any]) -> Layout:
+    """The layout a captured rank recorded in its `extra` (Trainer.layout())."""
+    lay = extra.get("layout")
+    if not lay or "stage_bounds" not in lay:
+        raise ValueError("the captured state does not record its layout; pass the "
+                         "layout of the plan that committed the step")
+    return Layout(int(lay["dp"]), int(lay["pp"]), int(lay["tp"]),
+                  tuple((int(a), int(b)) for a, b in lay["stage_bounds"]))
 
 
 @dataclass(frozen=True)
@@ -64,7 +47,7 @@ def _tp_overlaps(old_t: int, old_size: int, new_t: int, new_size: int) -> bool:
     return old_t * new_size < (new_t + 1) * old_size and new_t * old_size < (old_t + 1) * new_size
 
 
-def needed_ranks(old: OldLayout, role: Role, *, local: Iterable[int] = ()) -> list[int]:
+def needed_ranks(old: Layout, role: Role, *, local: Iterable[int] = ()) -> list[int]:
     """Old ranks whose states together hold every layer shard of `role`, one replica per
     (stage, tp shard): a `local` one (already in this process) first, then the replica
     with the role's DP index (its RNG stream), then DP replica 0."""
@@ -97,7 +80,7 @@ def _shard_dim(meta: common_pb2.TensorMeta, shard_dims: Mapping[str, int | None]
 
 def relayout(role: Role, states: Mapping[int, tuple[Sequence[common_pb2.TensorMeta],
                                                      Mapping[str, torch.Tensor], dict[str, Any]]],
-             old: OldLayout) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+             old: Layout) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The tensors and `extra` of `role` from old ranks' states (rank -> metas, tensors by
     name, extra), as `client.trainer_state.load_state` takes them for the new layout.
 
@@ -147,15 +130,13 @@ def relayout(role: Role, states: Mapping[int, tuple[Sequence[common_pb2.TensorMe
     return out, extra
 
 
-def _rng_source(role: Role, states: Mapping[int, Any], old: OldLayout) -> int:
+def _rng_source(role: Role, states: Mapping[int, Any], old: Layout) -> int:
     """An old rank with the role's DP index (its RNG stream) when one was fetched."""
-    def dp_of(rank: int) -> int:
-        return (rank // old.tp) % old.dp
-    same = [r for r in sorted(states) if dp_of(r) == role.dp]
+    same = [r for r in sorted(states) if old.coords(r).dp == role.dp]
     return same[0] if same else min(states)
 
 
-def fetch_and_assemble(daemon: Any, step: int, old: OldLayout | None, role: Role, *,
+def fetch_and_assemble(daemon: Any, step: int, old: Layout | None, role: Role, *,
                        local: Mapping[int, tuple[Sequence[common_pb2.TensorMeta],
                                                  Mapping[str, torch.Tensor], dict[str, Any]]]
                        | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -175,7 +156,7 @@ def fetch_and_assemble(daemon: Any, step: int, old: OldLayout | None, role: Role
     if old is None:
         if 0 not in states:
             fetch(0)
-        old = OldLayout.from_extra(states[0][2])
+        old = captured_layout(states[0][2])
     need = needed_ranks(old, role, local=states)
     for rank in need:
         if rank not in states:

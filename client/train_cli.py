@@ -65,13 +65,15 @@ def train_worker(ctx: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
     from stalwart.client.parallel_dims import ParallelDims
     from stalwart.client.trainer import TrainConfig, Trainer
+    from stalwart.core.layout import Layout
     from stalwart_examples.gpt import job
 
     device = torch.device("cpu")
     if spec["device"] == "cuda":
         device = torch.device("cuda", ctx.rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    dims = ParallelDims(dp=spec["dp"], pp=spec["pp"], tp=spec["tp"], world_size=ctx.world_size)
+    dims = ParallelDims(Layout(dp=spec["dp"], pp=spec["pp"], tp=spec["tp"]),
+                        world_size=ctx.world_size)
     dims.build(ctx.store, ctx.rank, 0, backend="nccl" if device.type == "cuda" else "gloo")
     cfg = TrainConfig(seed=spec["seed"], lr=spec["lr"], min_lr=spec["lr"] / 10,
                       decay_steps=spec["steps"], precision=spec["precision"],

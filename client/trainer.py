@@ -104,15 +104,16 @@ class Trainer:
                  microbatches: int = 1, grad_accum: int = 1, reduce_fn: ReduceFn | None = None,
                  device: str | torch.device = "cpu",
                  act_shape: tuple[int, ...] | None = None) -> None:
-        per_replica = dims.dp * grad_accum * microbatches
+        lay = dims.layout
+        per_replica = lay.dp * grad_accum * microbatches
         if data.global_batch % per_replica:
             raise ValueError(f"global batch {data.global_batch} does not split into dp="
-                             f"{dims.dp} x grad_accum={grad_accum} x microbatches="
+                             f"{lay.dp} x grad_accum={grad_accum} x microbatches="
                              f"{microbatches}; choose degrees whose product divides it")
         n = len(layers)
-        bounds = stage_bounds or uniform_bounds(n, dims.pp)
-        if len(bounds) != dims.pp:
-            raise ValueError(f"{len(bounds)} stage bounds for pp={dims.pp}; give one per stage")
+        bounds = stage_bounds or uniform_bounds(n, lay.pp)
+        if len(bounds) != lay.pp:
+            raise ValueError(f"{len(bounds)} stage bounds for pp={lay.pp}; give one per stage")
         flat = [i for first, last in bounds for i in range(first, last + 1)]
         if flat != list(range(n)) or any(f > la for f, la in bounds):
             raise ValueError(f"stage bounds {bounds} must cover blocks 0..{n - 1} in order, "
@@ -140,7 +141,7 @@ class Trainer:
             precision = "fp16" if self.device.type == "cuda" else "bf16"
         self.precision = precision
         self.scaler = LossScaler(enabled=precision == "fp16")
-        self.actions = pipeline.schedule(schedule, dims.pp, me.pp, microbatches)
+        self.actions = pipeline.schedule(schedule, dims.layout.pp, me.pp, microbatches)
         self.step_count = 0
         self.last_grad_norm: float | None = None  # before clipping, when grad_clip > 0
         self.stats: PipelineStats | None = None
@@ -163,14 +164,14 @@ class Trainer:
     def step(self) -> float:
         """One optimizer step; returns the global mean loss (the same value on every rank)."""
         me, data = self.dims.my, self.data
-        share = data.global_batch // self.dims.dp
+        share = data.global_batch // self.dims.layout.dp
         mine = data.indices(self.step_count)[me.dp * share:(me.dp + 1) * share]
         ids, targets = data.batch(mine)
         ids, targets = ids.to(self.device), targets.to(self.device)
         for p in self.params:
             p.grad = None
         act_shape = (self.micro_size, *self.act_shape)
-        scale = 1.0 / (self.dims.dp * self.grad_accum * self.m)
+        scale = 1.0 / (self.dims.layout.dp * self.grad_accum * self.m)
         local_loss = 0.0
         for a in range(self.grad_accum):
             rows = slice(a * self.m * self.micro_size, (a + 1) * self.m * self.micro_size)
@@ -224,9 +225,9 @@ class Trainer:
     def _global_loss(self, local: float) -> float:
         """Sum the last stage's scaled losses over DP, then hand the value to every stage."""
         loss = torch.tensor([local], dtype=torch.float64, device=self.device)
-        if self.dims.my.pp == self.dims.pp - 1:
+        if self.dims.my.pp == self.dims.layout.pp - 1:
             self.dims.dp_group.all_reduce(loss)
-        self.dims.pp_group.broadcast(loss, self.dims.pp - 1)
+        self.dims.pp_group.broadcast(loss, self.dims.layout.pp - 1)
         return float(loss.item())
 
     def full_params(self) -> dict[str, torch.Tensor]:
@@ -246,7 +247,7 @@ class Trainer:
             out[name] = {}
             for key, t in state.items():
                 dim = self.stage.shard_dim(name)
-                if t.dim() and dim is not None and self.dims.tp > 1:
+                if t.dim() and dim is not None and self.dims.layout.tp > 1:
                     t = torch.cat(self.dims.tp_group.all_gather(t), dim=dim)
                 out[name][key] = t.detach().clone()
         return out
@@ -274,13 +275,13 @@ class Trainer:
 
     def _my_slice(self, name: str, full: torch.Tensor) -> torch.Tensor:
         dim = self.stage.shard_dim(name)
-        if dim is None or self.dims.tp == 1:
+        if dim is None or self.dims.layout.tp == 1:
             return full
-        return full.chunk(self.dims.tp, dim)[self.dims.my.tp]
+        return full.chunk(self.dims.layout.tp, dim)[self.dims.my.tp]
 
     def layout(self) -> dict[str, Any]:
-        me = self.dims.my
-        return {"dp": self.dims.dp, "pp": self.dims.pp, "tp": self.dims.tp,
+        me, lay = self.dims.my, self.dims.layout
+        return {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp,
                 "coords": {"dp": me.dp, "pp": me.pp, "tp": me.tp},
                 "stage_bounds": [list(b) for b in self.bounds], "schedule": self.schedule_kind,
                 "microbatches": self.m, "grad_accum": self.grad_accum,

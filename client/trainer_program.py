@@ -16,7 +16,7 @@ from stalwart.client.agent import Generation, PlanChanged
 from stalwart.client.daemon_client import DaemonUnavailable
 from stalwart.client.digest import param_digest
 from stalwart.client.layers import BlockProbe, Layers, probe
-from stalwart.client.relayout import OldLayout, Role, fetch_and_assemble
+from stalwart.client.relayout import Role, captured_layout, fetch_and_assemble
 from stalwart.client.trainer import TrainConfig, Trainer
 from stalwart.client.trainer_state import adamw_hints, load_state, state_tensors
 from stalwart.client.user_data import Data
@@ -137,13 +137,13 @@ def _restore(gen: Generation, trainer: Trainer, step: int) -> None:
     old = extra.get("layout", {})
     same = (first == coord.rank and
             (old.get("dp"), old.get("pp"), old.get("tp")) == (
-                trainer.dims.dp, trainer.dims.pp, trainer.dims.tp)
+                trainer.dims.layout.dp, trainer.dims.layout.pp, trainer.dims.layout.tp)
             and [tuple(b) for b in old.get("stage_bounds", [])] == list(trainer.bounds))
     if not same:
         lo, hi = trainer.bounds[coord.pp]
-        role = Role(lo, hi, tp=coord.tp, tp_size=trainer.dims.tp, dp=coord.dp)
+        role = Role(lo, hi, tp=coord.tp, tp_size=trainer.dims.layout.tp, dp=coord.dp)
         t0 = time.monotonic()
-        tensors, extra = fetch_and_assemble(gen.daemon, step, OldLayout.from_extra(extra),
+        tensors, extra = fetch_and_assemble(gen.daemon, step, captured_layout(extra),
                                             role, local={first: (metas, tensors, extra)})
         log.warning("relayout restore: layers %d-%d from the step's %sx%sx%s layout in "
                     "%.2f s", lo, hi, old.get("dp"), old.get("pp"), old.get("tp"),

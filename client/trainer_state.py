@@ -27,7 +27,7 @@ def _shard_info(trainer: Trainer, name: str, t: torch.Tensor
                 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Global shape and this rank's offsets of parameter `name` (and its optimizer state)."""
     dim = trainer.stage.shard_dim(name)
-    tp = trainer.dims.tp
+    tp = trainer.dims.layout.tp
     if dim is None or tp == 1:
         return tuple(t.shape), (0,) * t.dim()
     shape, offsets = list(t.shape), [0] * t.dim()

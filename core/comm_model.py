@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from stalwart.core.costs import GPTShape
-from stalwart.core.rank_placement import Layout, Placement, place
+from stalwart.core.layout import Layout
+from stalwart.core.rank_placement import Placement, place
 from stalwart.core.topology import Link, Topology
 
 __all__ = ["Traffic", "TrainingStep", "cross_node_bytes", "hier_allreduce", "hier_allreduce_s",
@@ -181,8 +182,8 @@ def step_traffic(placement: Placement, step: TrainingStep,
     layout = placement.layout
     out: dict[str, Traffic] = {}
     tp = Traffic()
-    for group in layout.tp_groups():
-        stage = layout.coords_of(group[0])[1]
+    for group in layout.groups("tp"):
+        stage = layout.coords(group[0]).pp
         calls = 4 * step.stage_layers(layout.pp, stage) * step.micro_batches
         tp += ring_allreduce(placement.nodes(group), step.activation_bytes).scaled(calls)
     out["tp_allreduce"] = tp
@@ -192,8 +193,8 @@ def step_traffic(placement: Placement, step: TrainingStep,
         2 * step.micro_batches * step.activation_bytes)
     reduce = {"ring": ring_allreduce, "hier": hier_allreduce}[dp_algorithm]
     dp = Traffic()
-    for group in layout.dp_groups():
-        stage = layout.coords_of(group[0])[1]
+    for group in layout.groups("dp"):
+        stage = layout.coords(group[0]).pp
         grad = step.stage_params(layout.pp, stage) / layout.tp * step.grad_bytes
         dp += reduce(placement.nodes(group), grad)
     out["dp_allreduce"] = dp
@@ -207,19 +208,19 @@ def step_comm_s(placement: Placement, step: TrainingStep, dp_algorithm: str = "r
     (both ways), and the worst DP group's gradient all-reduce.
     """
     layout, topo = placement.layout, placement.topology
-    tp_s = max(4 * step.stage_layers(layout.pp, layout.coords_of(g[0])[1])
+    tp_s = max(4 * step.stage_layers(layout.pp, layout.coords(g[0]).pp)
                * step.micro_batches
                * ring_allreduce_s(topo, placement.nodes(g), step.activation_bytes)
-               for g in layout.tp_groups())
+               for g in layout.groups("tp"))
     pp_s = max((2 * step.micro_batches
                 * topo.link(placement.devices[a], placement.devices[b])
                 .transfer_s(step.activation_bytes)
                 for a, b in layout.pp_pairs()), default=0.0)
     allreduce = {"ring": ring_allreduce_s, "hier": hier_allreduce_s}[dp_algorithm]
     dp_s = max(allreduce(topo, placement.nodes(g),
-                         step.stage_params(layout.pp, layout.coords_of(g[0])[1])
+                         step.stage_params(layout.pp, layout.coords(g[0]).pp)
                          / layout.tp * step.grad_bytes)
-               for g in layout.dp_groups())
+               for g in layout.groups("dp"))
     return tp_s + pp_s + dp_s
 
 

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from stalwart.core.failures import Failure, FailureKind
+from stalwart.core.layout import Coord, Layout
 from stalwart.v1 import common_pb2
 
 __all__ = [
-    "Coord", "Layout", "Member", "PlanState", "PlanDecision", "StopDecision", "NoChange",
-    "Decision", "ShrinkPlanner", "StaleGenerationError", "check_generation", "decide",
+    "Member", "PlanState", "PlanDecision", "StopDecision", "NoChange", "Decision",
+    "ShrinkPlanner", "StaleGenerationError", "check_generation", "decide",
 ]
 
 
@@ -42,16 +43,6 @@ def check_generation(msg_gen: int, current_gen: int, *, what: str = "message") -
 
 
 @dataclass(frozen=True)
-class Coord:
-    """A role in the (dp, pp, tp) grid; `rank` is the global rank index of the role."""
-
-    rank: int
-    dp: int
-    pp: int
-    tp: int
-
-
-@dataclass(frozen=True)
 class Member:
     """A registered rank: a role holder when `coord` is set, a spare when it is None."""
 
@@ -65,23 +56,6 @@ class Member:
             return f"spare {self.rank_id} on {self.node}"
         c = self.coord
         return f"rank {self.rank_id} (dp {c.dp}, stage {c.pp}, tp {c.tp}) on {self.node}"
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Parallel degrees plus what the training loop needs to run them unchanged."""
-
-    dp: int
-    pp: int
-    tp: int
-    stages: tuple[tuple[int, int], ...] = ()
-    schedule: str = "1f1b"
-    microbatches: int = 1
-    grad_accum: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
 
 
 @dataclass(frozen=True)
@@ -113,47 +87,39 @@ class PlanState:
                 f"plan of generation {self.generation} does not fill the "
                 f"{lay.dp}x{lay.pp}x{lay.tp} grid with one rank per cell"
             )
+        # Process groups are built from the rank alone, so its coordinates must agree.
+        for m in self.members:
+            if m.coord is not None and lay.coords(m.coord.rank) != m.coord:
+                raise ValueError(
+                    f"plan of generation {self.generation} gives {m.where} global rank "
+                    f"{m.coord.rank}, which the layout places at {lay.coords(m.coord.rank)}; "
+                    "number ranks tp fastest, then dp, pp slowest (Layout.coords)"
+                )
         if any(s.coord is not None for s in self.spares):
             raise ValueError("a spare holds a role; spares must have coord=None")
 
     def to_proto(self) -> common_pb2.Plan:
-        lay = self.layout
-        layout = common_pb2.ParallelLayout(
-            dp=lay.dp, pp=lay.pp, tp=lay.tp, schedule=lay.schedule,
-            microbatches=lay.microbatches, grad_accum=lay.grad_accum,
-            stages=[common_pb2.StageBounds(first_layer=a, last_layer=b) for a, b in lay.stages],
-        )
         assignments = [
-            common_pb2.RankAssignment(
-                rank_id=m.rank_id, node=m.node,
-                coord=common_pb2.RankCoord(
-                    rank=m.coord.rank, dp=m.coord.dp, pp=m.coord.pp, tp=m.coord.tp),
-            )
+            common_pb2.RankAssignment(rank_id=m.rank_id, node=m.node, coord=m.coord.to_proto())
             for m in self.members if m.coord is not None
         ] + [common_pb2.RankAssignment(rank_id=s.rank_id, node=s.node, spare=True)
              for s in self.spares]
         return common_pb2.Plan(
-            generation=self.generation, layout=layout, assignments=assignments,
+            generation=self.generation, layout=self.layout.to_proto(), assignments=assignments,
             reason=self.reason, resume_step=self.resume_step,
         )
 
     @classmethod
     def from_proto(cls, msg: common_pb2.Plan) -> PlanState:
-        lay = msg.layout
         members, spares = [], []
         for a in msg.assignments:
             if a.spare:
                 spares.append(Member(a.rank_id, a.node))
             else:
-                c = a.coord
-                members.append(Member(a.rank_id, a.node, Coord(c.rank, c.dp, c.pp, c.tp)))
+                members.append(Member(a.rank_id, a.node, Coord.from_proto(a.coord)))
         return cls(
             generation=msg.generation,
-            layout=Layout(
-                dp=lay.dp, pp=lay.pp, tp=lay.tp,
-                stages=tuple((s.first_layer, s.last_layer) for s in lay.stages),
-                schedule=lay.schedule, microbatches=lay.microbatches, grad_accum=lay.grad_accum,
-            ),
+            layout=Layout.from_proto(msg.layout),
             members=tuple(members), spares=tuple(spares),
             resume_step=msg.resume_step, reason=msg.reason,
         )

@@ -13,57 +13,11 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from stalwart.core.layout import Layout
 from stalwart.core.topology import Topology
 
-__all__ = ["Layout", "Placement", "default_cost", "min_pp_cross_hops", "naive_placement", "place",
+__all__ = ["Placement", "default_cost", "min_pp_cross_hops", "naive_placement", "place",
            "validate"]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Degrees of the three parallel axes. Ranks are numbered tp fastest, then dp, then pp."""
-
-    dp: int
-    pp: int
-    tp: int
-
-    def __post_init__(self) -> None:
-        if min(self.dp, self.pp, self.tp) < 1:
-            raise ValueError(f"dp, pp and tp must all be >= 1, got {self}")
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
-
-    def rank_of(self, dp: int, pp: int, tp: int) -> int:
-        """Global rank of the coordinates (dp, pp, tp)."""
-        return (pp * self.dp + dp) * self.tp + tp
-
-    def coords_of(self, rank: int) -> tuple[int, int, int]:
-        """(dp, pp, tp) coordinates of a global rank."""
-        rest, tp = divmod(rank, self.tp)
-        pp, dp = divmod(rest, self.dp)
-        return dp, pp, tp
-
-    # Layouts are immutable and hashable, so their groups are computed once.
-    @functools.cache  # noqa: B019
-    def tp_groups(self) -> tuple[tuple[int, ...], ...]:
-        """Ranks that all-reduce activations together, one tuple per (dp, pp)."""
-        return tuple(tuple(self.rank_of(d, p, t) for t in range(self.tp))
-                     for p in range(self.pp) for d in range(self.dp))
-
-    @functools.cache  # noqa: B019
-    def dp_groups(self) -> tuple[tuple[int, ...], ...]:
-        """Ranks that all-reduce gradients together, one tuple per (pp, tp), in dp order."""
-        return tuple(tuple(self.rank_of(d, p, t) for d in range(self.dp))
-                     for p in range(self.pp) for t in range(self.tp))
-
-    @functools.cache  # noqa: B019
-    def pp_pairs(self) -> tuple[tuple[int, int], ...]:
-        """(sender, receiver) ranks of neighbouring stages, for every (dp, tp)."""
-        return tuple((self.rank_of(d, p, t), self.rank_of(d, p + 1, t))
-                     for d in range(self.dp) for p in range(self.pp - 1)
-                     for t in range(self.tp))
 
 
 @dataclass(frozen=True)
@@ -87,7 +41,7 @@ class Placement:
         return [self.rank_nodes[r] for r in ranks]
 
     def tp_groups_inside_nodes(self) -> bool:
-        return all(len(set(self.nodes(g))) == 1 for g in self.layout.tp_groups())
+        return all(len(set(self.nodes(g))) == 1 for g in self.layout.groups("tp"))
 
     def pp_cross_hops(self) -> int:
         """PP neighbour pairs whose two ranks sit on different nodes."""
@@ -95,7 +49,7 @@ class Placement:
 
     def dp_spread(self) -> int:
         """Sum over DP groups of (nodes the group touches - 1)."""
-        return sum(len(set(self.nodes(g))) - 1 for g in self.layout.dp_groups())
+        return sum(len(set(self.nodes(g))) - 1 for g in self.layout.groups("dp"))
 
 
 def validate(layout: Layout, topology: Topology) -> None:

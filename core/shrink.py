@@ -15,7 +15,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from stalwart.core.costs import CostProfile
-from stalwart.core.decide import Coord, Layout, Member, PlanState
+from stalwart.core.decide import Member, PlanState
+from stalwart.core.layout import Coord, Layout
 from stalwart.core.partition import partition, uniform
 
 __all__ = ["ElasticConfig", "ElasticPlanner", "ShrinkMemoryError", "ShrinkResult",
@@ -382,6 +383,8 @@ def _result(state: PlanState, failed: frozenset[str], pool: list[Member], groups
     free: dict[tuple, list[_Group]] = {}
     for g in sorted(groups, key=lambda g: g.old_dp):
         free.setdefault(g.kind, []).append(g)
+    layout = Layout(dp=best.dp, pp=best.pp, tp=tp, stages=best.stages, schedule=old.schedule,
+                    microbatches=m, grad_accum=ga)
     members, receive = [], {}
     for s, combo in enumerate(best.assignment):
         chosen = [free[k].pop(0) for k in combo]
@@ -397,15 +400,13 @@ def _result(state: PlanState, failed: frozenset[str], pool: list[Member], groups
         a, b = best.stages[s]
         for d, g in sorted(slots.items()):
             for t, mem in enumerate(g.members):
-                rank = (s * best.dp + d) * tp + t
-                members.append(Member(mem.rank_id, mem.node, Coord(rank, d, s, t)))
+                coord = Coord(layout.rank_of(d, s, t), d, s, t)
+                members.append(Member(mem.rank_id, mem.node, coord))
                 need = tuple(i for i in range(a, b + 1) if _lacks(g.held, i))
                 if need:
                     receive[mem.rank_id] = need
     used = {m.rank_id for m in members}
     members.sort(key=lambda x: x.coord.rank)
-    layout = Layout(dp=best.dp, pp=best.pp, tp=tp, stages=best.stages, schedule=old.schedule,
-                    microbatches=m, grad_accum=ga)
     spares = tuple(Member(x.rank_id, x.node) for x in pool if x.rank_id not in used)
     verb = ("shrink" if len(members) < old.world_size else
             "widen" if len(members) > old.world_size else "re-form")  # e.g. a TP group moved

@@ -1,6 +1,6 @@
 """The physical shape of a cluster: nodes, devices per node, and the links between them.
 
-Pure data: loaded from a TOML/JSON config or built by `client.topology_discovery`.
+Pure data, loaded from a TOML/JSON config (`load_topology`) or built in code.
 Devices are numbered node-major: device d sits on node d // devices_per_node.
 """
 

@@ -10,12 +10,13 @@ from stalwart.client.chaos_schedule import (
     KINDS,
     MAX_PROCESSES,
     Fault,
-    Layout,
     Schedule,
+    Setup,
     feasible,
     generate,
     placement,
 )
+from stalwart.core.layout import Layout
 
 
 def test_the_same_seed_generates_the_same_schedules() -> None:
@@ -26,13 +27,13 @@ def test_the_same_seed_generates_the_same_schedules() -> None:
 @pytest.mark.parametrize("seed", range(20))
 def test_every_generated_schedule_is_feasible_for_its_layout(seed: int) -> None:
     for s in generate(seed, 24):
-        lay = s.layout
+        run, lay = s.setup, s.setup.layout
         assert feasible(s), s
-        assert {lay.dp, lay.pp, lay.tp} <= {1, 2} and 0 <= lay.spares <= 2
-        assert 2 <= lay.nodes <= 4 and lay.world + lay.spares <= MAX_PROCESSES
-        ranks, _ = placement(lay)
-        for first in range(0, lay.world, lay.tp):  # a TP group sits on one node
-            assert len(set(ranks[first:first + lay.tp])) == 1, s
+        assert {lay.dp, lay.pp, lay.tp} <= {1, 2} and 0 <= run.spares <= 2
+        assert 2 <= run.nodes <= 4 and run.world + run.spares <= MAX_PROCESSES
+        ranks, _ = placement(run)
+        for group in lay.groups("tp"):  # a TP group sits on one node
+            assert len({ranks[r] for r in group}) == 1, s
 
 
 def test_every_kind_is_reached_within_one_round() -> None:
@@ -51,29 +52,29 @@ def test_a_double_fault_hits_two_ranks_the_second_during_recovery() -> None:
 
 
 def test_a_lone_rank_without_a_spare_is_not_killed() -> None:
-    lay = Layout(dp=1, pp=1, tp=1, spares=0, nodes=2, ranks_per_node=1)
-    assert not feasible(Schedule("kill-rank", lay, (Fault("kill-rank", "rank", 0, 3),)))
-    spared = Layout(dp=1, pp=1, tp=1, spares=1, nodes=2, ranks_per_node=1)
+    run = Setup(Layout(1, 1, 1), spares=0, nodes=2, ranks_per_node=1)
+    assert not feasible(Schedule("kill-rank", run, (Fault("kill-rank", "rank", 0, 3),)))
+    spared = Setup(Layout(1, 1, 1), spares=1, nodes=2, ranks_per_node=1)
     assert feasible(Schedule("kill-rank", spared, (Fault("kill-rank", "rank", 0, 3),)))
 
 
 def test_a_tp_pair_needs_two_survivors() -> None:
-    lay = Layout(dp=1, pp=1, tp=2, spares=0, nodes=2, ranks_per_node=2)
-    assert not feasible(Schedule("kill-rank", lay, (Fault("kill-rank", "rank", 1, 3),)))
-    lay = Layout(dp=2, pp=1, tp=2, spares=0, nodes=2, ranks_per_node=2)
-    assert feasible(Schedule("kill-node", lay, (Fault("kill-node", "node", 1, 3),)))
+    run = Setup(Layout(1, 1, 2), spares=0, nodes=2, ranks_per_node=2)
+    assert not feasible(Schedule("kill-rank", run, (Fault("kill-rank", "rank", 1, 3),)))
+    run = Setup(Layout(2, 1, 2), spares=0, nodes=2, ranks_per_node=2)
+    assert feasible(Schedule("kill-node", run, (Fault("kill-node", "node", 1, 3),)))
 
 
 def test_a_fault_on_a_node_that_runs_nothing_is_not_generated() -> None:
-    lay = Layout(dp=1, pp=1, tp=1, spares=0, nodes=4, ranks_per_node=1)
-    assert not feasible(Schedule("kill-node", lay, (Fault("kill-node", "node", 3, 3),)))
+    run = Setup(Layout(1, 1, 1), spares=0, nodes=4, ranks_per_node=1)
+    assert not feasible(Schedule("kill-node", run, (Fault("kill-node", "node", 3, 3),)))
 
 
 def test_the_table_gives_each_kind_its_runs_and_median_time() -> None:
     from stalwart.client.chaos import table
 
-    lay = {"dp": 2, "pp": 1, "tp": 1, "spares": 1, "nodes": 2, "ranks_per_node": 1}
-    rows = [{"kind": "hang", "layout": lay, "recovered": True, "equal": True,
+    setup = {"dp": 2, "pp": 1, "tp": 1, "spares": 1, "nodes": 2, "ranks_per_node": 1}
+    rows = [{"kind": "hang", "setup": setup, "recovered": True, "equal": True,
              "lost_steps": 0, "fault_to_first_step_s": t} for t in (5.0, 6.0, 9.0)]
     rows.append({**rows[0], "kind": "gpu", "equal": False, "fault_to_first_step_s": None})
     text = table(rows)

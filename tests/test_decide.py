@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stalwart.core.decide import (
-    Coord,
-    Layout,
     Member,
     NoChange,
     PlanDecision,
@@ -21,18 +17,18 @@ from stalwart.core.decide import (
     decide,
 )
 from stalwart.core.failures import Failure, FailureKind
+from stalwart.core.layout import Coord, Layout
 
 
 def grid(dp: int, pp: int, tp: int, ranks_per_node: int, spares: dict[str, int] | None = None,
          generation: int = 1) -> PlanState:
     """A plan whose ranks fill nodes n0, n1, ... in global-rank order (TP innermost)."""
-    members = []
-    for rank, (d, p, t) in enumerate(itertools.product(range(dp), range(pp), range(tp))):
-        members.append(Member(f"r{rank}", f"n{rank // ranks_per_node}", Coord(rank, d, p, t)))
+    layout = Layout(dp, pp, tp, stages=tuple((i, i) for i in range(pp)))
+    members = [Member(f"r{rank}", f"n{rank // ranks_per_node}", layout.coords(rank))
+               for rank in range(layout.world_size)]
     spare_members = [Member(f"s{node}{i}", node)
                      for node, count in (spares or {}).items() for i in range(count)]
-    return PlanState(generation, Layout(dp, pp, tp, stages=tuple((i, i) for i in range(pp))),
-                     tuple(members), tuple(spare_members))
+    return PlanState(generation, layout, tuple(members), tuple(spare_members))
 
 
 def killed(rank_id: str, generation: int = 1) -> Failure:
@@ -194,6 +190,9 @@ def test_invalid_plans_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="one rank per cell"):
         PlanState(1, Layout(1, 2, 1), (Member("a", "n", Coord(0, 0, 0, 0)),
                                        Member("b", "n", Coord(1, 0, 0, 0))))
+    with pytest.raises(ValueError, match="tp fastest, then dp, pp slowest"):
+        PlanState(1, Layout(2, 2, 1), tuple(Member(f"r{r}", "n", Coord(r, r // 2, r % 2, 0))
+                                            for r in range(4)))
 
 
 def test_generation_fencing_refuses_older_and_flags_newer():

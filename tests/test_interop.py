@@ -142,7 +142,7 @@ def test_an_imported_export_resumes_training_with_identical_losses(tmp_path: Pat
               corpus_bytes=1 << 16, seed=3)
 
     def trainer(generation: int) -> Trainer:
-        return Trainer(ParallelDims(dp=1, pp=1, tp=1).build(dist.HashStore(), 0, generation),
+        return Trainer(ParallelDims().build(dist.HashStore(), 0, generation),
                        *gpt, cfg)
 
     a = trainer(0)

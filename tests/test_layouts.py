@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.trainer import TrainConfig, Trainer
+from stalwart.core.layout import Layout
 from stalwart_examples.gpt import GPTConfig, job
 
 JOB = job(GPTConfig(d_model=32, n_layer=2, n_head=4, d_ff=64, seq_len=32), global_batch=8,
@@ -30,7 +31,7 @@ LAYOUTS = [
 def _train(store, rank: int, generation: int, layout: tuple, cfg: TrainConfig = CFG,
            reduce_fn=None, report: dict | None = None) -> list[float]:
     dp, pp, tp, schedule, m, accum = layout
-    dims = ParallelDims(dp=dp, pp=pp, tp=tp).build(store, rank, generation)
+    dims = ParallelDims(Layout(dp=dp, pp=pp, tp=tp)).build(store, rank, generation)
     trainer = Trainer(dims, *JOB, cfg, schedule=schedule, microbatches=m, grad_accum=accum,
                       reduce_fn=reduce_fn)
     try:
@@ -70,7 +71,7 @@ def _all_layouts(ctx) -> dict:
 def _clipped(store, rank: int, generation: int, layout: tuple) -> dict[str, list[float]]:
     """Losses and the global gradient norm of each step, clipping at CLIPPED.grad_clip."""
     dp, pp, tp, schedule, m, accum = layout
-    dims = ParallelDims(dp=dp, pp=pp, tp=tp).build(store, rank, generation)
+    dims = ParallelDims(Layout(dp=dp, pp=pp, tp=tp)).build(store, rank, generation)
     trainer = Trainer(dims, *JOB, CLIPPED, schedule=schedule, microbatches=m, grad_accum=accum)
     try:
         out: dict[str, list[float]] = {"losses": [], "norms": []}
@@ -86,14 +87,14 @@ def _clipped(store, rank: int, generation: int, layout: tuple) -> dict[str, list
 def _relayout(store, rank: int, generation: int) -> list[float]:
     """Train 3 steps as (1,1,2), then rebuild in-process as (1,2,1) from the gathered full
     state and train 2 more: the 5 losses must follow the one-process run."""
-    dims = ParallelDims(dp=1, pp=1, tp=2).build(store, rank, generation)
+    dims = ParallelDims(Layout(dp=1, pp=1, tp=2)).build(store, rank, generation)
     a = Trainer(dims, *JOB, CFG)
     losses = [a.step() for _ in range(3)]
     params, moments = a.full_params(), a.full_optimizer_state()
     step, data = a.step_count, a.data.state_dict()
     a.close()
     dims.destroy()
-    dims = ParallelDims(dp=1, pp=2, tp=1).build(store, rank, generation + 1)
+    dims = ParallelDims(Layout(dp=1, pp=2, tp=1)).build(store, rank, generation + 1)
     b = Trainer(dims, *JOB, CFG, microbatches=2)
     b.load_full_state(params, moments, step=step, data=data)
     losses += [b.step() for _ in range(2)]

@@ -141,7 +141,7 @@ def test_schedules_run_each_microbatch_forward_before_backward(stages, m):
 
 
 def _trainer(cfg: TrainConfig, corpus: bytes, seed: int = 0) -> tuple[ParallelDims, Trainer]:
-    dims = ParallelDims(dp=1, pp=1, tp=1).build(dist.HashStore(), 0, 0)
+    dims = ParallelDims().build(dist.HashStore(), 0, 0)
     data = Data(TextWindows(corpus, SMALL.seq_len), global_batch=4, seed=seed)
     return dims, Trainer(dims, LAYERS, data, cfg)
 
@@ -164,7 +164,7 @@ def test_a_restored_trainer_continues_with_identical_losses_and_weights(corpus):
 
 
 def test_stage_bounds_must_cover_every_layer_once(corpus):
-    dims = ParallelDims(dp=1, pp=1, tp=1).build(dist.HashStore(), 0, 0)
+    dims = ParallelDims().build(dist.HashStore(), 0, 0)
     for bad in ([(0, 2)], [(1, 3)], [(0, 4)], [(2, 3)]):
         with pytest.raises(ValueError, match="must cover blocks 0..3"):
             Trainer(dims, *job(SMALL, global_batch=4, corpus_bytes=1 << 16), TrainConfig(),

@@ -1,6 +1,6 @@
-"""ParallelDims: degrees checked against the world, coordinates, groups per generation,
-and rebuilds that leave no threads or file descriptors behind. Also the launcher's
-failure reporting, which every multi-process test relies on."""
+"""ParallelDims: a layout checked against the world, groups per generation, and rebuilds
+that leave no threads or file descriptors behind. Also the launcher's failure reporting,
+which every multi-process test relies on."""
 
 from __future__ import annotations
 
@@ -10,40 +10,26 @@ import pytest
 import torch
 
 from stalwart.client.launch import RankFailure
-from stalwart.client.parallel_dims import Coords, ParallelDims
+from stalwart.client.parallel_dims import ParallelDims
+from stalwart.core.layout import Layout
 
 
-def test_product_of_degrees_must_equal_world_size():
+def test_the_layout_must_cover_the_world_it_is_built_in():
     with pytest.raises(ValueError, match="product is 8"):
-        ParallelDims(dp=2, pp=2, tp=1, world_size=8)
-    with pytest.raises(ValueError, match=">= 1"):
-        ParallelDims(dp=0, pp=1, tp=1)
-    assert ParallelDims(dp=2, pp=2, tp=2).world_size == 8
+        ParallelDims(Layout(dp=2, pp=2, tp=1), world_size=8)
+    dims = ParallelDims(Layout(dp=2, pp=2, tp=2), world_size=8)
+    assert (dims.layout.dp, dims.layout.pp, dims.layout.tp, dims.layout.world_size) == (2, 2, 2, 8)
 
 
-def test_coordinates_cover_the_grid_once_with_tp_fastest():
-    dims = ParallelDims(dp=2, pp=3, tp=2)
-    coords = [dims.coords(r) for r in range(12)]
-    assert len(set(coords)) == 12
-    assert coords[0] == Coords(dp=0, pp=0, tp=0)
-    assert coords[1] == Coords(dp=0, pp=0, tp=1)
-    assert coords[2] == Coords(dp=1, pp=0, tp=0)
-    assert coords[4] == Coords(dp=0, pp=1, tp=0)
-    assert all(dims.rank_of(c) == r for r, c in enumerate(coords))
-    with pytest.raises(ValueError, match="outside"):
-        dims.coords(12)
-
-
-def test_group_members_differ_only_along_their_axis():
-    dims = ParallelDims(dp=2, pp=2, tp=2)
-    assert dims.members(5, "tp") == (4, 5)
-    assert dims.members(5, "dp") == (5, 7)
-    assert dims.members(5, "pp") == (1, 5)
+def test_without_a_layout_a_single_rank_runs_alone():
+    assert ParallelDims().layout == Layout(dp=1, pp=1, tp=1)
 
 
 def test_groups_are_not_usable_before_build():
     with pytest.raises(RuntimeError, match="not built"):
-        _ = ParallelDims(dp=1, pp=1, tp=1).dp_group
+        _ = ParallelDims().dp_group
+    with pytest.raises(RuntimeError, match="not built"):
+        _ = ParallelDims().my
 
 
 def _counts() -> tuple[int, int]:
@@ -51,7 +37,7 @@ def _counts() -> tuple[int, int]:
 
 
 def _rebuild_twenty_times(ctx) -> dict:
-    dims = ParallelDims(dp=2, pp=1, tp=2)
+    dims = ParallelDims(Layout(dp=2, pp=1, tp=2))
     dims.build(ctx.store, ctx.rank, 0).world.barrier()
     dims.destroy()
     before = _counts()

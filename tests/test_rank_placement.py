@@ -9,8 +9,8 @@ import pytest
 
 from stalwart.core.comm_model import TrainingStep, cross_node_bytes
 from stalwart.core.costs import GPTShape
+from stalwart.core.layout import Layout
 from stalwart.core.rank_placement import (
-    Layout,
     Placement,
     _to_placement,
     min_pp_cross_hops,
@@ -102,15 +102,6 @@ def test_round_robin_splits_tp_groups_across_nodes() -> None:
     topo, layout = Topology(nodes=4, devices_per_node=8), Layout(dp=4, pp=2, tp=4)
     assert not naive_placement(layout, topo).tp_groups_inside_nodes()
     assert naive_placement(layout, topo).node_of(1) == 1
-
-
-def test_coordinates_and_ranks_round_trip_with_tp_fastest() -> None:
-    layout = Layout(dp=3, pp=2, tp=4)
-    assert [layout.coords_of(r) for r in range(3)] == [(0, 0, 0), (0, 0, 1), (0, 0, 2)]
-    assert layout.coords_of(4) == (1, 0, 0)
-    assert layout.coords_of(12) == (0, 1, 0)
-    for rank in range(layout.world_size):
-        assert layout.rank_of(*layout.coords_of(rank)) == rank
 
 
 def test_tp_wider_than_a_node_is_refused_with_advice() -> None:

@@ -15,10 +15,11 @@ from hypothesis import strategies as st
 
 from stalwart.client.layers import Stage
 from stalwart.client.parallel_dims import ParallelDims
-from stalwart.client.relayout import OldLayout, Role, fetch_and_assemble, needed_ranks, relayout
+from stalwart.client.relayout import Role, fetch_and_assemble, needed_ranks, relayout
 from stalwart.client.state_layout import StateTensor, describe, pack_into
 from stalwart.client.trainer import TrainConfig, Trainer
 from stalwart.client.trainer_state import load_state, state_tensors
+from stalwart.core.layout import Layout
 from stalwart.core.partition import uniform
 from stalwart.v1 import manifest_pb2
 from stalwart_examples.gpt import job
@@ -30,7 +31,7 @@ LAYERS = len(JOB[0])  # 6
 
 
 def _trainer(generation: int) -> Trainer:
-    dims = ParallelDims(dp=1, pp=1, tp=1).build(dist.HashStore(), 0, generation)
+    dims = ParallelDims().build(dist.HashStore(), 0, generation)
     return Trainer(dims, *JOB, CFG)
 
 
@@ -52,7 +53,7 @@ def _rng(dp: int, base: torch.Tensor) -> torch.Tensor:
     return base.clone() if dp == 0 else torch.Generator().manual_seed(dp).get_state()
 
 
-def split(full: list[StateTensor], extra: dict, old: OldLayout) -> dict[int, tuple]:
+def split(full: list[StateTensor], extra: dict, old: Layout) -> dict[int, tuple]:
     """Each old rank's (metas, tensors, extra), cut from a full state like a Trainer of
     that layout would capture it."""
     dims = extra["layout"]["shard_dims"]
@@ -98,8 +99,8 @@ def expected(full: list[StateTensor], extra: dict, role: Role) -> dict[str, torc
     return out
 
 
-def _old(dp: int, pp: int, tp: int) -> OldLayout:
-    return OldLayout(dp, pp, tp, tuple(uniform(LAYERS, pp)))
+def _old(dp: int, pp: int, tp: int) -> Layout:
+    return Layout(dp, pp, tp, tuple(uniform(LAYERS, pp)))
 
 
 def test_two_by_two_state_restores_into_a_single_rank_and_trains_on_identically(trained):

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from stalwart.core.decide import Coord, Layout, Member, PlanState
+from stalwart.core.decide import Member, PlanState
+from stalwart.core.layout import Coord, Layout
 from stalwart.daemon.errors import NotReady
 from stalwart.daemon.security.auth import Forbidden
 from stalwart.daemon.security.roles import (

@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stalwart.core.decide import Coord, Layout, Member, PlanDecision, PlanState, decide
+from stalwart.core.decide import Member, PlanDecision, PlanState, decide
 from stalwart.core.failures import Failure, FailureKind
+from stalwart.core.layout import Layout
 from stalwart.core.partition import partition
 from stalwart.core.shrink import ElasticConfig, ElasticPlanner, ShrinkMemoryError, plan_shrink
 
@@ -19,11 +20,10 @@ COSTS = (1.0,) + (3.0,) * 8 + (5.0,)  # embedding, 8 blocks, heavy head
 
 def grid(dp: int, pp: int, tp: int, stages, *, per_node: int = 1, microbatches: int | None = None,
          grad_accum: int = 1) -> PlanState:
-    """Ranks r0.. in client order (tp fastest, then dp, pp slowest), per_node to a node."""
-    members = [Member(f"r{r}", f"n{r // per_node}", Coord(r, d, p, t))
-               for r, (p, d, t) in enumerate(itertools.product(range(pp), range(dp), range(tp)))]
+    """Ranks r0.. in rank order, per_node to a node."""
     lay = Layout(dp, pp, tp, stages=tuple(stages), microbatches=microbatches or pp,
                  grad_accum=grad_accum)
+    members = [Member(f"r{r}", f"n{r // per_node}", lay.coords(r)) for r in range(lay.world_size)]
     return PlanState(1, lay, tuple(members))
 
 

@@ -21,7 +21,8 @@ from stalwart.client.relayout import Role, fetch_and_assemble
 from stalwart.client.state_layout import describe, pack_into
 from stalwart.client.trainer import TrainConfig, Trainer
 from stalwart.client.trainer_state import load_state, state_tensors
-from stalwart.core.decide import Coord, Layout, Member, PlanState
+from stalwart.core.decide import Member, PlanState
+from stalwart.core.layout import Layout
 from stalwart.core.partition import partition
 from stalwart.core.shrink import ElasticConfig, plan_shrink
 from stalwart.v1 import manifest_pb2
@@ -36,10 +37,9 @@ LAYERS = len(COSTS)
 
 
 def _before(dp: int, pp: int) -> PlanState:
-    members = tuple(Member(f"r{r}", f"n{r}", Coord(r, r % dp, r // dp, 0))
-                    for r in range(dp * pp))
-    return PlanState(1, Layout(dp, pp, 1, stages=partition(list(COSTS), pp).stages,
-                               microbatches=pp), members)
+    layout = Layout(dp, pp, 1, stages=partition(list(COSTS), pp).stages, microbatches=pp)
+    members = tuple(Member(f"r{r}", f"n{r}", layout.coords(r)) for r in range(layout.world_size))
+    return PlanState(1, layout, members)
 
 
 def _as_json(state: PlanState) -> dict:
@@ -83,7 +83,7 @@ def _barrier(store, key: str, count: int, timeout_s: float = 60.0) -> None:
 
 
 def _phase(ctx, folder: Path, gen: int, before: dict, after: dict) -> list[float]:
-    dims = ParallelDims(dp=before["dp"], pp=before["pp"]).build(ctx.store, ctx.rank, gen)
+    dims = ParallelDims(Layout(before["dp"], before["pp"])).build(ctx.store, ctx.rank, gen)
     t = Trainer(dims, *JOB, CFG, stage_bounds=[tuple(s) for s in before["stages"]],
                 microbatches=before["microbatches"])
     losses = [t.step() for _ in range(BEFORE)]
@@ -97,7 +97,7 @@ def _phase(ctx, folder: Path, gen: int, before: dict, after: dict) -> list[float
     new_rank, dp, pp = mine
     first, last = after["stages"][pp]
     tensors, extra = fetch_and_assemble(_Files(folder), BEFORE, None, Role(first, last, dp=dp))
-    dims = ParallelDims(dp=after["dp"], pp=after["pp"]).build(ctx.store, new_rank, gen + 1)
+    dims = ParallelDims(Layout(after["dp"], after["pp"])).build(ctx.store, new_rank, gen + 1)
     t = Trainer(dims, *JOB, CFG, stage_bounds=[tuple(s) for s in after["stages"]],
                 microbatches=after["microbatches"], grad_accum=after["grad_accum"])
     load_state(t, tensors, extra)

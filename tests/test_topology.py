@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.client.topology_discovery import discover, parse_topo_matrix
 from stalwart.core import comm_model as cm
 from stalwart.core.costs import GPTShape
-from stalwart.core.rank_placement import Layout, naive_placement, place
+from stalwart.core.layout import Layout
+from stalwart.core.rank_placement import naive_placement, place
 from stalwart.core.topology import Link, Topology, load_topology
 
 TOPO = Topology(nodes=2, devices_per_node=4, intra=Link(bandwidth=100.0, latency=0.0),
@@ -97,64 +97,3 @@ def test_step_traffic_keeps_tp_off_the_network_when_placed() -> None:
     assert naive["tp_allreduce"].inter > 0.0
     total = {k: v.intra + v.inter for k, v in placed.items()}
     assert total == pytest.approx({k: v.intra + v.inter for k, v in naive.items()})
-
-
-def test_discover_without_a_gpu_returns_the_configured_topology(tmp_path: Path) -> None:
-    configured = Topology(nodes=2, devices_per_node=3)
-    assert discover(configured, use_nvml=False) == configured
-    assert discover(None, use_nvml=False).nodes == 1
-
-
-def test_nvidia_smi_topology_matrix_is_parsed_into_link_kinds() -> None:
-    text = ("\x1b[4m\tGPU0\tGPU1\tGPU2\tNIC0\tCPU Affinity\x1b[0m\n"
-            "GPU0\t X \tNV18\tSYS\tPIX\t0-47\n"
-            "GPU1\tNV18\t X \tSYS\tSYS\t0-47\n"
-            "GPU2\tSYS\tSYS\t X \tSYS\t48-95\n"
-            "NIC0\tPIX\tSYS\tSYS\t X \n\nLegend:\n  X    = Self\n")
-    matrix = parse_topo_matrix(text)
-    assert matrix == {(0, 1): "NV18", (0, 2): "SYS", (1, 2): "SYS"}
-
-
-class _FakeNVML:
-    """The few NVML calls discovery makes: 4 GPUs, 18 NVLink 4 links each, PCIe 5 x16."""
-
-    NVML_FEATURE_ENABLED = 1
-    NVML_NVLINK_MAX_LINKS = 18
-
-    class NVMLError(Exception):
-        pass
-
-    def nvmlInit(self) -> None: ...
-    def nvmlShutdown(self) -> None: ...
-    def nvmlDeviceGetCount(self) -> int:
-        return 4
-
-    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
-        return i
-
-    def nvmlDeviceGetNvLinkState(self, handle: int, link: int) -> int:
-        return 1
-
-    def nvmlDeviceGetNvLinkVersion(self, handle: int, link: int) -> int:
-        return 4
-
-    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: int) -> int:
-        return 5
-
-    def nvmlDeviceGetCurrPcieLinkWidth(self, handle: int) -> int:
-        return 16
-
-
-def test_discover_takes_gpu_count_and_nvlink_bandwidth_from_nvml(monkeypatch) -> None:
-    import sys
-
-    from stalwart.client import topology_discovery
-
-    monkeypatch.setitem(sys.modules, "pynvml", _FakeNVML())
-    monkeypatch.setattr(topology_discovery, "_nvidia_smi_matrix", lambda: {})
-    found = discover(Topology(nodes=3, devices_per_node=1))
-    assert (found.nodes, found.devices_per_node) == (3, 4)
-    assert found.intra.bandwidth == pytest.approx(18 * 25e9)
-    # one GPU pair over PCIe in `nvidia-smi topo -m` makes PCIe the ring's slow link
-    monkeypatch.setattr(topology_discovery, "_nvidia_smi_matrix", lambda: {(0, 1): "SYS"})
-    assert discover(None).intra.bandwidth == pytest.approx(16 * 3.938e9)

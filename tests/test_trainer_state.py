@@ -16,7 +16,7 @@ CFG = TrainConfig(seed=3)
 
 
 def _trainer(generation: int) -> Trainer:
-    dims = ParallelDims(dp=1, pp=1, tp=1).build(dist.HashStore(), 0, generation)
+    dims = ParallelDims().build(dist.HashStore(), 0, generation)
     return Trainer(dims, *JOB, CFG)
 
 

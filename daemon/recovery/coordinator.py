@@ -18,8 +18,6 @@ from typing import Protocol
 
 from stalwart.core import manifest as mf
 from stalwart.core.decide import (
-    Coord,
-    Layout,
     Member,
     NoChange,
     PlanDecision,
@@ -31,6 +29,7 @@ from stalwart.core.decide import (
 from stalwart.core.failures import Failure
 from stalwart.core.generation import check_generation
 from stalwart.core.grow import GrowPolicy
+from stalwart.core.layout import Layout
 from stalwart.core.shrink import ElasticConfig, ElasticPlanner, ShrinkMemoryError
 from stalwart.daemon.config import ElasticSettings
 from stalwart.daemon.metrics import Metrics
@@ -194,12 +193,8 @@ class Coordinator:
         by_rank = {a.rank: a for a in ranked}
         if sorted(by_rank) != list(range(world)):
             return
-        lay = ranked[0].layout
-        layout = Layout(dp=lay.dp or world, pp=lay.pp or 1, tp=lay.tp or 1,
-                        stages=tuple((s.first_layer, s.last_layer) for s in lay.stages),
-                        schedule=lay.schedule or "1f1b", microbatches=lay.microbatches or 1,
-                        grad_accum=lay.grad_accum or 1)
-        members = tuple(Member(by_rank[r].rank_id, by_rank[r].node, _coord(r, layout))
+        layout = Layout.from_proto(ranked[0].layout, world_size=world)
+        members = tuple(Member(by_rank[r].rank_id, by_rank[r].node, layout.coords(r))
                         for r in range(world))
         spares = tuple(Member(a.rank_id, a.node) for a in self.announced.values()
                        if a.rank < 0 or a.rank_id not in {m.rank_id for m in members})
@@ -453,10 +448,4 @@ class Coordinator:
 
 def _world(lay: common_pb2.ParallelLayout) -> int:
     """Ranks that must prepare a step captured in `lay`."""
-    return max(1, lay.dp) * max(1, lay.pp) * max(1, lay.tp)
-
-
-def _coord(rank: int, layout: Layout) -> Coord:
-    """Grid position of a global rank; tp varies fastest, then dp, then pp."""
-    tp, dp = layout.tp, layout.dp
-    return Coord(rank=rank, dp=(rank // tp) % dp, pp=rank // (tp * dp), tp=rank % tp)
+    return Layout.from_proto(lay).world_size

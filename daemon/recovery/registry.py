@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from stalwart.core.failures import Failure, FailureKind
 from stalwart.core.generation import StaleGeneration, check_generation
+from stalwart.core.layout import Layout
 from stalwart.core.straggler import StragglerConfig, StragglerDetector
 from stalwart.daemon.errors import NotFound, NotReady
 from stalwart.daemon.metrics import Metrics
@@ -193,8 +194,7 @@ class Registry:
             return None
         if not any(a.rank_id == record.rank_id and not a.spare for a in self.plan.assignments):
             return None  # a spare, or a rank the plan left out
-        lay = self.plan.layout
-        alone = lay.dp * max(1, lay.pp) * max(1, lay.tp) == 1
+        alone = Layout.from_proto(self.plan.layout).world_size == 1
         limit = max(STALL_ALONE_S if alone else STALL_BACKSTOP_S,
                     STALL_STEPS * record.step_time_s)
         idle = now - record.progress_at
