@@ -3,7 +3,7 @@
 Given the newest plan and typed failures, `decide` puts registered spares into
 the failed ranks' roles (layout unchanged) or stops cleanly at the last
 committed step; shrinking plugs in through `shrink_planner`. Generations fence
-everything: `check_generation` refuses messages from an older generation.
+everything (`core/generation.py` refuses messages from an older one).
 """
 
 from __future__ import annotations
@@ -19,27 +19,8 @@ from stalwart.v1 import common_pb2
 
 __all__ = [
     "Member", "PlanState", "PlanDecision", "StopDecision", "NoChange", "Decision",
-    "ShrinkPlanner", "StaleGenerationError", "check_generation", "decide",
+    "ShrinkPlanner", "decide",
 ]
-
-
-class StaleGenerationError(RuntimeError):
-    """A message or process group belongs to a generation the job has left behind."""
-
-
-def check_generation(msg_gen: int, current_gen: int, *, what: str = "message") -> bool:
-    """Refuse `what` from an older generation; return True when it comes from a newer one.
-
-    A newer generation means this side has not installed the latest plan yet and
-    should fetch it (WatchPlan / InstallPlan) rather than refuse the sender.
-    """
-    if msg_gen < current_gen:
-        raise StaleGenerationError(
-            f"{what} from generation {msg_gen} refused: the job is at generation "
-            f"{current_gen}. The sender must drop its old process groups and follow the "
-            "current plan (watch the plan or register again)."
-        )
-    return msg_gen > current_gen
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,7 @@ from stalwart.core.decide import (
     NoChange,
     PlanDecision,
     PlanState,
-    StaleGenerationError,
     StopDecision,
-    check_generation,
     decide,
 )
 from stalwart.core.failures import Failure, FailureKind
@@ -193,13 +191,6 @@ def test_invalid_plans_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="tp fastest, then dp, pp slowest"):
         PlanState(1, Layout(2, 2, 1), tuple(Member(f"r{r}", "n", Coord(r, r // 2, r % 2, 0))
                                             for r in range(4)))
-
-
-def test_generation_fencing_refuses_older_and_flags_newer():
-    assert check_generation(3, 3) is False
-    assert check_generation(4, 3) is True
-    with pytest.raises(StaleGenerationError, match="generation 2 refused.*generation 3"):
-        check_generation(2, 3, what="heartbeat")
 
 
 @settings(max_examples=60, deadline=None)
