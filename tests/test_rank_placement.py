@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from stalwart.core.comm_model import TrainingStep, cross_node_bytes
 from stalwart.core.costs import GPTShape
+from stalwart.core.offline.comm_model import TrainingStep, cross_node_bytes
 from stalwart.core.rank_placement import (
     Layout,
     Placement,

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from stalwart.client.topology_discovery import discover, parse_topo_matrix
-from stalwart.core import comm_model as cm
 from stalwart.core.costs import GPTShape
+from stalwart.core.offline import comm_model as cm
 from stalwart.core.rank_placement import Layout, naive_placement, place
 from stalwart.core.topology import Link, Topology, load_topology
 
