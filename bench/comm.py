@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from stalwart.bench.netns_cluster import emulated_cluster, netns_unavailable, run_workers
-from stalwart.core import comm_model as cm
 from stalwart.core.costs import GPTShape
 from stalwart.core.layout import Layout
+from stalwart.core.offline import comm_model as cm
 from stalwart.core.rank_placement import Placement, naive_placement
 from stalwart.core.topology import Link, Topology
 

@@ -69,7 +69,7 @@ def allreduce_body(rank: int, world: int, store: Any, nodes: list[int], nbytes: 
     """Flat vs hierarchical all-reduce of one tensor over every rank; link ping-pongs."""
     import torch
 
-    from stalwart.client.hier_allreduce import (
+    from stalwart.bench.hier_allreduce import (
         LinkBytes,
         build_hier_groups,
         counting_flat_allreduce,

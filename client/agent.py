@@ -24,11 +24,15 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+import grpc
+
 from stalwart.client.capture import Capturer
 from stalwart.client.daemon_client import DaemonClient, DaemonUnavailable
 from stalwart.client.link_bytes import LinkBytes
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.state_layout import unpack
+from stalwart.client.watchdog import GroupFailure, Watchdog
+from stalwart.core.failures import Failure
 from stalwart.core.layout import Layout
 from stalwart.v1 import common_pb2, rank_pb2
 
@@ -101,10 +105,16 @@ class GrpcCaptureTransport:
     def send_capture(self, step: int, slot_id: str, metas: list[common_pb2.TensorMeta],
                      extra: bytes, hints: Sequence[Any] = (), stall_s: float = 0.0,
                      final: bool = False) -> None:
-        self.daemon.call("capture", "Capture", rank_pb2.CaptureRequest(
-            rank_id=self.daemon.rank_id, generation=self.generation, step=step,
-            slot_id=slot_id, tensors=metas, extra=extra, coord=self.coord, layout=self.layout,
-            adamw=hints, stall_s=stall_s, final=final), timeout=120)
+        try:
+            self.daemon.call("capture", "Capture", rank_pb2.CaptureRequest(
+                rank_id=self.daemon.rank_id, generation=self.generation, step=step,
+                slot_id=slot_id, tensors=metas, extra=extra, coord=self.coord,
+                layout=self.layout, adamw=hints, stall_s=stall_s, final=final), timeout=120)
+        except DaemonUnavailable as exc:
+            # The daemon refuses a capture of an older generation with this code.
+            if exc.code is grpc.StatusCode.FAILED_PRECONDITION:
+                raise PlanChanged() from exc
+            raise
 
 
 @dataclass
@@ -295,10 +305,11 @@ class ElasticAgent:
                 return self.result
             except PlanChanged:
                 pass
-            except Exception as exc:
-                if not _is_group_failure(exc):
-                    raise  # a bug, not a failure of the job: end loudly (a spare takes over)
-                self._report_collective_error(plan, exc)
+            except (GroupFailure, dist.DistError) as exc:
+                # A peer died or hung (the watchdog reported a hang), or the store of the
+                # generation is gone; anything else is a bug and ends the rank loudly (a
+                # spare takes over).
+                log.warning("generation %d broke: %s", plan.generation, exc)
             plan = self._next_plan(after=plan.generation)
 
     def _store_of(self, plan: common_pb2.Plan) -> Any:
@@ -318,18 +329,15 @@ class ElasticAgent:
                                "launcher store (MASTER_ADDR); is every daemon up to date?")
         return self.store
 
-    def _report_collective_error(self, plan: common_pb2.Plan, exc: BaseException) -> None:
-        text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-        log.warning("generation %d broke: %s", plan.generation, text)
-        if self._newest > plan.generation:
-            return  # the coordinator already moved on; this was a consequence
-        if "timed out" in text.lower() or "timeout" in text.lower():
-            try:
-                self.daemon.report_failure(common_pb2.FailureEvent.COLLECTIVE_HANG,
-                                           self.daemon.rank_id, text,
-                                           generation=plan.generation)
-            except Exception as report_error:
-                log.warning("could not report the hang: %s", report_error)
+    def _report_hang(self, failure: Failure) -> None:
+        """The watchdog's hang, told to the daemon unless the job already moved on."""
+        if self._newest > failure.generation:
+            return  # the coordinator already re-planned; the hang was a consequence
+        try:
+            self.daemon.report_failure(failure.kind.value, failure.subject, failure.evidence,
+                                       generation=failure.generation)
+        except DaemonUnavailable as exc:
+            log.warning("could not report the hang: %s", exc)
 
     def _generation(self, plan: common_pb2.Plan, role: common_pb2.RankAssignment) -> None:
         lay, cfg = plan.layout, self.cfg
@@ -338,9 +346,12 @@ class ElasticAgent:
         node_of = {a.coord.rank: a.node for a in plan.assignments if not a.spare}
         t_build = time.monotonic()
         store = self._store_of(plan)
+        watchdog = Watchdog(self._report_hang, deadline_s=cfg.collective_timeout_s,
+                            subject=self.daemon.rank_id, generation=plan.generation)
         dims = ParallelDims(Layout.from_proto(lay)).build(
             store, role.coord.rank, plan.generation, backend=cfg.backend,
-            timeout_s=cfg.collective_timeout_s, node_of=node_of, links=self.links)
+            timeout_s=cfg.collective_timeout_s, node_of=node_of, links=self.links,
+            watchdog=watchdog)
         self.result.coord = {"rank": role.coord.rank, "dp": role.coord.dp,
                              "pp": role.coord.pp, "tp": role.coord.tp}
         record = {"generation": plan.generation, "resume_step": plan.resume_step,
@@ -365,19 +376,3 @@ class ElasticAgent:
                             plan.generation)
             else:
                 dims.destroy()
-
-
-_GROUP_FAILURE_HINTS = ("connection closed", "connection reset", "broken pipe", "timed out",
-                        "timeout", "gloo", "nccl", "peer", "socket")
-
-
-def _is_group_failure(exc: BaseException) -> bool:
-    """A collective broke because another rank died or hung (or the plan moved on)."""
-    import torch.distributed as dist
-
-    if isinstance(exc, dist.DistError):
-        return True
-    if isinstance(exc, DaemonUnavailable) and "generation" in str(exc):
-        return True  # a capture of the old generation refused after a re-plan
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(h in text for h in _GROUP_FAILURE_HINTS)

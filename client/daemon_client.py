@@ -82,6 +82,11 @@ _clients: weakref.WeakSet[DaemonClient] = weakref.WeakSet()
 class DaemonUnavailable(RuntimeError):
     """The local daemon could not be reached or refused the call; the message says why."""
 
+    @property
+    def code(self) -> grpc.StatusCode | None:
+        """The gRPC status of the call (None when no call was made)."""
+        return getattr(self.__cause__, "code", lambda: None)()
+
 
 @dataclass(frozen=True)
 class RankEnv:
@@ -260,8 +265,7 @@ class DaemonClient:
                     self.heartbeat()
                 failing = False
             except DaemonUnavailable as e:
-                code = getattr(e.__cause__, "code", lambda: None)()
-                if code in _FENCED:
+                if e.code in _FENCED:
                     self.fenced = str(e)
                     log.error("daemon refuses this rank's heartbeats: %s", e)
                     if self.on_fenced is not None:

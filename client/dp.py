@@ -10,18 +10,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-__all__ = ["COMPRESSION", "GradReducer", "default_reduce"]
+__all__ = ["COMPRESSION", "GradReducer", "ReduceFn"]
 
 COMPRESSION = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 ReduceFn = Callable[[torch.Tensor, Any], None]
-
-
-def default_reduce(tensor: torch.Tensor, group: Any) -> None:
-    """In-place elementwise sum over `group` (a torch ProcessGroup)."""
-    dist.all_reduce(tensor, group=group)
 
 
 class _Bucket:
@@ -35,9 +29,11 @@ class _Bucket:
 class GradReducer:
     """Bucketed, overlapped gradient sum over a data-parallel group.
 
-    `reduce_fn(tensor, group)` must leave the elementwise SUM over the group in `tensor`
-    (callers scale losses so that the sum is the global mean). It runs on one
-    communication thread, in bucket order, so every rank issues the same sequence.
+    Buckets are summed by `group.all_reduce` (a parallel_dims Group: counted by link and
+    guarded by its watchdog), or by `reduce_fn(tensor, group.pg)`, which must leave the
+    elementwise SUM over the group in `tensor` and counts its own bytes (callers scale
+    losses so that the sum is the global mean). Either runs on one communication thread,
+    in bucket order, so every rank issues the same sequence.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], group: Any, *,
@@ -47,7 +43,7 @@ class GradReducer:
             raise ValueError(f"compress={compress!r}; choose one of {list(COMPRESSION)}")
         self.group = group
         self.wire_dtype = COMPRESSION[compress]
-        self.reduce_fn = reduce_fn or default_reduce
+        self.reduce_fn = reduce_fn
         self.active = group.size > 1
         self.armed = False
         self.overlapped = 0
@@ -105,10 +101,10 @@ class GradReducer:
             # The comm thread must see the finished gradients of the compute stream.
             torch.cuda.current_stream().synchronize()
         bucket.buffer = flat
-        bucket.future = self._pool.submit(self.reduce_fn, flat, self.group.pg)
-        if self.reduce_fn is default_reduce and hasattr(self.group, "count_allreduce"):
-            # (a custom reduce_fn, e.g. the hierarchical one, counts its own bytes)
-            self.group.count_allreduce(flat.numel() * flat.element_size())
+        if self.reduce_fn is None:
+            bucket.future = self._pool.submit(self.group.all_reduce, flat)
+        else:
+            bucket.future = self._pool.submit(self.reduce_fn, flat, self.group.pg)
 
     def finish(self) -> None:
         """Wait for every bucket and write the summed gradients back (fp32)."""

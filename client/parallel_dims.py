@@ -6,17 +6,22 @@ later generation can be built in the same process after `destroy()`.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from stalwart.client.link_bytes import LinkBytes, link_between
+from stalwart.client.watchdog import Watchdog
 from stalwart.core.layout import Coord, Layout
 
-__all__ = ["Group", "ParallelDims"]
+__all__ = ["Group", "ParallelDims", "Sending"]
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -31,6 +36,8 @@ class Group:
     """Node of each member, aligned with `ranks` (empty: unknown, nothing is counted)."""
     links: LinkBytes | None = field(default=None, repr=False)
     """Where this rank's sends are counted, by link and collective."""
+    watchdog: Watchdog | None = field(default=None, repr=False)
+    """Guards every wait (None: errors come out of torch as they are)."""
 
     @property
     def size(self) -> int:
@@ -38,6 +45,17 @@ class Group:
 
     def _counting(self) -> LinkBytes | None:
         return self.links if self.links is not None and len(self.nodes) == self.size else None
+
+    def run(self, fn: Callable[[], T], op: str, started: float | None = None) -> T:
+        """`fn()`, a blocking call named `op` on this group that started at `started` (a
+        time.monotonic() reading; default: now), under the watchdog."""
+        if self.watchdog is None:
+            return fn()
+        return self.watchdog.run(fn, f"{self.name} {op}", started)
+
+    def wait(self, work: Any, op: str, started: float | None = None) -> None:
+        """Wait for `work`, the handle of `op` on this group, as `run` does."""
+        self.run(work.wait, op, started)
 
     def count_allreduce(self, nbytes: float) -> None:
         """Count an all-reduce of `nbytes` over this group (ring volume)."""
@@ -47,7 +65,8 @@ class Group:
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> None:
         """In-place all-reduce; a no-op in a group of one."""
         if self.size > 1:
-            dist.all_reduce(tensor, op=op, group=self.pg)
+            self.wait(dist.all_reduce(tensor, op=op, group=self.pg, async_op=True),
+                      "all_reduce")
             self.count_allreduce(tensor.numel() * tensor.element_size())
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -55,7 +74,7 @@ class Group:
         if self.size == 1:
             return [tensor]
         out = [torch.empty_like(tensor) for _ in self.ranks]
-        self.pg.allgather([out], [tensor.contiguous()]).wait()
+        self.wait(self.pg.allgather([out], [tensor.contiguous()]), "all_gather")
         if (links := self._counting()) is not None:
             links.ring_allgather(f"{self.name}_allgather", self.nodes, self.index,
                                  tensor.numel() * tensor.element_size())
@@ -66,7 +85,7 @@ class Group:
         if self.size > 1:
             opts = dist.BroadcastOptions()
             opts.rootRank = root
-            self.pg.broadcast([tensor], opts).wait()
+            self.wait(self.pg.broadcast([tensor], opts), f"broadcast from {root}")
             if self.index == root and (links := self._counting()) is not None:
                 for i, node in enumerate(self.nodes):
                     if i != root:
@@ -74,21 +93,35 @@ class Group:
                                   f"{self.name}_broadcast",
                                   tensor.numel() * tensor.element_size())
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
-        """Start sending to group index `dst`; returns the work handle to wait on."""
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Sending:
+        """Start sending to group index `dst`; returns the handle to wait on."""
+        started = time.monotonic()
         work = self.pg.send([tensor.contiguous()], dst, tag)
         if (links := self._counting()) is not None:
             links.add(link_between(self.nodes[self.index], self.nodes[dst]),
                       f"{self.name}_send", tensor.numel() * tensor.element_size())
-        return work
+        return Sending(self, work, f"send to {dst}", started)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
         """Receive into `tensor` from group index `src` (blocks until it arrived)."""
-        self.pg.recv([tensor], src, tag).wait()
+        self.wait(self.pg.recv([tensor], src, tag), f"recv from {src}")
 
     def barrier(self) -> None:
         if self.size > 1:
-            self.pg.barrier().wait()
+            self.wait(self.pg.barrier(), "barrier")
+
+
+@dataclass
+class Sending:
+    """A send in flight; its deadline counts from when it started."""
+
+    group: Group
+    work: Any
+    op: str
+    started: float
+
+    def wait(self) -> None:
+        self.group.wait(self.work, self.op, self.started)
 
 
 class ParallelDims:
@@ -108,13 +141,15 @@ class ParallelDims:
 
     def build(self, store: Any, rank: int, generation: int, *, backend: str = "gloo",
               timeout_s: float = 60.0, node_of: Mapping[int, str] | None = None,
-              links: LinkBytes | None = None) -> ParallelDims:
+              links: LinkBytes | None = None, watchdog: Watchdog | None = None) -> ParallelDims:
         """Create this rank's dp, pp, tp and world groups for `generation`.
 
         Every member of a group must call this with the same generation; groups live under
         the store prefix ``gen{generation}/`` so a new generation never meets an old one.
         With `node_of` (global rank -> node) and `links`, every collective this rank runs
-        through the groups counts its bytes by link (see client/link_bytes.py).
+        through the groups counts its bytes by link (see client/link_bytes.py). With a
+        `watchdog` (its deadline at most `timeout_s`), building the groups and every wait
+        on them raise GroupFailure when a peer is lost, CollectiveHangError when it hung.
         """
         if self.groups:
             raise RuntimeError(f"generation {self.generation} is still built; destroy() first")
@@ -124,11 +159,12 @@ class ParallelDims:
             ranks = (tuple(range(self.layout.world_size)) if axis == "world"
                      else self.layout.group(rank, axis))
             key = f"{axis}/{'-'.join(map(str, ranks))}/"
-            pg = _make_pg(backend, dist.PrefixStore(key, gen_store), ranks.index(rank),
-                          len(ranks), timeout)
+            make = partial(_make_pg, backend, dist.PrefixStore(key, gen_store),
+                           ranks.index(rank), len(ranks), timeout)
+            pg = make() if watchdog is None else watchdog.run(make, f"building the {axis} group")
             nodes = tuple(node_of[r] for r in ranks) if node_of and all(
                 r in node_of for r in ranks) else ()
-            self.groups[axis] = Group(axis, ranks, ranks.index(rank), pg, nodes, links)
+            self.groups[axis] = Group(axis, ranks, ranks.index(rank), pg, nodes, links, watchdog)
         self.generation, self.rank = generation, rank
         return self
 

@@ -18,7 +18,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -33,6 +33,8 @@ from stalwart.v1 import common_pb2
 log = logging.getLogger("stalwart.client.user_loop")
 
 __all__ = ["Context", "Result", "run"]
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -90,8 +92,15 @@ class Context:
     @property
     def dp_group(self) -> Any:
         """The torch.distributed process group of this generation's replicas, for the
-        loop's own collectives (rebuilt every generation: do not keep it)."""
+        loop's own collectives (rebuilt every generation: do not keep it); run them
+        through `collective`."""
         return self._gen.dims.dp_group.pg
+
+    def collective(self, fn: Callable[[], T]) -> T:
+        """`fn()`, the loop's own collective on `dp_group`, under the job's collective
+        deadline: a replica lost or hung in it starts the next generation, as in
+        Stalwart's own collectives. Outside it, a failed collective ends this process."""
+        return self._gen.dims.dp_group.run(fn, "collective of the training function")
 
     @property
     def step(self) -> int:

@@ -7,8 +7,8 @@ import functools
 
 import pytest
 
-from stalwart.core.advisor import Cluster, _candidates, advise, classic_rule
 from stalwart.core.costs import shape_for_params
+from stalwart.core.offline.advisor import Cluster, _candidates, advise, classic_rule
 
 GB = 1e9
 

@@ -30,7 +30,7 @@ def _compare_layouts(ctx) -> dict:
     import torch
     import torch.distributed as dist
 
-    from stalwart.client.hier_allreduce import (
+    from stalwart.bench.hier_allreduce import (
         LinkBytes,
         build_hier_groups,
         counting_flat_allreduce,
@@ -121,7 +121,7 @@ def test_uneven_nodes_reduce_through_one_leader_per_node(results: list[dict]) ->
 
 
 def test_link_bytes_are_exported_as_the_daemon_counter_and_reset() -> None:
-    from stalwart.client.hier_allreduce import LinkBytes
+    from stalwart.bench.hier_allreduce import LinkBytes
     from stalwart.daemon.metrics import Metrics
 
     counts, metrics = LinkBytes(), Metrics()

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from stalwart.core.comm_model import TrainingStep, cross_node_bytes
 from stalwart.core.costs import GPTShape
 from stalwart.core.layout import Layout
+from stalwart.core.offline.comm_model import TrainingStep, cross_node_bytes
 from stalwart.core.rank_placement import (
     Placement,
     _to_placement,

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.core import comm_model as cm
 from stalwart.core.costs import GPTShape
 from stalwart.core.layout import Layout
+from stalwart.core.offline import comm_model as cm
 from stalwart.core.rank_placement import naive_placement, place
 from stalwart.core.topology import Link, Topology, load_topology
 

@@ -1,140 +1,149 @@
-"""Specification of the collective hang watchdog: in-process deadlines, then real gloo hangs."""
+"""Specification of the collective hang watchdog: an error no sooner than the deadline is
+a hang, reported once; an earlier one is a lost peer; both come out typed. In process with
+stand-in work handles and a real store, then real gloo groups in two processes."""
 
 from __future__ import annotations
 
-import threading
+import datetime
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from stalwart.client.watchdog import CollectiveHangError, Watchdog
+from stalwart.client.parallel_dims import Group, ParallelDims
+from stalwart.client.watchdog import CollectiveHangError, GroupFailure, Watchdog
 from stalwart.core.failures import Failure, FailureKind
 
-WAIT_S = 30.0  # generous bound for waits on a loaded 2-core machine
+
+def fail(exc: BaseException) -> Callable[[], None]:
+    """A call that fails with `exc`."""
+
+    def call() -> None:
+        raise exc
+    return call
 
 
-def test_a_call_that_finishes_in_time_reports_nothing():
+def test_a_call_that_finishes_returns_its_value_and_reports_nothing():
     reports: list[Failure] = []
-    dog = Watchdog(reports.append, deadline_s=5.0, abort=None)
-    with dog.guard("all_reduce"):
-        pass
-    dog.close()
+    dog = Watchdog(reports.append, deadline_s=5.0)
+    assert dog.run(lambda: 42, "all_reduce") == 42
     assert reports == []
 
 
-def test_a_call_past_its_deadline_is_reported_aborted_and_raised():
-    fired = threading.Event()
+def test_an_error_no_sooner_than_the_deadline_is_a_reported_hang():
     reports: list[Failure] = []
-    aborted: list[object] = []
-
-    def on_hang(f: Failure) -> None:
-        reports.append(f)
-        fired.set()
-
-    dog = Watchdog(on_hang, deadline_s=0.2, subject="r3", reporter="n1", generation=lambda: 7,
-                   abort=aborted.append)
-    group = object()
-    with pytest.raises(CollectiveHangError, match="recv from stage 2.*generation 7"):
-        with dog.guard("recv from stage 2", group=group):
-            assert fired.wait(WAIT_S)  # the hung call: wakes only when the watchdog fires
-    dog.close()
+    dog = Watchdog(reports.append, deadline_s=0.5, subject="node-1/42", generation=7)
+    with pytest.raises(CollectiveHangError, match="dp all_reduce .* 0.5 s deadline in "
+                                                  "generation 7") as info:
+        dog.run(fail(RuntimeError("Timed out waiting 500ms")), "dp all_reduce",
+                started=time.monotonic() - 0.6)
     (failure,) = reports
-    assert failure.kind is FailureKind.COLLECTIVE_HANG and failure.subject == "r3"
-    assert failure.generation == 7 and failure.reporter == "n1"
-    assert failure.details["waited_s"] >= 0.2 and "0.2 s" in failure.evidence
-    assert aborted == [group]
+    assert failure.kind is FailureKind.COLLECTIVE_HANG and failure.subject == "node-1/42"
+    assert failure.generation == 7 and failure.details["op"] == "dp all_reduce"
+    assert failure.details["waited_s"] >= 0.6 and "0.5 s" in failure.evidence
+    assert isinstance(info.value.__cause__, RuntimeError)
 
 
-def test_the_guard_works_as_a_decorator_with_its_own_deadline():
-    fired = threading.Event()
-    dog = Watchdog(lambda f: fired.set(), deadline_s=60.0, abort=None)
+def test_an_error_before_the_deadline_is_a_lost_peer_and_no_hang():
+    reports: list[Failure] = []
+    dog = Watchdog(reports.append, deadline_s=60.0, generation=3)
+    with pytest.raises(GroupFailure, match="pp recv from 1 failed .* generation 3: "
+                                           "Connection closed by peer") as info:
+        dog.run(fail(RuntimeError("Connection closed by peer\nframe #0 ...")), "pp recv from 1")
+    assert not isinstance(info.value, CollectiveHangError)
+    assert reports == []
 
-    @dog.guard("send", deadline_s=0.1)
-    def send() -> bool:
-        return fired.wait(WAIT_S)
 
+def test_an_error_that_is_not_the_groups_is_left_as_it_is():
+    dog = Watchdog(lambda f: None, deadline_s=0.0)
+    with pytest.raises(ValueError, match="backend"):
+        dog.run(fail(ValueError("backend 'mpi' is not supported")), "building the dp group")
+
+
+class FailingWork:
+    """A work handle whose wait fails as gloo's does when the call gave up."""
+
+    def wait(self) -> None:
+        raise RuntimeError("Timed out waiting for send operation to complete")
+
+
+def test_a_send_counts_its_deadline_from_when_it_started_not_from_the_wait():
+    reports: list[Failure] = []
+    pg = SimpleNamespace(send=lambda tensors, dst, tag: FailingWork())
+    group = Group("pp", (0, 1), 0, pg,
+                  watchdog=Watchdog(reports.append, deadline_s=0.15, subject="r0"))
+    sending = group.isend(torch.ones(2), 1, tag=0)
+    time.sleep(0.2)  # the round's other work, before it waits for its sends
     with pytest.raises(CollectiveHangError):
-        send()
-    dog.close()
+        sending.wait()
+    assert [f.details["op"] for f in reports] == ["pp send to 1"]
 
 
-def test_many_guarded_calls_share_one_watchdog_thread():
-    before = threading.active_count()
-    dog = Watchdog(lambda f: None, deadline_s=30.0, abort=None)
-    guards = [dog.guard(f"op{i}") for i in range(50)]
-    for g in guards:
-        g.__enter__()
-    assert threading.active_count() == before + 1
-    for g in guards:
-        g.__exit__(None, None, None)
-    dog.close()
+def test_building_a_group_whose_peer_never_comes_is_a_reported_hang():
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    reports: list[Failure] = []
+    dog = Watchdog(reports.append, deadline_s=1.0, subject="r0", generation=2)
+    with pytest.raises(CollectiveHangError, match="building the dp group"):
+        ParallelDims(dp=2).build(store, 0, 2, timeout_s=1.0, watchdog=dog)
+    assert [(f.kind, f.generation) for f in reports] == [(FailureKind.COLLECTIVE_HANG, 2)]
 
 
-def test_the_error_of_the_hung_call_is_chained():
-    dog = Watchdog(lambda f: None, deadline_s=0.05, abort=None)
-    fired = threading.Event()
-    dog.on_hang = lambda f: fired.set()
-    with pytest.raises(CollectiveHangError) as info:
-        with dog.guard("all_gather"):
-            fired.wait(WAIT_S)
-            raise ConnectionError("peer closed")
-    assert isinstance(info.value.__cause__, ConnectionError)
-    dog.close()
-
-
-def gloo_hang_scenarios(ctx) -> dict:
-    """Rank 0 runs guarded collectives; rank 1 stays away until told to join."""
-    import datetime
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=ctx.store, rank=ctx.rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=15))
+def hung_then_lost_peer(ctx) -> dict:
+    """Rank 0 all-reduces; rank 1 first stays away (a hang), then leaves (a lost peer)."""
     wait = datetime.timedelta(seconds=60)
+    reports: list[Failure] = []
+
+    def build(generation: int) -> ParallelDims:
+        dog = Watchdog(reports.append, deadline_s=1.0, subject=f"r{ctx.rank}",
+                       generation=generation)
+        return ParallelDims(dp=2).build(ctx.store, ctx.rank, generation, timeout_s=1.0,
+                                        watchdog=dog)
+
+    first = build(1)
     if ctx.rank == 1:
-        ctx.store.wait(["fired"], wait)  # joins only after rank 0's watchdog fired
-        dist.all_reduce(torch.ones(2))
-        ctx.store.wait(["done"], wait)  # joins the second one only after rank 0 gave up,
-        dist.all_reduce(torch.ones(2))  # so the abandoned operation ends and both exit cleanly
+        ctx.store.wait(["hung"], wait)
+        second = build(2)
+        second.destroy()  # leaves: its connections close under rank 0's collective
+        ctx.store.wait(["done"], wait)
         return {}
     out: dict = {}
-    reports: list[Failure] = []
-
-    def on_hang(f: Failure) -> None:
-        reports.append(f)
-        out.setdefault("fired_after_s", time.monotonic() - start)
-        ctx.store.set("fired", "1")
-
-    dog = Watchdog(on_hang, deadline_s=1.0, subject="r0", abort=None)
     start = time.monotonic()
     try:
-        with dog.guard("all_reduce"):
-            dist.all_reduce(torch.ones(2))
-    except CollectiveHangError as exc:
-        out["guard_error"] = str(exc)
-    out["kind"] = reports[0].kind.name
-
-    # Async work on gloo: the wait itself times out, so the rank moves on at its deadline.
-    dog2 = Watchdog(reports.append, deadline_s=1.0, subject="r0")
-    start = time.monotonic()
-    work = dist.all_reduce(torch.ones(2), async_op=True)
+        first.dp_group.all_reduce(torch.ones(2))
+    except GroupFailure as exc:
+        out["hung"] = type(exc).__name__
+    out["hung_after_s"] = time.monotonic() - start
+    ctx.store.set("hung", "1")
+    second = build(2)
     try:
-        dog2.wait(work, "all_reduce #2")
-    except CollectiveHangError:
-        out["wait_raised_after_s"] = time.monotonic() - start
-    out["second_report"] = reports[-1].details["op"]
+        second.dp_group.all_reduce(torch.ones(2))
+    except GroupFailure as exc:
+        out["lost"] = type(exc).__name__
+    out["reports"] = [(f.generation, f.details["op"]) for f in reports]
     ctx.store.set("done", "1")
-    dog.close()
-    dog2.close()
     return out
 
 
 @pytest.mark.multiprocess
-def test_a_gloo_collective_whose_peer_never_joins_fires_the_watchdog(run_ranks):
-    result = run_ranks(gloo_hang_scenarios, 2, timeout=90.0)[0]
-    assert result["kind"] == "COLLECTIVE_HANG"
-    assert 1.0 <= result["fired_after_s"] < 1.0 + WAIT_S
-    assert "all_reduce passed its 1.0 s deadline" in result["guard_error"]
-    assert 1.0 <= result["wait_raised_after_s"] < 1.0 + WAIT_S
-    assert result["second_report"] == "all_reduce #2"
+def test_gloo_hangs_are_reported_and_lost_peers_are_not(run_ranks):
+    result = run_ranks(hung_then_lost_peer, 2, timeout=90.0)[0]
+    assert result["hung"] == "CollectiveHangError" and 1.0 <= result["hung_after_s"] < 10.0
+    assert result["lost"] == "GroupFailure"
+    assert result["reports"] == [[1, "dp all_reduce"]]  # the lost peer is no hang
+
+
+def test_the_training_functions_own_collective_runs_under_the_watchdog():
+    from stalwart.client.user_loop import Context
+
+    reports: list[Failure] = []
+    dp = Group("dp", (0, 1), 0, pg=None, watchdog=Watchdog(reports.append, deadline_s=60.0))
+    gen = SimpleNamespace(dims=SimpleNamespace(dp_group=dp))
+    ctx = Context(gen, program=None, start=0)  # type: ignore[arg-type]
+    assert ctx.collective(lambda: "summed") == "summed"
+    with pytest.raises(GroupFailure, match="dp collective of the training function failed"):
+        ctx.collective(fail(RuntimeError("Connection reset by peer")))
+    assert reports == []

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from stalwart.core.advisor import Cluster, advise
+from stalwart.core.offline.advisor import Cluster, advise
 from stalwart.core.partition import partition
 
 
