@@ -16,6 +16,7 @@ import torch.distributed as dist
 from stalwart.client.parallel_dims import Group, ParallelDims
 from stalwart.client.watchdog import CollectiveHangError, GroupFailure, Watchdog
 from stalwart.core.failures import Failure, FailureKind
+from stalwart.core.layout import Layout
 
 
 def fail(exc: BaseException) -> Callable[[], None]:
@@ -88,7 +89,7 @@ def test_building_a_group_whose_peer_never_comes_is_a_reported_hang():
     reports: list[Failure] = []
     dog = Watchdog(reports.append, deadline_s=1.0, subject="r0", generation=2)
     with pytest.raises(CollectiveHangError, match="building the dp group"):
-        ParallelDims(dp=2).build(store, 0, 2, timeout_s=1.0, watchdog=dog)
+        ParallelDims(Layout(dp=2)).build(store, 0, 2, timeout_s=1.0, watchdog=dog)
     assert [(f.kind, f.generation) for f in reports] == [(FailureKind.COLLECTIVE_HANG, 2)]
 
 
@@ -100,7 +101,7 @@ def hung_then_lost_peer(ctx) -> dict:
     def build(generation: int) -> ParallelDims:
         dog = Watchdog(reports.append, deadline_s=1.0, subject=f"r{ctx.rank}",
                        generation=generation)
-        return ParallelDims(dp=2).build(ctx.store, ctx.rank, generation, timeout_s=1.0,
+        return ParallelDims(Layout(dp=2)).build(ctx.store, ctx.rank, generation, timeout_s=1.0,
                                         watchdog=dog)
 
     first = build(1)
