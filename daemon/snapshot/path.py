@@ -46,7 +46,6 @@ MAX_BACKLOG = 3             # captures per rank copied but not yet encoded, at m
 PUSH_TIMEOUT_S = 10.0       # a repaired manifest sent to one peer
 FINAL_RETRY_S = 120.0       # the job's last step is retried this long when it cannot be stored
 FINAL_RETRY_EVERY_S = 1.0
-DEFAULT_SLOT_BUDGET = 8 << 30  # bytes of shared memory for all ranks when ram_bytes is 0
 T = TypeVar("T")
 
 
@@ -71,11 +70,12 @@ class SnapshotPath:
         self.peers = peers
         self.send_prepare = send_prepare
         snap = config.snapshot
-        self.pool = SlotPool(snap.ram_bytes or DEFAULT_SLOT_BUDGET, token=config.token)
+        self.pool = SlotPool(snap.slot_bytes, token=config.token)
         self.fd_server = FdServer(self.pool, data_dir / "fd.sock")
         self._encoders = ThreadPoolExecutor(2, thread_name_prefix="delta")
         self.store = LocalStore(data_dir, job_id=config.job_id, chunk_bytes=snap.chunk_bytes,
                                 base_every=snap.base_every, retain=snap.retain,
+                                ram_tier_bytes=snap.ram_tier_bytes,
                                 executor=self._encoders, metrics=metrics)
         # Encodes, prepares and reads run side by side (the store is thread-safe); commits
         # get their own thread so a backlog of captures never delays publishing a step.
