@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 # keeps pip from pulling a multi-gigabyte CUDA build where no GPU exists.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv demo test test-fast bench protos protos-check lint clean
+.PHONY: venv demo test test-fast bench protos protos-check config-docs lint clean
 
 venv: $(STAMP)
 
@@ -27,6 +27,7 @@ demo: venv
 test: venv
 	bash scripts/install-system-deps.sh
 	$(PY) scripts/gen_protos.py --check
+	$(PY) scripts/gen_config_docs.py --check
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
@@ -42,6 +43,10 @@ protos: venv
 
 protos-check: venv
 	$(PY) scripts/gen_protos.py --check
+
+# The configuration table in docs/operations.md, from SCHEMA in daemon/config.py.
+config-docs: venv
+	$(PY) scripts/gen_config_docs.py
 
 lint: venv
 	$(VENV)/bin/ruff check .

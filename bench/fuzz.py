@@ -165,7 +165,7 @@ async def _fuzz(n: int, root: Path, seed: int) -> dict:
     cfg = DaemonConfig(node="n1", listen="127.0.0.1:0", metrics_port=0, data_dir=str(root),
                        unix_socket=str(root / "d.sock"), heartbeat_interval_s=0.2,
                        heartbeat_timeout_s=60.0, token=TOKEN,
-                       snapshot=SnapshotConfig(chunk_bytes=8192, ram_bytes=8 << 20))
+                       snapshot=SnapshotConfig(chunk_bytes=8192, slot_bytes=8 << 20))
     daemon = Daemon(cfg)
     await daemon.start()
     rng = random.Random(seed)

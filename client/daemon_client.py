@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from stalwart.client.job_token import find_token
+from stalwart.daemon.config import daemon_socket, default
 from stalwart.v1 import (
     common_pb2,
     manifest_pb2,
@@ -30,26 +31,18 @@ from stalwart.v1 import (
 
 log = logging.getLogger("stalwart.client.daemon")
 
-DEFAULT_SOCKET = "/var/lib/stalwart/daemon.sock"
 # A heartbeat refused with these codes will never be accepted: the rank must rejoin.
 _FENCED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
 FORK_PAUSE_S = 1.0  # longest a fork waits for an in-flight heartbeat (seconds)
 
 
 def default_target(env: Mapping[str, str] | None = None) -> str:
-    """gRPC target of the local daemon: $STALWART_ADDRESS (HOST:PORT), else its Unix socket.
-
-    The socket is $STALWART_UNIX_SOCKET, else <$STALWART_DATA_DIR>/daemon.sock, else
-    /var/lib/stalwart/daemon.sock, matching the daemon's own defaults.
-    """
+    """gRPC target of the local daemon: $STALWART_ADDRESS (HOST:PORT), else its Unix socket
+    as the daemon's own defaults place it (stalwart.daemon.config.daemon_socket)."""
     env = os.environ if env is None else env
     if env.get("STALWART_ADDRESS"):
         return env["STALWART_ADDRESS"]
-    if env.get("STALWART_UNIX_SOCKET"):
-        return f"unix:{env['STALWART_UNIX_SOCKET']}"
-    if env.get("STALWART_DATA_DIR"):
-        return f"unix:{os.path.join(env['STALWART_DATA_DIR'], 'daemon.sock')}"
-    return f"unix:{DEFAULT_SOCKET}"
+    return f"unix:{daemon_socket(env)}"
 
 
 def tls_credentials(env: Mapping[str, str] | None = None) -> grpc.ChannelCredentials | None:
@@ -142,7 +135,7 @@ class DaemonClient:
         self._channel: grpc.Channel | None = None
         self.rank_id = ""
         self.generation = 0
-        self.heartbeat_interval_s = 1.0
+        self.heartbeat_interval_s: float = default("heartbeat_interval_s")  # until registered
         self.fenced = ""  # why the daemon refuses this rank's heartbeats, once it does
         self._step, self._step_time_s = 0, 0.0
         self._links_lock = threading.Lock()

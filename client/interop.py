@@ -21,6 +21,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stalwart.daemon.config import SOCKET_LOOKUP, socket_in
+
 if TYPE_CHECKING:
     import torch
 
@@ -71,7 +73,7 @@ def read_from_store(data_dir: Path, job_id: str, step: int
     if not (data_dir / "snapshots" / job_id / "manifests").is_dir():
         raise InteropError(f"{data_dir} holds no snapshots of job {job_id!r} "
                            f"(no {data_dir}/snapshots/{job_id}/manifests)")
-    store = LocalStore(data_dir, job_id=job_id, ram_bytes=0)
+    store = LocalStore(data_dir, job_id=job_id, ram_tier_bytes=0)
     step = step or store.latest_committed() or 0
     manifest = store.load_manifest(step)
     out = []
@@ -88,7 +90,7 @@ def read_from_store(data_dir: Path, job_id: str, step: int
 
 
 def _refuse_live_daemon(data_dir: Path) -> None:
-    path = data_dir / "daemon.sock"
+    path = Path(socket_in(data_dir))
     if not path.exists():
         return
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -304,7 +306,7 @@ def commit_checkpoint(tensors: dict[str, torch.Tensor], data_dir: Path, step: in
 
     buffer = torch.zeros(nbytes, dtype=torch.uint8)
     pack_into(buffer, states, metas)
-    store = LocalStore(data_dir, job_id=job_id, ram_bytes=0)
+    store = LocalStore(data_dir, job_id=job_id, ram_tier_bytes=0)
     if step in store.committed_steps():
         raise InteropError(f"step {step} is already committed in {store.root}; choose another "
                            "--step or another --data-dir")
@@ -356,8 +358,7 @@ def configure(parser: argparse.ArgumentParser, name: str = "export") -> None:
                             help="torch.save dict of tensors, or torch.distributed.checkpoint")
         source = parser.add_mutually_exclusive_group()
         source.add_argument("--socket", type=Path,
-                            help="Unix socket of a running daemon (default: $STALWART_UNIX_SOCKET"
-                                 " or /var/lib/stalwart/daemon.sock)")
+                            help=f"Unix socket of a running daemon (default: {SOCKET_LOOKUP})")
         source.add_argument("--data-dir", type=Path,
                             help="read the store offline (no daemon running on it)")
     else:

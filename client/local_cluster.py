@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from stalwart.daemon.config import socket_in
 from stalwart.v1 import operator_pb2, operator_pb2_grpc
 
 T = TypeVar("T")
@@ -97,7 +98,7 @@ class Node:
 
     @property
     def socket(self) -> Path:
-        return self.data_dir / "daemon.sock"
+        return Path(socket_in(self.data_dir))
 
     def status(self, timeout_s: float = 2.0) -> operator_pb2.StatusReply | None:
         try:
@@ -169,9 +170,9 @@ class LocalCluster:
 
     def _spawn_daemon(self, node: Node, peers: list[str]) -> None:
         node.metrics_port = free_port() if self.metrics else 0
+        # No unix_socket: the daemon's default in data_dir is node.socket.
         cfg = {"node": node.name, "listen": node.address, "data_dir": str(node.data_dir),
-               "unix_socket": str(node.socket), "metrics_port": node.metrics_port,
-               "log_format": "json",
+               "metrics_port": node.metrics_port, "log_format": "json",
                "peers": peers, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 3.0,
                **self.daemon_settings}
         config_path = node.data_dir / "stalwart.toml"

@@ -20,9 +20,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-__all__ = ["configure", "run"]
+from stalwart.daemon.config import SOCKET_LOOKUP, daemon_socket
 
-DEFAULT_SOCKET = "/var/lib/stalwart/daemon.sock"
+__all__ = ["configure", "run"]
 
 # torchrun flags this launcher refuses, and why (a user switching by one word is told).
 REFUSED = {
@@ -51,7 +51,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--standby", action="store_true",
       help="a standby host: start only spares (--nproc-per-node of them unless --spares)")
     a("--socket", default=None,
-      help=f"this host's daemon socket (default $STALWART_UNIX_SOCKET or {DEFAULT_SOCKET})")
+      help=f"this host's daemon socket (default: {SOCKET_LOOKUP})")
     a("-m", "--module", action="store_true", help="SCRIPT is a module name (python -m)")
     a("--no-python", "--no_python", dest="no_python", action="store_true",
       help="run SCRIPT as a program, not with this Python")
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"stalwart run: {problem}", file=sys.stderr)
         return 2
-    socket = args.socket or os.environ.get("STALWART_UNIX_SOCKET") or DEFAULT_SOCKET
+    socket = args.socket or daemon_socket()
     if not Path(socket).exists():
         print(f"stalwart run: no daemon socket at {socket}; start `stalwart daemon` on this "
               "host first (or pass --socket)", file=sys.stderr)

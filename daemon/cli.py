@@ -10,28 +10,23 @@ import argparse
 import asyncio
 import sys
 
-from stalwart.daemon.config import ConfigError, DaemonConfig, load_config
+from stalwart.daemon.config import SCHEMA, ConfigError, DaemonConfig, load_config, shown_default
 
-# flag -> configuration key
+# flag -> configuration key's metavar; the help and the default come from SCHEMA.
 FLAGS = {
-    "listen": ("HOST:PORT", "TCP endpoint for peers and operators (default 127.0.0.1:7070)"),
-    "unix_socket": ("PATH", "Unix socket for local ranks (default <data-dir>/daemon.sock)"),
-    "metrics_port": ("PORT", "port of the Prometheus /metrics endpoint, 0 = off (default 9400)"),
-    "data_dir": ("DIR", "directory for the daemon's state (default /var/lib/stalwart)"),
-    "node": ("NAME", "name of this node (default: the hostname)"),
-    "peers": ("HOST:PORT,...", "peer daemons to gossip with"),
-    "job_id": ("ID", "job this daemon serves (default 'default')"),
-    "log_format": ("json|text", "log format (default: json unless stderr is a terminal)"),
-    "log_level": ("LEVEL", "DEBUG, INFO, WARNING or ERROR (default INFO)"),
-    "tls.cert": ("FILE", "PEM certificate of this daemon; turns on mutual TLS on --listen"),
-    "tls.key": ("FILE", "PEM private key of --tls-cert"),
-    "tls.ca": ("FILE", "PEM CA that signs every daemon and operator of the cluster"),
+    "listen": "HOST:PORT", "unix_socket": "PATH", "metrics_port": "PORT", "data_dir": "DIR",
+    "node": "NAME", "peers": "HOST:PORT,...", "job_id": "ID", "log_format": "json|text",
+    "log_level": "LEVEL", "tls.cert": "FILE", "tls.key": "FILE", "tls.ca": "FILE",
 }
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML configuration file")
-    for key, (metavar, help_) in FLAGS.items():
+    for key, metavar in FLAGS.items():
+        section, _, name = key.rpartition(".")
+        spec = SCHEMA[section][name]
+        help_ = spec.doc + (f" (default: {shown_default(key)})" if spec.default or spec.shown
+                            else "")
         # Values stay strings here so the config module reports every bad value alike.
         flag = key.replace("_", "-").replace(".", "-")
         parser.add_argument(f"--{flag}", dest=key, metavar=metavar, help=help_)

@@ -1,7 +1,8 @@
 """Daemon configuration: a TOML file, then STALWART_* environment variables, then flags.
 
-Every key is declared once in SCHEMA with its type, default and check, so an
-unknown key or a bad value fails at start-up with one line naming the key.
+Every key is declared once in SCHEMA with its type, default, check and meaning; the
+dataclasses below, the flags' help, the clients' socket lookup and the reference table
+in docs/operations.md (scripts/gen_config_docs.py) all read it from there.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ ENV_PREFIX = "STALWART_"
 # sun_path of sockaddr_un is 108 bytes including the terminating NUL.
 MAX_UNIX_SOCKET_PATH = 107
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+SOCKET_NAME = "daemon.sock"  # the Unix socket in data_dir when unix_socket is unset
+KIND_NAMES = {"str": "a string", "int": "an integer", "float": "a number",
+              "list": "a list of strings", "bool": "true or false"}
 
 
 class ConfigError(ValueError):
@@ -26,12 +30,15 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Key:
-    """One configuration key: its kind ('str', 'int', 'float', 'list'), default and check."""
+    """One configuration key: its kind ('str', 'int', 'float', 'bool', 'list'), default,
+    check and meaning. `shown` is how the default reads where it is filled in at start-up
+    (an empty `node` becomes the hostname)."""
 
     kind: str
     default: Any
     check: Callable[[Any], str | None] | None = None
-    allowed: str = ""  # shown in errors: what the user may write
+    doc: str = ""
+    shown: str = ""
 
 
 def _in(*choices: str) -> Callable[[Any], str | None]:
@@ -70,137 +77,219 @@ def _socket_path(v: str) -> str | None:
     return None
 
 
+GiB = 1 << 30
+
 SCHEMA: dict[str, dict[str, Key]] = {
     "": {
-        "node": Key("str", "", allowed="a node name (default: the hostname)"),
-        "job_id": Key("str", "default"),
-        "listen": Key("str", "127.0.0.1:7070", _host_port),
-        "unix_socket": Key("str", "", _socket_path, "a path (default: <data_dir>/daemon.sock)"),
-        "data_dir": Key("str", "/var/lib/stalwart"),
-        "metrics_port": Key("int", 9400, _port, "a port number, 0 = off"),
-        "log_format": Key("str", "", _in("json", "text")),
-        "log_level": Key("str", "INFO", _in(*LOG_LEVELS)),
-        "peers": Key("list", [], _host_ports, "a list of HOST:PORT"),
-        "heartbeat_interval_s": Key("float", 1.0, _at_least(0.01)),
-        "heartbeat_timeout_s": Key("float", 5.0, _at_least(0.02)),
-        "token": Key("str", ""),
+        "node": Key("str", "", doc="name of this node in manifests and placement",
+                    shown="the hostname"),
+        "job_id": Key("str", "default", doc="job served; ranks of another job are refused"),
+        "listen": Key("str", "127.0.0.1:7070", _host_port, "gRPC endpoint for peers and "
+                      "operators, HOST:PORT; port 0 = any free port"),
+        "unix_socket": Key("str", "", _socket_path, "path of the Unix socket for the ranks of "
+                           "this node", shown=f"{SOCKET_NAME} in data_dir"),
+        "data_dir": Key("str", "/var/lib/stalwart", doc="directory of the daemon's state: "
+                        "shards, manifests, the job token"),
+        "metrics_port": Key("int", 9400, _port, "port of the Prometheus /metrics endpoint, "
+                            "on the host of listen; 0 = off"),
+        "log_format": Key("str", "", _in("json", "text"), "format of the logs on stderr: "
+                          "json or text", shown="json unless stderr is a terminal"),
+        "log_level": Key("str", "INFO", _in(*LOG_LEVELS),
+                         "least severe log level written: " + ", ".join(LOG_LEVELS)),
+        "peers": Key("list", [], _host_ports, "peer daemons as HOST:PORT"),
+        "heartbeat_interval_s": Key("float", 1.0, _at_least(0.01),
+                                    "rank heartbeat period (seconds)"),
+        "heartbeat_timeout_s": Key("float", 5.0, _at_least(0.02), "a rank silent for this "
+                                   "long is declared dead (seconds, > heartbeat_interval_s)"),
+        "token": Key("str", "", doc="the job token for ranks, tools and (without TLS) peers; "
+                     "empty = a per-job secret made in `<data_dir>/job.token`, which only this "
+                     "daemon knows, so daemons of one job talking without TLS need the same "
+                     "`token` (docs/security.md)"),
         "etcd": Key("str", "", _optional_host_port,
-                    "HOST:PORT of etcd to elect the coordinator (default: the smallest "
-                    "live node name coordinates)"),
-        "etcd_lease_s": Key("int", 3, _at_least(2)),
+                    "HOST:PORT of etcd, where the daemons elect their coordinator; empty = the "
+                    "smallest live node name coordinates"),
+        "etcd_lease_s": Key("int", 3, _at_least(2), "lease of the coordinator's etcd key: a "
+                            "dead coordinator is replaced within about this (seconds)"),
     },
-    "labels": {"rack": Key("str", ""), "zone": Key("str", "")},
+    "labels": {
+        "rack": Key("str", "", doc="rack of this node: the shards of a chunk go to distinct "
+                    "racks where they can"),
+        "zone": Key("str", "", doc="zone of this node: the shards of a chunk go to distinct "
+                    "zones where they can"),
+    },
     "erasure": {
-        "k": Key("int", 2, _at_least(1)),
-        "m": Key("int", 1, _at_least(0)),
-        "parity_to": Key("str", "peers", _in("peers", "s3", "both")),
+        "k": Key("int", 2, _at_least(1), "data shards per chunk"),
+        "m": Key("int", 1, _at_least(0), "parity shards per chunk: a step survives the loss "
+                 "of m nodes"),
+        "parity_to": Key("str", "peers", _in("peers", "s3", "both"),
+                         "where parity shards go: peers, s3 or both"),
     },
     "elastic": {
-        "shrink": Key("bool", True),
-        "mem_cap_bytes": Key("int", 0, _at_least(0), "bytes per device, 0 = not checked"),
-        "grow_threshold": Key("float", 0.1, _at_least(0.0), "fraction of speed-up"),
+        "shrink": Key("bool", True, doc="without a spare, continue on the survivors with a "
+                      "new plan (false: stop)"),
+        "mem_cap_bytes": Key("int", 0, _at_least(0), "memory per device a new plan must fit "
+                             "in (bytes), 0 = not checked"),
+        "grow_threshold": Key("float", 0.1, _at_least(0.0), "widen the plan for a joining "
+                              "rank when the predicted speed-up is at least this fraction"),
     },
     "snapshot": {
-        "base_every": Key("int", 10, _at_least(1)),
-        "retain": Key("int", 5, _at_least(1)),
-        "chunk_bytes": Key("int", 4 * 1024 * 1024, _at_least(4096)),
-        "ram_bytes": Key("int", 0, _at_least(0), "bytes, 0 = no limit"),
-        "disk_quota_bytes": Key("int", 0, _at_least(0), "bytes, 0 = no limit"),
+        "base_every": Key("int", 10, _at_least(1), "a full base every this many steps, "
+                          "deltas in between"),
+        "retain": Key("int", 5, _at_least(1), "committed steps kept"),
+        "chunk_bytes": Key("int", 4 * 1024 * 1024, _at_least(4096),
+                           "chunk size, the unit of checksums and erasure coding (bytes)"),
+        "slot_bytes": Key("int", 8 * GiB, _at_least(1), "shared memory for the capture slots "
+                          "of all ranks of this node, two per rank (bytes)"),
+        "ram_tier_bytes": Key("int", 1 * GiB, _at_least(0), "daemon memory that caches "
+                              "encoded chunks of recent steps for restores (bytes), "
+                              "0 = every restore reads the disk"),
+        "disk_quota_bytes": Key("int", 0, _at_least(0), "most bytes the local tier "
+                                "(snapshots and peers' shards) may hold, 0 = no limit"),
     },
     "s3": {
-        "endpoint": Key("str", ""),
-        "bucket": Key("str", ""),
-        "prefix": Key("str", "stalwart"),
-        "region": Key("str", ""),
+        "endpoint": Key("str", "", doc="S3 endpoint URL; empty = AWS's endpoint for the "
+                        "region"),
+        "bucket": Key("str", "", doc="bucket of the remote tier; empty = no remote tier"),
+        "prefix": Key("str", "stalwart", doc="key prefix in the bucket"),
+        "region": Key("str", "", doc="S3 region"),
     },
-    "tls": {"cert": Key("str", ""), "key": Key("str", ""), "ca": Key("str", "")},
+    "tls": {
+        "cert": Key("str", "", doc="PEM certificate of this daemon; turns on mutual TLS"),
+        "key": Key("str", "", doc="PEM private key of tls.cert"),
+        "ca": Key("str", "", doc="PEM CA that signs every daemon and operator of the cluster"),
+    },
 }
+
+# Keys that are gone: naming one stops the daemon with a line on what replaced it.
+RENAMED = {
+    "snapshot.ram_bytes": "was split in two: write snapshot.slot_bytes for the shared memory "
+                          "of the ranks' capture slots (ram_bytes = 0 meant 8 GiB) and "
+                          "snapshot.ram_tier_bytes for the daemon's cache of encoded chunks",
+}
+
+
+def default(dotted: str) -> Any:
+    """The declared default of one key, e.g. default("snapshot.slot_bytes")."""
+    section, _, key = dotted.rpartition(".")
+    return SCHEMA[section][key].default
+
+
+def shown_default(dotted: str) -> str:
+    """The default of one key as the documentation and --help write it."""
+    section, _, key = dotted.rpartition(".")
+    spec = SCHEMA[section][key]
+    if spec.shown:
+        return spec.shown
+    if spec.kind == "str":
+        return f'"{spec.default}"'
+    if spec.kind == "bool":
+        return str(spec.default).lower()
+    if spec.kind == "int" and spec.default and spec.default % (1 << 20) == 0:
+        unit, size = ("GiB", GiB) if spec.default % GiB == 0 else ("MiB", 1 << 20)
+        return f"{spec.default} ({spec.default // size} {unit})"
+    return str(spec.default)
+
+
+def socket_in(data_dir: str | Path) -> str:
+    """The Unix socket a daemon serves when `unix_socket` is unset: <data_dir>/daemon.sock."""
+    return str(Path(data_dir) / SOCKET_NAME)
+
+
+# How daemon_socket() finds the socket, for --help texts.
+SOCKET_LOOKUP = (f"$STALWART_UNIX_SOCKET, else <$STALWART_DATA_DIR or "
+                 f"{default('data_dir')}>/{SOCKET_NAME}")
+
+
+def daemon_socket(env: Mapping[str, str] | None = None) -> str:
+    """This node's daemon socket as ranks and tools find it without a flag:
+    $STALWART_UNIX_SOCKET, else the daemon's default for $STALWART_DATA_DIR or, unset,
+    for the default data_dir."""
+    env = os.environ if env is None else env
+    if env.get("STALWART_UNIX_SOCKET"):
+        return env["STALWART_UNIX_SOCKET"]
+    return socket_in(env.get("STALWART_DATA_DIR") or default("data_dir"))
+
+
+# The settings as the daemon reads them. Types live here, defaults and meanings in SCHEMA.
 
 
 @dataclass(frozen=True)
 class Labels:
-    rack: str = ""
-    zone: str = ""
+    rack: str = default("labels.rack")
+    zone: str = default("labels.zone")
 
 
 @dataclass(frozen=True)
 class ElasticSettings:
-    shrink: bool = True
-    """Without a spare, continue on the survivors with a new plan (else stop)."""
-    mem_cap_bytes: int = 0
-    """Memory per device a new plan must fit in (bytes); 0 = not checked."""
-    grow_threshold: float = 0.1
-    """Widen the plan for a joining rank when the predicted speed-up is at least this."""
+    shrink: bool = default("elastic.shrink")
+    mem_cap_bytes: int = default("elastic.mem_cap_bytes")
+    grow_threshold: float = default("elastic.grow_threshold")
 
 
 @dataclass(frozen=True)
 class ErasureConfig:
-    k: int = 2
-    """Data shards per chunk."""
-    m: int = 1
-    """Parity shards per chunk: a step survives the loss of m nodes."""
-    parity_to: str = "peers"
+    k: int = default("erasure.k")
+    m: int = default("erasure.m")
+    parity_to: str = default("erasure.parity_to")
 
 
 @dataclass(frozen=True)
 class SnapshotConfig:
-    base_every: int = 10
-    """A full base every this many steps; deltas in between."""
-    retain: int = 5
-    """Committed steps kept."""
-    chunk_bytes: int = 4 * 1024 * 1024
-    ram_bytes: int = 0
-    """Budget for in-memory snapshots (bytes), 0 = no limit."""
-    disk_quota_bytes: int = 0
-    """Most bytes the local tier (snapshots and peers' shards) may hold, 0 = no limit."""
+    base_every: int = default("snapshot.base_every")
+    retain: int = default("snapshot.retain")
+    chunk_bytes: int = default("snapshot.chunk_bytes")
+    slot_bytes: int = default("snapshot.slot_bytes")
+    ram_tier_bytes: int = default("snapshot.ram_tier_bytes")
+    disk_quota_bytes: int = default("snapshot.disk_quota_bytes")
 
 
 @dataclass(frozen=True)
 class S3Config:
-    endpoint: str = ""
-    bucket: str = ""
-    prefix: str = "stalwart"
-    region: str = ""
+    endpoint: str = default("s3.endpoint")
+    bucket: str = default("s3.bucket")
+    prefix: str = default("s3.prefix")
+    region: str = default("s3.region")
 
 
 @dataclass(frozen=True)
 class TlsConfig:
-    cert: str = ""
-    key: str = ""
-    ca: str = ""
+    cert: str = default("tls.cert")
+    key: str = default("tls.key")
+    ca: str = default("tls.ca")
 
 
 @dataclass(frozen=True)
 class DaemonConfig:
-    """The validated configuration of one daemon."""
+    """The validated configuration of one daemon. An empty `node` becomes the hostname,
+    an empty `unix_socket` <data_dir>/daemon.sock."""
 
-    node: str = field(default_factory=socket.gethostname)
-    job_id: str = "default"
-    listen: str = "127.0.0.1:7070"
-    """HOST:PORT of the TCP endpoint for peers and operators (port 0 = any free port)."""
-    unix_socket: str = "/var/lib/stalwart/daemon.sock"
-    """Path of the Unix socket for the ranks of this node."""
-    data_dir: str = "/var/lib/stalwart"
-    metrics_port: int = 9400
-    """Port of the Prometheus /metrics endpoint on the listen host, 0 = off."""
-    log_format: str = ""
-    """"json" or "text"; empty = JSON lines unless stderr is a terminal."""
-    log_level: str = "INFO"
-    peers: tuple[str, ...] = ()
-    heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 5.0
-    """A rank silent for this long (seconds) is declared dead."""
-    token: str = ""
-    etcd: str = ""
-    """HOST:PORT of an etcd server: the coordinator is elected there (a lease of
-    `etcd_lease_s` seconds). Empty: the smallest live node name coordinates."""
-    etcd_lease_s: int = 3
+    node: str = default("node")
+    job_id: str = default("job_id")
+    listen: str = default("listen")
+    unix_socket: str = default("unix_socket")
+    data_dir: str = default("data_dir")
+    metrics_port: int = default("metrics_port")
+    log_format: str = default("log_format")
+    log_level: str = default("log_level")
+    peers: tuple[str, ...] = tuple(default("peers"))
+    heartbeat_interval_s: float = default("heartbeat_interval_s")
+    heartbeat_timeout_s: float = default("heartbeat_timeout_s")
+    token: str = default("token")
+    etcd: str = default("etcd")
+    etcd_lease_s: int = default("etcd_lease_s")
     labels: Labels = field(default_factory=Labels)
     erasure: ErasureConfig = field(default_factory=ErasureConfig)
     elastic: ElasticSettings = field(default_factory=ElasticSettings)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     s3: S3Config = field(default_factory=S3Config)
     tls: TlsConfig = field(default_factory=TlsConfig)
+
+    def __post_init__(self) -> None:
+        # Frozen: the two values filled in at start-up are set once, here.
+        if not self.node:
+            object.__setattr__(self, "node", socket.gethostname())
+        if not self.unix_socket:
+            object.__setattr__(self, "unix_socket", socket_in(self.data_dir))
 
     @property
     def listen_host(self) -> str:
@@ -247,9 +336,7 @@ def _coerce(name: str, spec: Key, value: Any, source: str, text: bool) -> Any:
                 return [v.strip() for v in value.split(",") if v.strip()]
     except ValueError:
         pass
-    wanted = {"str": "a string", "int": "an integer", "float": "a number",
-              "list": "a list of strings", "bool": "true or false"}[kind]
-    raise ConfigError(f"{name}: must be {wanted}, got {value!r} ({source})")
+    raise ConfigError(f"{name}: must be {KIND_NAMES[kind]}, got {value!r} ({source})")
 
 
 def _set(merged: dict[str, dict[str, Any]], section: str, key: str, value: Any,
@@ -259,11 +346,12 @@ def _set(merged: dict[str, dict[str, Any]], section: str, key: str, value: Any,
         raise ConfigError(
             f"{section}: unknown section ({source}); allowed sections: "
             + ", ".join(s for s in SCHEMA if s))
+    name = _name(section, key)
+    if name in RENAMED:
+        raise ConfigError(f"{name}: {RENAMED[name]} ({source})")
     spec = keys.get(key)
     if spec is None:
-        raise ConfigError(
-            f"{_name(section, key)}: unknown key ({source}); allowed here: " + ", ".join(keys))
-    name = _name(section, key)
+        raise ConfigError(f"{name}: unknown key ({source}); allowed here: " + ", ".join(keys))
     value = _coerce(name, spec, value, source, text)
     problem = spec.check(value) if spec.check else None
     if problem:
@@ -295,7 +383,7 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, str]:
         if not var.startswith(ENV_PREFIX):
             continue
         section, _, key = var[len(ENV_PREFIX):].lower().rpartition("__")
-        if key in SCHEMA.get(section, {}):
+        if key in SCHEMA.get(section, {}) or _name(section, key) in RENAMED:
             found[_name(section, key)] = value
     return found
 
@@ -331,13 +419,6 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
 
 def _build(merged: dict[str, dict[str, Any]]) -> DaemonConfig:
     top = {k: merged[""].get(k, spec.default) for k, spec in SCHEMA[""].items()}
-    if not top["node"]:
-        top["node"] = socket.gethostname()
-    if not top["unix_socket"]:
-        top["unix_socket"] = str(Path(top["data_dir"]) / "daemon.sock")
-        problem = _socket_path(top["unix_socket"])
-        if problem:
-            raise ConfigError(f"unix_socket: <data_dir>/daemon.sock {problem} (set unix_socket)")
     top["peers"] = tuple(top["peers"])
     if top["heartbeat_timeout_s"] <= top["heartbeat_interval_s"]:
         raise ConfigError(
@@ -350,4 +431,8 @@ def _build(merged: dict[str, dict[str, Any]]) -> DaemonConfig:
     tls = sections["tls"]
     if bool(tls.cert) != bool(tls.key):
         raise ConfigError("tls.cert: tls.cert and tls.key must be given together")
-    return DaemonConfig(**top, **sections)
+    config = DaemonConfig(**top, **sections)
+    problem = None if top["unix_socket"] else _socket_path(config.unix_socket)
+    if problem:
+        raise ConfigError(f"unix_socket: <data_dir>/{SOCKET_NAME} {problem} (set unix_socket)")
+    return config

@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any
 
-DEFAULT_DATA_DIR = "/var/lib/stalwart"
+from stalwart.daemon.config import SOCKET_LOOKUP, daemon_socket
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--address", metavar="HOST:PORT", help="a daemon's TCP endpoint")
     where.add_argument("--socket", metavar="PATH",
-                       help="a daemon's Unix socket (default: $STALWART_UNIX_SOCKET, else "
-                            "<$STALWART_DATA_DIR or /var/lib/stalwart>/daemon.sock)")
+                       help=f"a daemon's Unix socket (default: {SOCKET_LOOKUP})")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--local", action="store_true",
                         help="show only the asked daemon's ranks; do not ask its peers")
@@ -34,9 +32,7 @@ def _target(args: argparse.Namespace) -> str:
         return args.address
     if args.socket:
         return f"unix:{args.socket}"
-    path = os.environ.get("STALWART_UNIX_SOCKET") or os.path.join(
-        os.environ.get("STALWART_DATA_DIR", DEFAULT_DATA_DIR), "daemon.sock")
-    return f"unix:{path}"
+    return f"unix:{daemon_socket()}"
 
 
 def _ask(target: str, timeout_s: float) -> Any:

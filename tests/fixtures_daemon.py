@@ -24,6 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stalwart.client.local_cluster import ClusterError, free_port, to_toml, wait_until
+from stalwart.daemon.config import socket_in
 from stalwart.v1 import operator_pb2, operator_pb2_grpc
 
 T = TypeVar("T")
@@ -150,7 +151,7 @@ class DaemonFactory:
             process = subprocess.Popen([*cmd, *args], stdout=log, stderr=subprocess.STDOUT,
                                        env=daemon_env(env), cwd=data_dir)
         handle = DaemonHandle(node, f"127.0.0.1:{port}", metrics_port, data_dir,
-                              data_dir / "daemon.sock", log_path, process)
+                              Path(socket_in(data_dir)), log_path, process)
         self.daemons.append(handle)
 
         def serving() -> bool:

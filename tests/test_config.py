@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 from fixtures_daemon import daemon_env
 
-from stalwart.daemon.config import ConfigError, load_config
+from stalwart.daemon.config import (
+    SCHEMA,
+    ConfigError,
+    DaemonConfig,
+    daemon_socket,
+    default,
+    load_config,
+)
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -29,7 +36,31 @@ def test_defaults_follow_the_documented_contract() -> None:
     assert (cfg.erasure.k, cfg.erasure.m, cfg.erasure.parity_to) == (2, 1, "peers")
     assert (cfg.snapshot.base_every, cfg.snapshot.retain) == (10, 5)
     assert cfg.snapshot.chunk_bytes == 4194304
+    assert (cfg.snapshot.slot_bytes, cfg.snapshot.ram_tier_bytes) == (8 << 30, 1 << 30)
     assert cfg.peers == () and cfg.token == "" and cfg.log_format == ""
+
+
+def test_an_empty_configuration_is_the_dataclass_defaults() -> None:
+    assert load_config(env={}) == DaemonConfig()
+    assert DaemonConfig().snapshot.slot_bytes == default("snapshot.slot_bytes")
+
+
+def test_built_directly_the_socket_follows_data_dir_as_when_loaded() -> None:
+    loaded = load_config(env={"STALWART_DATA_DIR": "/d"})
+    assert DaemonConfig(data_dir="/d").unix_socket == loaded.unix_socket == "/d/daemon.sock"
+
+
+@pytest.mark.parametrize("env", [{}, {"STALWART_DATA_DIR": "/d"},
+                                 {"STALWART_DATA_DIR": "/d", "STALWART_UNIX_SOCKET": "/s.sock"}])
+def test_clients_find_the_socket_where_a_daemon_with_their_environment_serves(
+        env: dict[str, str]) -> None:
+    assert daemon_socket(env) == load_config(env=env).unix_socket
+
+
+def test_every_key_has_a_meaning_for_the_reference_table() -> None:
+    undocumented = [f"{section}.{key}" for section, keys in SCHEMA.items()
+                    for key, spec in keys.items() if not spec.doc]
+    assert undocumented == []
 
 
 def test_flags_win_over_environment_which_wins_over_the_file(tmp_path: Path) -> None:
@@ -45,12 +76,12 @@ def test_flags_win_over_environment_which_wins_over_the_file(tmp_path: Path) -> 
 
 
 def test_environment_lists_and_sections_are_parsed(tmp_path: Path) -> None:
-    env = {"STALWART_PEERS": "a:7070, b:7071", "STALWART_SNAPSHOT__RAM_BYTES": "1_000",
+    env = {"STALWART_PEERS": "a:7070, b:7071", "STALWART_SNAPSHOT__SLOT_BYTES": "1_000",
            "STALWART_DATA_DIR": str(tmp_path), "STALWART_LABELS__RACK": "r1",
            "STALWART_SOCKET_OF_SOMETHING_ELSE": "ignored"}
     cfg = load_config(env=env)
     assert cfg.peers == ("a:7070", "b:7071")
-    assert cfg.snapshot.ram_bytes == 1000
+    assert cfg.snapshot.slot_bytes == 1000
     assert cfg.labels.rack == "r1"
     assert cfg.unix_socket == str(tmp_path / "daemon.sock")
 
@@ -62,6 +93,7 @@ def test_environment_lists_and_sections_are_parsed(tmp_path: Path) -> None:
     ('[erasure]\nk = "two"\n', "erasure.k: must be an integer, got 'two'"),
     ('[erasure]\nk = 0\n', "erasure.k: must be >= 1"),
     ('[erasure]\nparity_to = "tape"\n', "erasure.parity_to: must be one of peers, s3, both"),
+    ('[snapshot]\nslot_bytes = 0\n', "snapshot.slot_bytes: must be >= 1"),
     ('log_format = "xml"\n', "log_format: must be one of json, text"),
     ('listen = "localhost"\n', "listen: must be HOST:PORT"),
     ('metrics_port = 70000\n', "metrics_port: must be a port number"),
@@ -81,6 +113,18 @@ def test_bad_file_gives_one_line_error_naming_the_key(tmp_path: Path, text: str,
     message = str(err.value)
     assert expected in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("source", ["file", "env"])
+def test_the_old_ram_bytes_key_stops_the_daemon_naming_the_two_keys_it_became(
+        tmp_path: Path, source: str) -> None:
+    path = write(tmp_path, "[snapshot]\nram_bytes = 0\n") if source == "file" else None
+    env = {"STALWART_SNAPSHOT__RAM_BYTES": "0"} if source == "env" else {}
+    with pytest.raises(ConfigError) as err:
+        load_config(path, env=env)
+    message = str(err.value)
+    assert message.startswith("snapshot.ram_bytes: ") and "\n" not in message
+    assert "snapshot.slot_bytes" in message and "snapshot.ram_tier_bytes" in message
 
 
 def test_bad_environment_value_names_the_variable() -> None:

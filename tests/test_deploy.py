@@ -8,9 +8,11 @@ A missing tool fails the test: scripts/install-system-deps.sh installs them.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -27,10 +29,11 @@ from dashboard_queries import (
     panel_queries,
 )
 
-from stalwart.daemon.config import load_config
+from stalwart.daemon.config import SCHEMA, DaemonConfig, default, load_config
 from stalwart.daemon.metrics import Metrics
 
 UNIT = ROOT / "deploy" / "systemd" / "stalwart.service"
+EXAMPLE_TOML = ROOT / "deploy" / "systemd" / "stalwart.toml"
 K8S = sorted((ROOT / "deploy" / "k8s").glob("*.yaml"))
 VENV_BIN = Path(sys.executable).parent
 
@@ -99,17 +102,74 @@ def test_systemd_unit_is_hardened_and_runs_the_daemon() -> None:
     assert s["TimeoutStopSec"]
 
 
-@pytest.mark.parametrize("source", ["systemd", "configmap"])
-def test_shipped_config_is_accepted_by_the_daemon(source: str, tmp_path: Path) -> None:
-    if source == "systemd":
-        path = ROOT / "deploy" / "systemd" / "stalwart.toml"
-    else:
-        path = tmp_path / "stalwart.toml"
-        path.write_text(find("ConfigMap", "stalwart-config")["data"]["stalwart.toml"])
+def shipped_configs() -> dict[str, str]:
+    """Every daemon configuration under deploy/: TOML files and ConfigMaps' TOML entries."""
+    found = {str(p.relative_to(ROOT)): p.read_text() for p in (ROOT / "deploy").rglob("*.toml")}
+    for d in k8s_docs():
+        if d["kind"] == "ConfigMap":
+            found.update({f"ConfigMap {d['metadata']['name']}: {name}": text
+                          for name, text in d["data"].items() if name.endswith(".toml")})
+    return found
+
+
+def configmap_config(tmp_path: Path) -> DaemonConfig:
+    path = tmp_path / "stalwart.toml"
+    path.write_text(find("ConfigMap", "stalwart-config")["data"]["stalwart.toml"])
+    return load_config(path, env={})
+
+
+def test_deploy_ships_the_systemd_example_and_the_configmap() -> None:
+    assert set(shipped_configs()) == {"deploy/systemd/stalwart.toml",
+                                      "ConfigMap stalwart-config: stalwart.toml"}
+
+
+@pytest.mark.parametrize("name", sorted(shipped_configs()))
+def test_shipped_config_is_accepted_by_the_daemon(name: str, tmp_path: Path) -> None:
+    path = tmp_path / "stalwart.toml"
+    path.write_text(shipped_configs()[name])
     config = load_config(path, env={})
     assert config.unix_socket == "/run/stalwart/daemon.sock"
     assert config.data_dir == "/var/lib/stalwart"
     assert config.metrics_port == 9400
+
+
+def test_example_config_names_every_key_and_sets_defaults_but_two_deployment_choices() -> None:
+    text = EXAMPLE_TOML.read_text()
+    set_here: dict[str, object] = {}
+    for top, value in tomllib.loads(text).items():
+        if isinstance(value, dict):
+            set_here.update({f"{top}.{key}": inner for key, inner in value.items()})
+        else:
+            set_here[top] = value
+    named, section = set(set_here), ""
+    for line in text.splitlines():
+        if m := re.fullmatch(r"\[(\w+)\]", line):
+            section = m[1]
+        elif m := re.match(r"#\s*([a-z_]\w*) = ", line):
+            named.add(f"{section}.{m[1]}" if section else m[1])
+    schema = {f"{s}.{k}" if s else k for s, keys in SCHEMA.items() for k in keys}
+    assert named == schema
+    differ = {k for k, v in set_here.items() if v != default(k)}
+    # Under systemd the socket lives in RuntimeDirectory, and journald wants JSON always.
+    assert differ == {"unix_socket", "log_format"}
+
+
+def test_daemonset_memory_limit_covers_the_slots_and_the_ram_tier(tmp_path: Path) -> None:
+    snapshot = configmap_config(tmp_path).snapshot
+    (daemon,) = find("DaemonSet", "stalwart")["spec"]["template"]["spec"]["containers"]
+    limit = daemon["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi")
+    headroom = int(limit[:-2]) * (1 << 30) - snapshot.slot_bytes - snapshot.ram_tier_bytes
+    assert headroom >= 512 << 20, f"{limit} leaves {headroom} bytes for the daemon itself"
+
+
+def test_launchers_use_the_socket_their_deployed_daemon_serves(tmp_path: Path) -> None:
+    sbatch = (ROOT / "deploy" / "slurm" / "train.sbatch").read_text()
+    (slurm_default,) = re.findall(r'"\$\{STALWART_UNIX_SOCKET:=([^}]+)\}"', sbatch)
+    assert slurm_default == load_config(EXAMPLE_TOML, env={}).unix_socket
+    (train,) = find("Job", "classifier-train")["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in train["env"]}
+    assert env["STALWART_UNIX_SOCKET"] == configmap_config(tmp_path).unix_socket
 
 
 def test_kubernetes_manifests_pass_strict_validation() -> None:

@@ -82,7 +82,7 @@ def test_reusing_the_capture_buffer_does_not_disturb_later_deltas(tmp_path: Path
 
 
 def test_ranks_prepared_from_several_threads_commit_together(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path, ram_bytes=60_000, retain=20, **SMALL)
+    store = LocalStore(tmp_path, ram_tier_bytes=60_000, retain=20, **SMALL)
     layout = common_pb2.ParallelLayout(dp=4, pp=1, tp=1)
 
     def prepare(step: int, rank: int) -> manifest_pb2.RankState:
@@ -178,7 +178,7 @@ def test_corrupt_ram_copy_is_read_around_from_disk(tmp_path: Path) -> None:
 
 
 def test_ram_tier_stays_within_its_budget(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path, ram_bytes=40_000, retain=20, **SMALL)
+    store = LocalStore(tmp_path, ram_tier_bytes=40_000, retain=20, **SMALL)
     for step in range(1, 6):
         commit_step(store, step)
         assert store.ram_used() <= 40_000
@@ -371,3 +371,20 @@ def test_a_step_that_an_uncommitted_delta_needs_survives_retention(tmp_path: Pat
     commit(4, fourth)                       # retention now looks at step 4's chain only
     commit(5, fifth)
     assert [store.read_rank(5, r) for r in range(2)] == [_drift(5, r) for r in range(2)]
+
+
+def test_the_daemon_sizes_its_slot_pool_and_ram_tier_from_their_own_keys(
+        tmp_path: Path) -> None:
+    from stalwart.daemon.config import load_config
+    from stalwart.daemon.recovery.registry import Registry
+    from stalwart.daemon.snapshot.path import SnapshotPath
+
+    config = load_config(env={"STALWART_SNAPSHOT__SLOT_BYTES": str(64 << 20),
+                              "STALWART_SNAPSHOT__RAM_TIER_BYTES": "123456"})
+    metrics = Metrics()
+    path = SnapshotPath(config, Registry(config.node, 1.0, 5.0, metrics), metrics, tmp_path,
+                        lambda: [], send_prepare=None)  # type: ignore[arg-type]
+    try:
+        assert (path.pool.budget_bytes, path.store.ram.budget) == (64 << 20, 123456)
+    finally:
+        path.pool.close()

@@ -175,7 +175,7 @@ class Harness:
         self.loop = asyncio.new_event_loop()
         cfg = DaemonConfig(node="n1", listen="127.0.0.1:0", metrics_port=0,
                            data_dir=str(root / "d"), unix_socket=str(root / "d.sock"),
-                           snapshot=SnapshotConfig(ram_bytes=8 << 20, chunk_bytes=8192))
+                           snapshot=SnapshotConfig(slot_bytes=8 << 20, chunk_bytes=8192))
         self.daemon = Daemon(cfg)
         d = self.daemon
         self.loop.run_until_complete(d.job.snapshots.start())

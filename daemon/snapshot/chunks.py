@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from stalwart.core.manifest import BASE_CODECS, element_size
+from stalwart.daemon.config import default
 from stalwart.daemon.snapshot import codecs, predict
 from stalwart.daemon.snapshot.checksum import Buffer, crc32c
 from stalwart.daemon.snapshot.codecs import Region
 from stalwart.v1 import common_pb2, manifest_pb2
 
-DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+DEFAULT_CHUNK_BYTES: int = default("snapshot.chunk_bytes")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from stalwart.core import manifest as mf
+from stalwart.daemon.config import default
 from stalwart.daemon.errors import DataLoss
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.snapshot.checksum import Buffer, crc32c
@@ -95,24 +96,27 @@ class LocalStore:
     collection are serialised by a lock (the RAM tier has its own).
     """
 
-    def __init__(self, data_dir: Path, *, job_id: str = "default", ram_bytes: int = 1 << 30,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, base_every: int = 10,
-                 max_chain: int | None = None, retain: int = 5,
+    def __init__(self, data_dir: Path, *, job_id: str = default("job_id"),
+                 ram_tier_bytes: int = default("snapshot.ram_tier_bytes"),
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 base_every: int = default("snapshot.base_every"),
+                 max_chain: int | None = None, retain: int = default("snapshot.retain"),
                  delta_against: str = "previous", lossy: bool = False, level: int = 1,
                  executor: Executor | None = None, metrics: Metrics | None = None) -> None:
-        """`base_every`: steps between full bases; `max_chain`: most deltas before a base
+        """`ram_tier_bytes`: encoded chunks kept in memory for reads (bytes, 0 = none);
+        `base_every`: steps between full bases; `max_chain`: most deltas before a base
         (default base_every); `delta_against`: "previous" committed step or the chain's
         "base"; `lossy`: opt-in quantised deltas (restores are then NOT bitwise exact);
         `executor`: threads to encode chunks in parallel (zstd releases the GIL)."""
         if delta_against not in ("previous", "base"):
             raise ValueError(f"delta_against={delta_against!r}: use 'previous' or 'base'")
         self.root = Path(data_dir) / "snapshots" / job_id
-        self.job_id, self.ram_bytes, self.chunk_bytes = job_id, ram_bytes, chunk_bytes
+        self.job_id, self.chunk_bytes = job_id, chunk_bytes
         self.base_every, self.retain, self.level = base_every, retain, level
         self.max_chain = base_every if max_chain is None else max_chain
         self.delta_against, self.lossy, self.metrics = delta_against, lossy, metrics
         self.executor = executor
-        self.ram = RamTier(ram_bytes, self._ram_protected)
+        self.ram = RamTier(ram_tier_bytes, self._ram_protected)
         self._refs: dict[int, _Reference] = {}
         self._pending: dict[tuple[int, int], _Reference] = {}
         self._manifests: dict[int, manifest_pb2.Manifest] = {}

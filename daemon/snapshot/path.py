@@ -45,7 +45,6 @@ log = logging.getLogger("stalwart.daemon.snapshot.path")
 
 FINAL_RETRY_S = 120.0  # the job's last step is retried this long when it cannot be stored
 FINAL_RETRY_EVERY_S = 1.0
-DEFAULT_SLOT_BUDGET = 8 << 30  # bytes of shared memory for all ranks when ram_bytes is 0
 T = TypeVar("T")
 
 PrepareSender = Callable[[peer_pb2.PrepareStepRequest], Awaitable[None]]
@@ -60,11 +59,12 @@ class SnapshotPath:
         self.config, self.registry, self.metrics = config, registry, metrics
         self.node, self.peers, self.send_prepare = config.node, peers, send_prepare
         snap = config.snapshot
-        self.pool = SlotPool(snap.ram_bytes or DEFAULT_SLOT_BUDGET, token=config.token)
+        self.pool = SlotPool(snap.slot_bytes, token=config.token)
         self.fd_server = FdServer(self.pool, data_dir / "fd.sock")
         self._encoders = ThreadPoolExecutor(2, thread_name_prefix="delta")
         self.store = LocalStore(data_dir, job_id=config.job_id, chunk_bytes=snap.chunk_bytes,
                                 base_every=snap.base_every, retain=snap.retain,
+                                ram_tier_bytes=snap.ram_tier_bytes,
                                 executor=self._encoders, metrics=metrics)
         # Encodes, prepares and reads run side by side (the store is thread-safe).
         self._io = ThreadPoolExecutor(2, thread_name_prefix="store")

@@ -102,7 +102,7 @@ class SlotPool:
                 raise SlotBudgetExceeded(
                     f"shared-memory budget exceeded: rank {rank_id} needs {count} x {size} bytes "
                     f"but only {self.budget_bytes - others} of {self.budget_bytes} are free; "
-                    "raise [snapshot] ram_bytes or the memory of /dev/shm")
+                    "raise [snapshot] slot_bytes or the memory of /dev/shm")
             for s in mine:
                 del self._slots[s.slot_id]
                 s.close()
