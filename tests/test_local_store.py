@@ -376,6 +376,7 @@ def test_a_step_that_an_uncommitted_delta_needs_survives_retention(tmp_path: Pat
 def test_the_daemon_sizes_its_slot_pool_and_ram_tier_from_their_own_keys(
         tmp_path: Path) -> None:
     from stalwart.daemon.config import load_config
+    from stalwart.daemon.peers import PeerChannels
     from stalwart.daemon.recovery.registry import Registry
     from stalwart.daemon.snapshot.path import SnapshotPath
 
@@ -383,7 +384,9 @@ def test_the_daemon_sizes_its_slot_pool_and_ram_tier_from_their_own_keys(
                               "STALWART_SNAPSHOT__RAM_TIER_BYTES": "123456"})
     metrics = Metrics()
     path = SnapshotPath(config, Registry(config.node, 1.0, 5.0, metrics), metrics, tmp_path,
-                        lambda: [], send_prepare=None)  # type: ignore[arg-type]
+                        lambda: [], PeerChannels(config.tls),
+                        send_prepare=None,  # type: ignore[arg-type]
+                        is_leader=lambda: True)
     try:
         assert (path.pool.budget_bytes, path.store.ram.budget) == (64 << 20, 123456)
     finally:
