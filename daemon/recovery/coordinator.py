@@ -14,9 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from stalwart.core import manifest as mf
 from stalwart.core.decide import (
     Member,
     NoChange,
@@ -27,31 +25,16 @@ from stalwart.core.decide import (
     decide,
 )
 from stalwart.core.failures import Failure
-from stalwart.core.generation import check_generation
 from stalwart.core.grow import GrowPolicy
 from stalwart.core.layout import Layout
 from stalwart.core.shrink import ElasticConfig, ElasticPlanner, ShrinkMemoryError
 from stalwart.daemon.config import ElasticSettings
 from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.recovery.step_commits import PeerLinks, StepCommits
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
 
 COMMIT_RETRY_S = 1.0  # seconds before a commit that failed on the coordinator is retried
 log = logging.getLogger("stalwart.daemon.recovery.coordinator")
-
-
-class PeerLinks(Protocol):
-    """Outbound calls from the coordinator to every daemon (itself included)."""
-
-    def nodes(self) -> list[str]:
-        """Live daemons of the job, by node name."""
-
-    def holds_seat(self) -> bool:
-        """False once this daemon has lost the etcd seat it coordinated from (always True
-        without etcd): a deposed coordinator must not install plans."""
-
-    async def install_plan(self, node: str, plan: common_pb2.Plan) -> None: ...
-
-    async def commit_step(self, node: str, manifest: manifest_pb2.Manifest) -> None: ...
 
 
 @dataclass
@@ -84,22 +67,24 @@ class Coordinator:
     stragglers_fail: bool = False
     plan: PlanState | None = None
     announced: dict[str, peer_pb2.RankAnnouncement] = field(default_factory=dict)
-    pending: dict[int, dict[int, manifest_pb2.RankState]] = field(default_factory=dict)
-    layouts: dict[int, common_pb2.ParallelLayout] = field(default_factory=dict)
-    generations: dict[int, int] = field(default_factory=dict)
-    finals: dict[int, set[int]] = field(default_factory=dict)  # step -> ranks ending there
     completed: bool = False  # every rank trained its last step: nothing is re-planned
     recoveries: list[RecoveryRecord] = field(default_factory=list)
     _in_flight: PlanDecision | None = None
     _joined: set[str] = field(default_factory=set)  # ranks that came after the last plan
     took_over_at: float = float("-inf")  # monotonic time this daemon became coordinator
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    _committing: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # The manifest first sent for each pending step: a retry sends the same bytes, so a
-    # daemon that committed the first attempt accepts it again (a rebuilt one differs).
-    _built: dict[int, manifest_pb2.Manifest] = field(default_factory=dict)
-    _retry: asyncio.TimerHandle | None = None
-    _retrying: asyncio.Future[None] | None = None
+    commits: StepCommits = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.commits = StepCommits(
+            self.node, self.job_id, self.metrics, self.links, self.latest_committed,
+            self.load_manifest, generation=lambda: self.plan.generation if self.plan else None,
+            committed=self.recovery_done, finished=self._complete)
+
+    @property
+    def pending(self) -> dict[int, dict[int, manifest_pb2.RankState]]:
+        """Steps awaiting their commit: step -> rank -> that rank's record."""
+        return self.commits.pending
 
     # membership ---------------------------------------------------------------
 
@@ -216,7 +201,9 @@ class Coordinator:
             self._name_store(plan)
         nodes = self.links.nodes()
         if plan.resume_step and not plan.stop:
-            await self._finish_commit(plan.resume_step, nodes)
+            # A coordinator that dies while sending phase two leaves the step committed on
+            # some daemons only: re-send it (a daemon that has it acknowledges unchanged).
+            await self.commits.resend(plan.resume_step, nodes)
         results = await asyncio.gather(*(self.links.install_plan(n, plan) for n in nodes),
                                        return_exceptions=True)
         for node, result in zip(nodes, results, strict=True):
@@ -233,33 +220,6 @@ class Coordinator:
         if holders:
             rank_id = holders[0][1]
             plan.store, plan.store_rank_id = self.announced[rank_id].store, rank_id
-
-    async def _finish_commit(self, step: int, nodes: list[str]) -> None:
-        """Make sure every daemon holds the commit of the step the plan resumes from.
-
-        A coordinator that dies while sending phase two leaves the step committed on some
-        daemons only; its successor resumes from its own latest commit, which a rank on a
-        daemon that missed the message could not restore. Phase two is re-sent (a daemon
-        that has the step already acknowledges it unchanged).
-        """
-        await self._send_commit(step, nodes)
-
-    async def _send_commit(self, step: int, nodes: list[str]) -> None:
-        """Send the committed manifest of `step` again to `nodes` (not this daemon)."""
-        others = [n for n in nodes if n != self.node]
-        if self.load_manifest is None or not others:
-            return
-        try:
-            manifest = self.load_manifest(step)
-        except (FileNotFoundError, KeyError, ValueError) as exc:
-            log.error("cannot re-send a commit", extra={"step": step, "error": str(exc)})
-            return
-        results = await asyncio.gather(*(self.links.commit_step(n, manifest) for n in others),
-                                       return_exceptions=True)
-        for node, result in zip(others, results, strict=True):
-            if isinstance(result, BaseException):
-                log.warning("commit not re-sent",
-                            extra={"node": node, "step": step, "error": str(result)})
 
     # failures -----------------------------------------------------------------
 
@@ -327,9 +287,7 @@ class Coordinator:
                 kind=kind, causes=[f.describe() for f in failures], old_generation=old,
                 new_generation=new_gen, resume_step=resume, detected_unix=time.time(),
                 decided_s=decided, message=message))
-            # Steps prepared by the old generation after the resume point are abandoned.
-            self.pending = {s: r for s, r in self.pending.items() if s <= resume}
-            self._built = {s: m for s, m in self._built.items() if s <= resume}
+            self.commits.abandon_after(resume)
 
     def recovery_done(self, generation: int) -> None:
         """Every rank of `generation` trained a step: the recovery is over."""
@@ -340,81 +298,12 @@ class Coordinator:
     # commit -------------------------------------------------------------------
 
     async def prepared(self, req: peer_pb2.PrepareStepRequest) -> None:
-        """Phase one from one daemon: its ranks' records for a step are durable."""
-        if self.plan is not None:
-            check_generation(req.generation, self.plan.generation,
-                             f"prepare of step {req.step}")
-        latest = self.latest_committed()
-        if latest is not None and req.step <= latest:
-            # Sent again after a change of coordinator, by a daemon that may have missed
-            # the commit: send it the commit.
-            await self._send_commit(req.step, [req.node])
-            return
-        ranks = self.pending.setdefault(req.step, {})
-        for r in req.ranks:
-            ranks[r.rank] = r
-        self.layouts[req.step] = req.layout
-        self.generations[req.step] = req.generation
-        if req.final:
-            self.finals.setdefault(req.step, set()).update(r.rank for r in req.ranks)
-        await self._commit_ready()
+        """Phase one from one daemon (see StepCommits); a joiner that came during a
+        recovery may widen the plan afterwards."""
+        await self.commits.prepared(req)
         if self.plan is not None and self._joined and self._in_flight is None:
-            async with self._lock:  # a joiner that came during a recovery
+            async with self._lock:
                 await self._maybe_grow()
-
-    async def _commit_ready(self) -> None:
-        async with self._committing:
-            latest = self.latest_committed()
-            for step in sorted(self.pending):
-                if latest is not None and step <= latest:
-                    del self.pending[step]
-                    continue
-                lay = self.layouts[step]
-                if len(self.pending[step]) < _world(lay):
-                    if self._complete_after(step):
-                        # Every rank prepares in step order, so a complete later step means
-                        # this one's missing prepares are lost (they went to a coordinator
-                        # that died): skip it instead of blocking every later commit.
-                        log.warning("step skipped: some ranks' prepares were lost",
-                                    extra={"step": step, "have": sorted(self.pending[step])})
-                        del self.pending[step]
-                        continue
-                    return  # steps commit in order; a later one waits for this one
-                ranks = sorted(self.pending[step].values(), key=lambda r: r.rank)
-                manifest = self._built.get(step)
-                if (manifest is None or manifest.generation != self.generations[step]
-                        or list(manifest.ranks) != ranks):
-                    manifest = self._built[step] = mf.build_manifest(
-                        job_id=self.job_id, step=step, generation=self.generations[step],
-                        layout=lay, ranks=ranks)
-                t0 = time.monotonic()
-                nodes = self.links.nodes()
-                results = await asyncio.gather(
-                    *(self.links.commit_step(n, manifest) for n in nodes),
-                    return_exceptions=True)
-                errors = {n: r for n, r in zip(nodes, results, strict=True)
-                          if isinstance(r, BaseException)}
-                failed = [f"{n}: {r}" for n, r in errors.items()]
-                if self.node in errors:
-                    # Not committed here means not committed: keep it pending and retry
-                    # soon, since the last prepares of a job may already be in.
-                    log.error("commit failed on the coordinator itself",
-                              extra={"step": step, "errors": failed})
-                    self._retry_commit_later()
-                    return
-                if failed:
-                    log.warning("commit not acknowledged by every daemon",
-                                extra={"step": step, "errors": failed})
-                self.metrics.commit_seconds.observe(time.monotonic() - t0)
-                if self.plan is not None and self.generations[step] >= self.plan.generation:
-                    self.recovery_done(self.generations[step])
-                del self.pending[step]
-                self.layouts.pop(step, None)
-                self.generations.pop(step, None)
-                self._built = {s: m for s, m in self._built.items() if s in self.pending}
-                latest = step
-                if len(self.finals.pop(step, ())) >= _world(lay):
-                    await self._complete(step)
 
     async def _complete(self, step: int) -> None:
         """Every rank committed its last step: tell every daemon (and through them the
@@ -429,23 +318,3 @@ class Coordinator:
                                         reason="completed")
         self.completed = True
         log.info("job completed", extra={"step": step})
-
-    def _retry_commit_later(self) -> None:
-        if self._retry is None:
-            def retry() -> None:
-                self._retry = None
-                self._retrying = asyncio.ensure_future(self._commit_ready())
-            self._retry = asyncio.get_running_loop().call_later(COMMIT_RETRY_S, retry)
-
-
-    def _complete_after(self, step: int) -> bool:
-        for s, ranks in self.pending.items():
-            lay = self.layouts.get(s)
-            if s > step and lay is not None and len(ranks) >= _world(lay):
-                return True
-        return False
-
-
-def _world(lay: common_pb2.ParallelLayout) -> int:
-    """Ranks that must prepare a step captured in `lay`."""
-    return Layout.from_proto(lay).world_size
