@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stalwart.bench.hier_allreduce import collective_times
+
 TIMEOUT = datetime.timedelta(seconds=120)
 
 
@@ -23,19 +25,8 @@ def _pg(store: Any, key: str, members: list[int], rank: int) -> Any:
                                  len(members), TIMEOUT)
 
 
-def _times_s(fn, barrier, repeats: int) -> list[float]:
-    fn()  # warm-up: connections, buffers
-    times = []
-    for _ in range(repeats):
-        barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def _median_s(fn, barrier, repeats: int) -> float:
-    return statistics.median(_times_s(fn, barrier, repeats))
+    return statistics.median(collective_times(fn, barrier, repeats))
 
 
 def _ping_pong(pg: Any, me: int, nbytes: int, repeats: int) -> list[float]:
@@ -53,7 +44,7 @@ def _ping_pong(pg: Any, me: int, nbytes: int, repeats: int) -> list[float]:
             pg.recv([buf], other, 7).wait()
             pg.send([buf], other, 8).wait()
 
-    return [t / 2 for t in _times_s(once, lambda: None, repeats)]
+    return [t / 2 for t in collective_times(once, lambda: None, repeats)]
 
 
 def link_figures(pg: Any, me: int, nbytes: int, repeats: int) -> dict[str, float]:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from stalwart.client.link_bytes import LinkBytes
 
 __all__ = ["HierGroups", "LinkBytes", "build_hier_groups", "counting_flat_allreduce",
-           "hierarchical_allreduce", "make_reduce_fn", "time_collective"]
+           "hierarchical_allreduce", "make_reduce_fn", "collective_times", "time_collective"]
 
 
 @dataclass
@@ -186,15 +186,22 @@ def make_reduce_fn(groups: HierGroups) -> Callable[[torch.Tensor, Any], None]:
     return reduce_fn
 
 
-def time_collective(fn: Callable[[], None], barrier: Callable[[], None], repeats: int,
-                    warmup: int = 1) -> float:
-    """Median seconds of `fn()` over `repeats` runs, each started after `barrier()`."""
+def collective_times(fn: Callable[[], None], barrier: Callable[[], None], repeats: int,
+                     warmup: int = 1) -> list[float]:
+    """Seconds of `fn()` in each of `repeats` runs, each started after `barrier()`."""
     for _ in range(warmup):
-        fn()
+        fn()  # connections, buffers
     times = []
     for _ in range(repeats):
         barrier()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return times
+
+
+def time_collective(fn: Callable[[], None], barrier: Callable[[], None], repeats: int,
+                    warmup: int = 1) -> float:
+    """Median seconds of `fn()` over `repeats` runs, each started after `barrier()`."""
+    times = sorted(collective_times(fn, barrier, repeats, warmup))
+    return times[len(times) // 2]

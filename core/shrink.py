@@ -11,19 +11,27 @@ import dataclasses
 import itertools
 import math
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from stalwart.core.costs import CostProfile
 from stalwart.core.decide import Member, PlanState
 from stalwart.core.layout import Coord, Layout
 from stalwart.core.partition import partition, uniform
+from stalwart.core.stage_search import (
+    TIE,
+    Candidate,
+    assignments,
+    evaluate,
+    greedy_assignments,
+    improve,
+    lacks,
+    pick,
+)
 
 __all__ = ["ElasticConfig", "ElasticPlanner", "ShrinkMemoryError", "ShrinkResult",
            "plan_layout", "plan_shrink", "predicted_step"]
 
-# Predicted step times within this fraction count as equal; fewer moved layers then win.
-_TIE = 1e-9
 
 
 class ShrinkMemoryError(ValueError):
@@ -183,122 +191,6 @@ def _microbatches(old: Layout, dp: int, pp: int, keep: bool) -> tuple[int, int] 
     return per_replica, 1
 
 
-def _assignments(kinds: Counter, dp: int, pp: int) -> Iterator[tuple[tuple, ...]]:
-    """Every way to give each stage a multiset of dp group kinds (stage order matters)."""
-    order = sorted(kinds, key=repr)
-
-    def rec(stage: int, left: Counter) -> Iterator[list[tuple]]:
-        if stage == pp:
-            yield []
-            return
-        for combo in itertools.combinations_with_replacement(order, dp):
-            need = Counter(combo)
-            if all(left[k] >= c for k, c in need.items()):
-                for tail in rec(stage + 1, left - need):
-                    yield [combo, *tail]
-    for a in rec(0, Counter(kinds)):
-        yield tuple(a)
-
-
-def _greedy_assignments(kinds: Counter, dp: int, pp: int) -> Iterator[tuple[tuple, ...]]:
-    """A few monotone assignments (kinds in layer order) for pools too big to enumerate."""
-    flat = [k for k in sorted(kinds, key=lambda k: (k[0] is None, k[0] or (0, 0), -k[1]))
-            for _ in range(kinds[k])]
-    for skip in range(len(flat) - dp * pp + 1):
-        chosen = flat[:dp * pp - skip] + flat[len(flat) - skip:] if skip else flat[:dp * pp]
-        chosen.sort(key=lambda k: (k[0] is None, k[0] or (0, 0)))
-        yield tuple(tuple(chosen[s * dp:(s + 1) * dp]) for s in range(pp))
-
-
-def _lacks(held: tuple[int, int] | None, layer: int) -> bool:
-    return held is None or not held[0] <= layer <= held[1]
-
-
-@dataclass
-class _Best:
-    key: tuple[float, int, int]
-    dp: int
-    pp: int
-    micro: tuple[int, int]
-    assignment: tuple[tuple, ...]
-    stages: tuple[tuple[int, int], ...]
-
-
-def _better(step: float, moved: int, changed: int, best: _Best | None) -> bool:
-    if best is None:
-        return True
-    b_step, b_moved, b_changed = best.key
-    if step < b_step * (1 - _TIE):
-        return True
-    return step <= b_step * (1 + _TIE) and (moved, changed) < (b_moved, b_changed)
-
-
-def _evaluate(assignment: tuple[tuple, ...], costs: list[float], tp: int,
-              config: ElasticConfig, micro: tuple[int, int]) -> _Best:
-    """Time, layers moved and stage changes of one rank-kind-to-stage assignment, with
-    the partition that moves the fewest layers among the fastest (ValueError: no fit)."""
-    m, ga = micro
-    pp, dp = len(assignment), len(assignment[0])
-    speeds = [min(k[1] for k in combo) for combo in assignment]
-    move = [[float(tp * sum(_lacks(k[0], i) for k in combo)) for i in range(len(costs))]
-            for combo in assignment]
-    part = partition(costs, pp, speeds, mem=config.mem, act=config.act, mem_cap=config.mem_cap,
-                     micro_batches=m, move_costs=move)
-    moved = int(sum(move[j][i] for i, j in enumerate(part.owners())))
-    changed = sum(k[0] != part.stages[s] for s, combo in enumerate(assignment) for k in combo)
-    return _Best((ga * (m + pp - 1) * part.bottleneck, moved, changed), dp, pp, micro,
-                 assignment, part.stages)
-
-
-def _pick(best: _Best | None, other: _Best | None) -> _Best | None:
-    if other is None:
-        return best
-    return other if _better(*other.key, best) else best
-
-
-def _improve(best: _Best, kinds: Counter, costs: list[float], tp: int, config: ElasticConfig,
-             micro: tuple[int, int], budget: list[int]) -> _Best:
-    """Local search from a greedy assignment: swap kinds between neighbouring stages or
-    with unused ranks while that helps and budget[0] evaluations are left (pools too big
-    to enumerate)."""
-    improved = True
-    while improved and budget[0] > 0:
-        improved = False
-        cur = best.assignment
-        used = Counter(k for combo in cur for k in combo)
-        unused = [k for k in kinds if kinds[k] > used[k]]
-        tries = []
-        for s in range(len(cur)):
-            for k1 in set(cur[s]):
-                swaps = [(s + 1, k2) for k2 in set(cur[s + 1]) if k2 != k1] \
-                    if s + 1 < len(cur) else []
-                for t, k2 in swaps:
-                    tries.append(_swap(cur, {s: (k1, k2), t: (k2, k1)}))
-                tries += [_swap(cur, {s: (k1, k2)}) for k2 in unused if k2 != k1]
-        for cand in tries:
-            if budget[0] <= 0:
-                break
-            budget[0] -= 1
-            other = _evaluate(cand, costs, tp, config, micro)
-            if _better(*other.key, best):
-                best, improved = other, True
-                break
-    return best
-
-
-def _swap(assignment: tuple[tuple, ...], change: dict[int, tuple]) -> tuple[tuple, ...]:
-    """`assignment` with one kind replaced per stage: change[stage] = (old kind, new kind)."""
-    out = []
-    for s, combo in enumerate(assignment):
-        if s in change:
-            old, new = change[s]
-            combo = list(combo)
-            combo[combo.index(old)] = new
-            combo = tuple(sorted(combo, key=repr))
-        out.append(combo)
-    return tuple(out)
-
-
 def plan_layout(state: PlanState, failed: frozenset[str], config: ElasticConfig, *,
                 dp_range: tuple[int, int], pp_range: tuple[int, int]) -> ShrinkResult:
     """The fastest layout of the surviving members and spares of `state` with dp and pp in
@@ -310,7 +202,7 @@ def plan_layout(state: PlanState, failed: frozenset[str], config: ElasticConfig,
     pool = [m for m in (*state.members, *state.spares) if m.rank_id not in failed]
     groups = _groups(state, pool, config.speeds, len(costs), config.tp_across_nodes_speed)
     kinds = Counter(g.kind for g in groups)
-    best: _Best | None = None
+    best: Candidate | None = None
     considered, shortfalls = [], []
     fastest = max((g.speed for g in groups), default=1.0)
     layouts = []
@@ -322,27 +214,27 @@ def plan_layout(state: PlanState, failed: frozenset[str], config: ElasticConfig,
                 floor = max(sum(costs) / pp, max(costs)) / fastest
                 layouts.append((micro[1] * (micro[0] + pp - 1) * floor, dp, pp, micro))
     for floor, dp, pp, micro in sorted(layouts):
-        if best is not None and floor > best.key[0] * (1 + _TIE):
+        if best is not None and floor > best.key[0] * (1 + TIE):
             break  # this and every later layout is slower than the best found
         m, ga = micro
         exact = math.comb(len(kinds) + dp - 1, dp) ** pp <= config.max_assignments
-        local: _Best | None = None
+        local: Candidate | None = None
         try:
             if exact:
-                for assignment in _assignments(kinds, dp, pp):
-                    local = _pick(local, _evaluate(assignment, costs, tp, config, micro))
+                for assignment in assignments(kinds, dp, pp):
+                    local = pick(local, evaluate(assignment, costs, tp, config, micro))
             else:
                 budget = [config.max_assignments]  # evaluations left for this (dp, pp)
-                for assignment in _greedy_assignments(kinds, dp, pp):
-                    start = _evaluate(assignment, costs, tp, config, micro)
-                    local = _pick(local, _improve(start, kinds, costs, tp, config, micro,
+                for assignment in greedy_assignments(kinds, dp, pp):
+                    start = evaluate(assignment, costs, tp, config, micro)
+                    local = pick(local, improve(start, kinds, costs, tp, config, micro,
                                                   budget))
         except ValueError as exc:  # memory does not depend on which ranks hold a stage
             shortfalls.append((dp, pp, m, str(exc)))
         if local is not None:
             considered.append({"dp": dp, "pp": pp, "microbatches": m, "grad_accum": ga,
                                "predicted_step": local.key[0], "layers_moved": local.key[1]})
-            best = _pick(best, local)
+            best = pick(best, local)
     if best is None:
         raise _memory_error(state, pool, config, shortfalls)
     return _result(state, failed, pool, groups, best, config, tuple(considered))
@@ -377,7 +269,7 @@ def _memory_error(state: PlanState, pool: list[Member], config: ElasticConfig,
 
 
 def _result(state: PlanState, failed: frozenset[str], pool: list[Member], groups: list[_Group],
-            best: _Best, config: ElasticConfig, considered: tuple[dict, ...]) -> ShrinkResult:
+            best: Candidate, config: ElasticConfig, considered: tuple[dict, ...]) -> ShrinkResult:
     old, tp = state.layout, state.layout.tp
     m, ga = best.micro
     free: dict[tuple, list[_Group]] = {}
@@ -402,7 +294,7 @@ def _result(state: PlanState, failed: frozenset[str], pool: list[Member], groups
             for t, mem in enumerate(g.members):
                 coord = Coord(layout.rank_of(d, s, t), d, s, t)
                 members.append(Member(mem.rank_id, mem.node, coord))
-                need = tuple(i for i in range(a, b + 1) if _lacks(g.held, i))
+                need = tuple(i for i in range(a, b + 1) if lacks(g.held, i))
                 if need:
                     receive[mem.rank_id] = need
     used = {m.rank_id for m in members}
@@ -426,11 +318,11 @@ def _result(state: PlanState, failed: frozenset[str], pool: list[Member], groups
                              mem_cap=config.mem_cap, micro_batches=m).stages
     naive_need = [i for n, g in enumerate(naive_slots)
                   for i in range(naive_bounds[n // best.dp][0], naive_bounds[n // best.dp][1] + 1)
-                  for _ in range(tp) if _lacks(g.held, i)]
+                  for _ in range(tp) if lacks(g.held, i)]
     per_layer = config.layer_bytes or (0.0,) * len(config.costs)
     held = {g.members[0].rank_id: g.held for g in groups}
     sources = {i: tuple(x.rank_id for g in groups for x in g.members
-                        if not _lacks(held[g.members[0].rank_id], i))
+                        if not lacks(held[g.members[0].rank_id], i))
                for i in range(len(config.costs))}
     before_speeds = [min((config.speeds.get(x.rank_id, 1.0) for x in state.members
                           if x.coord and x.coord.pp == s), default=1.0) for s in range(old.pp)]

@@ -1,11 +1,11 @@
-"""The snapshot path of one daemon, stage by stage: intake -> encode -> store -> protect
+"""The snapshot path of one daemon, stage by stage: intake -> encode -> store -> place
 -> prepare -> commit, and restore.
 
 A capture is answered as soon as its slot's bytes are copied out (`intake`); the
 rest runs in the background, in step order per rank: delta-encode into chunks
 (`local_store.encode`, `chunks`, `codecs`), make them durable on this node's disk
 (`local_store.prepare`), spread them as erasure shards over peers and S3
-(`protect`), and send phase one to the coordinator. Phase two and the read side
+(`place`), and send phase one to the coordinator. Phase two and the read side
 live in `commit` and `restore`; `repair` and `scrub` keep stored steps whole.
 """
 
@@ -31,7 +31,7 @@ from stalwart.daemon.snapshot.commit import Committer
 from stalwart.daemon.snapshot.holders import LocalShards, ShardHolders
 from stalwart.daemon.snapshot.intake import Intake
 from stalwart.daemon.snapshot.local_store import LocalStore
-from stalwart.daemon.snapshot.protect import Protector
+from stalwart.daemon.snapshot.place import ShardPlacer
 from stalwart.daemon.snapshot.quota import DiskQuota
 from stalwart.daemon.snapshot.restore import Restorer
 from stalwart.daemon.snapshot.s3_tier import S3Tier
@@ -80,7 +80,7 @@ class SnapshotPath:
         self.holders = ShardHolders(config, metrics, local, channels, peers)
         self.intake = Intake(self.pool, self.fd_server, registry, metrics, self.node,
                              self._make_durable)
-        self.protector = Protector(config, metrics, self.holders, self.s3, peers)
+        self.placer = ShardPlacer(config, metrics, self.holders, self.s3, peers)
         self.committer = Committer(self.node, self.store, self.s3, is_leader, peers, channels)
         self.repairer = repair.Repairer(
             node=self.node, store=self.store, metrics=metrics, live=self._live_nodes,
@@ -124,7 +124,7 @@ class SnapshotPath:
 
     async def _make_durable(self, request: rank_pb2.CaptureRequest, owned: bytes,
                             encoded: Callable[[], Awaitable[None]]) -> None:
-        """Encode one capture, store it here, protect it, send phase one."""
+        """Encode one capture, store it here, place its shards, send phase one."""
         step, generation = request.step, request.generation
         try:
             prepared = await self._encode(request, owned)
@@ -143,8 +143,7 @@ class SnapshotPath:
             try:
                 self.quota.reserve(sum(len(p) for p in prepared.payloads))
                 state = await self._run(self.store.prepare, step, prepared)
-                state = await self.protector.protect(step, generation, state,
-                                                     prepared.payloads)
+                state = await self.placer.place(step, generation, state, prepared.payloads)
                 await self.send_prepare(peer_pb2.PrepareStepRequest(
                     job_id=self.config.job_id, step=step, generation=generation,
                     node=self.node, ranks=[state], layout=request.layout, final=request.final))

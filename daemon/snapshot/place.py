@@ -1,4 +1,4 @@
-"""Protect, the third stage: each encoded chunk as k + m shards on distinct daemons (and S3).
+"""Place, the fourth stage: each encoded chunk as k + m shards on distinct daemons (and S3).
 
 Placement is `core.placement.place_chunk` (rendezvous hashing over the live daemons);
 a peer that cannot take its shard (dead but not yet detected as lost) is replaced
@@ -24,10 +24,10 @@ from stalwart.daemon.snapshot.s3_tier import S3Tier
 from stalwart.daemon.snapshot.shard_client import ShardTransferError
 from stalwart.v1 import manifest_pb2
 
-log = logging.getLogger("stalwart.daemon.snapshot.protect")
+log = logging.getLogger("stalwart.daemon.snapshot.place")
 
 
-class Protector:
+class ShardPlacer:
     """Erasure-codes and places one rank's chunks for a step."""
 
     def __init__(self, config: DaemonConfig, metrics: Metrics, holders: ShardHolders,
@@ -41,7 +41,7 @@ class Protector:
         on_nodes = k if self.config.erasure.parity_to == "s3" else k + m
         return (k, m) if on_nodes <= nodes else default_km(nodes)
 
-    async def protect(self, step: int, generation: int, state: manifest_pb2.RankState,
+    async def place(self, step: int, generation: int, state: manifest_pb2.RankState,
                       payloads: list[bytes]) -> manifest_pb2.RankState:
         """`state` with the shard records of every chunk, once all are stored."""
         peers = self.peers()
