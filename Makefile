@@ -44,7 +44,7 @@ protos: venv
 protos-check: venv
 	$(PY) scripts/gen_protos.py --check
 
-# The configuration table in docs/operations.md, from SCHEMA in daemon/config.py.
+# The configuration table in docs/operations.md, from SCHEMA in daemon/config_schema.py.
 config-docs: venv
 	$(PY) scripts/gen_config_docs.py
 

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from stalwart.client.job_token import find_token
-from stalwart.daemon.config import daemon_socket, default
+from stalwart.daemon.config_schema import daemon_socket, default
 from stalwart.v1 import (
     common_pb2,
     manifest_pb2,

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stalwart.daemon.config import SOCKET_LOOKUP, socket_in
+from stalwart.daemon.config_schema import SOCKET_LOOKUP, socket_in
 
 if TYPE_CHECKING:
     import torch

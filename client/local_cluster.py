@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from stalwart.daemon.config import socket_in
+from stalwart.daemon.config_schema import socket_in
 from stalwart.v1 import operator_pb2, operator_pb2_grpc
 
 T = TypeVar("T")

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from stalwart.daemon.config import SOCKET_LOOKUP, daemon_socket
+from stalwart.daemon.config_schema import SOCKET_LOOKUP, daemon_socket
 
 __all__ = ["configure", "run"]
 

@@ -10,7 +10,8 @@ import argparse
 import asyncio
 import sys
 
-from stalwart.daemon.config import SCHEMA, ConfigError, DaemonConfig, load_config, shown_default
+from stalwart.daemon.config import DaemonConfig, load_config
+from stalwart.daemon.config_schema import SCHEMA, ConfigError, shown_default
 
 # flag -> configuration key's metavar; the help and the default come from SCHEMA.
 FLAGS = {

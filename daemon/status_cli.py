@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from stalwart.daemon.config import SOCKET_LOOKUP, daemon_socket
+from stalwart.daemon.config_schema import SOCKET_LOOKUP, daemon_socket
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

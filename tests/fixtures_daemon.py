@@ -24,7 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stalwart.client.local_cluster import ClusterError, free_port, to_toml, wait_until
-from stalwart.daemon.config import socket_in
+from stalwart.daemon.config_schema import socket_in
 from stalwart.v1 import operator_pb2, operator_pb2_grpc
 
 T = TypeVar("T")

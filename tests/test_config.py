@@ -10,14 +10,8 @@ from pathlib import Path
 import pytest
 from fixtures_daemon import daemon_env
 
-from stalwart.daemon.config import (
-    SCHEMA,
-    ConfigError,
-    DaemonConfig,
-    daemon_socket,
-    default,
-    load_config,
-)
+from stalwart.daemon.config import DaemonConfig, load_config
+from stalwart.daemon.config_schema import SCHEMA, ConfigError, daemon_socket, default
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -29,7 +29,8 @@ from dashboard_queries import (
     panel_queries,
 )
 
-from stalwart.daemon.config import SCHEMA, DaemonConfig, default, load_config
+from stalwart.daemon.config import DaemonConfig, load_config
+from stalwart.daemon.config_schema import SCHEMA, default
 from stalwart.daemon.metrics import Metrics
 
 UNIT = ROOT / "deploy" / "systemd" / "stalwart.service"

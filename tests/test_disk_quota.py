@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.daemon.config import ConfigError, load_config
+from stalwart.daemon.config import load_config
+from stalwart.daemon.config_schema import ConfigError
 from stalwart.daemon.snapshot.quota import DiskQuota, QuotaExceeded
 
 

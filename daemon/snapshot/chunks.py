@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from stalwart.core.manifest import BASE_CODECS, element_size
-from stalwart.daemon.config import default
+from stalwart.daemon.config_schema import default
 from stalwart.daemon.snapshot import codecs, predict
 from stalwart.daemon.snapshot.checksum import Buffer, crc32c
 from stalwart.daemon.snapshot.codecs import Region

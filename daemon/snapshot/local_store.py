@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from stalwart.core import manifest as mf
-from stalwart.daemon.config import default
+from stalwart.daemon.config_schema import default
 from stalwart.daemon.errors import DataLoss
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.snapshot.checksum import Buffer, crc32c
