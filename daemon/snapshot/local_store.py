@@ -7,7 +7,6 @@ fully visible or not at all. Reads follow the base/delta chain and verify every 
 
 from __future__ import annotations
 
-import os
 import shutil
 import threading
 from collections.abc import Callable, Sequence
@@ -21,6 +20,7 @@ from stalwart.core import manifest as mf
 from stalwart.daemon.config_schema import default
 from stalwart.daemon.errors import DataLoss
 from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.snapshot.atomic import fsync_dir, write_atomic
 from stalwart.daemon.snapshot.checksum import Buffer, crc32c
 from stalwart.daemon.snapshot.chunks import DEFAULT_CHUNK_BYTES, decode_rank, encode_rank
 from stalwart.daemon.snapshot.ram_tier import RamTier
@@ -65,28 +65,6 @@ class _Reference:
     delta_bytes: int   # stored bytes of those deltas
     base_bytes: int    # stored bytes of the root
     layout: bytes      # serialised tensor metas: a changed layout forces a new base
-
-
-def _write_atomic(path: Path, data) -> None:
-    """Write `data` to `path` so a crash leaves the old file or the whole new one."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
-    try:
-        view = memoryview(data).cast("B")
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class LocalStore:
@@ -185,11 +163,11 @@ class LocalStore:
         rank_dir = self._rank_dir(step, rank)
         rank_dir.mkdir(parents=True, exist_ok=True)
         for index, payload in enumerate(prepared.payloads):
-            _write_atomic(self.chunk_path(step, rank, index), payload)
+            write_atomic(self.chunk_path(step, rank, index), payload)
             self.ram.put((step, rank, index), payload)
-        _write_atomic(rank_dir / "rank.pb", prepared.state.SerializeToString())
-        _fsync_dir(rank_dir)
-        _fsync_dir(rank_dir.parent)
+        write_atomic(rank_dir / "rank.pb", prepared.state.SerializeToString())
+        fsync_dir(rank_dir)
+        fsync_dir(rank_dir.parent)
         if self.metrics:
             self.metrics.stored_bytes.labels(tier="disk").inc(sum(map(len, prepared.payloads)))
         return prepared.state
@@ -229,8 +207,8 @@ class LocalStore:
                                      f"{c.chunk_id} is not durable at {p}; prepare it first")
         committed = self.committed_manifests()
         mf.plan_chain({**committed, step: manifest}, step)  # every base it needs exists
-        _write_atomic(path, manifest.SerializeToString(deterministic=True))
-        _fsync_dir(path.parent)
+        write_atomic(path, manifest.SerializeToString(deterministic=True))
+        fsync_dir(path.parent)
         self._manifests[step] = manifest
         for r in manifest.ranks:
             ref = self._pending.pop((step, r.rank), None)
@@ -257,7 +235,7 @@ class LocalStore:
             for s in sorted(newer, reverse=True):
                 self._manifest_path(s).unlink()
                 self._manifests.pop(s, None)
-            _fsync_dir(self.root / "manifests")
+            fsync_dir(self.root / "manifests")
             for step_dir in (self.root / "steps").iterdir():
                 if int(step_dir.name) > step:
                     shutil.rmtree(step_dir, ignore_errors=True)
@@ -409,7 +387,7 @@ class LocalStore:
             self._manifest_path(s).unlink()
             self._manifests.pop(s, None)
         if dropped:
-            _fsync_dir(self.root / "manifests")
+            fsync_dir(self.root / "manifests")
         for step_dir in (self.root / "steps").iterdir():
             s = int(step_dir.name)
             if s not in kept and s < latest:

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from stalwart.daemon.snapshot.atomic import fsync_dir
 from stalwart.daemon.snapshot.checksum import crc32c
 
 MAX_ID_CHARS = 256
@@ -65,11 +66,7 @@ class ShardStore:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         os.replace(side_tmp, side)
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(path.parent)
 
     def put(self, job_id: str, shard_id: str, data: bytes | memoryview, meta: dict) -> None:
         """Write a whole shard at once (this daemon's own shards: no stream, no network)."""
