@@ -15,8 +15,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from fixtures_hostile import code_of, until
 from fixtures_hostile import run as with_daemon
-from fixtures_hostile import until
 
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.metrics import Metrics
@@ -47,14 +47,6 @@ def config(data_dir: Path, **kw) -> DaemonConfig:
                         heartbeat_timeout_s=2.0, **kw)
 
 
-
-
-async def code_of(call) -> str:
-    try:
-        await call
-    except grpc.aio.AioRpcError as e:
-        return f"{e.code().name}: {e.details()}"
-    return "OK"
 
 
 def refused(metrics: Metrics, reason: str) -> float:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from fixtures_hostile import run as run_daemon
 
 from stalwart.daemon.cli import config_from_args, configure
 from stalwart.daemon.config import DaemonConfig, TlsConfig
@@ -69,15 +70,6 @@ async def status_code(address: str, creds: grpc.ChannelCredentials | None) -> st
     return "OK"
 
 
-def run_with_daemon(config: DaemonConfig, body) -> object:
-    async def main() -> object:
-        daemon = Daemon(config)
-        await daemon.start()
-        try:
-            return await body(daemon)
-        finally:
-            await daemon.stop(grace_s=0)
-    return asyncio.run(main())
 
 
 def test_daemon_with_mtls_admits_only_clients_with_a_certificate_of_the_cluster_ca(
@@ -93,7 +85,7 @@ def test_daemon_with_mtls_admits_only_clients_with_a_certificate_of_the_cluster_
             "plaintext": await status_code(a, None),
         }
 
-    seen = run_with_daemon(daemon_config(tmp_path, tls_of(cluster)), body)
+    seen = run_daemon(daemon_config(tmp_path, tls_of(cluster)), body)
     assert seen == {"cluster cert": "OK", "no cert": "UNAVAILABLE",
                     "other CA's cert": "UNAVAILABLE", "plaintext": "UNAVAILABLE"}
 
@@ -115,7 +107,7 @@ def test_rotated_certificate_files_are_served_to_new_connections_without_a_resta
         assert daemon.tls is not None
         return before, after, daemon.tls.reloads
 
-    before, after, reloads = run_with_daemon(daemon_config(tmp_path, tls_of(live)), body)
+    before, after, reloads = run_daemon(daemon_config(tmp_path, tls_of(live)), body)
     assert (before, after) == ("OK", "OK")
     assert reloads == 1
 
@@ -128,7 +120,7 @@ def test_daemons_talk_to_each_other_over_mtls(tmp_path: Path, pki: dict[str, Pat
         reply = await stub.Status(operator_pb2.StatusRequest(), timeout=5.0)
         return reply.node
 
-    assert run_with_daemon(daemon_config(tmp_path, tls_of(cluster)), body) == "node1"
+    assert run_daemon(daemon_config(tmp_path, tls_of(cluster)), body) == "node1"
 
 
 def test_two_daemons_with_mtls_gossip_and_see_each_other_up(
@@ -179,7 +171,7 @@ def test_an_operator_client_reaches_a_tls_daemon_with_the_tls_environment(
         finally:
             client.close(leaving=False)
 
-    assert run_with_daemon(daemon_config(tmp_path, tls_of(cluster)), body) == "node1"
+    assert run_daemon(daemon_config(tmp_path, tls_of(cluster)), body) == "node1"
 
 
 def test_a_missing_ca_file_stops_the_start_with_a_message_naming_the_key(
@@ -187,7 +179,7 @@ def test_a_missing_ca_file_stops_the_start_with_a_message_naming_the_key(
     tls = TlsConfig(cert=str(pki["cluster"] / "node1.pem"),
                     key=str(pki["cluster"] / "node1.key"), ca=str(tmp_path / "nope.pem"))
     with pytest.raises(DaemonStartError, match=r"tls\.ca: cannot read .*nope\.pem"):
-        run_with_daemon(daemon_config(tmp_path, tls), lambda d: asyncio.sleep(0))
+        run_daemon(daemon_config(tmp_path, tls), lambda d: asyncio.sleep(0))
 
 
 def test_tls_flags_set_the_tls_section() -> None:
@@ -228,7 +220,7 @@ def test_with_mtls_the_certificate_names_the_calling_daemon(
             "node2 plans": await call(a, "node2", "InstallPlan", common_pb2.Plan(generation=2)),
         }
 
-    seen = run_with_daemon(daemon_config(tmp_path, tls_of(cluster)), body)
+    seen = run_daemon(daemon_config(tmp_path, tls_of(cluster)), body)
     assert seen["node2 gossips"] == "OK"
     assert seen["node2 claims node1"].startswith(
         "PERMISSION_DENIED: certificate names node 'node2' but the call claims 'node1'")
