@@ -11,7 +11,6 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import replace
-from pathlib import Path
 
 import grpc
 
@@ -24,18 +23,10 @@ from stalwart.daemon.rpc.errors import TYPED, abort
 from stalwart.daemon.rpc.streams import send_within
 from stalwart.daemon.rpc.validate import (
     MAX_COLLECTIVES,
-    MAX_LIVE_RANKS_PER_NODE,
-    MAX_RANKS_PER_NODE,
     admit,
 )
+from stalwart.daemon.security.admission import RankAdmission
 from stalwart.daemon.security.auth import Authenticator
-from stalwart.daemon.security.peercred import (
-    connected_pids,
-    connected_to,
-    cred_of,
-    inner_pid,
-    refusal,
-)
 from stalwart.daemon.snapshot.path import SnapshotPath
 from stalwart.v1 import common_pb2, rank_pb2, rank_pb2_grpc
 
@@ -56,7 +47,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
                  | None = None) -> None:
         self.config, self.registry, self.metrics = config, registry, metrics
         self.stopping, self.auth = stopping, auth
-        self.unix_socket = str(Path(config.unix_socket).resolve())
+        self.admission = RankAdmission(config, registry, metrics)
         # Tells the coordinator (through the job) that a rank or spare is here.
         self.on_register = on_register
         self.snapshots = snapshots
@@ -66,23 +57,10 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
                        context: grpc.aio.ServicerContext) -> rank_pb2.RegisterReply:
         await self.auth.token_holder(context, request.token, f"rank pid {request.pid}")
         await admit(context, self.metrics, request)
-        if request.job_id and request.job_id != self.config.job_id:
-            self.metrics.auth_refused.labels("job").inc()
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"rank belongs to job {request.job_id!r} but daemon {self.config.node} serves "
-                f"job {self.config.job_id!r}; use that job's daemon or fix STALWART_JOB_ID")
-        if request.pid <= 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"pid must be the rank's process id (> 0), got {request.pid}")
-        ranks = self.registry.ranks()
-        alive = sum(r.state != "dead" for r in ranks)
-        if len(ranks) >= MAX_RANKS_PER_NODE or alive >= MAX_LIVE_RANKS_PER_NODE:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"daemon {self.config.node} already holds {len(ranks)} "
-                                f"registrations ({alive} live); stop stray ranks or run "
-                                "another daemon")
-        watch = await self._own_pid(context, request.pid, context.peer().startswith("unix:"))
+        try:
+            watch = await self.admission.admit(request, context.peer().startswith("unix:"))
+        except TYPED as exc:
+            await abort(context, exc)
         record = self.registry.register(
             pid=request.pid, rank=request.rank, world_size=request.world_size,
             local_rank=request.local_rank, hostname=request.hostname,
@@ -104,41 +82,6 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             rank_id=record.rank_id, node=self.config.node, generation=self.registry.generation,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             plan=self.registry.current_plan())
-
-    async def _own_pid(self, context: grpc.aio.ServicerContext, pid: int, local: bool) -> bool:
-        """Whether the daemon may watch (and fence) `pid`: a local rank registers its own
-        process, which must hold a connection to this socket and run as a user allowed
-        here; a pid claimed by anyone else is refused. Ranks whose pid the daemon cannot
-        see (another pid namespace, or TCP) register unwatched: heartbeats only, never
-        fenced, and never in place of a watched rank."""
-        if local:
-            cred = cred_of(pid)
-            why = "" if cred is None else refusal(cred)
-            # /proc and socket-table walks: off the event loop, which serves everyone else.
-            if cred is not None and not why and await asyncio.to_thread(
-                    connected_to, pid, self.unix_socket):
-                return True
-            if await asyncio.to_thread(self._claims_anothers_pid, pid):
-                self.metrics.auth_refused.labels("pid").inc()
-                await context.abort(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"pid {pid} is not a process connected to {self.unix_socket}"
-                    + (f" ({why})" if why else "")
-                    + "; a rank registers its own pid (os.getpid())")
-        existing = self.registry.get(f"{self.config.node}/{pid}")
-        if existing is not None and existing.process is not None:
-            self.metrics.auth_refused.labels("pid").inc()
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                f"pid {pid} is a watched local rank of {self.config.node}; "
-                                "another caller cannot register as it")
-        return False
-
-    def _claims_anothers_pid(self, pid: int) -> bool:
-        """True unless some connected process could be the caller with `pid` as its own:
-        one in a child pid namespace where it has that pid, or one this daemon cannot see
-        at all (when it sees no caller)."""
-        callers = connected_pids(self.unix_socket)
-        return bool(callers) and not any(p != pid and inner_pid(p) == pid for p in callers)
 
     async def Heartbeat(self, request: rank_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> rank_pb2.HeartbeatReply:
