@@ -111,8 +111,9 @@ class GrpcCaptureTransport:
                 slot_id=slot_id, tensors=metas, extra=extra, coord=self.coord,
                 layout=self.layout, adamw=hints, stall_s=stall_s, final=final), timeout=120)
         except DaemonUnavailable as exc:
-            # The daemon refuses a capture of an older generation with this code.
-            if exc.code is grpc.StatusCode.FAILED_PRECONDITION:
+            # The daemon refuses a capture of an older generation with this code (its one
+            # status for a stale generation, daemon/rpc/errors.py).
+            if exc.code is grpc.StatusCode.ABORTED:
                 raise PlanChanged() from exc
             raise
 
