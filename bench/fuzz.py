@@ -123,6 +123,11 @@ def _payload(method: Any, rng: random.Random) -> bytes:
     return bytes(data)
 
 
+# The details of an INTERNAL status the client library makes up itself (the daemon's own
+# INTERNAL, from daemon/rpc/guard.py, names the method and the error).
+CLIENT_CORE_ERROR = "Internal error from Core"
+
+
 async def _one(channel: Any, service: str, method: Any, payload: bytes,
                metadata: tuple, rng: random.Random) -> str:
     import grpc
@@ -152,6 +157,10 @@ async def _one(channel: Any, service: str, method: Any, payload: bytes,
     except grpc.aio.AioRpcError as e:
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and method.name not in WAITING:
             return "HUNG"
+        if e.code() == grpc.StatusCode.INTERNAL and e.details() == CLIENT_CORE_ERROR:
+            # Made by this client's own gRPC core, not sent by the daemon: a streaming
+            # call whose answer (a refusal) came while this side was still sending.
+            return "CLIENT_CORE"
         return e.code().name
     return "OK"
 
