@@ -57,6 +57,11 @@ class Group:
         """Wait for `work`, the handle of `op` on this group, as `run` does."""
         self.run(work.wait, op, started)
 
+    def start_and_wait(self, start: Callable[[], Any], op: str) -> None:
+        """Start `op` with `start()` (which returns its handle) and wait for it, both under
+        the watchdog: gloo raises at the start already when a peer's connection is gone."""
+        self.run(lambda: start().wait(), op)
+
     def count_allreduce(self, nbytes: float) -> None:
         """Count an all-reduce of `nbytes` over this group (ring volume)."""
         if (links := self._counting()) is not None:
@@ -65,8 +70,9 @@ class Group:
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> None:
         """In-place all-reduce; a no-op in a group of one."""
         if self.size > 1:
-            self.wait(dist.all_reduce(tensor, op=op, group=self.pg, async_op=True),
-                      "all_reduce")
+            self.start_and_wait(
+                lambda: dist.all_reduce(tensor, op=op, group=self.pg, async_op=True),
+                "all_reduce")
             self.count_allreduce(tensor.numel() * tensor.element_size())
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -74,7 +80,8 @@ class Group:
         if self.size == 1:
             return [tensor]
         out = [torch.empty_like(tensor) for _ in self.ranks]
-        self.wait(self.pg.allgather([out], [tensor.contiguous()]), "all_gather")
+        self.start_and_wait(lambda: self.pg.allgather([out], [tensor.contiguous()]),
+                            "all_gather")
         if (links := self._counting()) is not None:
             links.ring_allgather(f"{self.name}_allgather", self.nodes, self.index,
                                  tensor.numel() * tensor.element_size())
@@ -85,7 +92,8 @@ class Group:
         if self.size > 1:
             opts = dist.BroadcastOptions()
             opts.rootRank = root
-            self.wait(self.pg.broadcast([tensor], opts), f"broadcast from {root}")
+            self.start_and_wait(lambda: self.pg.broadcast([tensor], opts),
+                                f"broadcast from {root}")
             if self.index == root and (links := self._counting()) is not None:
                 for i, node in enumerate(self.nodes):
                     if i != root:
@@ -96,7 +104,8 @@ class Group:
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Sending:
         """Start sending to group index `dst`; returns the handle to wait on."""
         started = time.monotonic()
-        work = self.pg.send([tensor.contiguous()], dst, tag)
+        work = self.run(lambda: self.pg.send([tensor.contiguous()], dst, tag),
+                        f"send to {dst}", started)
         if (links := self._counting()) is not None:
             links.add(link_between(self.nodes[self.index], self.nodes[dst]),
                       f"{self.name}_send", tensor.numel() * tensor.element_size())
@@ -104,11 +113,11 @@ class Group:
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> None:
         """Receive into `tensor` from group index `src` (blocks until it arrived)."""
-        self.wait(self.pg.recv([tensor], src, tag), f"recv from {src}")
+        self.start_and_wait(lambda: self.pg.recv([tensor], src, tag), f"recv from {src}")
 
     def barrier(self) -> None:
         if self.size > 1:
-            self.wait(self.pg.barrier(), "barrier")
+            self.start_and_wait(self.pg.barrier, "barrier")
 
 
 @dataclass

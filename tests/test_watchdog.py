@@ -71,6 +71,22 @@ class FailingWork:
         raise RuntimeError("Timed out waiting for send operation to complete")
 
 
+def test_an_op_whose_start_already_fails_is_a_lost_peer_like_one_whose_wait_fails():
+    # gloo raises from send/recv/all-reduce themselves once a peer's connection is gone.
+    broken = fail(RuntimeError("Connection closed by peer [127.0.0.1]:49061"))
+    pg = SimpleNamespace(send=lambda tensors, dst, tag: broken(),
+                         recv=lambda tensors, src, tag: broken(),
+                         allgather=lambda out, tensors: broken(), barrier=broken)
+    group = Group("pp", (0, 1), 0, pg, watchdog=Watchdog(lambda f: None, deadline_s=60.0))
+    calls = {"send": lambda: group.isend(torch.ones(2), 1, tag=0),
+             "recv": lambda: group.recv(torch.ones(2), 1, tag=0),
+             "all_gather": lambda: group.all_gather(torch.ones(2)),
+             "barrier": group.barrier}
+    for op, call in calls.items():
+        with pytest.raises(GroupFailure, match=f"{op.replace('_', '.')}.*Connection closed"):
+            call()
+
+
 def test_a_send_counts_its_deadline_from_when_it_started_not_from_the_wait():
     reports: list[Failure] = []
     pg = SimpleNamespace(send=lambda tensors, dst, tag: FailingWork())
