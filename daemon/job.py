@@ -10,9 +10,13 @@ this daemon); its plans come back, are installed and fence the ranks they drop.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
+
+from stalwart.core import manifest as mf
 from stalwart.core.failures import Failure, FailureKind
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.links import Links
@@ -31,6 +35,8 @@ from stalwart.daemon.security.roles import JobGate
 from stalwart.daemon.snapshot.commit import PrepareOutbox
 from stalwart.daemon.snapshot.path import SnapshotPath
 from stalwart.v1 import operator_pb2, peer_pb2
+
+log = logging.getLogger("stalwart.daemon.job")
 
 
 class Job:
@@ -69,7 +75,8 @@ class Job:
                             stub=self.links.stub, me=lambda: self.me())
         self.reports = FailureReports(self.coordinator, registry, metrics,
                                       self.leadership.is_leader, self.links.coordinator,
-                                      self.gate.confirmed, config.heartbeat_interval_s)
+                                      self.gate.confirmed, self._catch_up,
+                                      config.heartbeat_interval_s)
         self.announcer = Announcer(self.node, registry, self.leadership, self.coordinator,
                                    address, self.links.stub, self._redeliver,
                                    config.heartbeat_interval_s)
@@ -139,6 +146,41 @@ class Job:
             await self.coordinator.prepared(req)
             return
         await self.links.coordinator().PrepareStep(req, timeout=RPC_TIMEOUT_S)
+
+    async def _catch_up(self) -> None:
+        """Before deciding, a new coordinator takes the commits its predecessor did not
+        finish sending: phase two reached some daemons (they gossip their newest step)
+        but not this one. Each step it lacks comes from the live daemon that has it, in
+        order, so the plan resumes from the newest step committed anywhere."""
+        own = self.snapshots.store.latest_committed() or 0
+        ahead = [p for p in self.membership.peers()
+                 if p.node and p.state in (UP, SUSPECT) and p.latest_committed > own]
+        if not ahead:
+            return
+        source = max(ahead, key=lambda p: p.latest_committed)
+        first = max(own + 1, source.latest_committed - self.config.snapshot.retain + 1)
+        for step in range(first, source.latest_committed + 1):
+            try:
+                manifest = await self.links.stub(source.node).GetManifest(
+                    peer_pb2.GetManifestRequest(job_id=self.config.job_id, step=step),
+                    timeout=RPC_TIMEOUT_S)
+                if manifest.step != step or manifest.job_id != self.config.job_id:
+                    raise mf.ManifestError(f"{source.node} answered with step {manifest.step} "
+                                           f"of job {manifest.job_id!r}")
+                mf.verify_digest(manifest)
+                await self.snapshots.committer.commit(manifest)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    continue  # skipped there too (its prepares were lost)
+                log.warning("commit not caught up", extra={"step": step, "from": source.node,
+                                                           "error": exc.details()})
+                return
+            except (LookupError, ValueError) as exc:
+                log.warning("commit not caught up", extra={"step": step, "from": source.node,
+                                                           "error": str(exc)})
+                return
+            log.warning("caught up on a commit the old coordinator did not finish sending",
+                        extra={"step": step, "from": source.node})
 
     def decorate_status(self, reply: operator_pb2.StatusReply) -> None:
         store = self.snapshots.store

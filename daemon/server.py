@@ -237,7 +237,7 @@ class Daemon:
         return peer_pb2.PeerInfo(
             node=self.config.node, address=self.address, labels=labels,
             generation=self.registry.generation, time_unix_ms=int(time.time() * 1000),
-            rank_ids=alive)
+            rank_ids=alive, latest_committed=self.job.snapshots.store.latest_committed() or 0)
 
     def status(self) -> operator_pb2.StatusReply:
         return self.operator.status()

@@ -32,6 +32,7 @@ class PeerRecord:
     labels: dict[str, str] = field(default_factory=dict)
     generation: int = 0
     rank_ids: tuple[str, ...] = ()
+    latest_committed: int = 0  # the newest step it had committed when last heard from
     last_seen: float | None = None  # membership clock; None = never reached
     heard_at: float | None = None  # membership clock of the last direct contact
     skew_ms: int = 0  # their wall clock minus ours at contact (for reporting only)
@@ -87,6 +88,7 @@ class Membership:
         came_back = record.state == LOST
         record.node, record.labels = info.node, dict(info.labels)
         record.generation, record.rank_ids = info.generation, tuple(info.rank_ids)
+        record.latest_committed = info.latest_committed
         record.last_seen, record.state = self.clock(), UP
         record.heard_at = record.last_seen
         record.skew_ms = info.time_unix_ms - int(self.wall() * 1000) if info.time_unix_ms else 0

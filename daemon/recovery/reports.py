@@ -36,9 +36,10 @@ class FailureReports:
                  is_leader: Callable[[], bool],
                  stub: Callable[[], peer_pb2_grpc.PeerServiceStub],
                  confirmed: Callable[[Failure], Awaitable[bool]],
-                 heartbeat_interval_s: float) -> None:
+                 catch_up: Callable[[], Awaitable[None]], heartbeat_interval_s: float) -> None:
         self.coordinator, self.registry, self.metrics = coordinator, registry, metrics
         self.is_leader, self.stub, self.confirmed = is_leader, stub, confirmed
+        self.catch_up = catch_up  # commits the predecessor did not finish sending
         self.interval_s = heartbeat_interval_s
         self._queue: asyncio.Queue[Failure] = asyncio.Queue()
         self._unsent: list[Failure] = []  # reports the coordinator never received
@@ -89,6 +90,7 @@ class FailureReports:
         settle = self.coordinator.took_over_at + 3 * self.interval_s
         if (wait := settle - time.monotonic()) > 0:
             await asyncio.sleep(wait)
+        await self.catch_up()
         await self.coordinator.on_failures(failures)
 
     async def _forward(self, failures: list[Failure]) -> None:

@@ -22,7 +22,7 @@ from stalwart.daemon.rpc.errors import TYPED, abort
 from stalwart.daemon.rpc.validate import MAX_PEERS, admit
 from stalwart.daemon.security.auth import Authenticator, Forbidden
 from stalwart.daemon.security.roles import JobGate
-from stalwart.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon.rpc.peer_service")
 
@@ -122,6 +122,17 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return peer_pb2.CommitStepReply(committed=True)
+
+    async def GetManifest(self, request: peer_pb2.GetManifestRequest,
+                          context: grpc.aio.ServicerContext) -> manifest_pb2.Manifest:
+        caller = await self._caller(context, request)
+        await self._same_job(context, request.job_id)
+        try:
+            return await self.steps.manifest_for(caller, request.step)
+        except Forbidden as exc:
+            await self._forbidden(context, exc)
+        except TYPED as exc:
+            await abort(context, exc)
 
     async def _same_job(self, context: grpc.aio.ServicerContext, job_id: str) -> None:
         if self.job_id and job_id != self.job_id:

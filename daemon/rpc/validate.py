@@ -230,6 +230,7 @@ def _peer_info(r: peer_pb2.PeerInfo) -> None:
         text(k, "label name", MAX_NAME)
         text(v, f"label {k}", MAX_NAME)
     in_range(r.generation, 0, MAX_GENERATION, "generation")
+    in_range(r.latest_committed, 0, MAX_STEP, "latest_committed")
     count(r.rank_ids, "rank_ids", MAX_LIVE_RANKS_PER_NODE)
     for rid in r.rank_ids:
         rank_id(rid, "rank_ids")
@@ -263,6 +264,11 @@ def _prepare(r: peer_pb2.PrepareStepRequest) -> None:
     _layout(r.layout)
 
 
+def _get_manifest(r: peer_pb2.GetManifestRequest) -> None:
+    text(r.job_id, "job_id", MAX_NAME)
+    in_range(r.step, 1, MAX_STEP, "step")
+
+
 _CHECKS: dict[type, Any] = {
     rank_pb2.RegisterRequest: _register,
     rank_pb2.HeartbeatRequest: _heartbeat,
@@ -277,6 +283,7 @@ _CHECKS: dict[type, Any] = {
     peer_pb2.RankAnnouncement: _announce,
     peer_pb2.PrepareStepRequest: _prepare,
     peer_pb2.CommitStepRequest: lambda r: manifest(r.manifest),
+    peer_pb2.GetManifestRequest: _get_manifest,
 }
 
 

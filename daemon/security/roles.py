@@ -9,6 +9,7 @@ Callers are already authenticated (daemon/security/auth.py); refusals raise Forb
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Collection
 
@@ -16,7 +17,7 @@ import grpc
 
 from stalwart.core.decide import PlanState
 from stalwart.core.failures import Failure, FailureKind
-from stalwart.daemon.errors import NotReady
+from stalwart.daemon.errors import NotFound, NotReady
 from stalwart.daemon.recovery.coordinator import Coordinator
 from stalwart.daemon.recovery.election import Leadership
 from stalwart.daemon.recovery.membership import LOST, Membership
@@ -149,6 +150,15 @@ class JobGate:
         if a.rank_id not in announced and mine >= MAX_LIVE_RANKS_PER_NODE:
             raise Forbidden(f"daemon {caller} already announced {mine} ranks")
         await self.coordinator.announce(a)
+
+    async def manifest_for(self, caller: str, step: int) -> manifest_pb2.Manifest:
+        """A committed step's manifest, for a live daemon of the job (a new coordinator
+        catching up on a commit its predecessor did not finish sending)."""
+        if caller not in self.nodes():
+            raise Forbidden(f"daemon {caller} is not a live member of this job")
+        if step not in self.store.committed_steps():
+            raise NotFound(f"step {step} is not committed on {self.node}")
+        return await asyncio.to_thread(self.store.load_manifest, step)
 
     def may_delete(self, caller: str, owner: str, step: int) -> str:
         """Why `caller` may not delete a shard of `step` stored for `owner` ("" if it may):

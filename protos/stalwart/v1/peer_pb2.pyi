@@ -243,12 +243,15 @@ class PeerInfo(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     TIME_UNIX_MS_FIELD_NUMBER: _builtins.int
     RANK_IDS_FIELD_NUMBER: _builtins.int
+    LATEST_COMMITTED_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     address: _builtins.str
     """host:port of its PeerService"""
     generation: _builtins.int
     time_unix_ms: _builtins.int
     """for clock-skew reporting only"""
+    latest_committed: _builtins.int
+    """newest step committed on this daemon (0: none)"""
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """failure domains: rack, zone"""
@@ -264,10 +267,11 @@ class PeerInfo(_message.Message):
         generation: _builtins.int = ...,
         time_unix_ms: _builtins.int = ...,
         rank_ids: _abc.Iterable[_builtins.str] | None = ...,
+        latest_committed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "generation", b"generation", "labels", b"labels", "node", b"node", "rank_ids", b"rank_ids", "time_unix_ms", b"time_unix_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "generation", b"generation", "labels", b"labels", "latest_committed", b"latest_committed", "node", b"node", "rank_ids", b"rank_ids", "time_unix_ms", b"time_unix_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -391,6 +395,28 @@ class CommitStepRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CommitStepRequest: _TypeAlias = CommitStepRequest  # noqa: Y015
+
+@_typing.final
+class GetManifestRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    step: _builtins.int
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetManifestRequest: _TypeAlias = GetManifestRequest  # noqa: Y015
 
 @_typing.final
 class CommitStepReply(_message.Message):

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from stalwart.v1 import common_pb2 as stalwart_dot_v1_dot_common__pb2
+from stalwart.v1 import manifest_pb2 as stalwart_dot_v1_dot_manifest__pb2
 from stalwart.v1 import peer_pb2 as stalwart_dot_v1_dot_peer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -213,6 +214,11 @@ class PeerServiceStub:
                 request_serializer=stalwart_dot_v1_dot_peer__pb2.CommitStepRequest.SerializeToString,
                 response_deserializer=stalwart_dot_v1_dot_peer__pb2.CommitStepReply.FromString,
                 _registered_method=True)
+        self.GetManifest = channel.unary_unary(
+                '/stalwart.v1.PeerService/GetManifest',
+                request_serializer=stalwart_dot_v1_dot_peer__pb2.GetManifestRequest.SerializeToString,
+                response_deserializer=stalwart_dot_v1_dot_manifest__pb2.Manifest.FromString,
+                _registered_method=True)
         self.InstallPlan = channel.unary_unary(
                 '/stalwart.v1.PeerService/InstallPlan',
                 request_serializer=stalwart_dot_v1_dot_common__pb2.Plan.SerializeToString,
@@ -254,6 +260,14 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetManifest(self, request, context):
+        """A new coordinator fetches a step that a peer committed and it did not (the old
+        coordinator died while sending phase two).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def InstallPlan(self, request, context):
         """The coordinator pushes a new plan to every daemon.
         """
@@ -291,6 +305,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.CommitStep,
                     request_deserializer=stalwart_dot_v1_dot_peer__pb2.CommitStepRequest.FromString,
                     response_serializer=stalwart_dot_v1_dot_peer__pb2.CommitStepReply.SerializeToString,
+            ),
+            'GetManifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetManifest,
+                    request_deserializer=stalwart_dot_v1_dot_peer__pb2.GetManifestRequest.FromString,
+                    response_serializer=stalwart_dot_v1_dot_manifest__pb2.Manifest.SerializeToString,
             ),
             'InstallPlan': grpc.unary_unary_rpc_method_handler(
                     servicer.InstallPlan,
@@ -390,6 +409,33 @@ class PeerService:
             '/stalwart.v1.PeerService/CommitStep',
             stalwart_dot_v1_dot_peer__pb2.CommitStepRequest.SerializeToString,
             stalwart_dot_v1_dot_peer__pb2.CommitStepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stalwart.v1.PeerService/GetManifest',
+            stalwart_dot_v1_dot_peer__pb2.GetManifestRequest.SerializeToString,
+            stalwart_dot_v1_dot_manifest__pb2.Manifest.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,6 +6,7 @@ Services daemons offer each other: shard storage, membership, two-phase commit, 
 from collections import abc as _abc
 from grpc import aio as _aio
 from stalwart.v1 import common_pb2 as _common_pb2
+from stalwart.v1 import manifest_pb2 as _manifest_pb2
 from stalwart.v1 import peer_pb2 as _peer_pb2
 import abc as _abc_1
 import grpc as _grpc
@@ -88,6 +89,10 @@ class PeerServiceStub:
     PrepareStep: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PrepareStepRequest, _peer_pb2.PrepareStepReply]
     """Two-phase commit of a step, driven by the coordinator."""
     CommitStep: _grpc.UnaryUnaryMultiCallable[_peer_pb2.CommitStepRequest, _peer_pb2.CommitStepReply]
+    GetManifest: _grpc.UnaryUnaryMultiCallable[_peer_pb2.GetManifestRequest, _manifest_pb2.Manifest]
+    """A new coordinator fetches a step that a peer committed and it did not (the old
+    coordinator died while sending phase two).
+    """
     InstallPlan: _grpc.UnaryUnaryMultiCallable[_common_pb2.Plan, _common_pb2.Ack]
     """The coordinator pushes a new plan to every daemon."""
     ReportFailure: _grpc.UnaryUnaryMultiCallable[_common_pb2.FailureEvent, _common_pb2.Ack]
@@ -104,6 +109,10 @@ class PeerServiceAsyncStub(PeerServiceStub):
     PrepareStep: _aio.UnaryUnaryMultiCallable[_peer_pb2.PrepareStepRequest, _peer_pb2.PrepareStepReply]  # type: ignore[assignment]
     """Two-phase commit of a step, driven by the coordinator."""
     CommitStep: _aio.UnaryUnaryMultiCallable[_peer_pb2.CommitStepRequest, _peer_pb2.CommitStepReply]  # type: ignore[assignment]
+    GetManifest: _aio.UnaryUnaryMultiCallable[_peer_pb2.GetManifestRequest, _manifest_pb2.Manifest]  # type: ignore[assignment]
+    """A new coordinator fetches a step that a peer committed and it did not (the old
+    coordinator died while sending phase two).
+    """
     InstallPlan: _aio.UnaryUnaryMultiCallable[_common_pb2.Plan, _common_pb2.Ack]  # type: ignore[assignment]
     """The coordinator pushes a new plan to every daemon."""
     ReportFailure: _aio.UnaryUnaryMultiCallable[_common_pb2.FailureEvent, _common_pb2.Ack]  # type: ignore[assignment]
@@ -135,6 +144,16 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _peer_pb2.CommitStepRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_peer_pb2.CommitStepReply, _abc.Awaitable[_peer_pb2.CommitStepReply]]: ...
+
+    @_abc_1.abstractmethod
+    def GetManifest(
+        self,
+        request: _peer_pb2.GetManifestRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_manifest_pb2.Manifest, _abc.Awaitable[_manifest_pb2.Manifest]]:
+        """A new coordinator fetches a step that a peer committed and it did not (the old
+        coordinator died while sending phase two).
+        """
 
     @_abc_1.abstractmethod
     def InstallPlan(
