@@ -127,6 +127,9 @@ class Daemon:
                 self.tls = ReloadingServerCredentials(cfg.tls)
             except TlsError as e:
                 raise DaemonStartError(str(e)) from None
+        # The health servicer starts with "" SERVING; a probe must not see ready before
+        # the job and /metrics are up, so it says NOT_SERVING until the end of start().
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[Guard()])
         unix_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[Guard()])
         self._server, self._unix_server = server, unix_server
