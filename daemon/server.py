@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from stalwart.daemon.config import DaemonConfig
+from stalwart.daemon.data_lock import DataDirBusy, DataDirLock
 from stalwart.daemon.job import Job
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.peers import PeerChannels
@@ -99,6 +100,8 @@ class Daemon:
         self._metrics_http: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         self.tls: ReloadingServerCredentials | None = None
+        self.data_lock = DataDirLock(self.data_dir)
+        self._unix_bound = False  # only a socket this daemon bound is removed at stop
 
     # lifecycle -----------------------------------------------------------
 
@@ -106,6 +109,15 @@ class Daemon:
         """Bind every endpoint and start serving; raises DaemonStartError naming the setting."""
         cfg = self.config
         _make_dir(self.data_dir, "data_dir")
+        try:
+            self.data_lock.acquire()
+        except DataDirBusy as e:
+            raise DaemonStartError(
+                f"data_dir: {e}; stop that daemon or choose another data_dir") from None
+        except OSError as e:
+            raise DaemonStartError(
+                f"data_dir: cannot lock {self.data_dir} ({e.strerror}); "
+                "make it writable or choose another data_dir") from None
         _make_dir(self.unix_socket.parent, "unix_socket")
         _clear_stale_socket(self.unix_socket)
         try:
@@ -160,6 +172,7 @@ class Daemon:
             host = socket.gethostname()  # peers cannot dial a wildcard address
         self.address = self.membership.self_address = self.operator.address = f"{host}:{port}"
         _bind(unix_server, f"unix:{self.unix_socket}", "unix_socket")
+        self._unix_bound = True
         # The kernel lets only this uid and group (and root) connect; the deployment puts
         # the ranks in the daemon's group. Other users never reach the RPCs.
         os.chmod(self.unix_socket, 0o660)
@@ -191,8 +204,14 @@ class Daemon:
         self._write_endpoint_file()
 
     async def stop(self, grace_s: float = GRACE_S) -> None:
-        """Stop taking calls, let in-flight ones finish for grace_s seconds, free every port."""
+        """Stop taking calls, let in-flight ones finish for grace_s seconds, free every port.
+
+        A daemon refused at start (its data dir locked by another) started nothing and
+        touches nothing: the sockets and files there are the other daemon's."""
         self.stopping.set()
+        if not self.data_lock.held:
+            await self.channels.close()
+            return
         await self.health.enter_graceful_shutdown()
         self.registry.wake_watchers()
         for task in self._tasks:
@@ -205,10 +224,12 @@ class Daemon:
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
-        with contextlib.suppress(FileNotFoundError):
-            self.unix_socket.unlink()
+        if self._unix_bound:
+            with contextlib.suppress(FileNotFoundError):
+                self.unix_socket.unlink()
         with contextlib.suppress(FileNotFoundError):
             (self.data_dir / ENDPOINT_FILE).unlink()
+        self.data_lock.release()
 
     # background ----------------------------------------------------------
 

@@ -106,6 +106,36 @@ def test_second_daemon_on_the_same_port_fails_naming_listen(
     assert f"listen: cannot listen on 127.0.0.1:{port}" in done.stderr
 
 
+def test_a_data_dir_serves_one_daemon_and_a_refused_one_touches_nothing(
+        daemon_factory: DaemonFactory) -> None:
+    a = daemon_factory.start("a")
+    own = [a.unix_socket, a.data_dir / "fd.sock", a.data_dir / "daemon.json"]
+    assert all(p.exists() for p in own)
+    # Another daemon on a's data dir, with a socket and ports of its own: refused.
+    done = subprocess.run(
+        [sys.executable, "-m", "stalwart.cli", "daemon", "--listen", "127.0.0.1:0",
+         "--data-dir", str(a.data_dir), "--metrics-port", "0", "--log-format", "text",
+         "--unix-socket", str(daemon_factory.base_dir / "other.sock")],
+        capture_output=True, text=True, timeout=30, env=daemon_env())
+    assert done.returncode == 1
+    [line] = [x for x in done.stderr.splitlines() if "data_dir:" in x]
+    assert f"another daemon (pid {a.process.pid}) serves {a.data_dir}" in line
+    assert "Traceback" not in done.stderr
+    # Another data dir, but a's socket: refused too. Neither touched a's files.
+    done = subprocess.run(
+        [sys.executable, "-m", "stalwart.cli", "daemon", "--listen", "127.0.0.1:0",
+         "--data-dir", str(daemon_factory.base_dir / "b"), "--metrics-port", "0",
+         "--log-format", "text", "--unix-socket", str(a.unix_socket)],
+        capture_output=True, text=True, timeout=30, env=daemon_env())
+    assert done.returncode == 1 and "unix_socket: another daemon is serving" in done.stderr
+    assert [p for p in own if not p.exists()] == []
+    assert health_status(a.socket_target) == "SERVING"
+    # kill -9 frees the lock with the process: a new daemon takes the data dir at once.
+    a.stop(signal.SIGKILL)
+    again = daemon_factory.start("a")
+    assert again.data_dir == a.data_dir and health_status(again.socket_target) == "SERVING"
+
+
 def test_daemons_find_each_other_and_notice_a_lost_peer(daemon_factory: DaemonFactory) -> None:
     port_a, port_b = free_port(), free_port()
     a = daemon_factory.start("a", port=port_a, peers=(f"127.0.0.1:{port_b}",), settings=FAST)

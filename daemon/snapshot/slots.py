@@ -245,4 +245,6 @@ class FdServer:
             self._sock.close()
         if self._thread is not None:
             self._thread.join(timeout=2.0)
-        self.path.unlink(missing_ok=True)
+        if self._sock is not None:  # only the socket this server bound
+            self.path.unlink(missing_ok=True)
+            self._sock = None
