@@ -44,7 +44,8 @@ COMMIT_WAIT_SLICE_S = 0.5
 
 
 class JobStopped(RuntimeError):
-    """The coordinator found no viable plan; training stops at the last committed step."""
+    """The coordinator found no viable plan and no spare came while this rank waited
+    (resume_wait_s); training stopped at the last committed step."""
 
 
 class PlanChanged(Exception):
@@ -59,6 +60,9 @@ class AgentConfig:
     """Deadline of every collective; a longer wait counts as a hang (seconds)."""
     plan_timeout_s: float = 120.0
     """Longest wait for a new plan after a failure (seconds)."""
+    resume_wait_s: float = 1800.0
+    """How long a rank waits at a stop for the plan that resumes the job (seconds); 0
+    leaves at once with JobStopped."""
     device: str = "cpu"
     backend: str = "gloo"
 
@@ -232,7 +236,7 @@ class ElasticAgent:
         self.on_step = on_step
         self.result = AgentResult()
         self.links = LinkBytes()  # what each step sent, by link; heartbeats carry it
-        self._plans: queue.Queue[common_pb2.Plan] = queue.Queue()
+        self._plans: queue.Queue[common_pb2.Plan | None] = queue.Queue()
         self._newest = 0
 
     # plans ----------------------------------------------------------------------
@@ -249,21 +253,51 @@ class ElasticAgent:
                     self._plans.put(event.plan)
             except Exception as exc:  # the channel closes when the rank ends
                 log.debug("plan watch ended: %s", exc)
+                self._plans.put(None)  # a waiter learns its daemon is gone
                 return
 
-    def _next_plan(self, after: int) -> common_pb2.Plan:
-        deadline = time.monotonic() + self.cfg.plan_timeout_s
+    def _next_plan(self, after: int, timeout_s: float | None) -> common_pb2.Plan:
+        """The first plan newer than generation `after`; waits `timeout_s` (None: as long
+        as the daemon's plan stream lasts)."""
+        wait = timeout_s
+        deadline = None if wait is None else time.monotonic() + wait
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 raise TimeoutError(f"no plan newer than generation {after} within "
-                                   f"{self.cfg.plan_timeout_s:g} s; is the coordinator up?")
+                                   f"{wait:g} s; is the coordinator up?")
             try:
                 plan = self._plans.get(timeout=left)
             except queue.Empty:
                 continue
+            if plan is None:
+                self._plans.put(None)  # for the next waiter too
+                raise RuntimeError("this rank's daemon stopped sending plans (it is gone "
+                                   "or restarted); the job goes on without this rank")
             if plan.generation > after:
                 return plan
+
+    def _await_resume(self, stop: common_pb2.Plan) -> common_pb2.Plan:
+        """The job stopped: wait up to resume_wait_s for the plan that resumes it (a
+        spare registered, a host came back); JobStopped after that."""
+        wait = self.cfg.resume_wait_s
+        if wait > 0:
+            log.warning("the job stopped at committed step %d; this rank waits up to %g s "
+                        "for it to resume: %s", stop.resume_step, wait, stop.stop_message)
+        deadline = time.monotonic() + wait
+        plan = stop
+        while plan.stop and not plan.completed:
+            try:
+                plan = self._next_plan(after=plan.generation,
+                                       timeout_s=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                self.result.stopped = plan.stop_message
+                waited = f" This rank waited {wait:g} s for that and left." if wait else ""
+                raise JobStopped(plan.stop_message + waited) from None
+        if not plan.stop:
+            log.warning("the job resumes from step %d (generation %d)", plan.resume_step,
+                        plan.generation)
+        return plan
 
     def _role(self, plan: common_pb2.Plan) -> common_pb2.RankAssignment | None:
         return next((a for a in plan.assignments
@@ -290,16 +324,16 @@ class ElasticAgent:
         import torch._dynamo  # noqa: F401
 
         self.program.warm_up()
-        plan = self._next_plan(after=0)
+        plan = self._next_plan(after=0, timeout_s=self.cfg.plan_timeout_s)
         while True:
             if plan.stop and plan.completed:
                 return self.result  # the job trained its last step without this rank
             if plan.stop:
-                self.result.stopped = plan.stop_message
-                raise JobStopped(plan.stop_message)
+                plan = self._await_resume(plan)
+                continue
             role = self._role(plan)
-            if role is None:  # a spare, or a rank the plan left out
-                plan = self._next_plan(after=plan.generation)
+            if role is None:  # a spare, or a rank the plan left out: waits for a role
+                plan = self._next_plan(after=plan.generation, timeout_s=None)
                 continue
             try:
                 self._generation(plan, role)
@@ -311,7 +345,7 @@ class ElasticAgent:
                 # generation is gone; anything else is a bug and ends the rank loudly (a
                 # spare takes over).
                 log.warning("generation %d broke: %s", plan.generation, exc)
-            plan = self._next_plan(after=plan.generation)
+            plan = self._next_plan(after=plan.generation, timeout_s=self.cfg.plan_timeout_s)
 
     def _store_of(self, plan: common_pb2.Plan) -> Any:
         """The store the generation's groups start from: the one a rank of the plan

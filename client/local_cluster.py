@@ -311,7 +311,9 @@ def gpt_command(spec: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
                              f"({sorted(flags)})")
         argv += [flags[key], str(value)]
     env = {"STALWART_FAULTS": json.dumps(spec.get("faults", [])),
-           "STALWART_PLAN_TIMEOUT_S": str(spec.get("plan_timeout_s", 120.0))}
+           "STALWART_PLAN_TIMEOUT_S": str(spec.get("plan_timeout_s", 120.0)),
+           # Nobody adds spares to a local run unless the caller does: a stop ends it.
+           "STALWART_RESUME_WAIT_S": str(spec.get("resume_wait_s", 0.0))}
     return argv, env
 
 

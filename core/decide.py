@@ -19,7 +19,7 @@ from stalwart.v1 import common_pb2
 
 __all__ = [
     "Member", "PlanState", "PlanDecision", "StopDecision", "NoChange", "Decision",
-    "ShrinkPlanner", "decide",
+    "ShrinkPlanner", "ShrinkRefused", "decide", "resume",
 ]
 
 
@@ -139,6 +139,9 @@ class StopDecision:
     last_committed_step: int
     message: str
     causes: tuple[Failure, ...]
+    failed: frozenset[str] = frozenset()
+    """rank_ids lost (members and spares): `resume` fills the members' roles with spares
+    that register later."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,11 @@ class NoChange:
 
 
 Decision = PlanDecision | StopDecision | NoChange
+
+
+class ShrinkRefused(ValueError):
+    """A shrink planner's account of why no smaller plan fits (memory, batch); the stop
+    message carries it."""
 
 
 class ShrinkPlanner(Protocol):
@@ -242,8 +250,10 @@ def _stop_message(failed: list[Member], causes: Sequence[Failure], step: int, wh
     seen = "; ".join(f.describe() for f in causes)
     return (
         f"Lost {lost}. {why} Training stops at the last committed step {step}; nothing "
-        f"committed is lost. Register a spare rank with a daemon and restart the job: it "
-        f"resumes from step {step}. (Detected: {seen})"
+        f"committed is lost. It resumes from step {step} by itself, with nothing "
+        f"restarted, once enough spare ranks register with the job's daemons (start them "
+        f"with `stalwart run --spares N` on any host, or bring the lost host back). "
+        f"(Detected: {seen})"
     )
 
 
@@ -273,25 +283,79 @@ def decide(
     failed_ids, unknown = _failed_ids(state, relevant)
     ignored += tuple(unknown)
     causes = tuple(f for f in relevant if f not in unknown)
-    pool = [s for s in state.spares if s.rank_id not in failed_ids]
     failed = [m for m in state.members if m.rank_id in failed_ids]
     all_causes = (in_flight.causes if in_flight else ()) + causes
-    generation = state.generation + 1
     previous = in_flight.previous if in_flight else state
     if not failed:
+        pool = [s for s in state.spares if s.rank_id not in failed_ids]
         kept = dataclasses.replace(state, spares=tuple(pool))
         if any(f.kind is FailureKind.COLLECTIVE_HANG for f in causes):
             # Every member waits on another: nobody to blame, so only the groups are new.
-            plan = dataclasses.replace(kept, generation=generation, resume_step=committed_step,
+            plan = dataclasses.replace(kept, generation=state.generation + 1,
+                                       resume_step=committed_step,
                                        reason="rebuild groups: every rank waited in a collective")
             return PlanDecision("rebuild", previous, plan, {}, all_causes)
         why = "lost spares only" if len(pool) < len(state.spares) else "no role holder failed"
         return NoChange(kept, why, ignored)
+    replanned = _replan(state, frozenset(failed_ids), causes, all_causes, previous,
+                        committed_step, shrink_planner, tp_within_node)
+    if isinstance(replanned, PlanDecision) and in_flight is not None:
+        # A spare that died before finishing its takeover hands the original role on.
+        replacements = dict(replanned.replacements)
+        composed = {old: replacements.pop(new, new) for old, new in in_flight.replacements.items()}
+        replanned = dataclasses.replace(replanned, replacements={**composed, **replacements})
+    return replanned
 
+
+def resume(
+    state: PlanState,
+    stopped: StopDecision,
+    failures: Sequence[Failure],
+    committed_step: int,
+    *,
+    stragglers_fail: bool = False,
+    tp_within_node: bool = True,
+    shrink_planner: ShrinkPlanner | None = None,
+) -> PlanDecision | StopDecision:
+    """The job stopped (`stopped`) with `state` its newest membership: the plan that
+    resumes it now that spares have registered, or the stop again (with `failures`
+    that came since folded in) while there are still too few.
+
+    The lost members are those `stopped` named plus whatever `failures` name now; a
+    spare counts unless it failed since it registered, so the ranks of a host that
+    came back fill roles even though the host's name is among the old causes.
+    """
+    relevant = [f for f in failures if _is_relevant(f, state.generation, stragglers_fail)]
+    newly, unknown = _failed_ids(state, relevant)
+    causes = stopped.causes + tuple(f for f in relevant if f not in unknown)
+    failed_ids = frozenset(stopped.failed | newly)
+    return _replan(state, failed_ids, causes, causes, state, committed_step,
+                   shrink_planner, tp_within_node)
+
+
+def _replan(
+    state: PlanState,
+    failed_ids: frozenset[str],
+    causes: tuple[Failure, ...],
+    all_causes: tuple[Failure, ...],
+    previous: PlanState,
+    committed_step: int,
+    shrink_planner: ShrinkPlanner | None,
+    tp_within_node: bool,
+) -> PlanDecision | StopDecision:
+    """Fill the roles of the `failed_ids` members with spares, else shrink, else stop."""
+    pool = [s for s in state.spares if s.rank_id not in failed_ids]
+    failed = [m for m in state.members if m.rank_id in failed_ids]
+    generation = state.generation + 1
     chosen = _pick_spares(state, failed, pool, tp_within_node)
     if chosen is None:
         if shrink_planner is not None:
-            planned = shrink_planner(state, frozenset(failed_ids), committed_step)
+            try:
+                planned = shrink_planner(state, frozenset(failed_ids), committed_step)
+            except ShrinkRefused as exc:
+                return StopDecision(generation, committed_step,
+                                    _stop_message(failed, causes, committed_step, str(exc)),
+                                    all_causes, failed_ids)
             if planned is not None:
                 plan = dataclasses.replace(
                     planned, generation=generation, resume_step=committed_step,
@@ -301,7 +365,8 @@ def decide(
                + (" on the failed tensor-parallel group's node" if state.layout.tp > 1 else "")
                + (", and no smaller plan fits the survivors." if shrink_planner else "."))
         return StopDecision(generation, committed_step,
-                            _stop_message(failed, causes, committed_step, why), all_causes)
+                            _stop_message(failed, causes, committed_step, why), all_causes,
+                            failed_ids)
 
     members = tuple(
         Member(chosen[m.rank_id].rank_id, chosen[m.rank_id].node, m.coord)
@@ -316,8 +381,4 @@ def decide(
             f"{old} with spare {new.rank_id}" for old, new in chosen.items()),
     )
     replacements = {old: new.rank_id for old, new in chosen.items()}
-    if in_flight is not None:
-        # A spare that died before finishing its takeover hands the original role on.
-        composed = {old: replacements.pop(new, new) for old, new in in_flight.replacements.items()}
-        replacements = {**composed, **replacements}
     return PlanDecision("replace", previous, plan, replacements, all_causes)

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from stalwart.core.costs import CostProfile
-from stalwart.core.decide import Member, PlanState
+from stalwart.core.decide import Member, PlanState, ShrinkRefused
 from stalwart.core.layout import Coord, Layout
 from stalwart.core.partition import partition, uniform
 from stalwart.core.stage_search import (
@@ -34,7 +34,7 @@ __all__ = ["ElasticConfig", "ElasticPlanner", "ShrinkMemoryError", "ShrinkResult
 
 
 
-class ShrinkMemoryError(ValueError):
+class ShrinkMemoryError(ShrinkRefused):
     """No layout of the survivors fits the model in the per-device memory cap."""
 
     def __init__(self, message: str, shortfall_bytes: float) -> None:

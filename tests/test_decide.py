@@ -13,6 +13,7 @@ from stalwart.core.decide import (
     PlanState,
     StopDecision,
     decide,
+    resume,
 )
 from stalwart.core.failures import Failure, FailureKind
 from stalwart.core.layout import Coord, Layout
@@ -71,6 +72,54 @@ def test_without_spares_the_job_stops_at_the_last_committed_step_with_a_clear_me
     assert d.generation == 2 and d.last_committed_step == 17
     assert "step 17" in d.message and "r1" in d.message and "spare" in d.message
     assert "SIGKILL" in d.message
+
+
+def joined(state: PlanState, *spares: Member) -> PlanState:
+    """`state` after spares registered (the coordinator adds them to its stopped plan)."""
+    return PlanState(state.generation, state.layout, state.members,
+                     (*state.spares, *spares), state.resume_step, state.reason)
+
+
+def stopped_plan(state: PlanState, stop: StopDecision) -> PlanState:
+    return PlanState(stop.generation, state.layout, state.members, state.spares,
+                     stop.last_committed_step, "stopped")
+
+
+def test_a_stopped_job_resumes_when_a_spare_registers():
+    state = grid(2, 1, 1, ranks_per_node=1)
+    stop = decide(state, [killed("r1")], committed_step=17)
+    assert isinstance(stop, StopDecision) and stop.failed == {"r1"}
+    assert "by itself" in stop.message and "restart the job" not in stop.message
+    waiting = stopped_plan(state, stop)
+    d = resume(joined(waiting, Member("s", "n5")), stop, [], committed_step=17)
+    assert isinstance(d, PlanDecision) and d.kind == "replace"
+    assert d.generation == stop.generation + 1 and d.plan.resume_step == 17
+    assert d.replacements == {"r1": "s"} and coords(d.plan)["s"] == coords(state)["r1"]
+
+
+def test_a_stopped_job_whose_host_returns_resumes_on_that_hosts_new_ranks():
+    state = grid(2, 1, 1, ranks_per_node=1, spares={"n1": 1})
+    lost = Failure(FailureKind.PEER_LOST, "n1", "no gossip for 6.0 s", generation=1)
+    stop = decide(state, [lost], committed_step=9)
+    assert isinstance(stop, StopDecision) and stop.failed == {"r1", "sn10"}
+    waiting = stopped_plan(state, stop)
+    # The old spare on n1 died with it; the host's new rank (same node name) counts.
+    d = resume(joined(waiting, Member("n1-new", "n1")), stop, [], committed_step=9)
+    assert isinstance(d, PlanDecision) and d.replacements == {"r1": "n1-new"}
+
+
+def test_failures_while_stopped_add_to_what_a_resume_must_fill():
+    state = grid(3, 1, 1, ranks_per_node=1)
+    stop = decide(state, [killed("r1")], committed_step=4)
+    assert isinstance(stop, StopDecision)
+    waiting = joined(stopped_plan(state, stop), Member("s1", "n7"))
+    # r2 gave up waiting (or died) before the spare came: one spare is not enough.
+    again = resume(waiting, stop, [killed("r2", generation=stop.generation)], committed_step=4)
+    assert isinstance(again, StopDecision) and again.failed == {"r1", "r2"}
+    assert "1 spare(s) registered, 2 needed" in again.message
+    waiting = joined(waiting, Member("s2", "n8"))
+    d = resume(waiting, again, [], committed_step=4)
+    assert isinstance(d, PlanDecision) and set(d.replacements) == {"r1", "r2"}
 
 
 def test_the_shrink_planner_hook_is_asked_when_no_spare_is_left():

@@ -23,11 +23,12 @@ from stalwart.core.decide import (
     ShrinkPlanner,
     StopDecision,
     decide,
+    resume,
 )
 from stalwart.core.failures import Failure
 from stalwart.core.grow import GrowPolicy
 from stalwart.core.layout import Layout
-from stalwart.core.shrink import ElasticConfig, ElasticPlanner, ShrinkMemoryError
+from stalwart.core.shrink import ElasticConfig, ElasticPlanner
 from stalwart.daemon.config import ElasticSettings
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.step_commits import PeerLinks, StepCommits
@@ -70,6 +71,7 @@ class Coordinator:
     completed: bool = False  # every rank trained its last step: nothing is re-planned
     recoveries: list[RecoveryRecord] = field(default_factory=list)
     _in_flight: PlanDecision | None = None
+    _stopped: StopDecision | None = None  # the job waits at a stop for spares to arrive
     _joined: set[str] = field(default_factory=set)  # ranks that came after the last plan
     took_over_at: float = float("-inf")  # monotonic time this daemon became coordinator
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -124,7 +126,10 @@ class Coordinator:
                         members=self.plan.members, spares=(*self.plan.spares, spare),
                         resume_step=self.plan.resume_step, reason=self.plan.reason)
                     log.info("spare registered", extra={"rank_id": a.rank_id, "node": a.node})
-                    await self._maybe_grow()
+                    if self._stopped is not None:
+                        await self._maybe_resume()
+                    else:
+                        await self._maybe_grow()
 
     def _elastic_config(self) -> ElasticConfig | None:
         if self.profile is None or not self.profile.costs:
@@ -237,57 +242,80 @@ class Coordinator:
                 return
             committed = self.latest_committed() or 0
             planner = self._shrink_planner()
-            try:
-                decision = decide(self.plan, failures, committed, in_flight=self._in_flight,
-                                  stragglers_fail=self.stragglers_fail, shrink_planner=planner)
-            except ShrinkMemoryError as exc:
-                decision = StopDecision(
-                    self.plan.generation + 1, committed,
-                    f"{exc} Training stops at the last committed step {committed}; nothing "
-                    "committed is lost. Add a node or a spare, or raise [elastic] "
-                    "mem_cap_bytes if the devices have more memory, and restart the job.",
-                    tuple(failures))
+            stopped = self._stopped
+            decision: PlanDecision | StopDecision | NoChange = (
+                decide(self.plan, failures, committed, in_flight=self._in_flight,
+                       stragglers_fail=self.stragglers_fail, shrink_planner=planner)
+                if stopped is None else
+                resume(self.plan, stopped, failures, committed,
+                       stragglers_fail=self.stragglers_fail, shrink_planner=planner))
             if isinstance(decision, NoChange):
                 self.plan = decision.plan
                 return
-            old = self.plan.generation
-            if isinstance(decision, StopDecision):
-                msg = common_pb2.Plan(generation=decision.generation, stop=True,
-                                      stop_message=decision.message,
-                                      resume_step=decision.last_committed_step,
-                                      layout=self.plan.to_proto().layout)
-                log.error("no viable plan; stopping", extra={"why": decision.message})
-                self.metrics.recoveries.labels("stopped").inc()
-                await self._install(msg)
-                kind, resume, message = "stop", decision.last_committed_step, decision.message
-                new_gen = decision.generation
-                self.plan = PlanState(generation=new_gen, layout=self.plan.layout,
-                                      members=self.plan.members, spares=self.plan.spares,
-                                      resume_step=resume, reason="stopped")
-            else:
-                self.plan = decision.plan
-                self._in_flight = decision
-                await self._install(decision.plan.to_proto())
-                self.metrics.plan_changes.labels(decision.kind).inc()
-                kind, resume, message = decision.kind, decision.plan.resume_step, \
-                    decision.summary()
-                new_gen = decision.generation
-                last = getattr(planner, "last", None)
-                if decision.kind == "shrink" and last is not None:
-                    moved = last.layers_moved
-                    self.metrics.layers_moved.inc(moved)
-                    message += (f"; layout {last.plan.layout.dp}x{last.plan.layout.pp}x"
-                                f"{last.plan.layout.tp}, {moved} layer shards move "
-                                f"({last.bytes_moved / 1e6:.1f} MB), predicted speed "
-                                f"{last.speed_ratio:.2f}x of before")
-                log.info("new plan installed", extra={"summary": message})
-            decided = time.monotonic() - t0
-            self.metrics.recovery_phase.labels("plan").observe(decided)
-            self.recoveries.append(RecoveryRecord(
-                kind=kind, causes=[f.describe() for f in failures], old_generation=old,
-                new_generation=new_gen, resume_step=resume, detected_unix=time.time(),
-                decided_s=decided, message=message))
-            self.commits.abandon_after(resume)
+            await self._carry_out(decision, [f.describe() for f in failures], t0, planner)
+
+    async def _maybe_resume(self) -> None:
+        """A spare registered while the job waits at a stop: resume when the spares now
+        fill every lost role (or a smaller plan fits); otherwise keep waiting."""
+        assert self.plan is not None and self._stopped is not None
+        t0 = time.monotonic()
+        committed = self.latest_committed() or 0
+        planner = self._shrink_planner()
+        decision = resume(self.plan, self._stopped, [], committed,
+                          stragglers_fail=self.stragglers_fail, shrink_planner=planner)
+        if isinstance(decision, StopDecision):
+            self._stopped = dataclasses.replace(decision, generation=self._stopped.generation)
+            log.info("still stopped: too few spares to resume",
+                     extra={"spares": len(self.plan.spares), "why": decision.message})
+            return
+        await self._carry_out(decision, ["spare registered"], t0, planner)
+
+    async def _carry_out(self, decision: PlanDecision | StopDecision, causes: list[str],
+                         t0: float, planner: ShrinkPlanner | None) -> None:
+        """Install `decision` (a new plan or a stop) and record it as a recovery."""
+        assert self.plan is not None
+        old = self.plan.generation
+        if isinstance(decision, StopDecision):
+            msg = common_pb2.Plan(generation=decision.generation, stop=True,
+                                  stop_message=decision.message,
+                                  resume_step=decision.last_committed_step,
+                                  layout=self.plan.to_proto().layout,
+                                  lost=sorted(decision.failed))
+            log.error("no viable plan; stopping until spares register",
+                      extra={"why": decision.message})
+            self.metrics.recoveries.labels("stopped").inc()
+            await self._install(msg)
+            kind, resume_step, message = "stop", decision.last_committed_step, decision.message
+            self.plan = PlanState(generation=decision.generation, layout=self.plan.layout,
+                                  members=self.plan.members, spares=self.plan.spares,
+                                  resume_step=resume_step, reason="stopped")
+            self._in_flight, self._stopped = None, decision
+        else:
+            was_stopped = self._stopped is not None
+            self.plan = decision.plan
+            self._in_flight, self._stopped = decision, None
+            await self._install(decision.plan.to_proto())
+            self.metrics.plan_changes.labels(decision.kind).inc()
+            kind, resume_step, message = decision.kind, decision.plan.resume_step, \
+                decision.summary()
+            if was_stopped:
+                kind, message = f"resume ({decision.kind})", "resumed after the stop: " + message
+            last = getattr(planner, "last", None)
+            if decision.kind == "shrink" and last is not None:
+                moved = last.layers_moved
+                self.metrics.layers_moved.inc(moved)
+                message += (f"; layout {last.plan.layout.dp}x{last.plan.layout.pp}x"
+                            f"{last.plan.layout.tp}, {moved} layer shards move "
+                            f"({last.bytes_moved / 1e6:.1f} MB), predicted speed "
+                            f"{last.speed_ratio:.2f}x of before")
+            log.info("new plan installed", extra={"summary": message})
+        decided = time.monotonic() - t0
+        self.metrics.recovery_phase.labels("plan").observe(decided)
+        self.recoveries.append(RecoveryRecord(
+            kind=kind, causes=causes, old_generation=old,
+            new_generation=decision.generation, resume_step=resume_step,
+            detected_unix=time.time(), decided_s=decided, message=message))
+        self.commits.abandon_after(resume_step)
 
     def recovery_done(self, generation: int) -> None:
         """Every rank of `generation` trained a step: the recovery is over."""

@@ -18,7 +18,6 @@ from stalwart.v1 import common_pb2
 
 log = logging.getLogger("stalwart.daemon.recovery.plans")
 
-STOP_GRACE_S = 5.0    # after a stop plan, ranks still running this long are ended
 RESEND_TRIES = 10     # a returning daemon gets the current plan within this many beats
 
 
@@ -47,25 +46,20 @@ class Plans:
             if dropped:
                 log.warning("discarded committed steps past the resume point",
                             extra={"steps": dropped, "resume_step": plan.resume_step})
-        if plan.stop and not plan.completed:
-            # Every process of a stopped job ends: ranks leave on their own when they see
-            # the stop; one that is hung (or never answers) is ended after a grace period.
-            asyncio.get_running_loop().call_later(STOP_GRACE_S, self._fence_all_local)
-        kept = {a.rank_id for a in plan.assignments}
-        for a in previous.assignments:
-            if a.spare or a.rank_id in kept or plan.stop:
-                continue
-            record = self.registry.get(a.rank_id)
+        if plan.stop:
+            # The ranks a stop lost end; the others wait for the plan that resumes the
+            # job (or leave on their own after their wait, or at completion).
+            left_out = set(plan.lost)
+        else:
+            kept = {a.rank_id for a in plan.assignments}
+            left_out = {a.rank_id for a in previous.assignments
+                        if not a.spare and a.rank_id not in kept}
+        for rank_id in sorted(left_out):
+            record = self.registry.get(rank_id)
             if record is not None and (record.state != "dead" or (
                     record.process is not None and process_alive(record.process))):
                 self.processes.fence(record)  # a rank declared dead may still run (hung)
         return common_pb2.Ack(accepted=True)
-
-    def _fence_all_local(self) -> None:
-        for record in self.registry.ranks():
-            if record.state in ("alive", "late") and record.process is not None \
-                    and process_alive(record.process):
-                self.processes.fence(record)
 
     def on_peer_up(self, node: str) -> None:
         """A daemon that was lost answers again (a pause, a partition that healed): the

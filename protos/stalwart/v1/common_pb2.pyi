@@ -201,6 +201,7 @@ class Plan(_message.Message):
     COMPLETED_FIELD_NUMBER: _builtins.int
     STORE_FIELD_NUMBER: _builtins.int
     STORE_RANK_ID_FIELD_NUMBER: _builtins.int
+    LOST_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     reason: _builtins.str
     resume_step: _builtins.int
@@ -220,6 +221,12 @@ class Plan(_message.Message):
     def layout(self) -> Global___ParallelLayout: ...
     @_builtins.property
     def assignments(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankAssignment]: ...
+    @_builtins.property
+    def lost(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """With stop: the rank_ids the stop lost. Their daemons end them if they still run;
+        every other rank waits for the plan that resumes the job when spares register.
+        """
+
     def __init__(
         self,
         *,
@@ -234,10 +241,11 @@ class Plan(_message.Message):
         completed: _builtins.bool = ...,
         store: _builtins.str = ...,
         store_rank_id: _builtins.str = ...,
+        lost: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "completed", b"completed", "coordinator", b"coordinator", "generation", b"generation", "layout", b"layout", "reason", b"reason", "resume_step", b"resume_step", "stop", b"stop", "stop_message", b"stop_message", "store", b"store", "store_rank_id", b"store_rank_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "completed", b"completed", "coordinator", b"coordinator", "generation", b"generation", "layout", b"layout", "lost", b"lost", "reason", b"reason", "resume_step", b"resume_step", "stop", b"stop", "stop_message", b"stop_message", "store", b"store", "store_rank_id", b"store_rank_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,53 @@
+"""A job that stopped for want of a spare resumes by itself, with nothing restarted,
+once a spare registers: the survivor waits at the stop, the spare takes the lost role,
+and the run ends bitwise as the uninterrupted one. Real daemons and rank processes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_recovery_e2e import MICRO, STEPS, uninterrupted
+
+from stalwart.client.local_cluster import LocalCluster, wait_until
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_a_stopped_job_resumes_when_a_spare_registers(tmp_path: Path) -> None:
+    spec = {"model": "tiny", "model_overrides": json.loads(MICRO),
+            "train": {"global_batch": 4, "seed": 0}, "layout": {"dp": 2, "pp": 1, "tp": 1},
+            "steps": STEPS, "collective_timeout_s": 4.0, "resume_wait_s": 300.0,
+            "faults": [{"kind": "kill", "target": "rank", "index": 1, "step": 4}]}
+    cluster = LocalCluster(nodes=2, workdir=tmp_path / "stop",
+                           daemon_settings={"elastic": {"shrink": False}})
+    try:
+        cluster.start_daemons()
+        cluster.launch(spec, world=2, ranks_per_node=1)
+        coordinator = cluster.coordinator()
+        assert coordinator is not None
+        stop = wait_until(lambda: (st := coordinator.status()) is not None and st.plan.stop
+                          and st.plan, 120, "the stop after rank 1 is killed")
+        survivor = next(r for r in cluster.ranks if r.rank == 0)
+        assert "by itself" in stop.stop_message and len(stop.lost) == 1
+        # The survivor waits at the stop instead of leaving.
+        assert survivor.proc.poll() is None and survivor.result() is None
+        cluster.add_spares(1, node=1)
+        resumed = wait_until(lambda: (st := coordinator.status()) is not None
+                             and st.generation > stop.generation and not st.plan.stop
+                             and st.plan, 120, "the plan that resumes the job")
+        wait_until(lambda: len([r for r in cluster.ranks if (res := r.result())
+                                and res.get("result")]) == 2, 180, "both roles to finish")
+        results = [r.result()["result"] for r in cluster.ranks
+                   if r.result() and r.result().get("result")]
+        changes = [c.reason for c in coordinator.status().plan_changes]
+    finally:
+        cluster.close()
+    assert resumed.resume_step == stop.resume_step
+    heir = next(a.rank_id for a in resumed.assignments if not a.spare and a.coord.rank == 1)
+    assert heir not in stop.lost and heir not in {a.rank_id for a in stop.assignments}
+    assert any("resumed after the stop" in c for c in changes), changes
+    baseline = uninterrupted(tmp_path, "--nodes", "2", "--dp", "2", "--pp", "1",
+                             "--global-batch", "4")
+    assert {r["param_digest"] for r in results} == {baseline["param_digest"]}
