@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -68,21 +69,30 @@ def gather(target: str, timeout_s: float, local: bool) -> dict[str, Any]:
                 for reply in replies for f in reply.recent_failures}
     from stalwart.v1 import common_pb2
 
+    newest = max(replies, key=lambda r: r.plan.generation)
+    plan = newest.plan
+    # The plan says who holds which role: a spare that took one is a rank now.
+    roles = {a.rank_id: a for a in plan.assignments}
+    coordinator = next((r for r in replies if r.plan_changes), first)
     return {
         "node": first.node,
         "version": first.version,
         "generation": max(r.generation for r in replies),
+        "plan": _plan_view(plan),
+        "committed_step": max(r.latest_committed_step for r in replies),
+        "storage": dict(first.storage),
+        "plan_changes": [{"time_unix_ms": c.time_unix_ms, "reason": c.reason}
+                         for c in coordinator.plan_changes],
         "daemons": [
             {"node": d.node, "address": d.address, "state": d.state,
              "last_seen_age_s": None if d.last_seen_age_s < 0 or i == 0 else d.last_seen_age_s,
              "coordinator": d.coordinator,
              "ranks": sum(1 for r in ranks.values() if r.node == d.node)}
             for i, d in enumerate(first.daemons)],
-        "ranks": [
-            {"rank_id": r.rank_id, "node": r.node, "pid": r.pid,
-             "rank": None if r.spare else r.rank, "state": r.state, "step": r.step,
-             "step_time_s": r.step_time_s, "last_heartbeat_age_s": r.last_heartbeat_age_s}
-            for r in sorted(ranks.values(), key=lambda r: (r.spare, r.rank, r.rank_id))],
+        "ranks": sorted(
+            (_rank_view(r, roles.get(r.rank_id), bool(roles))
+             for r in ranks.values()),
+            key=lambda v: (v["rank"] is None, v["rank"] or 0, v["rank_id"])),
         "failures": [
             {"time_unix_ms": f.time_unix_ms,
              "kind": common_pb2.FailureEvent.Kind.Name(f.kind).lower(),
@@ -90,6 +100,34 @@ def gather(target: str, timeout_s: float, local: bool) -> dict[str, Any]:
             for f in sorted(failures.values(), key=lambda f: f.time_unix_ms)],
         "unreachable": unreachable,
     }
+
+
+def _plan_view(plan: Any) -> dict[str, Any] | None:
+    if not plan.generation:
+        return None
+    lay = plan.layout
+    return {"generation": plan.generation, "dp": lay.dp, "pp": lay.pp, "tp": lay.tp,
+            "resume_step": plan.resume_step, "reason": plan.reason, "stop": plan.stop,
+            "completed": plan.completed, "stop_message": plan.stop_message,
+            "coordinator": plan.coordinator,
+            "spares": sum(1 for a in plan.assignments if a.spare)}
+
+
+def _rank_view(r: Any, role: Any, planned: bool) -> dict[str, Any]:
+    """One rank's row: its role from the plan (when there is one), its last step only
+    while it lives (a dead rank's step is history, kept as last_step)."""
+    if planned:
+        holds = role is not None and not role.spare
+        rank = role.coord.rank if holds else None
+        coord = ({"dp": role.coord.dp, "pp": role.coord.pp, "tp": role.coord.tp}
+                 if holds else None)
+    else:
+        rank, coord = (None if r.spare else r.rank), None
+    dead = r.state == "dead"
+    return {"rank_id": r.rank_id, "node": r.node, "pid": r.pid, "rank": rank, "coord": coord,
+            "state": r.state, "step": None if dead else r.step, "last_step": r.step,
+            "step_time_s": None if dead else r.step_time_s,
+            "last_heartbeat_age_s": r.last_heartbeat_age_s}
 
 
 def _age(seconds: float | None) -> str:
@@ -106,7 +144,23 @@ def render(view: dict[str, Any]) -> str:
     """The status as the table `stalwart status` prints."""
     daemons, ranks = view["daemons"], view["ranks"]
     lines = [f"stalwart {view['version']} - asked {view['node']} - generation "
-             f"{view['generation']} - {len(daemons)} daemons, {len(ranks)} ranks", ""]
+             f"{view['generation']} - {len(daemons)} daemons, {len(ranks)} ranks"]
+    plan = view["plan"]
+    if plan is None:
+        lines.append("plan: none yet (waiting for every rank of the job to register)")
+    elif plan["completed"]:
+        lines.append(f"plan: completed - {plan['stop_message']}")
+    elif plan["stop"]:
+        lines.append(f"plan: STOPPED at committed step {plan['resume_step']} - "
+                     f"{plan['stop_message']}")
+    else:
+        lines.append(f"plan: generation {plan['generation']}, dp={plan['dp']} pp={plan['pp']} "
+                     f"tp={plan['tp']}, {plan['spares']} spare(s), resumed from step "
+                     f"{plan['resume_step']} ({plan['reason']})")
+    lines.append(f"committed step: {view['committed_step'] or 'none yet'}")
+    for tier, summary in sorted(view["storage"].items()):
+        lines.append(f"{tier}: {summary}")
+    lines.append("")
     lines += _table(
         ["DAEMON", "ADDRESS", "STATE", "LAST SEEN", "RANKS", "ROLE"],
         [[d["node"] or "?", d["address"], d["state"], _age(d["last_seen_age_s"]),
@@ -116,10 +170,17 @@ def render(view: dict[str, Any]) -> str:
         lines += _table(
             ["RANK", "RANK ID", "NODE", "PID", "STATE", "STEP", "STEP TIME", "LAST HEARTBEAT"],
             [["spare" if r["rank"] is None else str(r["rank"]), r["rank_id"], r["node"],
-              str(r["pid"]), r["state"], str(r["step"]), f"{r['step_time_s']:.3f} s",
+              str(r["pid"]), r["state"], "-" if r["step"] is None else str(r["step"]),
+              "-" if r["step_time_s"] is None else f"{r['step_time_s']:.3f} s",
               _age(r["last_heartbeat_age_s"])] for r in ranks])
     else:
         lines.append("no ranks registered")
+    if view["plan_changes"]:
+        lines += ["", "PLAN CHANGES"]
+        lines += _table(
+            ["TIME", "WHAT"],
+            [[time.strftime("%H:%M:%S", time.localtime(c["time_unix_ms"] / 1000)), c["reason"]]
+             for c in view["plan_changes"][-10:]])
     if view["failures"]:
         lines += ["", "RECENT FAILURES"]
         lines += _table(
@@ -143,5 +204,10 @@ def run(args: argparse.Namespace) -> int:
               "start `stalwart daemon` or pass --address HOST:PORT / --socket PATH",
               file=sys.stderr)
         return 1
-    print(json.dumps(view, indent=2) if args.json else render(view))
+    try:
+        print(json.dumps(view, indent=2) if args.json else render(view), flush=True)
+    except BrokenPipeError:
+        # `stalwart status | head`: the reader has what it wanted.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
     return 0

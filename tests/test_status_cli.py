@@ -65,6 +65,15 @@ def test_status_covers_every_daemon_and_rank_of_the_cluster(
         on_b.close()
 
 
+def test_status_into_a_closed_pipe_ends_quietly(daemon_factory: DaemonFactory) -> None:
+    a = daemon_factory.start("a", settings=FAST)
+    done = subprocess.run(
+        f"{sys.executable} -m stalwart.cli status --socket {a.unix_socket} | head -1",
+        shell=True, capture_output=True, text=True, timeout=30, env=daemon_env())
+    assert done.stdout.startswith("stalwart ") and len(done.stdout.splitlines()) == 1
+    assert done.stderr == "", done.stderr
+
+
 def test_status_without_a_daemon_says_what_to_do(tmp_path) -> None:
     done = status("--socket", str(tmp_path / "none.sock"), "--timeout", "1")
     assert done.returncode == 1
@@ -75,11 +84,16 @@ def test_status_without_a_daemon_says_what_to_do(tmp_path) -> None:
 def test_table_lists_recent_failures_and_spares() -> None:
     view = {
         "node": "a", "version": "0.1.0", "generation": 2,
+        "plan": {"generation": 2, "dp": 1, "pp": 1, "tp": 1, "resume_step": 4,
+                 "reason": "replace a/10 with spare a/12", "stop": False, "completed": False,
+                 "stop_message": "", "coordinator": "a", "spares": 1},
+        "committed_step": 7, "storage": {"protection": "step 7 survives 1 more daemon losses"},
+        "plan_changes": [{"time_unix_ms": 0, "reason": "replace: generation 1 -> 2"}],
         "daemons": [{"node": "a", "address": "h:1", "state": "up", "last_seen_age_s": None,
                      "coordinator": True, "ranks": 2}],
         "ranks": [
-            {"rank_id": "a/10", "node": "a", "pid": 10, "rank": 0, "state": "dead", "step": 5,
-             "step_time_s": 0.1, "last_heartbeat_age_s": 3.04},
+            {"rank_id": "a/10", "node": "a", "pid": 10, "rank": None, "state": "dead",
+             "step": None, "step_time_s": None, "last_heartbeat_age_s": 3.04},
             {"rank_id": "a/11", "node": "a", "pid": 11, "rank": None, "state": "spare",
              "step": 0, "step_time_s": 0.0, "last_heartbeat_age_s": 0.2}],
         "failures": [{"time_unix_ms": 0, "kind": "process_exit", "subject": "a/10",
@@ -88,6 +102,11 @@ def test_table_lists_recent_failures_and_spares() -> None:
     }
     text = render(view)
     assert "generation 2" in text and "3.0 s ago" in text
+    assert "plan: generation 2, dp=1 pp=1 tp=1, 1 spare(s), resumed from step 4" in text
+    assert "committed step: 7" in text and "protection: step 7 survives 1 more" in text
+    assert "PLAN CHANGES" in text and "generation 1 -> 2" in text
+    dead = next(line for line in text.splitlines() if line.startswith("spare  a/10")).split()
+    assert dead[4:7] == ["dead", "-", "-"]  # no stale step for a dead rank
     assert any(line.split()[:2] == ["spare", "a/11"] for line in text.splitlines())
     assert "RECENT FAILURES" in text and "process 10 exited" in text
     assert "(could not ask b: UNAVAILABLE)" in text

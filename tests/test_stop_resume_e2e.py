@@ -5,12 +5,22 @@ and the run ends bitwise as the uninterrupted one. Real daemons and rank process
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from test_recovery_e2e import MICRO, STEPS, uninterrupted
 
-from stalwart.client.local_cluster import LocalCluster, wait_until
+from stalwart.client.local_cluster import LocalCluster, Node, wait_until
+
+
+def status_json(node: Node) -> dict:
+    done = subprocess.run([sys.executable, "-m", "stalwart.cli", "status", "--json",
+                           "--socket", str(node.socket)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -33,6 +43,7 @@ def test_a_stopped_job_resumes_when_a_spare_registers(tmp_path: Path) -> None:
         assert "by itself" in stop.stop_message and len(stop.lost) == 1
         # The survivor waits at the stop instead of leaving.
         assert survivor.proc.poll() is None and survivor.result() is None
+        while_stopped = status_json(coordinator)
         cluster.add_spares(1, node=1)
         resumed = wait_until(lambda: (st := coordinator.status()) is not None
                              and st.generation > stop.generation and not st.plan.stop
@@ -42,12 +53,23 @@ def test_a_stopped_job_resumes_when_a_spare_registers(tmp_path: Path) -> None:
         results = [r.result()["result"] for r in cluster.ranks
                    if r.result() and r.result().get("result")]
         changes = [c.reason for c in coordinator.status().plan_changes]
+        at_end = status_json(coordinator)
     finally:
         cluster.close()
     assert resumed.resume_step == stop.resume_step
     heir = next(a.rank_id for a in resumed.assignments if not a.spare and a.coord.rank == 1)
     assert heir not in stop.lost and heir not in {a.rank_id for a in stop.assignments}
     assert any("resumed after the stop" in c for c in changes), changes
+    # `stalwart status` tells the story: stopped with the killed rank dead (no stale
+    # step), then the spare that took the lost role listed as rank 1.
+    assert while_stopped["plan"]["stop"] and while_stopped["committed_step"] == stop.resume_step
+    [lost] = stop.lost
+    ranks = {r["rank_id"]: r for r in while_stopped["ranks"]}
+    assert ranks[lost]["state"] == "dead" and ranks[lost]["step"] is None
+    assert "protection" in while_stopped["storage"]
+    final = {r["rank_id"]: r for r in at_end["ranks"]}
+    assert at_end["plan"]["completed"] and final[heir]["rank"] == 1
+    assert final[heir]["coord"] == {"dp": 1, "pp": 0, "tp": 0}
     baseline = uninterrupted(tmp_path, "--nodes", "2", "--dp", "2", "--pp", "1",
                              "--global-batch", "4")
     assert {r["param_digest"] for r in results} == {baseline["param_digest"]}

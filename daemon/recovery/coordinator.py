@@ -338,10 +338,12 @@ class Coordinator:
         spares, which then leave) that the job is done."""
         assert self.plan is not None
         generation = self.plan.generation + 1
-        await self._install(common_pb2.Plan(
+        done = self.plan.to_proto()  # who held which role, for status after the end
+        done.MergeFrom(common_pb2.Plan(
             generation=generation, stop=True, completed=True, resume_step=step,
-            layout=self.plan.to_proto().layout,
+            reason="completed",
             stop_message=f"the job completed: its last step {step} is committed"))
+        await self._install(done)
         self.plan = dataclasses.replace(self.plan, generation=generation, resume_step=step,
                                         reason="completed")
         self.completed = True

@@ -134,7 +134,8 @@ class Registry:
     def heartbeat(self, rank_id: str, generation: int, step: int, step_time_s: float,
                   leaving: bool = False,
                   recovery_phases: dict[str, float] | None = None) -> RankRecord:
-        """Record a heartbeat; refuses unknown ranks, dead ranks and older generations.
+        """Record a heartbeat; refuses unknown ranks, dead ranks and older generations
+        (whose beat still counts as alive).
 
         A `leaving` heartbeat ends the rank's watch without counting as a failure.
         `recovery_phases` (seconds by phase) are the rank's timings of joining
@@ -148,8 +149,11 @@ class Registry:
         if record.state in (DEAD, LEFT):
             raise RankFenced(
                 f"rank {rank_id} was declared dead ({record.cause}); register again to rejoin")
-        check_generation(generation, self.generation, f"heartbeat of rank {rank_id}")
+        # Proof of life even from an older generation: a rank that has not seen the new
+        # plan yet (busy leaving the old one) is catching up, not gone. Its step is not
+        # taken: it belongs to the generation the rank is told to leave.
         record.last_heartbeat = self.clock()
+        check_generation(generation, self.generation, f"heartbeat of rank {rank_id}")
         if step > record.step and step_time_s > 0:  # a new step finished: one sample
             self.stragglers.observe(rank_id, step_time_s)
         if step != record.step:
