@@ -192,17 +192,39 @@ def render(view: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _tls_from_env() -> Any:
+    """The TLS files the CLI dials with ($STALWART_TLS_*), or None for plaintext."""
+    from stalwart.daemon.config import TlsConfig
+
+    env = os.environ
+    cert, key, ca = (env.get(f"STALWART_TLS_{n}", "") for n in ("CERT", "KEY", "CA"))
+    return TlsConfig(cert=cert, key=key, ca=ca) if cert and key and ca else None
+
+
 def run(args: argparse.Namespace) -> int:
     import grpc
+
+    from stalwart.client.daemon_client import DaemonUnavailable
+    from stalwart.daemon.security.tls import diagnose
 
     target = _target(args)
     try:
         view = gather(target, args.timeout, args.local)
+    except DaemonUnavailable as e:  # the TLS environment is incomplete or unreadable
+        print(f"stalwart status: {e}", file=sys.stderr)
+        return 1
     except grpc.RpcError as e:
-        print(f"stalwart status: no daemon answers at {target} "
-              f"({e.code().name}: {e.details()}); "  # type: ignore[attr-defined]
-              "start `stalwart daemon` or pass --address HOST:PORT / --socket PATH",
-              file=sys.stderr)
+        code = e.code()  # type: ignore[attr-defined]
+        why = ""
+        if code == grpc.StatusCode.UNAVAILABLE and not target.startswith("unix:"):
+            why = diagnose(target, _tls_from_env(), timeout_s=args.timeout)
+        if why:
+            print(f"stalwart status: {why}", file=sys.stderr)
+        else:
+            print(f"stalwart status: no daemon answers at {target} "
+                  f"({code.name}: {e.details()}); "  # type: ignore[attr-defined]
+                  "start `stalwart daemon` or pass --address HOST:PORT / --socket PATH",
+                  file=sys.stderr)
         return 1
     try:
         print(json.dumps(view, indent=2) if args.json else render(view), flush=True)

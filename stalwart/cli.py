@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from stalwart import __version__
@@ -34,12 +35,18 @@ def _top_level_help() -> str:
     width = max(len(n) for n in COMMANDS)
     lines = [f"stalwart {__version__}", "", "usage: stalwart COMMAND [options]", "", "commands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "Run `stalwart COMMAND --help` for the options of one command."]
+    lines += ["", "Run `stalwart COMMAND --help` for the options of one command; "
+              "`--debug` shows tracebacks."]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # `--debug` anywhere (or STALWART_DEBUG=1): tracebacks and gRPC's own log lines.
+    debug = "--debug" in argv or os.environ.get("STALWART_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    if not debug:
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before grpc is imported
     if not argv or argv[0] in ("-h", "--help"):
         print(_top_level_help())
         return 0
@@ -54,7 +61,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"stalwart {name}", description=COMMANDS[name][1])
     module.configure(parser, name) if _takes_name(module) else module.configure(parser)
     args = parser.parse_args(rest)
-    return int(module.run(args) or 0)
+    if debug:
+        return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"stalwart {name}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # `| head` is done
+        return 0
+    except Exception as e:  # a bug or an unforeseen failure: one line, details on demand
+        what = " ".join(str(e).split())  # one line, whatever the message holds
+        print(f"stalwart {name}: {type(e).__name__}: {what} (run `stalwart --debug {name} ...` "
+              "for the traceback)", file=sys.stderr)
+        return 1
 
 
 def _takes_name(module: object) -> bool:

@@ -228,3 +228,62 @@ def test_with_mtls_the_certificate_names_the_calling_daemon(
                                              "coordinator (node1), not from daemon operator")
     # node2 is now a live peer, but "node1" < "node2": node1 coordinates, not node2.
     assert seen["node2 plans"].startswith("PERMISSION_DENIED: a plan comes only from")
+
+
+def status_cli(address: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`stalwart status --address` as an operator runs it, with only `env`'s TLS settings."""
+    import sys
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("STALWART_")}
+    return subprocess.run([sys.executable, "-m", "stalwart.cli", "status", "--address",
+                           address, "--timeout", "5"], capture_output=True, text=True,
+                          timeout=60, env={**clean, **env})
+
+
+def tls_env(directory: Path, name: str = "operator", ca: Path | None = None) -> dict[str, str]:
+    return {"STALWART_TLS_CERT": str(directory / f"{name}.pem"),
+            "STALWART_TLS_KEY": str(directory / f"{name}.key"),
+            "STALWART_TLS_CA": str(ca or directory / "ca.pem")}
+
+
+def test_status_against_a_tls_daemon_says_what_is_wrong_in_one_line(
+        tmp_path: Path, pki: dict[str, Path]) -> None:
+    cluster, other = pki["cluster"], pki["other"]
+
+    async def body(daemon: Daemon) -> dict[str, subprocess.CompletedProcess[str]]:
+        cases = {"plain": {}, "other CA": tls_env(other),
+                 "their cert, our CA": tls_env(other, ca=cluster / "ca.pem"),
+                 "CA only": {"STALWART_TLS_CA": str(cluster / "ca.pem")},
+                 "right": tls_env(cluster)}
+        return {name: await asyncio.to_thread(status_cli, daemon.address, env)
+                for name, env in cases.items()}
+
+    out = run_daemon(daemon_config(tmp_path, tls_of(cluster)), body)
+    assert out["right"].returncode == 0 and out["right"].stdout.startswith("stalwart ")
+    expected = {"plain": "this daemon requires TLS", "other CA": "certificate not trusted",
+                "their cert, our CA": "certificate not trusted",
+                "CA only": "STALWART_TLS_CERT, STALWART_TLS_KEY not set"}
+    for name, words in expected.items():
+        done = out[name]
+        assert done.returncode == 1, (name, done.stdout)
+        [line] = done.stderr.strip().splitlines()
+        assert line.startswith("stalwart status: ") and words in line, (name, line)
+        assert "no daemon answers" not in line
+
+
+def test_a_key_that_does_not_match_its_certificate_stops_the_start_in_one_line(
+        tmp_path: Path, pki: dict[str, Path]) -> None:
+    import sys
+
+    cluster = pki["cluster"]
+    done = subprocess.run(
+        [sys.executable, "-m", "stalwart.cli", "daemon", "--listen", "127.0.0.1:0",
+         "--metrics-port", "0", "--data-dir", str(tmp_path / "d"), "--log-format", "text",
+         "--tls-cert", str(cluster / "node1.pem"), "--tls-key", str(cluster / "node2.key"),
+         "--tls-ca", str(cluster / "ca.pem")],
+        capture_output=True, text=True, timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("STALWART_")})
+    assert done.returncode == 1
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    assert "tls.key: key does not match certificate" in lines[0] and "node2.key" in lines[0]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import ssl
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +40,79 @@ def check(tls: TlsConfig) -> None:
                        "set --tls-ca (see docs/security.md to make one)")
     for key, path in (("tls.cert", tls.cert), ("tls.key", tls.key), ("tls.ca", tls.ca)):
         _read(key, path)
+    check_pair(tls.cert, tls.key, "tls.key")
+
+
+def check_pair(cert: str, key: str, what: str) -> None:
+    """Raise TlsError when the private key in `key` is not the one of the certificate in
+    `cert` (gRPC would only log a raw handshake error at every connection)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_cert_chain(cert, key)
+    except ssl.SSLError as e:
+        if "KEY_VALUES_MISMATCH" in str(e) or "key values mismatch" in str(e):
+            raise TlsError(f"{what}: key does not match certificate: {key} is not the private "
+                           f"key of {cert}; use the .key made with that .pem") from None
+        raise TlsError(f"{what}: cannot load the pair {cert} / {key} ({e.reason or e}); "
+                       "see docs/security.md") from None
+
+
+REQUIRES_TLS = ("this daemon requires TLS: {address} accepts only mutual TLS; set "
+                "STALWART_TLS_CERT, STALWART_TLS_KEY and STALWART_TLS_CA (docs/security.md)")
+_ALERTS = ("alert", "certificate required", "handshake failure")  # a TLS peer answered
+
+
+def diagnose(address: str, tls: TlsConfig | None, timeout_s: float = 3.0) -> str:
+    """Why a gRPC call to `address` could not connect, when TLS is the cause: one line
+    for an operator, or "" when TLS is not the problem (or the port does not answer).
+
+    `tls` is what the caller dials with (None: plaintext). gRPC reports every TLS
+    mismatch as UNAVAILABLE; a handshake tried directly tells them apart: a daemon that
+    speaks only TLS, a daemon certificate the caller's CA did not sign, a caller
+    certificate the daemon refuses, a daemon without TLS.
+    """
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        raw = socket.create_connection((host, int(port)), timeout=timeout_s)
+    except (OSError, ValueError):
+        return ""
+    if tls is None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    else:
+        context = ssl.create_default_context(cafile=tls.ca)
+        context.check_hostname = False  # names are gRPC's to check; trust is the question
+        context.load_cert_chain(tls.cert, tls.key)
+    context.set_alpn_protocols(["h2"])  # what gRPC speaks; a server drops a caller without
+    try:
+        with context.wrap_socket(raw, server_hostname=host) as conn:
+            conn.settimeout(timeout_s)
+            # TLS 1.3 settles the client certificate after the handshake: an accepted
+            # caller gets the server's HTTP/2 settings, a refused one the end of the stream.
+            accepted = conn.recv(1) != b""
+    except ssl.SSLCertVerificationError:
+        return (f"certificate not trusted: the daemon at {address} presents a certificate "
+                f"that {tls.ca if tls else 'the CA'} did not sign; set STALWART_TLS_CA to the "
+                "cluster's ca.pem")
+    except ssl.SSLError as e:
+        answered = any(w in str(e).lower() for w in _ALERTS)
+        if tls is None:
+            return REQUIRES_TLS.format(address=address) if answered else ""
+        if answered:
+            return (f"certificate not trusted: the daemon at {address} refuses the "
+                    f"certificate {tls.cert}; it must be signed by the cluster's CA")
+        return (f"the daemon at {address} does not speak TLS; unset STALWART_TLS_CERT, "
+                "STALWART_TLS_KEY and STALWART_TLS_CA to reach it")
+    except OSError:
+        return ""
+    finally:
+        raw.close()
+    if tls is None:
+        return REQUIRES_TLS.format(address=address)
+    return "" if accepted else (
+        f"certificate not trusted: the daemon at {address} refuses the certificate "
+        f"{tls.cert}; it must be signed by the cluster's CA")
 
 
 def _read(key: str, path: str) -> bytes:
@@ -82,8 +157,10 @@ class ReloadingServerCredentials:
         return tuple(out)
 
     def _load(self) -> _Files:
-        return _Files(_read("tls.cert", self.tls.cert), _read("tls.key", self.tls.key),
-                      _read("tls.ca", self.tls.ca))
+        files = _Files(_read("tls.cert", self.tls.cert), _read("tls.key", self.tls.key),
+                       _read("tls.ca", self.tls.ca))
+        check_pair(self.tls.cert, self.tls.key, "tls.key")  # half-rotated: keep the old pair
+        return files
 
     @staticmethod
     def _configuration(files: _Files) -> grpc.ServerCertificateConfiguration:
