@@ -39,7 +39,12 @@ class RankContext:
 
 
 class RankFailure(RuntimeError):
-    """One or more ranks failed or missed their deadline; the message holds every rank's story."""
+    """One or more ranks failed or missed their deadline; the message holds every rank's
+    story, `summary` the first failure in one line."""
+
+    def __init__(self, message: str, summary: str = "") -> None:
+        super().__init__(message)
+        self.summary = summary or message.splitlines()[0]
 
 
 def connect_store(timeout_s: float = 60.0):
@@ -108,7 +113,8 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
     failures = [(r, rec, p.exitcode) for r, (rec, p) in enumerate(zip(records, procs, strict=True))
                 if rec is None or not rec["ok"]]
     if failures or timed_out:
-        raise RankFailure(_describe(failures, timeout if timed_out else None))
+        raise RankFailure(_describe(failures, timeout if timed_out else None),
+                          _summary(failures, timeout if timed_out else None))
     return [rec["result"] for rec in records]
 
 
@@ -130,6 +136,18 @@ def _wait(procs: list, timeout: float, grace: float) -> bool:
 
 def _read(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def _summary(failures: list, timeout: float | None) -> str:
+    """The first failed rank's exception line (the last line of its traceback)."""
+    if timeout is not None:
+        return f"{len(failures)} rank(s) still ran after {timeout:.0f} s and were killed"
+    rank, rec, code = failures[0]
+    if rec is None:
+        return f"rank {rank} exited with code {code} without a result (killed or crashed)"
+    last = [line for line in rec["error"].strip().splitlines() if line.strip()][-1:]
+    others = f" (and {len(failures) - 1} more rank(s))" if len(failures) > 1 else ""
+    return f"rank {rank} failed: {last[0].strip() if last else 'no message'}{others}"
 
 
 def _describe(failures: list, timeout: float | None) -> str:

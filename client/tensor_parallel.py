@@ -81,6 +81,33 @@ class RowParallelLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+def split_error(module: nn.Linear, style: str, size: int, where: str) -> str:
+    """Why `module` cannot be split `style`-wise over `size` ranks, or ""."""
+    features = module.out_features if style == "column" else module.in_features
+    if features % size == 0:
+        return ""
+    side = "output" if style == "column" else "input"
+    return (f"{where}.weight: {features} {side} features do not split over tp={size}; "
+            f"choose a tensor-parallel degree that divides {features}")
+
+
+def plan_errors(block: nn.Module, plan: Mapping[str, str], size: int,
+                block_name: str = "") -> list[str]:
+    """Every reason `block` (full size, any device) cannot take `plan` at tp=`size`;
+    the launcher asks before any rank starts."""
+    out = []
+    for path, style in plan.items():
+        try:
+            module = block.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(module, nn.Linear) and style in STYLES:
+            why = split_error(module, style, size, f"{block_name}.{path}")
+            if why:
+                out.append(why)
+    return out
+
+
 def parallelize(block: nn.Module, plan: Mapping[str, str], group: Any,
                 block_name: str = "") -> dict[str, int]:
     """Replace the planned linears of `block` in place (when the TP group has more than
@@ -99,12 +126,9 @@ def parallelize(block: nn.Module, plan: Mapping[str, str], group: Any,
         if not isinstance(module, nn.Linear):
             raise TypeError(f"tensor-parallel plan entry {path!r} of block {block_name!r} is a "
                             f"{type(module).__name__}; the plan splits nn.Linear modules only")
-        features = module.out_features if style == "column" else module.in_features
-        if features % size:
-            side = "output" if style == "column" else "input"
-            raise ValueError(f"{block_name}.{path}.weight: {features} {side} features do not "
-                             f"split over tp={size}; choose a tensor-parallel degree that "
-                             f"divides {features}")
+        why = split_error(module, style, size, f"{block_name}.{path}")
+        if why:
+            raise ValueError(why)
         cls = ColumnParallelLinear if style == "column" else RowParallelLinear
         for pname, dim in cls.shard_dims.items():
             if getattr(module, pname, None) is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -46,10 +47,74 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="write losses and param_digest here")
 
 
+class UsageError(ValueError):
+    """A flag's value cannot work; the message names the flag and a value that would."""
+
+
+def parse_bounds(text: str | None) -> list[list[int]] | None:
+    """--bounds "0-1,2-5" as [[0, 1], [2, 5]]."""
+    if not text:
+        return None
+    try:
+        out = [[int(x) for x in part.split("-")] for part in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or any(len(b) != 2 for b in out):
+        raise UsageError(f"--bounds {text!r}: give inclusive FIRST-LAST block ranges, one per "
+                         "stage, e.g. --bounds 0-1,2-3")
+    return out
+
+
+def preflight(args: argparse.Namespace, layers: Any = None) -> list[str]:
+    """Check the flags in this process before any rank starts: raise UsageError (one line
+    naming the flag) when they cannot work, return warnings for slow or substituted
+    choices. `layers` defaults to the GPT example of --model."""
+    import torch
+
+    from stalwart.client.tensor_parallel import plan_errors
+    from stalwart.client.trainer import check_layout, resolve_precision
+    from stalwart.core.layout import Layout
+    from stalwart_examples.gpt import config
+    from stalwart_examples.gpt.model import layers as gpt_layers
+
+    for flag, value in (("--steps", args.steps), ("--global-batch", args.global_batch),
+                        ("--grad-accum", args.grad_accum), ("--log-every", args.log_every)):
+        if value < 1:
+            raise UsageError(f"{flag} {value}: must be at least 1")
+    try:
+        layout = Layout(dp=args.dp, pp=args.pp, tp=args.tp)
+    except ValueError as e:
+        raise UsageError(f"--dp/--pp/--tp: {e}") from None
+    layers = layers if layers is not None else gpt_layers(config(args.model))
+    try:
+        check_layout(len(layers), layout, global_batch=args.global_batch,
+                     microbatches=args.microbatches or args.pp, grad_accum=args.grad_accum,
+                     bounds=parse_bounds(args.bounds))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.tp > 1:
+        with torch.device("meta"):  # shapes only: nothing is allocated
+            for i, name in enumerate(layers.names):
+                errors = plan_errors(layers.build(i, 0), layers.tp_plan, args.tp, name)
+                if errors:
+                    divisors = [d for d in range(1, args.tp * 8 + 1)
+                                if not plan_errors(layers.build(i, 0), layers.tp_plan, d, name)]
+                    raise UsageError(f"--tp {args.tp}: {errors[0]} (--tp "
+                                     f"{max(d for d in divisors if d < args.tp)} works)")
+    if args.device == "cuda":
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have == 0:
+            raise UsageError("--device cuda: torch sees no CUDA device on this machine "
+                             f"(torch {torch.__version__}); use --device cpu")
+        if have < layout.world_size:
+            raise UsageError(f"--device cuda: {layout.world_size} ranks need one GPU each, this "
+                             f"machine has {have}; lower --dp/--pp/--tp")
+    warning = resolve_precision(args.precision, args.device)[1]
+    return [warning] if warning else []
+
+
 def _spec(args: argparse.Namespace) -> dict[str, Any]:
-    bounds = None
-    if args.bounds:
-        bounds = [[int(x) for x in part.split("-")] for part in args.bounds.split(",")]
+    bounds = parse_bounds(args.bounds)
     return {"dp": args.dp, "pp": args.pp, "tp": args.tp, "schedule": args.schedule,
             "microbatches": args.microbatches or args.pp, "grad_accum": args.grad_accum,
             "steps": args.steps, "model": args.model, "seed": args.seed,
@@ -89,7 +154,7 @@ def train_worker(ctx: Any, spec: dict[str, Any]) -> dict[str, Any]:
     for step in range(spec["steps"]):
         losses.append(trainer.step())
         if ctx.rank == 0 and (step % spec["log_every"] == 0 or step == spec["steps"] - 1):
-            print(f"step {step:5d}  loss {losses[-1]:.4f}  "
+            print(f"step {step + 1:5d}  loss {losses[-1]:.4f}  "  # steps count from 1
                   f"{time.perf_counter() - started:7.1f} s", file=sys.stderr, flush=True)
     seconds = time.perf_counter() - started
     hashes = trainer.param_hashes()  # collective over TP: every rank calls it
@@ -105,16 +170,28 @@ def run(args: argparse.Namespace) -> int:
     from stalwart.client.launch import RankFailure, run_local
     from stalwart_examples.gpt import config
 
+    try:
+        warnings = preflight(args)
+    except UsageError as e:
+        print(f"stalwart train: {e}", file=sys.stderr)
+        return 2
     spec = _spec(args)
     world = args.dp * args.pp * args.tp
     print(f"[train] unprotected loop (no daemon, no snapshots): {args.model} GPT, "
           f"dp={args.dp} pp={args.pp} tp={args.tp} "
-          f"({world} ranks), {args.schedule} m={spec['microbatches']}, {args.steps} steps",
+          f"({world} ranks), {args.schedule} m={spec['microbatches']}, {args.steps} steps, "
+          f"precision {args.precision}, recompute {args.recompute}, device {args.device}",
           file=sys.stderr, flush=True)
+    for warning in warnings:
+        print(f"[train] note: {warning}", file=sys.stderr, flush=True)
     try:
         results = run_local(train_worker, world, spec, timeout=args.timeout)
     except RankFailure as exc:
-        print(f"stalwart train: the run failed.\n{exc}", file=sys.stderr)
+        if os.environ.get("STALWART_DEBUG", "") not in ("", "0"):
+            print(f"stalwart train: the run failed.\n{exc}", file=sys.stderr)
+        else:
+            print(f"stalwart train: {exc.summary} (`stalwart --debug train ...` shows every "
+                  "rank's traceback)", file=sys.stderr)
         return 1
     hashes: dict[str, str] = {}
     for res in results:

@@ -8,6 +8,7 @@ rebuilt with another plan in the same process.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -22,8 +23,10 @@ from stalwart.client.layers import Layers, Stage, probe
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.pipeline import PipelineStats, run_schedule
 from stalwart.client.user_data import Data
+from stalwart.core.layout import Layout
 
-__all__ = ["LossScaler", "TrainConfig", "Trainer", "full_params", "uniform_bounds"]
+__all__ = ["LossScaler", "TrainConfig", "Trainer", "check_layout", "full_params",
+           "resolve_precision", "uniform_bounds"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,18 +109,9 @@ class Trainer:
                  act_shape: tuple[int, ...] | None = None) -> None:
         lay = dims.layout
         per_replica = lay.dp * grad_accum * microbatches
-        if data.global_batch % per_replica:
-            raise ValueError(f"global batch {data.global_batch} does not split into dp="
-                             f"{lay.dp} x grad_accum={grad_accum} x microbatches="
-                             f"{microbatches}; choose degrees whose product divides it")
-        n = len(layers)
-        bounds = stage_bounds or uniform_bounds(n, lay.pp)
-        if len(bounds) != lay.pp:
-            raise ValueError(f"{len(bounds)} stage bounds for pp={lay.pp}; give one per stage")
-        flat = [i for first, last in bounds for i in range(first, last + 1)]
-        if flat != list(range(n)) or any(f > la for f, la in bounds):
-            raise ValueError(f"stage bounds {bounds} must cover blocks 0..{n - 1} in order, "
-                             "each stage a non-empty contiguous range")
+        bounds = check_layout(len(layers), lay, global_batch=data.global_batch,
+                              microbatches=microbatches, grad_accum=grad_accum,
+                              bounds=stage_bounds)
         self.dims, self.cfg, self.bounds = dims, cfg, [tuple(b) for b in bounds]
         self.layers, self.data = layers, data
         self.schedule_kind, self.m, self.grad_accum = schedule, microbatches, grad_accum
@@ -136,10 +130,7 @@ class Trainer:
                                    compress=cfg.compress, reduce_fn=reduce_fn)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr_at(0), betas=(0.9, 0.95),
                                            weight_decay=cfg.weight_decay)
-        precision = cfg.precision
-        if precision == "auto":
-            precision = "fp16" if self.device.type == "cuda" else "bf16"
-        self.precision = precision
+        self.precision = precision = resolve_precision(cfg.precision, self.device)[0]
         self.scaler = LossScaler(enabled=precision == "fp16")
         self.actions = pipeline.schedule(schedule, dims.layout.pp, me.pp, microbatches)
         self.step_count = 0
@@ -340,6 +331,61 @@ def full_params(stage: Stage, tp: Any) -> dict[str, torch.Tensor]:
             t = torch.cat(tp.all_gather(t), dim=dim)
         out[name] = t.clone()
     return out
+
+
+def check_layout(num_layers: int, layout: Layout, *, global_batch: int, microbatches: int = 1,
+                 grad_accum: int = 1, bounds: Sequence[Sequence[int]] | None = None
+                 ) -> list[tuple[int, int]]:
+    """The stage bounds of `layout` over `num_layers` blocks, or ValueError saying in one
+    line what does not fit and a value that would (the launcher asks before any rank
+    starts; every rank asks again)."""
+    if microbatches < 1 or grad_accum < 1:
+        raise ValueError(f"microbatches={microbatches}, grad_accum={grad_accum}: each must be "
+                         "at least 1")
+    if layout.pp > num_layers:
+        raise ValueError(f"pp={layout.pp}: the model has {num_layers} blocks, so at most "
+                         f"pp={num_layers} stages")
+    per_replica = layout.dp * grad_accum * microbatches
+    if global_batch % per_replica:
+        dps = [d for d in range(layout.dp, 0, -1)
+               if global_batch % (d * grad_accum * microbatches) == 0]
+        ms = [m for m in range(microbatches, 0, -1)
+              if global_batch % (layout.dp * grad_accum * m) == 0]
+        options = [f"{k}={v[0]}" for k, v in (("dp", dps), ("microbatches", ms)) if v]
+        hint = f" ({' or '.join(options)} would)" if options else ""
+        raise ValueError(f"global batch {global_batch} does not split into dp={layout.dp} x "
+                         f"grad_accum={grad_accum} x microbatches={microbatches}; choose "
+                         f"degrees whose product divides it{hint}")
+    chosen = [tuple(b) for b in bounds] if bounds else uniform_bounds(num_layers, layout.pp)
+    if len(chosen) != layout.pp:
+        raise ValueError(f"{len(chosen)} stage bounds for pp={layout.pp}; give one per stage, "
+                         f"e.g. {_bounds_text(uniform_bounds(num_layers, layout.pp))}")
+    flat = [i for first, last in chosen for i in range(first, last + 1)]
+    if (any(len(b) != 2 for b in chosen) or flat != list(range(num_layers))
+            or any(f > la for f, la in chosen)):
+        raise ValueError(f"stage bounds {_bounds_text(chosen)} must cover blocks 0.."
+                         f"{num_layers - 1} in order, each stage a non-empty contiguous range, "
+                         f"e.g. {_bounds_text(uniform_bounds(num_layers, layout.pp))}")
+    return [(int(a), int(b)) for a, b in chosen]
+
+
+def _bounds_text(bounds: Sequence[Sequence[int]]) -> str:
+    return ",".join("-".join(str(x) for x in b) for b in bounds)
+
+
+def resolve_precision(precision: str, device: str | torch.device) -> tuple[str, str]:
+    """(the precision a rank trains in, a warning or "") for the asked `precision`."""
+    kind = torch.device(device).type
+    if precision == "auto":
+        if kind == "cuda":
+            chosen = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        else:
+            chosen = "bf16"
+        return chosen, f"precision auto: {chosen} on {kind}"
+    if precision == "fp16" and kind == "cpu":
+        return precision, ("precision fp16 on CPU: emulated, several times slower than fp32 "
+                           "or bf16; fp16 pays off on GPUs")
+    return precision, ""
 
 
 def uniform_bounds(num_layers: int, stages: int) -> list[tuple[int, int]]:

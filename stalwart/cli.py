@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     # `--debug` anywhere (or STALWART_DEBUG=1): tracebacks and gRPC's own log lines.
     debug = "--debug" in argv or os.environ.get("STALWART_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
-    if not debug:
+    if debug:
+        os.environ["STALWART_DEBUG"] = "1"  # for subcommands and the processes they start
+    else:
         os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before grpc is imported
     if not argv or argv[0] in ("-h", "--help"):
         print(_top_level_help())
