@@ -109,6 +109,12 @@ def run(args: argparse.Namespace) -> int:
     if not faults and not args.no_faults:
         faults = [{"kind": "kill", "target": "rank", "index": min(1, world - 1),
                    "step": max(2, args.steps // 3)}]
+    why = _bad_fault(faults, world, args.nodes, args.steps)
+    if why:
+        print(f"stalwart demo: {why}", file=sys.stderr)
+        return 2
+    if args.workdir is not None:
+        args.workdir = args.workdir.expanduser().resolve()  # ranks and daemons run elsewhere
     t0 = time.monotonic()
     settings: dict[str, Any] = {
         "elastic": {"shrink": not args.no_shrink, "mem_cap_bytes": args.mem_cap}}
@@ -122,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
     for f in faults:
         who = f["target"] if f["index"] < 0 else f"{f['target']} {f['index']}"
         print(f"  will {f['kind']} {who} after step {f['step']}")
-    print(f"  logs and snapshots: {cluster.workdir}")
+    print(f"  logs and snapshots: {cluster.workdir}"
+          + ("" if args.workdir is not None else " (removed at exit; --workdir DIR keeps them)"))
     previous = {sig: signal.signal(sig, _interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         cluster.start_daemons()
@@ -169,6 +176,23 @@ def run(args: argparse.Namespace) -> int:
     return 0 if summary["completed"] else 1
 
 
+def _bad_fault(faults: list[dict[str, Any]], world: int, nodes: int, steps: int) -> str:
+    """Why one of `faults` can never fire in this run, or ""."""
+    flag = {"kill": "--kill", "hang": "--hang", "gpu": "--gpu-fault"}
+    for f in faults:
+        name = f"{flag[f['kind']]} {f['target']}"
+        if f["target"] == "rank" and not 0 <= f["index"] < world:
+            return (f"{name}:{f['index']}@step:{f['step']}: the job has ranks 0..{world - 1} "
+                    f"(dp*pp*tp = {world}); e.g. rank:{world - 1}@step:{f['step']}")
+        if f["target"] == "node" and not 0 <= f["index"] < nodes:
+            return (f"{name}:{f['index']}@step:{f['step']}: the demo has nodes 0..{nodes - 1} "
+                    f"(--nodes {nodes}); e.g. node:{nodes - 1}@step:{f['step']}")
+        if not 1 <= f["step"] < steps:
+            return (f"{flag[f['kind']]} ...@step:{f['step']}: a fault fires after a step the "
+                    f"run takes and before its last, so 1..{steps - 1} (--steps {steps})")
+    return ""
+
+
 class _Interrupted(Exception):
     pass
 
@@ -192,6 +216,7 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
     deadline = time.monotonic() + args.timeout
     roles = args.dp * args.pp * args.tp
     stopped_at: float | None = None
+    final_layout = Layout(args.dp, args.pp, args.tp)
     while cluster.running() and time.monotonic() < deadline:
         if _finished(cluster, args.steps) >= roles:
             break  # every role is done; what still runs is a rank or spare without one
@@ -223,14 +248,17 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
                 if generation and plan.completed:
                     _say(t0, f"COMPLETED: {plan.stop_message}")
                 elif generation:
-                    _say(t0, f"NEW PLAN generation {coord.generation}: {plan.reason or '-'}; "
-                             f"resume from committed step {plan.resume_step}")
                     plans.append({"generation": coord.generation, "reason": plan.reason,
                                   "resume_step": plan.resume_step, "time_unix": time.time(),
                                   "stop": plan.stop, "stop_message": plan.stop_message})
                     if plan.stop:
-                        _say(t0, f"STOP: {plan.stop_message}")
+                        _say(t0, f"STOP at committed step {plan.resume_step}: "
+                                 f"{plan.stop_message}")
                         stopped_at = time.monotonic()
+                    else:
+                        _say(t0, f"NEW PLAN generation {coord.generation}: {plan.reason}; "
+                                 f"resume from committed step {plan.resume_step}")
+                        final_layout = Layout.from_proto(plan.layout)
                 generation = coord.generation
         if follow.losses:
             step = max(follow.losses)
@@ -245,6 +273,7 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
     _add_missed_plans(cluster, plans)
     summary = _summarise(cluster, args, faults, follow, plans, committed_at,
                          time.monotonic() - t0)
+    summary["layout"] = {"dp": final_layout.dp, "pp": final_layout.pp, "tp": final_layout.tp}
     summary["coordinators"] = coordinators
     summary["detected"] = detected
     # How each process had ended when training did (None: still running then), before
@@ -308,7 +337,7 @@ def _summarise(cluster: Any, args: argparse.Namespace, faults: list[dict[str, An
     fired = sorted((json.loads(p.read_text()) for p in cluster.workdir.glob("fault-*.json")),
                    key=lambda f: f["time_unix"])
     recoveries = []
-    for fault, plan in zip(fired, plans, strict=False):
+    for fault, plan in zip(fired, [p for p in plans if not p["stop"]], strict=False):
         gens = [g for res in finished for g in res.get("generations", [])
                 if g["generation"] == plan["generation"]]
         before = [c for t, c in committed_at if t <= fault["time_unix"]]
@@ -331,7 +360,12 @@ def _summarise(cluster: Any, args: argparse.Namespace, faults: list[dict[str, An
             "lost_steps": sum(r["lost_steps"] for r in recoveries),
             "recoveries": recoveries,
             "stopped": next((p["stop_message"] for p in plans if p["stop"]), ""),
-            "layout": {"dp": args.dp, "pp": args.pp, "tp": args.tp}, "steps": args.steps}
+            "start_layout": {"dp": args.dp, "pp": args.pp, "tp": args.tp},
+            "steps": args.steps}
+
+
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds} s"
 
 
 def _print_summary(s: dict[str, Any]) -> None:
@@ -344,10 +378,14 @@ def _print_summary(s: dict[str, Any]) -> None:
     for r in s["recoveries"]:
         print(f"recovery from {r['kind']} after step {r['fault_step']}: resumed at committed "
               f"step {r['resume_step']} (lost {r['lost_steps']}, redone {r['redone_steps']}); "
-              f"detect+plan {r['detect_plan_s']} s, rebuild {r['rebuild_s']} s, restore "
-              f"{r['restore_s']} s, fault to first step {r['mttr_s']} s")
+              f"detect+plan {_s(r['detect_plan_s'])}, rebuild {_s(r['rebuild_s'])}, restore "
+              f"{_s(r['restore_s'])}, fault to first step {_s(r['mttr_s'])}")
     if s["stopped"]:
         print(f"stopped: {s['stopped']}")
-    print(f"committed steps lost: {s['lost_steps']}; training "
-          f"{'completed' if s['completed'] else 'did NOT complete'} in {s['elapsed_s']} s; "
-          f"param_digest {s['param_digest']}")
+    start, end = s["start_layout"], s["layout"]
+    if start != end:
+        print(f"layout: dp={start['dp']} pp={start['pp']} tp={start['tp']} -> dp={end['dp']} "
+              f"pp={end['pp']} tp={end['tp']}")
+    outcome = (f"completed in {s['elapsed_s']} s; param_digest {s['param_digest']}"
+               if s["completed"] else f"did NOT complete ({s['elapsed_s']} s)")
+    print(f"committed steps lost: {s['lost_steps']}; training {outcome}")

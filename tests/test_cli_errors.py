@@ -84,3 +84,37 @@ def test_an_unforeseen_error_is_one_line_and_debug_shows_the_traceback(
     assert "--debug" in line
     debug = broken("--debug", "broken")
     assert debug.returncode == 1 and "Traceback" in debug.stderr
+
+
+@pytest.mark.parametrize(("fault", "words"), [
+    ("rank:9@step:3", ["--kill rank:9@step:3: the job has ranks 0..3", "rank:3@step:3"]),
+    ("node:5@step:3", ["--kill node:5@step:3: the demo has nodes 0..1"]),
+    ("rank:1@step:40", ["a fault fires after a step the run takes", "1..9 (--steps 10)"]),
+])
+def test_demo_refuses_a_fault_that_could_never_fire(fault, words) -> None:
+    done = stalwart("demo", "--steps", "10", "--kill", fault)
+    assert done.returncode == 2 and done.stdout == ""
+    line = one_line(done)
+    for w in words:
+        assert w in line, (w, line)
+
+
+MICRO = '{"d_model": 32, "n_layer": 2, "n_head": 2, "d_ff": 64, "seq_len": 16}'
+
+
+@pytest.mark.multiprocess
+def test_demo_stop_reads_as_a_stop_and_a_relative_workdir_is_kept(tmp_path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "stalwart.cli", "demo", "--model-overrides", MICRO,
+         "--nodes", "2", "--dp", "2", "--pp", "1", "--spares", "0", "--no-shrink",
+         "--steps", "8", "--kill", "rank:1@step:3", "--collective-timeout", "4",
+         "--workdir", "wd"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if not k.startswith("STALWART_")})
+    out = done.stdout
+    assert done.returncode == 1, (out, done.stderr)
+    assert f"logs and snapshots: {tmp_path / 'wd'}" in out and "removed at exit" not in out
+    assert (tmp_path / "wd" / "node-0" / "daemon.log").exists()
+    assert "STOP at committed step" in out and "NEW PLAN" not in out
+    assert "None" not in out and "recovery from" not in out
+    assert "training did NOT complete" in out and "param_digest" not in out
