@@ -174,3 +174,74 @@ def test_offline_export_names_the_rank_whose_chunks_are_not_on_this_disk(tmp_pat
     LocalStore(tmp_path).chunk_path(5, 0, 0).unlink()
     with pytest.raises(interop.InteropError, match="Rank 0 .* --socket"):
         interop.read_from_store(tmp_path, "default", 5)
+
+
+@pytest.mark.multiprocess
+def test_a_dcp_export_of_a_users_loop_loads_into_a_plain_model_and_optimizer(
+        tmp_path: Path) -> None:
+    """The classifier trains in its own loop; its DCP export loads with nothing but
+    torch.distributed.checkpoint into a fresh ConvNet, SGD (momentum) and StepLR."""
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+    from example_runs import REPO, run_example
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from stalwart import param_digest
+
+    run = run_example(tmp_path, "examples/classifier/train.py", "--steps", "4",
+                      nodes=1, world=1, settings=PATIENT)
+    [trained] = run.finished()
+    path = tmp_path / "dcp"
+    assert main(["export", "--format", "dcp", str(path), "--data-dir",
+                 str(run.workdir / "node-0")]) == 0
+
+    sys.path.insert(0, str(REPO / "examples" / "classifier"))
+    from convnet import ConvNet
+
+    model = ConvNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.5)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {**model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict()}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict={k: state[k] for k in model_sd},
+                   optim_state_dict=state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+
+    # The model's own keys, not Stalwart's: digest as stalwart.run computed it ("model/").
+    assert param_digest({f"model/{n}": tensor_sha256(p) for n, p in model.named_parameters()}
+                        ) == trained["param_digest"]
+    snapshot = interop.load(path)  # the same step under the snapshot's names
+    for name, p in model.named_parameters():
+        moment = optimizer.state[p]["momentum_buffer"]
+        assert torch.equal(moment, snapshot[f"optimizer/model/{name}/momentum_buffer"])
+        assert moment.abs().sum() > 0
+    assert scheduler.last_epoch == 4 and optimizer.param_groups[0]["lr"] == 0.05
+
+
+@pytest.mark.multiprocess
+def test_a_dcp_export_of_the_3d_loop_loads_into_a_plain_module_of_its_blocks(
+        trained: dict[str, Any], tmp_path: Path) -> None:
+    """A model of the 3D loop, as a plain module holding its blocks as `layers` (the
+    canonical names), with AdamW: plain DCP fills both from a (1,1,2) run's export."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    export(trained, tmp_path / "dcp", "dcp")
+    cfg = {"d_model": 32, "n_layer": 2, "n_head": 2, "d_ff": 64, "seq_len": 16}
+    from stalwart_examples.gpt.model import GPTConfig
+    from stalwart_examples.gpt.model import layers as gpt_layers
+
+    blocks = gpt_layers(GPTConfig(**{**vars(GPTConfig()), **cfg}))
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(blocks.build(i, 1) for i in range(len(blocks)))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {**model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
+    set_state_dict(model, optimizer, model_state_dict={k: state[k] for k in model_sd},
+                   optim_state_dict=state["optimizer"])
+    assert {n: tensor_sha256(p) for n, p in model.named_parameters()} == trained["hashes"]
+    assert all(optimizer.state[p]["exp_avg"].abs().sum() > 0 for p in model.parameters())
+    assert optimizer.param_groups[0]["lr"] > 0
