@@ -9,7 +9,6 @@ tiny model trains with and without a capture every step, interleaved, in one pro
 from __future__ import annotations
 
 import shutil
-import sys
 import tempfile
 import time
 import warnings
@@ -17,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from statistics import median
 from typing import Any
+
+from stalwart.bench.progress import say
 
 
 def _model(preset: str, batch: int, seq_len: int | None = None, seed: int = 0):
@@ -170,10 +171,6 @@ class _DaemonRank:
             self.cluster.close()
 
 
-def _progress(text: str) -> None:
-    print(f"[bench capture] {text}", file=sys.stderr, flush=True)
-
-
 def run(quick: bool) -> dict:
     import torch
 
@@ -181,7 +178,7 @@ def run(quick: bool) -> dict:
     steps, repeats = (6, 2) if quick else (12, 3)
     folder = Path(tempfile.mkdtemp(prefix="stalwart-bench-capture-"))
     rank = _DaemonRank(folder / "cluster")
-    _progress("daemon up, rank registered")
+    say("daemon up, rank registered")
     try:
         model, opt, step = _model(preset, batch, seq)
         state = _state(model, opt)
@@ -190,7 +187,7 @@ def run(quick: bool) -> dict:
         save_s = _torch_save(state, folder, repeats)
         dcp_stall_s, dcp_total_s = _dcp_async_stall(state, folder, repeats)
 
-        _progress(f"baselines done ({nbytes / 1e6:.0f} MB state); capturing {steps} steps")
+        say(f"baselines done ({nbytes / 1e6:.0f} MB state); capturing {steps} steps")
         rank.train(model, opt, step, 2, capture=False)  # warm-up: first steps run slow
         step_with_s = median(rank.train(model, opt, step, steps, capture=True)[1:])
         stalls = rank.capturer.stats.stalls_s[1:]  # the first opens and pre-faults the slots
@@ -204,7 +201,7 @@ def run(quick: bool) -> dict:
         rank.train(model, opt, step, steps, capture=True, every=3)
         sparse_stalls = rank.capturer.stats.stalls_s[before + 1:]
 
-        _progress("step overhead on the tiny model")
+        say("step overhead on the tiny model")
         tiny_model, tiny_opt, tiny_step = _model("tiny", 4, 64, seed=1)
         plain, captured, tiny_stalls = [], [], []
         for _ in range(2 if quick else 4):  # interleaved blocks: drift hits both sides

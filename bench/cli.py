@@ -33,8 +33,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run_one(name: str, quick: bool) -> dict:
+    from stalwart.bench import progress
+
     module = importlib.import_module(f"stalwart.bench.{name}")
     started = time.time()
+    progress.begin(name)
     figures = module.run(quick=quick)
     return {
         "benchmark": name,
@@ -58,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
             if args.name != "all" or exc.name != f"stalwart.bench.{name}":
                 raise
             print(f"[bench] {name}: not implemented yet, skipped", file=sys.stderr)
+    for name, figures in results.items():
+        print(f"[bench] {name}: done in {figures['elapsed_s']:.1f} s; {_headline(figures)}",
+              file=sys.stderr)
     out = results[names[0]] if args.name != "all" else results
     args.json_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.json_path.with_suffix(args.json_path.suffix + ".tmp")
@@ -65,3 +71,11 @@ def run(args: argparse.Namespace) -> int:
     tmp.replace(args.json_path)
     print(f"[bench] wrote {args.json_path}", file=sys.stderr)
     return 0
+
+
+def _headline(figures: dict, most: int = 6) -> str:
+    """The first few top-level numbers of a benchmark's figures, for its closing line."""
+    skip = {"started_unix", "elapsed_s", "quick"}
+    shown = [f"{k} {v}" if isinstance(v, int) else f"{k} {v:.4g}" for k, v in figures.items()
+             if k not in skip and isinstance(v, int | float) and not isinstance(v, bool)]
+    return ", ".join(shown[:most]) or "see the JSON"

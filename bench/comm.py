@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from stalwart.bench.netns_cluster import emulated_cluster, netns_unavailable, run_workers
+from stalwart.bench.progress import say
 from stalwart.core.costs import GPTShape
 from stalwart.core.layout import Layout
 from stalwart.core.offline import comm_model as cm
@@ -23,11 +24,14 @@ INTER_RATE_MBIT = 400  # tc tbf rate of the emulated inter-node link
 
 
 def run(quick: bool) -> dict:
+    say("placement: cross-node bytes of each layout")
     out = placement_figures()
     ranks_per_node = 2 if quick else 4
     nbytes = (4 if quick else 16) << 20
+    say(f"all-reduce of {nbytes >> 20} MiB, flat vs hierarchical, {ranks_per_node} ranks/node")
     out.update(measured_allreduce(ranks_per_node, nbytes, repeats=3 if quick else 5))
     sync_bytes = (1 if quick else 4) << 20
+    say(f"gradient sync of {sync_bytes >> 20} MiB over 8 ranks")
     out.update(measured_sync(8, sync_bytes, repeats=3 if quick else 5))
     return out
 

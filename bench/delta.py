@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from stalwart.bench.progress import say
 from stalwart.daemon.snapshot import codecs
 from stalwart.daemon.snapshot.chunks import decode_rank, encode_rank, plan_chunks
 from stalwart.v1 import manifest_pb2
@@ -237,8 +238,10 @@ def run(quick: bool) -> dict:
         plan = [("tiny", 10, 4, 5)]
     else:
         plan = [("tiny", 30, 10, 20), ("small", 30, 8, 10)]
-    results = {name: _preset(name, warmup, steps, after, 1 if quick else 3)
-               for name, warmup, steps, after in plan}
+    results = {}
+    for name, warmup, steps, after in plan:
+        say(f"{name}: {warmup} warm-up steps, then {steps} captured steps")
+        results[name] = _preset(name, warmup, steps, after, 1 if quick else 3)
     return {
         "chunk_bytes": CHUNK_BYTES,
         "codec": "ADAM_PREDICTED_XOR_ZSTD: XOR against the previous step, parameters and "

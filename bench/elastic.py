@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from stalwart.bench.progress import say, seconds
 from stalwart.client.local_cluster import StepLog
 from stalwart.core.decide import Member, PlanState
 from stalwart.core.layout import Layout
@@ -86,13 +87,17 @@ def run(quick: bool) -> dict:
     costs = tuple(layer_costs(cfg))
     layer_bytes = _layer_bytes(cfg)
     repeats = 5 if quick else 20
+    say(f"planner: a lost stage of 4, each victim, {repeats} repeats")
     cases = [_planner_case("tiny (1,4,1)", costs, layer_bytes, 1, 4, v, repeats)
              for v in range(4)]
     big = config("medium")
     big_costs = tuple(layer_costs(big))
     cases.append(_planner_case("medium (2,4,1)", big_costs, _layer_bytes(big),
                                2, 4, 3, max(1, repeats // 5)))
+    say("cluster: a 4-stage pipeline loses a rank and shrinks onto 3")
     cluster = _cluster_run(quick)
+    say(f"cluster: re-plan {seconds(cluster.get('replan_s'))}, "
+        f"pause {seconds(cluster.get('pause_s'))}")
     keys = ("replan_s", "layers_moved", "layers_moved_naive", "bytes_moved",
             "bytes_moved_naive", "pause_s", "throughput_ratio", "throughput_ratio_core_share")
     return {**{k: cluster.get(k) for k in keys}, "cluster": cluster,

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from stalwart.bench.progress import say
+
 CODES = ((4, 2), (8, 2))
 CHUNK_BYTES = 4 << 20
 GB = 1e9
@@ -138,9 +140,12 @@ def run(quick: bool) -> dict:
     figures: dict = {"bytes_coded": size, "chunk_bytes": CHUNK_BYTES,
                      "memcpy_gbps": round(size / memcpy_s / GB, 3), "codes": {}}
     for k, m in CODES:
+        say(f"coder k={k} m={m}: encode and decode {size >> 20} MiB, {repeats} repeats")
         figures["codes"][f"k{k}_m{m}"] = {"k": k, "m": m, **_coder_figures(buf, k, m, repeats)}
+        say(f"coder k={k} m={m}: encode {figures['codes'][f'k{k}_m{m}']['encode_gbps']} GB/s")
     from stalwart.bench.erasure_cluster import cluster_figures
 
+    say("training run: daemons store shards of real steps; then m of them are killed")
     run_ = figures["training_run"] = cluster_figures(quick, *CODES[0])
     encoded = (run_["stored_bytes_per_step_ratio"] - run_["shards_only_ratio"])  # local copy
     figures["replication3_ratio"] = 3.0
@@ -168,5 +173,6 @@ def run(quick: bool) -> dict:
         "copy, after SIGKILL of m other daemons (reads k shards over gRPC and decodes); "
         "restore_synthetic repeats this on 32 MiB (quick) of random bytes in-process")
     restore_bytes = (32 if quick else 128) << 20
+    say(f"synthetic restore of {restore_bytes >> 20} MiB from shards")
     figures["restore_synthetic"] = asyncio.run(_restore_figures(buf[:restore_bytes], 4, 2))
     return figures

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stalwart.bench.progress import say
+
 INPUTS = 12_000
 QUICK_INPUTS = 10_000
 CALL_TIMEOUT_S = 2.0   # a handler slower than this counts as hung
@@ -188,6 +190,9 @@ async def _fuzz(n: int, root: Path, seed: int) -> dict:
             warm = n // 10
             rss_before = 0
             for i in range(n):
+                if i and i % max(1, n // 10) == 0:
+                    say(f"{i}/{n} inputs sent; {sum(codes.values()) - codes.get('OK', 0)} "
+                        "refused so far")
                 if i == warm:
                     gc.collect()
                     rss_before = _rss_bytes()

@@ -20,6 +20,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from stalwart.bench.progress import say, seconds
 from stalwart.client.local_cluster import StepLog
 
 MODEL = "tiny"
@@ -62,8 +63,15 @@ def run(quick: bool) -> dict[str, Any]:
     trials = 2 if quick else 5  # each side; a Stalwart trial is a fresh cluster (~20-40 s)
     root = Path(tempfile.mkdtemp(prefix="stalwart-bench-recovery-"))
     load_before = os.getloadavg()[0]
-    ours = [_our_trial(i, root / f"ours-{i}") for i in range(trials)]
+    ours = []
+    for i in range(trials):
+        say(f"Stalwart trial {i + 1}/{trials}: fresh cluster, SIGKILL after step {KILL_STEP}")
+        ours.append(_our_trial(i, root / f"ours-{i}"))
+        t = ours[-1]
+        say(f"Stalwart trial {i + 1}/{trials}: fault to first step {seconds(t.get('mttr_s'))}")
+    say(f"baseline: restart-all + checkpoint load, {trials} kills in one run")
     base = _baseline(trials, root / "baseline")
+    say("baseline: fault to first step " + ", ".join(seconds(t.get("mttr_s")) for t in base))
     figures = _figures(ours, base, root)
     shutil.rmtree(root, ignore_errors=True)  # snapshots and checkpoints: ~1 GB; kept on errors
     # Other work on the machine stretches process start-up most: say how busy it was.

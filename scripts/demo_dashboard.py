@@ -107,7 +107,9 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("docs/overview-dashboard.png"))
+    parser.add_argument("--out", type=Path, default=Path("out/dashboard.png"),
+                        help="PNG to write (default out/dashboard.png; the README's image is "
+                             "docs/overview-dashboard.png)")
     parser.add_argument("--dashboard", default="overview", help="overview, faults or storage")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--kill-step", type=int, default=6)
