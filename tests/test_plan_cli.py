@@ -66,3 +66,20 @@ def test_advise_prints_a_table_and_writes_the_plan(tmp_path: Path):
     assert best["dp"] * best["tp"] * best["pp"] == 32
     assert best["step_time_s"] > 0 and best["memory_bytes"] < 80e9
     assert "classic rule" in done.stdout and "layout" in done.stdout
+
+
+def test_advise_defaults_to_h100_nodes_and_says_what_it_assumed(tmp_path: Path):
+    explicit, default = tmp_path / "explicit.json", tmp_path / "default.json"
+    done = stalwart("advise", "--params", "7e9", "--nodes", "32", "--json", str(default))
+    assert done.returncode == 0, done.stderr
+    assert ("32 x 8 GPUs, 80 GB, 3600 Gb/s inside a node / 400 Gb/s between nodes per GPU"
+            in done.stdout)
+    same = stalwart("advise", "--params", "7e9", "--nodes", "32", "--gpus-per-node", "8",
+                    "--gpu-mem", "80", "--intra-bw", "3600", "--inter-bw", "400",
+                    "--json", str(explicit))
+    assert same.returncode == 0
+    assert json.loads(default.read_text())["best"] == json.loads(explicit.read_text())["best"]
+    # The README's 7B / 200 Gb/s row, and its comparison with the classic rule, printed.
+    slow = stalwart("advise", "--params", "7e9", "--nodes", "32", "--inter-bw", "200")
+    assert slow.stdout.splitlines()[3].startswith("dp32 tp2 pp4")
+    assert "(+29%)" in slow.stdout and "classic rule" in slow.stdout

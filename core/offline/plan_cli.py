@@ -38,13 +38,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
                          "recomputation for a GPT on a cluster")
     adv.add_argument("--params", type=float, required=True,
                      help="model parameters, e.g. 7e9")
-    adv.add_argument("--gpus-per-node", type=int, required=True)
+    # Defaults: a node of eight 80 GB H100 SXM GPUs, NVLink 4 (450 GB/s per direction)
+    # inside it, one 400 Gb/s NIC per GPU between nodes.
     adv.add_argument("--nodes", type=int, required=True)
-    adv.add_argument("--gpu-mem", type=float, required=True, help="GPU memory in GB (1e9 bytes)")
-    adv.add_argument("--intra-bw", type=float, required=True,
-                     help="bandwidth inside a node, Gb/s per GPU per direction")
-    adv.add_argument("--inter-bw", type=float, required=True,
-                     help="bandwidth between nodes, Gb/s per GPU per direction")
+    adv.add_argument("--gpus-per-node", type=int, default=8, help="default 8")
+    adv.add_argument("--gpu-mem", type=float, default=80.0,
+                     help="GPU memory in GB (1e9 bytes); default 80")
+    adv.add_argument("--intra-bw", type=float, default=3600.0,
+                     help="bandwidth inside a node, Gb/s per GPU per direction; default 3600 "
+                          "(NVLink 4)")
+    adv.add_argument("--inter-bw", type=float, default=400.0,
+                     help="bandwidth between nodes, Gb/s per GPU per direction; default 400")
     adv.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
     adv.add_argument("--gpu-flops", type=float, default=989e12,
                      help="peak 16-bit FLOP/s of one GPU")
@@ -103,8 +107,8 @@ def _advise(args: argparse.Namespace) -> dict:
     model = result["model"]
     print(f"model: {model['params'] / 1e9:.1f}B params (d_model {model['d_model']}, "
           f"{model['n_layers']} blocks, seq {model['seq']}); cluster: {args.nodes} x "
-          f"{args.gpus_per_node} GPUs, {args.gpu_mem:g} GB, {args.intra_bw:g}/"
-          f"{args.inter_bw:g} Gb/s")
+          f"{args.gpus_per_node} GPUs, {args.gpu_mem:g} GB, {args.intra_bw:g} Gb/s inside a "
+          f"node / {args.inter_bw:g} Gb/s between nodes per GPU")
     print(_table(["layout", "schedule", "recompute", "micro-batches", "accum", "step s",
                   "GB/GPU", "why"], rows))
     classic = result["classic"]
