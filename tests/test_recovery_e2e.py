@@ -167,6 +167,20 @@ def test_an_etcd_elected_coordinator_killed_mid_run_is_succeeded(tmp_path: Path,
     assert summary["param_digest"] == baseline["param_digest"]
 
 
+def test_a_successor_coordinator_shrinks_when_the_lost_node_took_more_ranks_than_spares(
+        tmp_path: Path, etcd: str) -> None:
+    # The demo's default 2 nodes x 2 ranks (dp=2 pp=2) and one spare: the seat holder's
+    # node takes two ranks, one spare cannot fill both roles. The successor decides with
+    # the layer profile its own ranks registered (it need not wait for re-announcements)
+    # and shrinks onto the survivors.
+    code, summary = demo(tmp_path, "--etcd", etcd, "--kill", "coordinator@step:4",
+                         steps=12)
+    assert code == 0, summary
+    assert summary["completed"] and summary["lost_steps"] == 0 and not summary["stopped"]
+    (recovery,) = summary["recoveries"]
+    assert recovery["reason"].startswith("shrink dp=2 pp=2 tp=1 ->"), recovery
+
+
 def test_without_a_spare_the_job_stops_at_the_last_committed_step(tmp_path: Path) -> None:
     code, summary = demo(tmp_path, "--nodes", "2", "--dp", "2", "--pp", "1", "--spares", "0",
                          "--no-shrink", "--kill", "rank:1@step:4")

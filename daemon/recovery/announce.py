@@ -78,6 +78,13 @@ class Announcer:
             log.warning("coordinator changed", extra={"coordinator": current})
             if current == self.node:
                 self.coordinator.take_over(self.registry.current_plan())
+                # The layer profile is the model's, the same from every rank: with the
+                # one a local rank registered, the failures redelivered next can already
+                # be met by shrinking, before other daemons re-announce their ranks.
+                if self.coordinator.profile is None:
+                    self.coordinator.profile = next(
+                        (p for _, p, _ in self._registered.values() if p is not None
+                         and p.costs), None)
             await self.redeliver()
             for record in self.registry.ranks():
                 if record.state in ("alive", "late"):

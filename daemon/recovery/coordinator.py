@@ -115,6 +115,10 @@ class Coordinator:
             self.announced[a.rank_id] = a
             if self.profile is None and a.profile.costs:
                 self.profile = a.profile
+                if self._stopped is not None:
+                    # Stopped for want of the layer profile (a successor that decided
+                    # before any rank re-announced): shrinking may fit now.
+                    await self._maybe_resume()
             if self.plan is None:
                 await self._maybe_form_first_plan()
             elif a.rank_id not in {m.rank_id for m in self.plan.members}:

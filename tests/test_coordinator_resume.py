@@ -1,0 +1,81 @@
+"""The coordinator lifts a stop by itself once what the stop lacked arrives: a spare
+that registers, or the layer profile a successor coordinator decided without (it then
+shrinks). In-process coordinator; daemons stand in as a record of installed plans."""
+
+from __future__ import annotations
+
+import asyncio
+
+from stalwart.core.failures import Failure, FailureKind
+from stalwart.daemon.config import ElasticSettings
+from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.recovery.coordinator import Coordinator
+from stalwart.v1 import common_pb2, peer_pb2
+
+LAYOUT = common_pb2.ParallelLayout(dp=2, pp=1, tp=1, schedule="1f1b", microbatches=1,
+                                   grad_accum=1,
+                                   stages=[common_pb2.StageBounds(first_layer=0, last_layer=3)])
+PROFILE = common_pb2.LayerProfile(costs=[1.0, 2.0, 2.0, 1.0])
+
+
+class Daemons:
+    def __init__(self) -> None:
+        self.plans: list[common_pb2.Plan] = []
+
+    def nodes(self) -> list[str]:
+        return ["n0", "n1"]
+
+    def holds_seat(self) -> bool:
+        return True
+
+    async def install_plan(self, node: str, plan: common_pb2.Plan) -> None:
+        if node == "n0":
+            self.plans.append(plan)
+
+    async def commit_step(self, node: str, manifest) -> None:
+        pass
+
+
+def rank(rank_id: str, node: str, r: int, profile: common_pb2.LayerProfile | None = None
+         ) -> peer_pb2.RankAnnouncement:
+    return peer_pb2.RankAnnouncement(node=node, rank_id=rank_id, rank=r, world_size=2,
+                                     layout=LAYOUT, generation=1, profile=profile)
+
+
+def killed(rank_id: str) -> Failure:
+    return Failure(FailureKind.PROCESS_EXIT, rank_id, "killed by SIGKILL", generation=1)
+
+
+def scenario(shrink: bool, first_profile: common_pb2.LayerProfile | None,
+             later: peer_pb2.RankAnnouncement) -> list[common_pb2.Plan]:
+    async def main() -> list[common_pb2.Plan]:
+        daemons = Daemons()
+        c = Coordinator(node="n0", job_id="job", metrics=Metrics(), links=daemons,
+                        latest_committed=lambda: 7, elastic=ElasticSettings(shrink=shrink))
+        await c.announce(rank("n0/1", "n0", 0, first_profile))
+        await c.announce(rank("n1/2", "n1", 1, first_profile))
+        await c.on_failures([killed("n1/2")])
+        await c.announce(later)
+        return daemons.plans
+
+    return asyncio.run(main())
+
+
+def test_a_spare_that_registers_after_the_stop_resumes_the_job() -> None:
+    first, stop, resumed = scenario(False, PROFILE, rank("n1/9", "n1", -1, PROFILE))
+    assert first.generation == 1 and not first.stop
+    assert stop.stop and stop.resume_step == 7 and list(stop.lost) == ["n1/2"]
+    assert not resumed.stop and resumed.generation == stop.generation + 1
+    assert resumed.resume_step == 7
+    roles = {a.rank_id: a.coord.rank for a in resumed.assignments if not a.spare}
+    assert roles == {"n0/1": 0, "n1/9": 1}
+
+
+def test_a_stop_for_want_of_the_layer_profile_shrinks_once_a_rank_brings_it() -> None:
+    # A successor that decided before any rank told it the model's layer costs could not
+    # shrink; the re-announced survivor brings them.
+    plans = scenario(True, None, rank("n0/1", "n0", 0, PROFILE))
+    first, stop, resumed = plans
+    assert stop.stop and "1 needed" in stop.stop_message
+    assert not resumed.stop and resumed.layout.dp == 1 and resumed.resume_step == 7
+    assert [a.rank_id for a in resumed.assignments if not a.spare] == ["n0/1"]
