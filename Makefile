@@ -28,6 +28,7 @@ test: venv
 	bash scripts/install-system-deps.sh
 	$(PY) scripts/gen_protos.py --check
 	$(PY) scripts/gen_config_docs.py --check
+	$(PY) scripts/readme_demo.py --check
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
