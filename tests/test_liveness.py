@@ -272,3 +272,17 @@ def test_with_peers_a_slow_step_is_left_to_their_collective_timeouts() -> None:
         clock.now += 1.0
         reg.heartbeat(rank_id, 2, step=1, step_time_s=0.1)
         assert reg.check() == []
+
+
+def test_a_rank_that_leaves_a_stopped_job_is_reported_gone_but_not_after_completion() -> None:
+    clock = Clock()
+    reg = registry(clock)
+    seen = []
+    reg.on_failure(seen.append)
+    stopped, done = add_rank(reg, pid=11), add_rank(reg, pid=12)
+    reg.install_plan(common_pb2.Plan(generation=2, stop=True, stop_message="no spare"))
+    reg.heartbeat(stopped, generation=2, step=3, step_time_s=0.1, leaving=True)
+    assert [(f.kind, f.subject) for f in seen] == [(FailureKind.PROCESS_EXIT, stopped)]
+    reg.install_plan(common_pb2.Plan(generation=3, stop=True, completed=True))
+    reg.heartbeat(done, generation=3, step=9, step_time_s=0.1, leaving=True)
+    assert len(seen) == 1  # leaving a completed job is the normal end

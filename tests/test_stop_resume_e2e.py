@@ -73,3 +73,36 @@ def test_a_stopped_job_resumes_when_a_spare_registers(tmp_path: Path) -> None:
     baseline = uninterrupted(tmp_path, "--nodes", "2", "--dp", "2", "--pp", "1",
                              "--global-batch", "4")
     assert {r["param_digest"] for r in results} == {baseline["param_digest"]}
+
+
+def test_a_stopped_job_whose_ranks_left_resumes_when_its_ranks_are_started_again(
+        tmp_path: Path) -> None:
+    # The ranks do not wait (resume_wait_s 0): all of them leave at the stop. Starting
+    # the job's ranks again, next to the same daemons, resumes it from the stop's step.
+    spec = {"model": "tiny", "model_overrides": json.loads(MICRO),
+            "train": {"global_batch": 4, "seed": 0}, "layout": {"dp": 2, "pp": 1, "tp": 1},
+            "steps": STEPS, "collective_timeout_s": 4.0, "resume_wait_s": 0.0,
+            "faults": [{"kind": "kill", "target": "rank", "index": 1, "step": 4}]}
+    cluster = LocalCluster(nodes=2, workdir=tmp_path / "again",
+                           daemon_settings={"elastic": {"shrink": False}})
+    try:
+        cluster.start_daemons()
+        cluster.launch(spec, world=2, ranks_per_node=1)
+        coordinator = cluster.coordinator()
+        assert coordinator is not None
+        stop = wait_until(lambda: (st := coordinator.status()) is not None and st.plan.stop
+                          and st.plan, 120, "the stop after rank 1 is killed")
+        wait_until(lambda: not cluster.running(), 60, "every rank to leave at the stop")
+        first = list(cluster.ranks)
+        cluster.launch({**spec, "faults": []}, world=2, ranks_per_node=1)
+        again = [r for r in cluster.ranks if r not in first]
+        wait_until(lambda: all((res := r.result()) and res.get("result") for r in again),
+                   180, "the restarted ranks to finish")
+        resumed = [g for r in again for g in r.result()["generations"]]
+        digests = {r.result()["result"]["param_digest"] for r in again}
+    finally:
+        cluster.close()
+    assert {g["resume_step"] for g in resumed} == {stop.resume_step}
+    baseline = uninterrupted(tmp_path, "--nodes", "2", "--dp", "2", "--pp", "1",
+                             "--global-batch", "4")
+    assert digests == {baseline["param_digest"]}

@@ -165,6 +165,13 @@ class Registry:
             self._forget_series(record.rank_id)
             self._update_gauges()
             log.info("rank left", extra={"rank_id": rank_id, "step": step})
+            if self.plan is not None and self.plan.stop and not self.plan.completed:
+                # It gave up waiting at the stop: its role must be filled too when the job
+                # resumes, so the coordinator hears of it as of any rank that is gone.
+                self.report(Failure(FailureKind.PROCESS_EXIT, rank_id,
+                                    "left the stopped job (its wait for a resume ended)",
+                                    generation=self.generation, reporter=self.node,
+                                    details={"pid": record.pid}))
             return record
         if record.state == LATE:
             record.state = ALIVE
