@@ -279,17 +279,23 @@ class ElasticAgent:
 
     def _await_resume(self, stop: common_pb2.Plan) -> common_pb2.Plan:
         """The job stopped: wait up to resume_wait_s for the plan that resumes it (a
-        spare registered, a host came back); JobStopped after that."""
+        spare registered, a host came back); JobStopped after that. A rank that arrives
+        at a stopped job (it never trained in it) is what the stop waits for: like a
+        spare, it waits for its place as long as its daemon lives."""
+        arrived = not self.result.generations
         wait = self.cfg.resume_wait_s
-        if wait > 0:
+        if arrived:
+            log.warning("the job is stopped at committed step %d; this rank waits to be "
+                        "placed when the plan that resumes it comes", stop.resume_step)
+        elif wait > 0:
             log.warning("the job stopped at committed step %d; this rank waits up to %g s "
                         "for it to resume: %s", stop.resume_step, wait, stop.stop_message)
         deadline = time.monotonic() + wait
         plan = stop
         while plan.stop and not plan.completed:
             try:
-                plan = self._next_plan(after=plan.generation,
-                                       timeout_s=max(0.0, deadline - time.monotonic()))
+                plan = self._next_plan(after=plan.generation, timeout_s=None if arrived
+                                       else max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 self.result.stopped = plan.stop_message
                 waited = f" This rank waited {wait:g} s for that and left." if wait else ""

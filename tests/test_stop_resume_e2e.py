@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_recovery_e2e import MICRO, STEPS, uninterrupted
@@ -25,20 +26,30 @@ def status_json(node: Node) -> dict:
 pytestmark = pytest.mark.multiprocess
 
 
-def test_a_stopped_job_resumes_when_a_spare_registers(tmp_path: Path) -> None:
-    spec = {"model": "tiny", "model_overrides": json.loads(MICRO),
+def stopping_job(resume_wait_s: float) -> dict:
+    """dp=2 on two nodes, no spare, no shrinking: killing rank 1 after step 4 stops it."""
+    return {"model": "tiny", "model_overrides": json.loads(MICRO),
             "train": {"global_batch": 4, "seed": 0}, "layout": {"dp": 2, "pp": 1, "tp": 1},
-            "steps": STEPS, "collective_timeout_s": 4.0, "resume_wait_s": 300.0,
+            "steps": STEPS, "collective_timeout_s": 4.0, "resume_wait_s": resume_wait_s,
             "faults": [{"kind": "kill", "target": "rank", "index": 1, "step": 4}]}
+
+
+def start_until_stopped(cluster: LocalCluster, spec: dict) -> tuple[Node, Any]:
+    """Start `spec` on `cluster`; its coordinator and the stop plan once it came."""
+    cluster.start_daemons()
+    cluster.launch(spec, world=2, ranks_per_node=1)
+    coordinator = cluster.coordinator()
+    assert coordinator is not None
+    stop = wait_until(lambda: (st := coordinator.status()) is not None and st.plan.stop
+                      and st.plan, 120, "the stop after rank 1 is killed")
+    return coordinator, stop
+
+
+def test_a_stopped_job_resumes_when_a_spare_registers(tmp_path: Path) -> None:
     cluster = LocalCluster(nodes=2, workdir=tmp_path / "stop",
                            daemon_settings={"elastic": {"shrink": False}})
     try:
-        cluster.start_daemons()
-        cluster.launch(spec, world=2, ranks_per_node=1)
-        coordinator = cluster.coordinator()
-        assert coordinator is not None
-        stop = wait_until(lambda: (st := coordinator.status()) is not None and st.plan.stop
-                          and st.plan, 120, "the stop after rank 1 is killed")
+        coordinator, stop = start_until_stopped(cluster, stopping_job(300.0))
         survivor = next(r for r in cluster.ranks if r.rank == 0)
         assert "by itself" in stop.stop_message and len(stop.lost) == 1
         # The survivor waits at the stop instead of leaving.
@@ -79,19 +90,11 @@ def test_a_stopped_job_whose_ranks_left_resumes_when_its_ranks_are_started_again
         tmp_path: Path) -> None:
     # The ranks do not wait (resume_wait_s 0): all of them leave at the stop. Starting
     # the job's ranks again, next to the same daemons, resumes it from the stop's step.
-    spec = {"model": "tiny", "model_overrides": json.loads(MICRO),
-            "train": {"global_batch": 4, "seed": 0}, "layout": {"dp": 2, "pp": 1, "tp": 1},
-            "steps": STEPS, "collective_timeout_s": 4.0, "resume_wait_s": 0.0,
-            "faults": [{"kind": "kill", "target": "rank", "index": 1, "step": 4}]}
+    spec = stopping_job(0.0)
     cluster = LocalCluster(nodes=2, workdir=tmp_path / "again",
                            daemon_settings={"elastic": {"shrink": False}})
     try:
-        cluster.start_daemons()
-        cluster.launch(spec, world=2, ranks_per_node=1)
-        coordinator = cluster.coordinator()
-        assert coordinator is not None
-        stop = wait_until(lambda: (st := coordinator.status()) is not None and st.plan.stop
-                          and st.plan, 120, "the stop after rank 1 is killed")
+        _, stop = start_until_stopped(cluster, spec)
         wait_until(lambda: not cluster.running(), 60, "every rank to leave at the stop")
         first = list(cluster.ranks)
         cluster.launch({**spec, "faults": []}, world=2, ranks_per_node=1)
