@@ -51,7 +51,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def stalwartd_main(argv: list[str] | None = None) -> int:
-    """Entry point of the `stalwartd` command (same options as `stalwart daemon`)."""
-    parser = argparse.ArgumentParser(prog="stalwartd", description="run the per-node daemon")
-    configure(parser)
-    return run(parser.parse_args(argv))
+    """Entry point of the `stalwartd` command: `stalwart daemon` under another name (the
+    same options, the same one-line errors and `--debug`)."""
+    import sys
+
+    from stalwart.cli import main
+
+    return main(["daemon", *(sys.argv[1:] if argv is None else argv)])
