@@ -63,6 +63,12 @@ def tls_credentials(env: Mapping[str, str] | None = None) -> grpc.ChannelCredent
                 files.append(f.read())
         except OSError as e:
             raise DaemonUnavailable(f"${name}: cannot read {env[name]} ({e.strerror})") from None
+    from stalwart.daemon.security.tls import TlsError, check_pair
+
+    try:  # before gRPC sees them: it would only log a raw error at every connection
+        check_pair(env["STALWART_TLS_CERT"], env["STALWART_TLS_KEY"], "STALWART_TLS_KEY")
+    except TlsError as e:
+        raise DaemonUnavailable(str(e)) from None
     cert, key, ca = files
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
                                         certificate_chain=cert)

@@ -106,9 +106,9 @@ def run(args: argparse.Namespace) -> int:
               f"of {per_round}", file=sys.stderr)
         return 2
     faults = args.kill + args.hang + args.gpu_fault
-    if not faults and not args.no_faults:
+    if not faults and not args.no_faults and args.steps >= 2:
         faults = [{"kind": "kill", "target": "rank", "index": min(1, world - 1),
-                   "step": max(2, args.steps // 3)}]
+                   "step": min(args.steps - 1, max(2, args.steps // 3))}]
     why = _bad_fault(faults, world, args.nodes, args.steps)
     if why:
         print(f"stalwart demo: {why}", file=sys.stderr)

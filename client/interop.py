@@ -260,9 +260,14 @@ def _tensor_leaves(value: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str
     if isinstance(value, Mapping):
         for k, v in value.items():
             yield from _tensor_leaves(v, (*path, str(k)))
-    elif isinstance(value, list | tuple):
+    elif isinstance(value, list):
         for i, v in enumerate(value):
             yield from _tensor_leaves(v, (*path, str(i)))
+    elif isinstance(value, tuple):  # DCP stores a tuple whole, pickled: no tensors there
+        if any(True for _ in _tensor_leaves(list(value))):
+            raise InteropError(f"state entry {'.'.join(path)!r} holds tensors in a tuple, "
+                               "which a DCP checkpoint keeps only pickled; export it with "
+                               "--format state_dict")
     elif torch.is_tensor(value):
         yield ".".join(path), value
 

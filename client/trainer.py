@@ -378,7 +378,9 @@ def resolve_precision(precision: str, device: str | torch.device) -> tuple[str, 
     kind = torch.device(device).type
     if precision == "auto":
         if kind == "cuda":
-            chosen = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+            # Native bf16 only (Ampere and later): emulated bf16 is slower than fp16.
+            chosen = "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) \
+                else "fp16"
         else:
             chosen = "bf16"
         return chosen, f"precision auto: {chosen} on {kind}"

@@ -299,7 +299,8 @@ def decide(
         return NoChange(kept, why, ignored)
     replanned = _replan(state, frozenset(failed_ids), causes, all_causes, previous,
                         committed_step, shrink_planner, tp_within_node)
-    if isinstance(replanned, PlanDecision) and in_flight is not None:
+    if (isinstance(replanned, PlanDecision) and replanned.kind == "replace"
+            and in_flight is not None):
         # A spare that died before finishing its takeover hands the original role on.
         replacements = dict(replanned.replacements)
         composed = {old: replacements.pop(new, new) for old, new in in_flight.replacements.items()}

@@ -42,9 +42,11 @@ def _top_level_help() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # `--debug` anywhere (or STALWART_DEBUG=1): tracebacks and gRPC's own log lines.
-    debug = "--debug" in argv or os.environ.get("STALWART_DEBUG", "") not in ("", "0")
-    argv = [a for a in argv if a != "--debug"]
+    # `stalwart --debug COMMAND ...` (or STALWART_DEBUG=1): tracebacks and gRPC's own
+    # log lines. Only before the command: what follows may be a script's own arguments.
+    debug = os.environ.get("STALWART_DEBUG", "") not in ("", "0")
+    while argv and argv[0] == "--debug":
+        debug, argv = True, argv[1:]
     if debug:
         os.environ["STALWART_DEBUG"] = "1"  # for subcommands and the processes they start
     else:

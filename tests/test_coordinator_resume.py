@@ -79,3 +79,26 @@ def test_a_stop_for_want_of_the_layer_profile_shrinks_once_a_rank_brings_it() ->
     assert stop.stop and "1 needed" in stop.stop_message
     assert not resumed.stop and resumed.layout.dp == 1 and resumed.resume_step == 7
     assert [a.rank_id for a in resumed.assignments if not a.spare] == ["n0/1"]
+
+
+def test_a_successor_coordinator_resumes_a_job_its_predecessor_stopped() -> None:
+    _, stop, _ = scenario(False, PROFILE, rank("n1/9", "n1", -1, PROFILE))
+    assert {a.rank_id for a in stop.assignments} == {"n0/1", "n1/2"}  # roles kept
+
+    async def main() -> list[common_pb2.Plan]:
+        daemons = Daemons()
+        successor = Coordinator(node="n0", job_id="job", metrics=Metrics(), links=daemons,
+                                latest_committed=lambda: 7,
+                                elastic=ElasticSettings(shrink=False))
+        assert successor.take_over(stop)
+        # A failure it already knows of (redelivered) changes nothing.
+        await successor.on_failures([killed("n1/2")])
+        assert daemons.plans == []
+        await successor.announce(rank("n0/1", "n0", 0, PROFILE))  # re-announced survivor
+        await successor.announce(rank("n1/9", "n1", -1, PROFILE))  # a spare arrives
+        return daemons.plans
+
+    [resumed] = asyncio.run(main())
+    assert not resumed.stop and resumed.generation == stop.generation + 1
+    assert {a.rank_id: a.coord.rank for a in resumed.assignments if not a.spare} == {
+        "n0/1": 0, "n1/9": 1}

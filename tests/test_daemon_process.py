@@ -109,7 +109,10 @@ def test_second_daemon_on_the_same_port_fails_naming_listen(
 def test_a_data_dir_serves_one_daemon_and_a_refused_one_touches_nothing(
         daemon_factory: DaemonFactory) -> None:
     a = daemon_factory.start("a")
-    own = [a.unix_socket, a.data_dir / "fd.sock", a.data_dir / "daemon.json"]
+    # A write of a's in flight (same name a crash would leave): the refused one keeps off.
+    in_flight = a.data_dir / "snapshots" / "default" / "steps" / "chunk.tmp"
+    in_flight.write_bytes(b"half written")
+    own = [a.unix_socket, a.data_dir / "fd.sock", a.data_dir / "daemon.json", in_flight]
     assert all(p.exists() for p in own)
     # Another daemon on a's data dir, with a socket and ports of its own: refused.
     done = subprocess.run(

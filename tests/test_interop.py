@@ -245,3 +245,18 @@ def test_a_dcp_export_of_the_3d_loop_loads_into_a_plain_module_of_its_blocks(
     assert {n: tensor_sha256(p) for n, p in model.named_parameters()} == trained["hashes"]
     assert all(optimizer.state[p]["exp_avg"].abs().sum() > 0 for p in model.parameters())
     assert optimizer.param_groups[0]["lr"] > 0
+
+
+def test_a_dcp_export_refuses_tensors_inside_a_tuple(tmp_path: Path) -> None:
+    # DCP keeps a tuple whole, pickled: its tensors could not come back through import.
+    w, a, b = torch.ones(2), torch.zeros(1), torch.full((1,), 2.0)
+    extra = {"format": 2, "step": 1, "objects": {
+        "model": {"w": {"__stalwart_tensor__": "model/w"}},
+        "custom": {"pair": {"__stalwart_tuple__": [{"__stalwart_tensor__": "custom/pair/0"},
+                                                   {"__stalwart_tensor__": "custom/pair/1"}]}}}}
+    tensors = {"model/w": w, "custom/pair/0": a, "custom/pair/1": b,
+               interop.EXTRA_KEY: interop._json_tensor(extra)}
+    with pytest.raises(interop.InteropError, match="'custom.pair' holds tensors in a tuple"):
+        interop.save(tensors, tmp_path / "dcp", "dcp")
+    interop.save(tensors, tmp_path / "ckpt.pt", "state_dict")  # the flat format keeps them
+    assert torch.equal(torch.load(tmp_path / "ckpt.pt", weights_only=True)["custom/pair/1"], b)

@@ -254,6 +254,8 @@ def test_status_against_a_tls_daemon_says_what_is_wrong_in_one_line(
         cases = {"plain": {}, "other CA": tls_env(other),
                  "their cert, our CA": tls_env(other, ca=cluster / "ca.pem"),
                  "CA only": {"STALWART_TLS_CA": str(cluster / "ca.pem")},
+                 "wrong key": {**tls_env(cluster),
+                               "STALWART_TLS_KEY": str(cluster / "node2.key")},
                  "right": tls_env(cluster)}
         return {name: await asyncio.to_thread(status_cli, daemon.address, env)
                 for name, env in cases.items()}
@@ -262,7 +264,8 @@ def test_status_against_a_tls_daemon_says_what_is_wrong_in_one_line(
     assert out["right"].returncode == 0 and out["right"].stdout.startswith("stalwart ")
     expected = {"plain": "this daemon requires TLS", "other CA": "certificate not trusted",
                 "their cert, our CA": "certificate not trusted",
-                "CA only": "STALWART_TLS_CERT, STALWART_TLS_KEY not set"}
+                "CA only": "STALWART_TLS_CERT, STALWART_TLS_KEY not set",
+                "wrong key": "STALWART_TLS_KEY: key does not match certificate"}
     for name, words in expected.items():
         done = out[name]
         assert done.returncode == 1, (name, done.stdout)

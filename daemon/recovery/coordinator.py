@@ -97,13 +97,17 @@ class Coordinator:
         are lost, so those steps are skipped rather than waited for. True when this call
         took over.
         """
-        if self.plan is None and installed.assignments and not installed.stop:
+        if self.plan is None and installed.assignments and not installed.completed:
             try:
                 self.plan = PlanState.from_proto(installed)
             except ValueError as exc:
                 log.error("cannot take over: the installed plan is inconsistent (%s); "
                           "waiting for ranks to register", exc)
                 return False
+            if installed.stop:  # the job waits at a stop: resume it when spares come
+                self._stopped = StopDecision(installed.generation, installed.resume_step,
+                                             installed.stop_message, (),
+                                             frozenset(installed.lost))
             log.warning("took over as coordinator", extra={"generation": installed.generation})
             self.took_over_at = time.monotonic()
             return True
@@ -256,6 +260,11 @@ class Coordinator:
             if isinstance(decision, NoChange):
                 self.plan = decision.plan
                 return
+            if (stopped is not None and isinstance(decision, StopDecision)
+                    and decision.failed <= stopped.failed):
+                # Nothing lost that the stop did not know of: it stands as installed.
+                self._stopped = dataclasses.replace(decision, generation=stopped.generation)
+                return
             await self._carry_out(decision, [f.describe() for f in failures], t0, planner)
 
     async def _maybe_resume(self) -> None:
@@ -280,11 +289,11 @@ class Coordinator:
         assert self.plan is not None
         old = self.plan.generation
         if isinstance(decision, StopDecision):
-            msg = common_pb2.Plan(generation=decision.generation, stop=True,
-                                  stop_message=decision.message,
-                                  resume_step=decision.last_committed_step,
-                                  layout=self.plan.to_proto().layout,
-                                  lost=sorted(decision.failed))
+            # The roles stay in the stop plan: a successor coordinator resumes from it.
+            msg = self.plan.to_proto()
+            msg.generation, msg.stop, msg.reason = decision.generation, True, "stopped"
+            msg.stop_message, msg.resume_step = decision.message, decision.last_committed_step
+            msg.lost.extend(sorted(decision.failed))
             log.error("no viable plan; stopping until spares register",
                       extra={"why": decision.message})
             self.metrics.recoveries.labels("stopped").inc()

@@ -13,7 +13,7 @@ import grpc
 from stalwart.core.generation import StaleGeneration
 from stalwart.daemon.recovery.fencing import RankProcesses
 from stalwart.daemon.recovery.liveness import process_alive
-from stalwart.daemon.recovery.registry import Registry
+from stalwart.daemon.recovery.registry import LEFT, Registry
 from stalwart.v1 import common_pb2
 
 log = logging.getLogger("stalwart.daemon.recovery.plans")
@@ -56,7 +56,7 @@ class Plans:
                         if not a.spare and a.rank_id not in kept}
         for rank_id in sorted(left_out):
             record = self.registry.get(rank_id)
-            if record is not None and (record.state != "dead" or (
+            if record is not None and record.state != LEFT and (record.state != "dead" or (
                     record.process is not None and process_alive(record.process))):
                 self.processes.fence(record)  # a rank declared dead may still run (hung)
         return common_pb2.Ack(accepted=True)

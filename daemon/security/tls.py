@@ -48,7 +48,7 @@ def check_pair(cert: str, key: str, what: str) -> None:
     `cert` (gRPC would only log a raw handshake error at every connection)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     try:
-        context.load_cert_chain(cert, key)
+        context.load_cert_chain(cert, key, password=lambda: b"")  # never a TTY prompt
     except ssl.SSLError as e:
         if "KEY_VALUES_MISMATCH" in str(e) or "key values mismatch" in str(e):
             raise TlsError(f"{what}: key does not match certificate: {key} is not the private "
@@ -73,18 +73,24 @@ def diagnose(address: str, tls: TlsConfig | None, timeout_s: float = 3.0) -> str
     """
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
-    try:
-        raw = socket.create_connection((host, int(port)), timeout=timeout_s)
-    except (OSError, ValueError):
-        return ""
     if tls is None:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
     else:
-        context = ssl.create_default_context(cafile=tls.ca)
+        try:
+            check_pair(tls.cert, tls.key, "STALWART_TLS_KEY")
+            context = ssl.create_default_context(cafile=tls.ca)
+        except TlsError as e:
+            return str(e)
+        except (OSError, ssl.SSLError) as e:
+            return f"STALWART_TLS_CA: cannot load {tls.ca} ({e}); point it at the cluster's ca.pem"
         context.check_hostname = False  # names are gRPC's to check; trust is the question
         context.load_cert_chain(tls.cert, tls.key)
     context.set_alpn_protocols(["h2"])  # what gRPC speaks; a server drops a caller without
+    try:
+        raw = socket.create_connection((host, int(port)), timeout=timeout_s)
+    except (OSError, ValueError):
+        return ""
     try:
         with context.wrap_socket(raw, server_hostname=host) as conn:
             conn.settimeout(timeout_s)

@@ -101,8 +101,12 @@ class LocalStore:
         self._lock = threading.RLock()
         (self.root / "manifests").mkdir(parents=True, exist_ok=True)
         (self.root / "steps").mkdir(parents=True, exist_ok=True)
+
+    def sweep_temporaries(self) -> None:
+        """Remove leftovers of writes a crash interrupted. Only the daemon that holds the
+        data dir's lock may: another one's writes in flight use the same names."""
         for tmp in self.root.rglob("*.tmp"):
-            tmp.unlink()  # leftovers of a write a crash interrupted
+            tmp.unlink(missing_ok=True)
 
     # --- paths ---------------------------------------------------------------------
 

@@ -94,6 +94,7 @@ class SnapshotPath:
         self._background: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
+        self.store.sweep_temporaries()
         self.fd_server.start()
         self._background = [asyncio.create_task(self.scrubber.forever(), name="scrub")]
 
