@@ -27,7 +27,7 @@ import pytest
 from processes import processes_naming
 
 from bench.netns_cluster import emulated_cluster, netns_unavailable
-from stalwart.client.local_cluster import free_port, wait_until
+from stalwart.client.local_cluster import ClusterError, free_port, wait_until
 from stalwart.v1 import operator_pb2, operator_pb2_grpc
 
 pytestmark = pytest.mark.multiprocess
@@ -243,7 +243,18 @@ def inject(fault: str, job: list[Host], launchers: dict[str, subprocess.Popen],
                     and any(r.spare and r.state == "spare" for r in mine.ranks)
                     and mine.generation == theirs.generation  # it installed the plan
                     and any(d.node == victim.name and d.state == "up" for d in theirs.daemons))
-        wait_until(readmitted, 120, "the returning host's spare to be admitted")
+        try:
+            wait_until(readmitted, 120, "the returning host's spare to be admitted")
+        except ClusterError as exc:  # say which condition did not hold, and what it logged
+            mine, theirs = victim.status(), newest(survivors)
+            seen = {"mine": None if mine is None else (
+                        mine.generation, [(r.rank_id, r.spare, r.state) for r in mine.ranks]),
+                    "theirs": None if theirs is None else (
+                        theirs.generation, [(d.node, d.state) for d in theirs.daemons])}
+            logs = "".join(f"\n--- {victim.name}/{name}\n" + (victim.folder / name).read_text(
+                errors="replace")[-4000:] for name in ("daemon.log", "run.log")
+                if (victim.folder / name).exists())
+            raise AssertionError(f"{exc}: {seen}{logs}") from None
         out["readmitted"] = True
     if fault == "partition":
         def done() -> bool:
