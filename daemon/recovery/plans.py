@@ -18,7 +18,7 @@ from stalwart.v1 import common_pb2
 
 log = logging.getLogger("stalwart.daemon.recovery.plans")
 
-RESEND_TRIES = 10     # a returning daemon gets the current plan within this many beats
+RESEND_PATIENCE_S = 60.0  # how long the leader keeps handing a returning daemon the plan
 
 
 class Plans:
@@ -73,14 +73,18 @@ class Plans:
         send = self.send
 
         async def resend() -> None:
-            for attempt in range(RESEND_TRIES):
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + RESEND_PATIENCE_S
+            while True:
                 try:
                     await send(node, self.registry.current_plan())
                     return
                 except (grpc.aio.AioRpcError, LookupError) as exc:
-                    if attempt == RESEND_TRIES - 1:
+                    # Its channel may still be reconnecting, or the daemon, just started,
+                    # may not have confirmed who leads yet (it refuses a plan until then).
+                    if loop.time() > deadline:
                         log.warning("current plan not re-sent",
                                     extra={"node": node, "error": str(exc)})
-                    else:  # its channel may still be reconnecting
-                        await asyncio.sleep(self.interval_s)
+                        return
+                    await asyncio.sleep(self.interval_s)
         asyncio.get_running_loop().create_task(resend())
