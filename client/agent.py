@@ -275,7 +275,22 @@ class ElasticAgent:
                 raise RuntimeError("this rank's daemon stopped sending plans (it is gone "
                                    "or restarted); the job goes on without this rank")
             if plan.generation > after:
+                return self._newest_queued(plan)
+
+    def _newest_queued(self, plan: common_pb2.Plan) -> common_pb2.Plan:
+        """`plan`, or a newer one already queued behind it: a rank that was held up (a
+        frozen process, a slow restore) skips the generations that are already over
+        instead of building their groups with peers that have moved on."""
+        while True:
+            try:
+                later = self._plans.get_nowait()
+            except queue.Empty:
                 return plan
+            if later is None:
+                self._plans.put(None)
+                return plan
+            if later.generation > plan.generation:
+                plan = later
 
     def _await_resume(self, stop: common_pb2.Plan) -> common_pb2.Plan:
         """The job stopped: wait up to resume_wait_s for the plan that resumes it (a
@@ -381,6 +396,8 @@ class ElasticAgent:
             log.warning("could not report the hang: %s", exc)
 
     def _generation(self, plan: common_pb2.Plan, role: common_pb2.RankAssignment) -> None:
+        if self._newest > plan.generation:
+            raise PlanChanged()  # superseded before its groups were built: skip it
         lay, cfg = plan.layout, self.cfg
         received_unix = time.time()
         self.daemon.generation = plan.generation
