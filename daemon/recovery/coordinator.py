@@ -260,11 +260,15 @@ class Coordinator:
             if isinstance(decision, NoChange):
                 self.plan = decision.plan
                 return
-            if (stopped is not None and isinstance(decision, StopDecision)
-                    and decision.failed <= stopped.failed):
-                # Nothing lost that the stop did not know of: it stands as installed.
-                self._stopped = dataclasses.replace(decision, generation=stopped.generation)
-                return
+            if stopped is not None and isinstance(decision, StopDecision):
+                if decision.failed <= stopped.failed:
+                    return  # nothing lost that the stop did not know of: it stands
+                # The stop stands for the reason it came; say what was lost since.
+                lost = [m for m in self.plan.members if m.rank_id in decision.failed]
+                since = ", ".join(sorted(decision.failed - stopped.failed))
+                decision = dataclasses.replace(decision, message=(
+                    f"{stopped.message} Lost since the stop: {since}; {len(lost)} role(s) "
+                    "now wait for a spare."))
             await self._carry_out(decision, [f.describe() for f in failures], t0, planner)
 
     async def _maybe_resume(self) -> None:
@@ -277,7 +281,6 @@ class Coordinator:
         decision = resume(self.plan, self._stopped, [], committed,
                           stragglers_fail=self.stragglers_fail, shrink_planner=planner)
         if isinstance(decision, StopDecision):
-            self._stopped = dataclasses.replace(decision, generation=self._stopped.generation)
             log.info("still stopped: too few spares to resume",
                      extra={"spares": len(self.plan.spares), "why": decision.message})
             return
