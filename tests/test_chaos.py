@@ -66,7 +66,10 @@ def test_a_fixed_seed_recovers_every_run_equal_to_the_baseline(
         assert row["fault_to_first_step_s"] is not None and row["fault_to_first_step_s"] > 0
         evidence = row["evidence"]
         assert evidence["victims_ended"] == evidence["victims"], row  # hung ones fenced
-        if row["kind"] == "bitflip" and not _restored_from_ram(row):
-            assert evidence["checksum_failures"] > 0, row  # the flipped bits were caught
+        # The flipped bits are caught when the victim's state is restored from them: not
+        # when a spare on its node restores from RAM, and not when the kill landed after
+        # the victim had trained its share (no re-plan: nothing was restored at all).
+        if row["kind"] == "bitflip" and row["plans"] and not _restored_from_ram(row):
+            assert evidence["checksum_failures"] > 0, row
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert not _left_behind(tmp_path / "runs")
