@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -187,7 +186,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         results = run_local(train_worker, world, spec, timeout=args.timeout)
     except RankFailure as exc:
-        if os.environ.get("STALWART_DEBUG", "") not in ("", "0"):
+        from stalwart.cli import debugging
+
+        if debugging():
             print(f"stalwart train: the run failed.\n{exc}", file=sys.stderr)
         else:
             print(f"stalwart train: {exc.summary} (`stalwart --debug train ...` shows every "

@@ -40,11 +40,16 @@ def _top_level_help() -> str:
     return "\n".join(lines)
 
 
+def debugging() -> bool:
+    """Whether `--debug` (or STALWART_DEBUG=1) asked for tracebacks and gRPC's log lines."""
+    return os.environ.get("STALWART_DEBUG", "") not in ("", "0")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `stalwart --debug COMMAND ...` (or STALWART_DEBUG=1): tracebacks and gRPC's own
     # log lines. Only before the command: what follows may be a script's own arguments.
-    debug = os.environ.get("STALWART_DEBUG", "") not in ("", "0")
+    debug = debugging()
     while argv and argv[0] == "--debug":
         debug, argv = True, argv[1:]
     if debug:
