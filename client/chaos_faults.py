@@ -24,6 +24,7 @@ __all__ = ["IN_RANK", "Injector", "mount_tmpfs", "unmount"]
 IN_RANK = {"hang": "hang", "gpu": "gpu"}  # chaos kind -> STALWART_FAULTS kind
 PAUSE_S = 7.0  # a SIGSTOPped daemon's pause: past the 3 s heartbeat timeout of LocalCluster
 FREE_AFTER_S = 2.0  # a full disk is freed this long after the plan that follows the kill
+KILL_AFTER_FILL = 2  # steps from a filled disk to the kill that makes a rank restore
 DISK_BYTES = 64 << 20  # a node's tmpfs for full-disk runs: roomy until filled
 
 
@@ -59,8 +60,9 @@ class Injector:
                 self._signal(self.cluster.daemons[node].proc, signal.SIGCONT)
                 del self.paused[node]
         if self._kill_after_fill and step >= self._kill_after_fill[1]:
-            fault, _ = self._kill_after_fill
+            fault, at = self._kill_after_fill
             self._kill_after_fill = None
+            self._release(at)
             self._signal(self._rank(fault.index), signal.SIGKILL)
             self.fired.append(Fired(Fault("kill-rank", "rank", fault.index, step),
                                     time.time(), generation))
@@ -77,6 +79,8 @@ class Injector:
             due = (generation > self.fired[0].generation if f.after == "recovery" and
                    self.fired else f.after != "recovery" and step >= f.step)
             if due:
+                if f.after != "recovery":
+                    self._release(f.step)
                 self._fire(f, step)
                 self.fired.append(Fired(f, time.time(), generation))
 
@@ -91,8 +95,26 @@ class Injector:
                           default=1)
                 self.fired.append(Fired(f, rec["time_unix"], gen))
 
+    def hold_steps(self) -> list[int]:
+        """The steps whose end every rank waits at until `tick` fires their faults (see
+        `_release`): each fault due at a step, and the kill that follows a filled disk."""
+        steps = {f.step for f in self.schedule.faults
+                 if f.kind not in IN_RANK and f.after != "recovery"}
+        steps |= {f.step + KILL_AFTER_FILL for f in self.schedule.faults
+                  if f.kind == "full-disk"}
+        return sorted(steps)
+
+    def _release(self, step: int) -> None:
+        """Let the ranks holding at `step` go on, just before the fault lands: it lands
+        while they train the next step, never after a fast job has trained its last."""
+        assert self.cluster.workdir is not None
+        (self.cluster.workdir / f"release-{step}").touch()
+
     def release(self) -> None:
-        """Resume what is paused (so close() can end it) and free the disk."""
+        """Resume what is paused (so close() can end it), free the disk, let every
+        holding rank go on."""
+        for step in self.hold_steps():
+            self._release(step)
         for node in self.paused:
             self._signal(self.cluster.daemons[node].proc, signal.SIGCONT)
         self.paused.clear()
@@ -130,7 +152,8 @@ class Injector:
             self._signal(self._rank(f.index), signal.SIGKILL)
         elif f.kind == "full-disk":
             self.ballast = fill(self._node_of(f.index).data_dir)
-            self._kill_after_fill = (f, step + 2)  # a restore while the disk is full
+            # a restore while the disk is full
+            self._kill_after_fill = (f, f.step + KILL_AFTER_FILL)
         else:
             raise ValueError(f"unknown fault kind {f.kind!r}")
 

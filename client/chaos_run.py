@@ -62,6 +62,10 @@ def run_job(schedule: Schedule, *, steps: int, timeout_s: float, workdir: Path) 
     in_rank = [{"kind": IN_RANK[f.kind], "target": "rank", "index": f.index, "step": f.step}
                for f in schedule.faults if f.kind in IN_RANK]
     injector = Injector(cluster, schedule)
+    # Every rank waits at the end of a fault's step until the fault is fired: however
+    # late this process sees the step, the fault lands in the step after it.
+    in_rank += [{"kind": "hold", "target": "all", "index": -1, "step": s}
+                for s in injector.hold_steps()]
     mounted: list[Path] = []
     try:
         for f in schedule.faults:

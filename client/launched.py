@@ -81,7 +81,7 @@ def _fault_hook(rank: int) -> Callable[[int, float], None] | None:
         return None
     node = int(os.environ.get("STALWART_NODE_INDEX", "0"))
     faults = [f for f in json.loads(spec)
-              if (f["target"] == "rank" and f["index"] == rank)
+              if f["target"] == "all" or (f["target"] == "rank" and f["index"] == rank)
               or (f["target"] == "node" and f["index"] == node)
               or (f["target"] == "pids" and rank == 0)]  # rank 0 fires those
     if not faults:
@@ -94,6 +94,10 @@ def _fault_hook(rank: int) -> Callable[[int, float], None] | None:
             if f["step"] != step or f.get("fired"):
                 continue  # a step redone after a recovery does not fire its fault again
             f["fired"] = True
+            if f["kind"] == "hold":
+                if fault_log:
+                    _hold(Path(fault_log) / f"release-{step}")
+                continue
             target = "node" if f["target"] == "pids" else f["target"]
             print(f"[fault] {f['kind']} {target}:{f['index']} at step {step}",
                   file=sys.stderr, flush=True)
@@ -118,3 +122,15 @@ def _fault_hook(rank: int) -> Callable[[int, float], None] | None:
                     f"xid:79@{os.environ.get('LOCAL_RANK', '0')}")
                 threading.Event().wait()  # a rank on a dead GPU makes no more progress
     return on_step
+
+
+HOLD_S = 60.0  # a hold's longest wait: a launcher that never releases it is gone
+
+
+def _hold(release: Path) -> None:
+    """Wait at this step's end until the launcher releases it (it creates `release`):
+    an outside fault due at this step lands before the job is past it, however slowly
+    the launcher follows the step lines."""
+    deadline = time.monotonic() + HOLD_S
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.005)

@@ -47,6 +47,16 @@ def _restored_from_ram(row: dict) -> bool:
                if (m := re.match(r"replace (node-\d+)/\d+ with spare (node-\d+)/", p)))
 
 
+def _story(row: dict) -> str:
+    """A run's row in full and, for a run that failed (its folder is kept), the last
+    lines of each of its logs: what a failure in CI leaves to go on."""
+    lines = [json.dumps(row, indent=1)]
+    for log in sorted(Path(row.get("workdir") or "/nonexistent").glob("**/*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-25:]
+        lines += [f"--- {log}", *(line[:400] for line in tail)]
+    return "\n".join(lines)
+
+
 @pytest.mark.parametrize(("seed", "runs", "kinds"), SEEDS)
 def test_a_fixed_seed_recovers_every_run_equal_to_the_baseline(
         tmp_path: Path, seed: int, runs: int, kinds: str) -> None:
@@ -60,16 +70,17 @@ def test_a_fixed_seed_recovers_every_run_equal_to_the_baseline(
     rows = json.loads(out.read_text())["runs"]
     assert len(rows) == runs
     for row in rows:
-        assert row["recovered"], row
-        assert row["lost_steps"] == 0, row
-        assert row["equal"], row
+        story = _story(row)
+        assert row["recovered"], story
+        assert row["lost_steps"] == 0, story
+        assert row["equal"], story
         assert row["fault_to_first_step_s"] is not None and row["fault_to_first_step_s"] > 0
         evidence = row["evidence"]
-        assert evidence["victims_ended"] == evidence["victims"], row  # hung ones fenced
+        assert evidence["victims_ended"] == evidence["victims"], story  # hung ones fenced
         # The flipped bits are caught when the victim's state is restored from them: not
         # when a spare on its node restores from RAM, and not when the kill landed after
         # the victim had trained its share (no re-plan: nothing was restored at all).
         if row["kind"] == "bitflip" and row["plans"] and not _restored_from_ram(row):
-            assert evidence["checksum_failures"] > 0, row
+            assert evidence["checksum_failures"] > 0, story
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert not _left_behind(tmp_path / "runs")

@@ -102,3 +102,25 @@ def test_a_successor_coordinator_resumes_a_job_its_predecessor_stopped() -> None
     assert not resumed.stop and resumed.generation == stop.generation + 1
     assert {a.rank_id: a.coord.rank for a in resumed.assignments if not a.spare} == {
         "n0/1": 0, "n1/9": 1}
+
+
+def test_a_spare_re_announced_before_the_successor_took_over_is_its_spare() -> None:
+    # A peer sees the seat move before the successor does and re-announces its spare
+    # then; the installed plan, formed before the spare came, does not name it.
+    first, _, _ = scenario(False, PROFILE, rank("n1/9", "n1", -1, PROFILE))
+
+    async def main() -> list[common_pb2.Plan]:
+        daemons = Daemons()
+        successor = Coordinator(node="n0", job_id="job", metrics=Metrics(), links=daemons,
+                                latest_committed=lambda: 7,
+                                elastic=ElasticSettings(shrink=False))
+        await successor.announce(rank("n1/9", "n1", -1, PROFILE))
+        assert daemons.plans == []  # not a first plan: a spare alone forms none
+        assert successor.take_over(first)
+        await successor.on_failures([killed("n1/2")])
+        return daemons.plans
+
+    [replaced] = asyncio.run(main())
+    assert not replaced.stop and replaced.generation == first.generation + 1
+    assert {a.rank_id: a.coord.rank for a in replaced.assignments if not a.spare} == {
+        "n0/1": 0, "n1/9": 1}

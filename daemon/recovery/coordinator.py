@@ -104,6 +104,14 @@ class Coordinator:
                 log.error("cannot take over: the installed plan is inconsistent (%s); "
                           "waiting for ranks to register", exc)
                 return False
+            # Ranks re-announced before this daemon knew it coordinates (a peer saw the
+            # seat change first) are not in the installed plan: the spares among them.
+            known = {m.rank_id for m in (*self.plan.members, *self.plan.spares)}
+            early = tuple(Member(a.rank_id, a.node) for a in self.announced.values()
+                          if a.rank_id not in known)
+            if early:
+                self._joined.update(m.rank_id for m in early)
+                self.plan = dataclasses.replace(self.plan, spares=(*self.plan.spares, *early))
             if installed.stop:  # the job waits at a stop: resume it when spares come
                 self._stopped = StopDecision(installed.generation, installed.resume_step,
                                              installed.stop_message, (),

@@ -149,6 +149,8 @@ class JobGate:
         mine = sum(1 for x in announced.values() if x.node == caller)
         if a.rank_id not in announced and mine >= MAX_LIVE_RANKS_PER_NODE:
             raise Forbidden(f"daemon {caller} already announced {mine} ranks")
+        if self.leadership.is_leader():  # a peer may see this daemon's seat before it does
+            self.coordinator.take_over(self.registry.current_plan())
         await self.coordinator.announce(a)
 
     async def manifest_for(self, caller: str, step: int) -> manifest_pb2.Manifest:
