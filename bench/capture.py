@@ -132,7 +132,7 @@ class _DaemonRank:
         self.client.generation = generation
         transport = GrpcCaptureTransport(self.client, common_pb2.RankCoord(rank=0), layout,
                                          generation)
-        self.capturer = Capturer(transport)
+        self.capturer = Capturer(transport, token=self.client.token)
         self.step = 0  # step numbers keep rising across phases, as the daemon expects
         self.copy_waits_s: list[float] = []  # blocked in before_update, per optimizer step
 

@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "recovery": "time to recover from a killed rank vs restart-all + checkpoint load",
     "elastic": "shrinking a 4-stage pipeline onto 3 survivors",
     "comm": "cross-node bytes under topology-aware placement; hierarchical all-reduce",
+    "gpu": "CUDA capture stall vs DCP pinned async_save, restore, NVML, NCCL abort (GPU)",
     "fuzz": "random, mutated and undecodable inputs to every RPC, with and without credentials",
 }
 

@@ -425,11 +425,16 @@ class ElasticAgent:
         finally:
             record.pop("t_build", None)
             record.pop("t_trained_from", None)
-            if gen.abandoned:
+            if gen.abandoned and cfg.backend == "nccl":
                 # A step of this generation is stuck in a collective with a dead or hung
-                # peer; gloo cannot abort it and destroying its groups would block until
-                # their timeout. Leave them to that timeout; the next generation uses new
-                # groups under a new store prefix.
+                # peer: NCCL aborts its communicators in-process.
+                log.warning("aborting generation %d with a step still in flight",
+                            plan.generation)
+                dims.abort()
+            elif gen.abandoned:
+                # gloo cannot abort the stuck collective and destroying its groups would
+                # block until their timeout. Leave them to that timeout; the next
+                # generation uses new groups under a new store prefix.
                 log.warning("abandoning generation %d with a step still in flight",
                             plan.generation)
             else:

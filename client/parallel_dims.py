@@ -207,10 +207,19 @@ class ParallelDims:
 
     def destroy(self) -> None:
         """Drop this generation's groups; their threads and sockets close with them."""
+        self._end("shutdown")
+
+    def abort(self) -> None:
+        """Drop this generation's groups without waiting for what is in flight on them:
+        NCCL ends its communicators at once, where a shutdown would wait for a collective
+        stuck on a lost peer (gloo has no such abort: see ElasticAgent's abandoning)."""
+        self._end("abort")
+
+    def _end(self, how: str) -> None:
         for g in self.groups.values():
-            shutdown = getattr(g.pg, "shutdown", None)
-            if shutdown is not None:
-                shutdown()
+            end = getattr(g.pg, how, None) or getattr(g.pg, "shutdown", None)
+            if end is not None:
+                end()
         self.groups.clear()
         self.generation = None
 

@@ -184,3 +184,18 @@ def test_nvml_events_ecc_counters_and_lost_gpus_become_gpu_faults(monkeypatch):
     assert ecc.subject == "r0" and "3 new uncorrectable ECC" in ecc.evidence
     assert lost.subject == "r1" and lost.details["gpu_lost"]
     assert left == 0
+
+
+def test_the_gpu_check_reads_nvml_through_the_monitor_and_times_an_xid(monkeypatch):
+    # What scripts/gpu_check.sh reports from a real driver, here on the stand-in: every
+    # GPU's readings (a reading the driver refuses says so) and an Xid 79 to its failure.
+    from stalwart.bench.gpu import _nvml
+
+    monkeypatch.delenv(INJECT_ENV, raising=False)
+    figures = _nvml(FakeNvml())
+    assert figures["available"] is True and figures["gpus"] == 2
+    assert [d["ecc_uncorrected"] for d in figures["devices"]][0] == 5
+    assert figures["devices"][1]["ecc_uncorrected"] is None  # GPU 1 has no ECC
+    assert str(figures["devices"][0]["name"]).startswith("not readable")  # no such call
+    assert figures["xid79_to_failure_s"] > 0
+    assert "Xid 79 on GPU 0" in figures["failure"]
