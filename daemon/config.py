@@ -48,6 +48,7 @@ class ErasureConfig:
     k: int = default("erasure.k")
     m: int = default("erasure.m")
     parity_to: str = default("erasure.parity_to")
+    encode_threads: int = default("erasure.encode_threads")
 
 
 @dataclass(frozen=True)

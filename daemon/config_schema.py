@@ -121,6 +121,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
                  "of m nodes"),
         "parity_to": Key("str", "peers", _in("peers", "s3", "both"),
                          "where parity shards go: peers, s3 or both"),
+        "encode_threads": Key("int", 2, _at_least(1), "threads that encode a capture's "
+                              "chunks side by side (zfec releases the GIL)"),
     },
     "elastic": {
         "shrink": Key("bool", True, doc="without a spare, continue on the survivors with a "

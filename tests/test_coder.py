@@ -8,8 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.snapshot.coder import CoderPool, ZfecCodec, default_km
+from stalwart.daemon.snapshot.coder import ZfecCodec, default_km
 
 CODES = [(1, 1), (2, 1), (3, 2), (4, 2), (8, 2), (8, 3)]
 
@@ -62,19 +61,6 @@ def test_caller_shards_are_not_reordered_by_decode():
     before = dict(shards)
     assert codec.decode(shards, len(data)) == data
     assert shards == before
-
-
-def test_pool_codes_many_chunks_in_order_and_counts_bytes():
-    metrics = Metrics()
-    chunks = [bytes([i]) * (1000 + i) for i in range(8)]
-    with CoderPool(ZfecCodec(4, 2), workers=2, metrics=metrics) as pool:
-        encoded = pool.encode_many(chunks)
-        items = [({i: bytes(s[i]) for i in (1, 3, 4, 5)}, len(c))
-                 for s, c in zip(encoded, chunks, strict=True)]
-        assert pool.decode_many(items) == chunks
-    encoded_bytes = metrics.registry.get_sample_value(
-        "stalwart_coder_bytes_total", {"op": "encode"})
-    assert encoded_bytes == sum(len(c) for c in chunks)
 
 
 @pytest.mark.parametrize("nodes", [2, 4, 8, 16])

@@ -1,20 +1,15 @@
 """Reed-Solomon coding of snapshot chunks into k data + m parity shards (zfec).
 
 Data shards are slices of the chunk itself (only the last one is padded), so an
-encode computes parity alone. zfec releases the GIL: `CoderPool` codes many
-chunks on a thread pool.
+encode computes parity alone. zfec releases the GIL: the placer (place.py) encodes a
+capture's chunks on several threads.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import zfec
-
-from stalwart.daemon.metrics import Metrics
 
 Buffer = bytes | bytearray | memoryview
 
@@ -110,41 +105,3 @@ class ZfecCodec:
         blocks = [usable[i] for i in nums]
         out = zfec.Decoder(self.k, self.k + self.m).decode(blocks, list(nums))
         return b"".join(out)[:size]
-
-
-class CoderPool:
-    """Codes many chunks concurrently on threads (zfec drops the GIL while it works)."""
-
-    def __init__(self, codec: Codec, workers: int = 2, metrics: Metrics | None = None) -> None:
-        self.codec = codec
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="coder")
-        self._metrics = metrics
-
-    def _timed(self, op: str, fn: Callable, arg, nbytes: int):
-        started = time.perf_counter()
-        out = fn(*arg)
-        if self._metrics is not None:
-            self._metrics.coder_seconds.labels(op).inc(time.perf_counter() - started)
-            self._metrics.coder_bytes.labels(op).inc(nbytes)
-        return out
-
-    def encode_many(self, chunks: Iterable[Buffer]) -> list[list[Buffer]]:
-        """Shards of every chunk, in input order."""
-        futures = [self._pool.submit(self._timed, "encode", self.codec.encode, (c,),
-                                     memoryview(c).nbytes) for c in chunks]
-        return [f.result() for f in futures]
-
-    def decode_many(self, items: Sequence[tuple[dict[int, Buffer], int]]) -> list[bytes]:
-        """Decoded chunks for [(shards, size), ...], in input order."""
-        futures = [self._pool.submit(self._timed, "decode", self.codec.decode, (s, n), n)
-                   for s, n in items]
-        return [f.result() for f in futures]
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
-    def __enter__(self) -> CoderPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -108,6 +108,7 @@ class SnapshotPath:
         self._io.shutdown(wait=True)
         self.committer.stop()
         self._encoders.shutdown(wait=True)
+        self.placer.close()
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         loop = asyncio.get_running_loop()

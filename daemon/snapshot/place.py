@@ -1,5 +1,8 @@
 """Place, the fourth stage: each encoded chunk as k + m shards on distinct daemons (and S3).
 
+Chunks are encoded on `[erasure] encode_threads` threads side by side (zfec releases
+the GIL), and a chunk's puts run while the next chunks encode; at most
+IN_FLIGHT_PER_THREAD chunks per thread hold their shards in memory at once.
 Placement is `core.placement.place_chunk` (rendezvous hashing over the live daemons);
 a peer that cannot take its shard (dead but not yet detected as lost) is replaced
 by another live daemon that holds no shard of the chunk yet, and the record says
@@ -12,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from stalwart.core.placement import S3, Node, place_chunk
 from stalwart.daemon.config import DaemonConfig
@@ -26,6 +30,8 @@ from stalwart.v1 import manifest_pb2
 
 log = logging.getLogger("stalwart.daemon.snapshot.place")
 
+IN_FLIGHT_PER_THREAD = 2  # chunks encoded or being put, per encode thread
+
 
 class ShardPlacer:
     """Erasure-codes and places one rank's chunks for a step."""
@@ -34,6 +40,12 @@ class ShardPlacer:
                  s3: S3Tier | None, peers: Callable[[], list[Peer]]) -> None:
         self.config, self.metrics, self.holders, self.s3 = config, metrics, holders, s3
         self.node, self.peers = config.node, peers
+        threads = config.erasure.encode_threads
+        self._encoders = ThreadPoolExecutor(threads, thread_name_prefix="stalwart-encode")
+        self._in_flight = threads * IN_FLIGHT_PER_THREAD
+
+    def close(self) -> None:
+        self._encoders.shutdown(wait=True)
 
     def coding(self, nodes: int) -> tuple[int, int]:
         """(k, m) for this many live daemons: the configured code when it fits."""
@@ -56,32 +68,48 @@ class ShardPlacer:
         out = manifest_pb2.RankState()
         out.CopyFrom(state)
         unreachable: set[str] = set()  # peers that failed a put during this capture
-        for chunk, payload in zip(out.chunks, payloads, strict=True):
-            t0 = time.perf_counter()
-            shards = await asyncio.to_thread(codec.encode, payload)
-            self.metrics.coder_seconds.labels("encode").inc(time.perf_counter() - t0)
-            self.metrics.coder_bytes.labels("encode").inc(len(payload))
-            placement = place_chunk(chunk.chunk_id, k, m, nodes, self.config.erasure.parity_to)
-            puts = []
-            chosen = {h for holders in placement.holders for h in holders}
-            for index, holders in enumerate(placement.holders):
-                body = bytes(shards[index])
-                sid = f"{chunk.chunk_id}.{index}"
-                crc = crc32c(body)
-                for holder in holders:
-                    chunk.shards.append(manifest_pb2.ShardRecord(
-                        index=index, node=holder, location=sid, size=len(body), crc32c=crc))
-                    if holder == S3:
-                        assert self.s3 is not None
-                        puts.append(self.s3.put_shard(sid, body))
-                    else:
-                        puts.append(self._put_shard(chunk.shards[-1], body, step, generation,
-                                                    live, chosen, unreachable))
-            chunk.k, chunk.m = k, m
-            await asyncio.gather(*puts)
-            self.metrics.stored_bytes.labels(tier="shards").inc(
-                sum(len(bytes(s)) for s in shards))
+        room = asyncio.Semaphore(self._in_flight)
+
+        async def one(chunk: manifest_pb2.ChunkRecord, payload: bytes) -> None:
+            async with room:
+                await self._place_chunk(chunk, payload, codec, nodes, step, generation,
+                                        live, unreachable)
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for chunk, payload in zip(out.chunks, payloads, strict=True):
+                    group.create_task(one(chunk, payload))
+        except BaseExceptionGroup as failed:  # the first failure, as a single chunk raised it
+            raise failed.exceptions[0] from None
         return out
+
+    async def _place_chunk(self, chunk: manifest_pb2.ChunkRecord, payload: bytes,
+                           codec: ZfecCodec, nodes: list[Node], step: int, generation: int,
+                           live: set[str], unreachable: set[str]) -> None:
+        t0 = time.perf_counter()
+        shards = await asyncio.get_running_loop().run_in_executor(
+            self._encoders, _sealed, codec, payload)
+        self.metrics.coder_seconds.labels("encode").inc(time.perf_counter() - t0)
+        self.metrics.coder_bytes.labels("encode").inc(len(payload))
+        k, m = codec.k, codec.m
+        placement = place_chunk(chunk.chunk_id, k, m, nodes, self.config.erasure.parity_to)
+        puts = []
+        chosen = {h for holders in placement.holders for h in holders}
+        for index, holders in enumerate(placement.holders):
+            body, crc = shards[index]
+            sid = f"{chunk.chunk_id}.{index}"
+            for holder in holders:
+                chunk.shards.append(manifest_pb2.ShardRecord(
+                    index=index, node=holder, location=sid, size=len(body), crc32c=crc))
+                if holder == S3:
+                    assert self.s3 is not None
+                    puts.append(self.s3.put_shard(sid, body))
+                else:
+                    puts.append(self._put_shard(chunk.shards[-1], body, step, generation,
+                                                live, chosen, unreachable))
+        chunk.k, chunk.m = k, m
+        await asyncio.gather(*puts)
+        self.metrics.stored_bytes.labels(tier="shards").inc(sum(len(b) for b, _ in shards))
 
     async def _put_shard(self, record: manifest_pb2.ShardRecord, body: bytes, step: int,
                          generation: int, live: set[str], chosen: set[str],
@@ -117,3 +145,8 @@ class ShardPlacer:
         """A live daemon holding no shard of this chunk yet, else this daemon."""
         spare = sorted(n for n in live if n not in chosen and n not in unreachable)
         return spare[0] if spare else self.node
+
+
+def _sealed(codec: ZfecCodec, payload: bytes) -> list[tuple[bytes, int]]:
+    """Each shard of `payload` as bytes with its CRC32C (on an encode thread)."""
+    return [(body := bytes(shard), crc32c(body)) for shard in codec.encode(payload)]

@@ -1,0 +1,100 @@
+"""Specs for the placer, the daemon's encode-and-place stage: a capture's chunks are encoded
+on several threads and put while the next ones encode, and what lands on the holders is
+bitwise what zfec makes of each chunk; a put that fails fails the capture with its own
+error. In-process, with holders that record what they are given."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import pytest
+
+from stalwart.daemon.config import DaemonConfig, ErasureConfig
+from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.peers import Peer
+from stalwart.daemon.snapshot.coder import ZfecCodec
+from stalwart.daemon.snapshot.place import ShardPlacer
+from stalwart.daemon.snapshot.shard_client import ShardTransferError
+from stalwart.v1 import manifest_pb2
+
+K, M = 4, 2
+
+
+class Holders:
+    """Each node's shards as put, and the threads that encoded (seen through the puts)."""
+
+    def __init__(self, refuse: str = "") -> None:
+        self.stored: dict[tuple[str, str], bytes] = {}
+        self.refuse = refuse
+        self.in_flight = self.most_in_flight = 0
+
+    def client(self, node: str) -> Holders.Client:
+        return Holders.Client(self, node)
+
+    class Client:
+        def __init__(self, holders: Holders, node: str) -> None:
+            self.holders, self.node = holders, node
+
+        async def put(self, sid: str, body: bytes, **_: object) -> None:
+            h = self.holders
+            h.in_flight += 1
+            h.most_in_flight = max(h.most_in_flight, h.in_flight)
+            try:
+                await asyncio.sleep(0.01)  # a network put takes a while
+                if self.node == h.refuse:
+                    raise ShardTransferError(self.node, sid, "put", "disk full")
+                h.stored[(self.node, sid)] = bytes(body)
+            finally:
+                h.in_flight -= 1
+
+
+def placer(holders: Holders, threads: int, node: str = "n0") -> ShardPlacer:
+    config = DaemonConfig(node=node, erasure=ErasureConfig(k=K, m=M, encode_threads=threads))
+    peers = [Peer(f"n{i}", f"127.0.0.1:{9000 + i}", {}) for i in range(K + M)]
+    return ShardPlacer(config, Metrics(), holders, None, lambda: peers)
+
+
+def capture(chunks: list[bytes]) -> manifest_pb2.RankState:
+    return manifest_pb2.RankState(chunks=[manifest_pb2.ChunkRecord(chunk_id=f"c{i}")
+                                          for i in range(len(chunks))])
+
+
+def test_every_chunk_lands_as_zfecs_shards_on_distinct_holders_with_threads() -> None:
+    chunks = [os.urandom(50_000 + 997 * i) for i in range(24)]
+    holders = Holders()
+    encoders: set[str] = set()
+    p = placer(holders, threads=2)
+    encode = ZfecCodec.encode
+
+    def watched(self: ZfecCodec, chunk: bytes) -> list:
+        encoders.add(threading.current_thread().name)
+        return encode(self, chunk)
+
+    try:
+        ZfecCodec.encode = watched  # type: ignore[method-assign]
+        placed = asyncio.run(p.place(3, 1, capture(chunks), chunks))
+    finally:
+        ZfecCodec.encode = encode  # type: ignore[method-assign]
+        p.close()
+    codec = ZfecCodec(K, M)
+    for chunk, record in zip(chunks, placed.chunks, strict=True):
+        assert (record.k, record.m) == (K, M)
+        assert sorted(s.index for s in record.shards) == list(range(K + M))
+        assert len({s.node for s in record.shards}) == K + M
+        expected = codec.encode(chunk)
+        for s in record.shards:
+            assert holders.stored[(s.node, s.location)] == bytes(expected[s.index])
+    assert all(name.startswith("stalwart-encode") for name in encoders)
+    assert holders.most_in_flight > K + M  # a chunk's puts overlapped another chunk's
+
+
+def test_a_put_that_fails_on_this_daemon_fails_the_capture_with_its_own_error() -> None:
+    chunks = [os.urandom(10_000) for _ in range(6)]
+    p = placer(Holders(refuse="n0"), threads=2, node="n0")
+    try:
+        with pytest.raises(ShardTransferError, match="disk full"):
+            asyncio.run(p.place(3, 1, capture(chunks), chunks))
+    finally:
+        p.close()
