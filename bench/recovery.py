@@ -49,6 +49,11 @@ DEFINITIONS = {
     "catch_up_s": "kill -> the step after the killed one completed (redone steps included)",
     "lost_steps": "committed steps discarded by the recovery (worst trial)",
     "redone_steps": "steps trained again: the kill came after steps not yet committed",
+    "commit_lag_steps": "before the kill: newest step trained minus newest step committed, "
+                        "median of the benchmark's looks (about every 0.1 s)",
+    "survivor_stall_s": "a surviving rank's last step before the kill -> its first step "
+                        "after it (slowest survivor; step lines as the benchmark read them, "
+                        "about 0.1 s apart)",
     "baseline_restart_s": "kill -> torchrun started the first fresh rank process",
     "baseline_import_s": "-> the last rank imported torch and stalwart",
     "baseline_rebuild_s": "-> the last rank joined the process group, built groups and trainer",
@@ -175,6 +180,7 @@ def _our_recovery(index: int, victim: int, workdir: Path, watch: _Watch,
     committed_before = max((s for t, s in watch.committed if t <= planned), default=0)
     detected = max(detected, fault_t)
     caught_up = watch.log.first_seen(fault_step + 1)
+    lag, stall = _commit_lag(watch, fault_t), _survivor_stall(watch, workdir, victim, fault_t)
     return {"victim_rank": victim, "fault_step": fault_step, "resume_step": resume,
             "generations_used": len([g for g in by_gen if g > 1]),
             "mttr_s": first - fault_t, "detect_s": detected - fault_t,
@@ -184,9 +190,37 @@ def _our_recovery(index: int, victim: int, workdir: Path, watch: _Watch,
             "restore_by_rank_s": sorted(r["restore_s"] for r in recs),
             "lost_steps": max(0, committed_before - resume),
             "redone_steps": max(0, fault_step - resume),
+            "commit_lag_steps": lag, "survivor_stall_s": stall,
             "catch_up_s": caught_up - fault_t if caught_up else None,
             "step_s": median(watch.step_times) if watch.step_times else None,
             "losses": _losses(results)}
+
+
+def _commit_lag(watch: _Watch, fault_t: float) -> float | None:
+    """Median of (newest step trained - newest committed) over the looks before the kill,
+    once two steps were trained (the first commit needs a step to be captured)."""
+    trained = sorted(t_s for seen in watch.log.seen.values() for t_s in seen)
+    lags = []
+    for t, committed in watch.committed:
+        newest = max((step for step, seen_t in trained if seen_t <= t), default=0)
+        if 2 <= newest and t < fault_t:
+            lags.append(newest - committed)
+    return median(lags) if lags else None
+
+
+def _survivor_stall(watch: _Watch, workdir: Path, victim: int, fault_t: float
+                    ) -> float | None:
+    """Slowest surviving rank: its last step line before the kill -> its first after."""
+    stalls = []
+    for path, seen in watch.log.seen.items():
+        if path.parent != workdir or not path.name.startswith("rank") or \
+                path.name == f"rank{victim}.log":
+            continue  # the victim, and spares (they were no part of the job before)
+        before = [t for _, t in seen if t <= fault_t]
+        after = [t for _, t in seen if t > fault_t]
+        if before and after:
+            stalls.append(min(after) - max(before))
+    return max(stalls) if stalls else None
 
 
 def _losses(results: list[dict[str, Any]]) -> dict[int, float]:
@@ -263,6 +297,8 @@ def _figures(ours: list[dict[str, Any]], base: list[dict[str, Any]],
                                       "first_step_s", "catch_up_s", "step_s")},
         "lost_steps": max(t["lost_steps"] for t in ours),
         "redone_steps": _med(ours, "redone_steps"),
+        "commit_lag_steps": _med(ours, "commit_lag_steps"),
+        "survivor_stall_s": _med(ours, "survivor_stall_s"),
         "baseline": "torchrun --max-restarts (all ranks restarted) + last DCP checkpoint",
         "baseline_ckpt_every_steps": CKPT_EVERY,
         "baseline_mttr_s": base_mttr, "baseline_mttr_range_s": _range(base, "mttr_s"),

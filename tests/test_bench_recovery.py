@@ -29,3 +29,15 @@ def test_torchrun_restart_resumes_from_last_dcp_save_with_identical_losses(tmp_p
                                   "first_step_s"))
     assert rec["mttr_s"] == pytest.approx(phases, abs=1e-6)
     assert rec["mttr_s"] > 0
+
+
+def test_commit_lag_and_survivor_stall_read_the_step_lines_as_the_bench_saw_them(tmp_path):
+    from stalwart.bench.recovery import _commit_lag, _survivor_stall, _Watch
+
+    w = _Watch()
+    w.log.seen = {tmp_path / "rank0.log": [(1, 10.0), (2, 10.5), (3, 11.0), (4, 14.0)],
+                  tmp_path / "rank1.log": [(1, 10.0), (2, 10.5), (3, 11.0)],  # the victim
+                  tmp_path / "spare0.log": [(4, 13.9)]}  # took the victim's place
+    w.committed = [(10.6, 1), (11.1, 1), (11.5, 3), (14.5, 3)]
+    assert _commit_lag(w, fault_t=12.0) == 1  # lags 1, 2, 0 before the kill
+    assert _survivor_stall(w, tmp_path, victim=1, fault_t=12.0) == 3.0  # rank0: 11 -> 14
