@@ -162,7 +162,7 @@ def _capture_and_restore(device: str, width: int, layers: int, batch: int, repea
         record, data = rank.client.restore(last, 0)
         fetched_s = time.perf_counter() - t0
         restored = {name: t.to(state[name].device, non_blocking=True)
-                    for name, t in unpack(data, record.tensors).items()}
+                    for name, t in unpack(data, record.tensors, copy=False).items()}
         if device == "cuda":
             torch.cuda.synchronize()
         restore_s = time.perf_counter() - t0

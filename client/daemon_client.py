@@ -329,8 +329,9 @@ class DaemonClient:
         return self._call(what, getattr(self._rank_stub(), method), request, **kwargs)
 
     def restore(self, step: int, rank: int, timeout_s: float = 300.0
-                ) -> tuple[manifest_pb2.RankState, bytes]:
-        """A committed step's record and state bytes for `rank` (in that step's layout)."""
+                ) -> tuple[manifest_pb2.RankState, bytearray]:
+        """A committed step's record and state bytes for `rank` (in that step's layout),
+        in a buffer of the caller's own (see `state_layout.unpack(copy=False)`)."""
         request = rank_pb2.RestoreRequest(rank_id=self.rank_id, step=step, rank=rank)
         state: manifest_pb2.RankState | None = None
         data = bytearray()
@@ -347,7 +348,7 @@ class DaemonClient:
                                     f"{e.code().name}: {e.details()}") from e  # type: ignore
         if state is None:
             raise DaemonUnavailable(f"restore of step {step} rank {rank}: empty reply")
-        return state, bytes(data)
+        return state, data
 
     def watch_plan(self, known_generation: int | None = None) -> Iterator[rank_pb2.PlanEvent]:
         """Plan changes as they happen (blocks between them; cancel by closing the client)."""

@@ -87,9 +87,18 @@ def pack_into(buffer: torch.Tensor, tensors: Iterable[StateTensor],
         byte_view(buffer, meta).copy_(st.tensor.detach(), non_blocking=non_blocking)
 
 
-def unpack(data: bytes | bytearray | memoryview,
-           metas: Sequence[common_pb2.TensorMeta]) -> dict[str, torch.Tensor]:
-    """Tensors by name, copied out of a state buffer (bitwise as captured)."""
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else \
-        torch.empty(0, dtype=torch.uint8)
+def unpack(data: bytes | bytearray | memoryview, metas: Sequence[common_pb2.TensorMeta],
+           *, copy: bool = True) -> dict[str, torch.Tensor]:
+    """Tensors by name out of a state buffer (bitwise as captured). `copy=False` takes a
+    bytearray the caller hands over (a restore's own buffer): the tensors are views into
+    it, and the state is not copied twice more on its way into the model."""
+    if not len(data):
+        return {m.name: byte_view(torch.empty(0, dtype=torch.uint8), m) for m in metas}
+    if not copy:
+        if not isinstance(data, bytearray):
+            raise TypeError(f"unpack(copy=False) takes a bytearray it may keep, not "
+                            f"{type(data).__name__}")
+        buf = torch.frombuffer(data, dtype=torch.uint8)
+        return {m.name: byte_view(buf, m) for m in metas}
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return {m.name: byte_view(buf, m).clone() for m in metas}

@@ -215,7 +215,7 @@ class FakeDaemon:
     def __init__(self, states: dict[int, tuple]) -> None:
         self.states, self.calls = states, []
 
-    def restore(self, step: int, rank: int) -> tuple[manifest_pb2.RankState, bytes]:
+    def restore(self, step: int, rank: int) -> tuple[manifest_pb2.RankState, bytearray]:
         self.calls.append((step, rank))
         metas, tensors, extra = self.states[rank]
         parts = [StateTensor(m.name, tensors[m.name]) for m in metas]
@@ -224,7 +224,7 @@ class FakeDaemon:
         pack_into(buf, parts, metas)
         record = manifest_pb2.RankState(rank=rank, tensors=metas, total_bytes=total,
                                         extra=json.dumps(extra).encode())
-        return record, bytes(buf.numpy())
+        return record, bytearray(buf.numpy())  # as DaemonClient.restore: the caller's own
 
 
 def test_a_former_spare_learns_the_old_layout_from_rank_zero_and_fetches_the_rest(trained):

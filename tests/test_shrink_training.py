@@ -55,10 +55,10 @@ class _Files:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
 
-    def restore(self, step: int, rank: int) -> tuple[manifest_pb2.RankState, bytes]:
+    def restore(self, step: int, rank: int) -> tuple[manifest_pb2.RankState, bytearray]:
         record = manifest_pb2.RankState.FromString(
             (self.folder / f"{step}-{rank}.meta").read_bytes())
-        return record, (self.folder / f"{step}-{rank}.bin").read_bytes()
+        return record, bytearray((self.folder / f"{step}-{rank}.bin").read_bytes())
 
 
 def _capture(trainer: Trainer, folder: Path, rank: int) -> None:
