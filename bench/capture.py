@@ -8,6 +8,7 @@ tiny model trains with and without a capture every step, interleaved, in one pro
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -171,6 +172,47 @@ class _DaemonRank:
             self.cluster.close()
 
 
+def _pin(pid: int, cores: set[int]) -> None:
+    """Every thread of process `pid` onto `cores` (Linux sets affinity per thread)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cores)
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that ended meanwhile
+
+
+def _own_cores_overhead(rank: _DaemonRank, model, opt, step: Callable[[], float],
+                        blocks: int) -> dict[str, Any]:
+    """The tiny model's step overhead with the rank (this process, one torch thread) on
+    one core and its daemon on another, as a deployment that gives the daemon a core
+    has it; None where the machine has fewer than two cores to give."""
+    import torch
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return {"overhead_pct": None, "why": f"{len(cores)} core(s): nothing to pin apart"}
+    daemon = rank.cluster.daemons[0].proc
+    assert daemon is not None
+    threads = torch.get_num_threads()
+    before = {os.getpid(): set(cores), daemon.pid: os.sched_getaffinity(daemon.pid)}
+    torch.set_num_threads(1)
+    _pin(os.getpid(), {cores[0]})
+    _pin(daemon.pid, {cores[1]})
+    try:
+        plain, captured = [], []
+        for _ in range(blocks):
+            plain += rank.train(model, opt, step, 5, capture=False)
+            captured += rank.train(model, opt, step, 5, capture=True)[1:]
+    finally:
+        for pid, allowed in before.items():
+            _pin(pid, allowed)
+        torch.set_num_threads(threads)
+    return {"overhead_pct": round(100 * (median(captured) / median(plain) - 1), 2),
+            "rank_core": cores[0], "daemon_core": cores[1], "torch_threads": 1,
+            "step_s_without_capture": round(median(plain), 6),
+            "step_s_with_capture": round(median(captured), 6)}
+
+
 def run(quick: bool) -> dict:
     import torch
 
@@ -210,6 +252,7 @@ def run(quick: bool) -> dict:
             captured += rank.train(tiny_model, tiny_opt, tiny_step, 5, capture=True)[1:]
             tiny_stalls += rank.capturer.stats.stalls_s[before + 1:]
         tiny_bytes = rank.capturer.stats.bytes_per_capture
+        own = _own_cores_overhead(rank, tiny_model, tiny_opt, tiny_step, 2 if quick else 4)
     finally:
         rank.close()
         shutil.rmtree(folder, ignore_errors=True)
@@ -239,12 +282,16 @@ def run(quick: bool) -> dict:
                  "step_s_with_capture": round(median(captured), 6),
                  "stall_s": round(median(tiny_stalls), 6)},
         "step_overhead_pct": round(100 * (median(captured) / median(plain) - 1), 2),
+        "step_overhead_pct_own_cores": own["overhead_pct"],
+        "own_cores": own,
         "torch_threads": torch.get_num_threads(),
         "notes": "stall_s: median time the training thread is blocked per capture "
                  "(capture() call plus the wait before the next optimizer.step()), real "
                  "Capturer -> daemon subprocess, first capture (slot set-up) excluded. "
                  "step_overhead_pct: tiny GPT, capture every step vs none, interleaved "
                  "blocks in one process; the daemon's encoding shares the machine's cores. "
+                 "step_overhead_pct_own_cores: the same with this process (one torch "
+                 "thread) pinned to one core and the daemon to another. "
                  "handoff_s: the rest (describe the state, hand the slot over). "
                  "stall_waiting_for_copy_s: part of the stall spent before optimizer.step() "
                  "waiting for the copy, which itself waits for a slot the daemon has not "
