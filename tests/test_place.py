@@ -98,3 +98,16 @@ def test_a_put_that_fails_on_this_daemon_fails_the_capture_with_its_own_error() 
             asyncio.run(p.place(3, 1, capture(chunks), chunks))
     finally:
         p.close()
+
+
+def test_the_erasure_benchmark_times_the_placer_beside_single_thread_zfec() -> None:
+    import numpy as np
+
+    from stalwart.bench.erasure import _coder_figures
+
+    buf = np.random.default_rng(0).integers(0, 256, 12 << 20, dtype=np.uint8)
+    figures = _coder_figures(buf, K, M, repeats=1)
+    assert figures["encode_threads"] == DaemonConfig().erasure.encode_threads == 2
+    assert figures["encode_gbps"] > 0 and figures["zfec_single_thread_gbps"] > 0
+    assert figures["encode_speedup_vs_single_thread"] == pytest.approx(
+        figures["encode_gbps"] / figures["zfec_single_thread_gbps"], rel=0.02)
