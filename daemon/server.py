@@ -29,9 +29,10 @@ from stalwart.daemon.data_lock import DataDirBusy, DataDirLock
 from stalwart.daemon.job import Job
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.peers import PeerChannels
+from stalwart.daemon.recovery.exits import ExitWatch
 from stalwart.daemon.recovery.gossip import gossip_forever
 from stalwart.daemon.recovery.membership import Membership
-from stalwart.daemon.recovery.registry import Registry
+from stalwart.daemon.recovery.registry import DEAD, LEFT, Registry
 from stalwart.daemon.rpc.guard import Guard
 from stalwart.daemon.rpc.operator_service import OperatorServicer
 from stalwart.daemon.rpc.peer_service import PeerServicer
@@ -234,15 +235,28 @@ class Daemon:
     # background ----------------------------------------------------------
 
     async def _detect_forever(self) -> None:
-        """Apply the liveness rules often enough that a dead process is seen in ~0.1 s."""
+        """Apply the liveness rules every tick (~0.1 s), and at once when a watched rank
+        process exits (ExitWatch)."""
         tick_s = min(0.1, self.config.heartbeat_interval_s / 4)
-        while not self.stopping.is_set():
-            try:
-                self.registry.check()
-                self.membership.check()
-            except Exception:  # a detector bug must not stop detection of everything else
-                log.exception("liveness check failed")
-            await asyncio.sleep(tick_s)
+        exits = ExitWatch(self._check_ranks)
+        try:
+            while not self.stopping.is_set():
+                self._check_ranks()
+                try:
+                    self.membership.check()
+                    exits.follow(r.pid for r in self.registry.ranks()
+                                 if r.process is not None and r.state not in (DEAD, LEFT))
+                except Exception:  # a detector bug must not stop detection of the rest
+                    log.exception("liveness check failed")
+                await asyncio.sleep(tick_s)
+        finally:
+            exits.close()
+
+    def _check_ranks(self) -> None:
+        try:
+            self.registry.check()
+        except Exception:  # a detector bug must not stop detection of everything else
+            log.exception("liveness check failed")
 
     async def _watch_protection_forever(self) -> None:
         """Recount shards and the protection margin once per heartbeat interval."""

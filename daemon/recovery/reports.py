@@ -1,8 +1,8 @@
 """Failures this daemon learns of, on their way to the coordinator's decision.
 
 Detectors (registry, membership, GPU health, rank reports) put typed failures on one
-queue. The coordinator batches them over a short window (a dead process often takes
-its peers' reports with it; hang reports need every rank's word) and believes only
+queue. The coordinator batches them (a burst of facts until it pauses; hang reports
+over a window, since they need every rank's word) and believes only
 what the subject's daemon confirms; any other daemon forwards each report at once,
 and keeps what it could not deliver for the next coordinator.
 """
@@ -26,7 +26,11 @@ log = logging.getLogger("stalwart.daemon.recovery.reports")
 
 RPC_TIMEOUT_S = 10.0
 HANG_WINDOW_S = 1.5   # collect hang reports this long before deciding (seconds)
-FACT_WINDOW_S = 0.2   # a dead process often takes its peers' reports with it
+# Other failures are facts: decide once they stop coming. A burst (the ranks of one
+# GPU, the processes one signal ended) arrives within FACT_QUIET_S of each other; a
+# report that comes later than that is met by a second plan.
+FACT_QUIET_S = 0.02
+FACT_WINDOW_S = 0.2   # the longest a burst is collected for
 
 
 class FailureReports:
@@ -63,12 +67,13 @@ class FailureReports:
                 await self._forward([first])
                 continue
             batch = [first]
-            window = HANG_WINDOW_S if first.kind is FailureKind.COLLECTIVE_HANG else FACT_WINDOW_S
+            hang = first.kind is FailureKind.COLLECTIVE_HANG
             loop = asyncio.get_running_loop()
-            end = loop.time() + window
+            end = loop.time() + (HANG_WINDOW_S if hang else FACT_WINDOW_S)
             while (left := end - loop.time()) > 0:
                 try:
-                    batch.append(await asyncio.wait_for(self._queue.get(), left))
+                    batch.append(await asyncio.wait_for(
+                        self._queue.get(), left if hang else min(left, FACT_QUIET_S)))
                 except TimeoutError:
                     break
             try:
