@@ -8,6 +8,7 @@ its own channel; the parent's channel and heartbeat thread are never touched.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import socket
 import threading
@@ -19,6 +20,7 @@ from typing import Any
 import grpc
 
 from stalwart.client.job_token import find_token
+from stalwart.client.shm import MappedSlot, SlotRefused
 from stalwart.daemon.config_schema import daemon_socket, default
 from stalwart.v1 import (
     common_pb2,
@@ -30,6 +32,8 @@ from stalwart.v1 import (
 )
 
 log = logging.getLogger("stalwart.client.daemon")
+
+RestoredBytes = bytearray | mmap.mmap  # a restore's buffer, the caller's own
 
 # A heartbeat refused with these codes will never be accepted: the rank must rejoin.
 _FENCED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
@@ -328,19 +332,26 @@ class DaemonClient:
         """Any RankService method by name, with this client's error handling."""
         return self._call(what, getattr(self._rank_stub(), method), request, **kwargs)
 
-    def restore(self, step: int, rank: int, timeout_s: float = 300.0
-                ) -> tuple[manifest_pb2.RankState, bytearray]:
+    def restore(self, step: int, rank: int, timeout_s: float = 300.0, *,
+                into_slot: bool = True) -> tuple[manifest_pb2.RankState, RestoredBytes]:
         """A committed step's record and state bytes for `rank` (in that step's layout),
-        in a buffer of the caller's own (see `state_layout.unpack(copy=False)`)."""
-        request = rank_pb2.RestoreRequest(rank_id=self.rank_id, step=step, rank=rank)
+        in a buffer of the caller's own (see `state_layout.unpack(copy=False)`): a
+        shared-memory slot the daemon filled, mapped here, or (`into_slot=False`, or
+        where the daemon has no room for a slot or this process cannot map it) the bytes
+        streamed over the socket."""
+        request = rank_pb2.RestoreRequest(rank_id=self.rank_id, step=step, rank=rank,
+                                          into_slot=into_slot)
         state: manifest_pb2.RankState | None = None
         data = bytearray()
+        slot, restored = ("", ""), step
         try:
             for piece in self._rank_stub().Restore(request, timeout=timeout_s,
                                                    metadata=self._metadata()):
                 if piece.HasField("state"):
-                    state = piece.state
-                    data = bytearray(state.total_bytes)
+                    state, slot = piece.state, (piece.slot_id, piece.fd_socket)
+                    restored = piece.step or step
+                    if not piece.slot_id:
+                        data = bytearray(state.total_bytes)
                 else:
                     data[piece.offset:piece.offset + len(piece.data)] = piece.data
         except grpc.RpcError as e:
@@ -348,7 +359,15 @@ class DaemonClient:
                                     f"{e.code().name}: {e.details()}") from e  # type: ignore
         if state is None:
             raise DaemonUnavailable(f"restore of step {step} rank {rank}: empty reply")
-        return state, data
+        if not slot[0]:
+            return state, data
+        try:
+            mapped = MappedSlot.attach(slot[1], slot[0], self.token)
+        except (OSError, SlotRefused) as exc:
+            log.warning("restore slot %s could not be mapped (%s); streaming the state",
+                        slot[0], exc)
+            return self.restore(restored, rank, timeout_s, into_slot=False)
+        return state, mapped.view  # the tensors viewing it keep the mapping alive
 
     def watch_plan(self, known_generation: int | None = None) -> Iterator[rank_pb2.PlanEvent]:
         """Plan changes as they happen (blocks between them; cancel by closing the client)."""

@@ -58,11 +58,11 @@ def read_from_daemon(step: int, target: str | None = None
 
     client = DaemonClient(target)
     try:
-        first = client.restore(step, 0)
+        first = client.restore(step, 0, into_slot=False)  # bytes for a file, many ranks
         layout = json.loads(first[0].extra.decode())["layout"]
         world = layout["dp"] * layout["pp"] * layout["tp"]
         step = step or json.loads(first[0].extra.decode())["step"]
-        return [first, *(client.restore(step, r) for r in range(1, world))]
+        return [first, *(client.restore(step, r, into_slot=False) for r in range(1, world))]
     finally:
         client.close(leaving=False)
 

@@ -7,6 +7,7 @@ element size and lets restore find each tensor again by name.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -87,17 +88,19 @@ def pack_into(buffer: torch.Tensor, tensors: Iterable[StateTensor],
         byte_view(buffer, meta).copy_(st.tensor.detach(), non_blocking=non_blocking)
 
 
-def unpack(data: bytes | bytearray | memoryview, metas: Sequence[common_pb2.TensorMeta],
+def unpack(data: bytes | bytearray | memoryview | mmap.mmap,
+           metas: Sequence[common_pb2.TensorMeta],
            *, copy: bool = True) -> dict[str, torch.Tensor]:
     """Tensors by name out of a state buffer (bitwise as captured). `copy=False` takes a
-    bytearray the caller hands over (a restore's own buffer): the tensors are views into
-    it, and the state is not copied twice more on its way into the model."""
+    buffer the caller hands over (a restore's: a bytearray, or the slot it mapped): the
+    tensors are views into it, and the state is not copied again on its way into the
+    model."""
     if not len(data):
         return {m.name: byte_view(torch.empty(0, dtype=torch.uint8), m) for m in metas}
     if not copy:
-        if not isinstance(data, bytearray):
-            raise TypeError(f"unpack(copy=False) takes a bytearray it may keep, not "
-                            f"{type(data).__name__}")
+        if not isinstance(data, bytearray | mmap.mmap):
+            raise TypeError(f"unpack(copy=False) takes a bytearray or mapped slot it may "
+                            f"keep, not {type(data).__name__}")
         buf = torch.frombuffer(data, dtype=torch.uint8)
         return {m.name: byte_view(buf, m) for m in metas}
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -170,7 +170,12 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         await self.auth.token_holder(context)
         await admit(context, self.metrics, request)
         try:
-            async for piece in self.snapshots.restorer.restore(request.step, request.rank):
+            into = None
+            if request.into_slot:
+                def into(data: bytes) -> tuple[str, str] | None:
+                    return self.snapshots.intake.restore_slot(request.rank_id, data)
+            async for piece in self.snapshots.restorer.restore(request.step, request.rank,
+                                                               into):
                 if not await send_within(context, piece, RESTORE_IDLE_S):
                     log.warning("restore reader cut off: it took no piece for %g s",
                                 RESTORE_IDLE_S, extra={"rank_id": request.rank_id})

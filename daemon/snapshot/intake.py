@@ -15,7 +15,7 @@ from stalwart.core.generation import check_generation
 from stalwart.daemon.errors import Invalid, NotFound, Refused
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.registry import Registry
-from stalwart.daemon.snapshot.slots import FdServer, SlotPool
+from stalwart.daemon.snapshot.slots import FdServer, SlotBudgetExceeded, SlotPool
 from stalwart.v1 import rank_pb2
 
 MAX_BACKLOG = 3  # captures per rank copied but not yet encoded, at most
@@ -44,6 +44,19 @@ class Intake:
         return rank_pb2.OpenSlotReply(slot_id=slots[0].slot_id, size=slots[0].size,
                                       fd_socket=str(self.fd_server.path),
                                       slot_ids=[s.slot_id for s in slots])
+
+    def restore_slot(self, rank_id: str, data: bytes) -> tuple[str, str] | None:
+        """A restore's state in a one-time slot for `rank_id` to map: (slot_id,
+        fd_socket); None when the rank is not registered here or the slot budget has no
+        room (the state is streamed instead). Called on a worker thread."""
+        if not data or self.registry.get(rank_id) is None:
+            return None
+        try:
+            slot = self.pool.open_once(rank_id, len(data))
+        except SlotBudgetExceeded:
+            return None
+        slot.view[:len(data)] = data
+        return slot.slot_id, str(self.fd_server.path)
 
     async def capture(self, request: rank_pb2.CaptureRequest) -> None:
         """Take the slot's bytes; returns once the slot may be reused."""

@@ -3,7 +3,8 @@
 The newest committed step that the surviving holders can still rebuild is chosen
 (or the step asked for). Chunks this daemon holds come from its own tiers; the
 others are rebuilt from any k of their shards, cheapest holder first
-(`shard_reader`). The state travels to the rank in PIECE_BYTES pieces.
+(`shard_reader`). The state reaches the rank in a shared-memory slot it maps (as a
+capture leaves it), or, where there is no room for one, in PIECE_BYTES pieces.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from stalwart.daemon.snapshot.shard_reader import BeyondToleranceError, ShardRea
 from stalwart.v1 import manifest_pb2, rank_pb2
 
 PIECE_BYTES = 1 << 20  # restore stream message size
+
+# A state's bytes -> (slot_id, fd socket) of the slot now holding them, or None.
+Slotter = Callable[[bytes], "tuple[str, str] | None"]
 FETCH_TIMEOUT_S = 120.0  # one chunk this daemon does not hold, rebuilt from shards
 
 
@@ -44,10 +48,12 @@ class Restorer:
         fut = asyncio.run_coroutine_threadsafe(self.reader().read_chunk(chunk), self.loop)
         return fut.result(timeout=FETCH_TIMEOUT_S)
 
-    async def restore(self, step: int, rank: int) -> AsyncIterator[rank_pb2.RestorePiece]:
+    async def restore(self, step: int, rank: int, into: Slotter | None = None
+                      ) -> AsyncIterator[rank_pb2.RestorePiece]:
         """The rank's record, then its bytes; `step` 0 is the newest recoverable step.
-        Raises NotFound, NotRecoverable (naming the newest recoverable step) or
-        CorruptChunkError."""
+        With `into`, the bytes go into the slot it makes where it can, and the record
+        names that slot. Raises NotFound, NotRecoverable (naming the newest recoverable
+        step) or CorruptChunkError."""
         self.loop = asyncio.get_running_loop()
         manifests = await self._run(self.store.committed_manifests)
         if not manifests:
@@ -80,6 +86,12 @@ class Restorer:
                 continue
             self.metrics.recovery_phase.labels("restore_read").observe(
                 time.perf_counter() - t0)
+            placed = await self._run(into, data) if into is not None else None
+            if placed is not None:
+                slot_id, fd_socket = placed
+                yield rank_pb2.RestorePiece(state=state, step=candidate, slot_id=slot_id,
+                                            fd_socket=fd_socket)
+                return
             yield rank_pb2.RestorePiece(state=state, step=candidate)
             view = memoryview(data)
             for offset in range(0, len(view), PIECE_BYTES):

@@ -56,6 +56,7 @@ class Slot:
     view: mmap.mmap
     busy: bool = False  # True from Capture until the daemon has consumed it
     released: threading.Event = field(default_factory=threading.Event)
+    once: bool = False  # a restore's slot: handed out once, then the rank's alone
 
     def close(self) -> None:
         self.view.close()
@@ -94,10 +95,10 @@ class SlotPool:
             raise BadSlotSize(f"slot size must be positive, got {nbytes} bytes")
         size = mmap.PAGESIZE * -(-nbytes // mmap.PAGESIZE)
         with self._lock:
-            mine = [s for s in self._slots.values() if s.rank_id == rank_id]
+            mine = [s for s in self._slots.values() if s.rank_id == rank_id and not s.once]
             if len(mine) == count and all(s.size >= size for s in mine):
                 return mine
-            others = sum(s.size for s in self._slots.values() if s.rank_id != rank_id)
+            others = sum(s.size for s in self._slots.values() if s not in mine)
             if others + count * size > self.budget_bytes:
                 raise SlotBudgetExceeded(
                     f"shared-memory budget exceeded: rank {rank_id} needs {count} x {size} bytes "
@@ -112,7 +113,38 @@ class SlotPool:
                 self._slots[s.slot_id] = s
         return fresh
 
-    def _create(self, rank_id: str, size: int) -> Slot:
+    def open_once(self, rank_id: str, nbytes: int) -> Slot:
+        """A slot for one restore of `rank_id`: the FdServer hands it out once and then
+        forgets it (the rank's mapping keeps the memory). An earlier one the rank never
+        fetched is dropped first."""
+        if nbytes <= 0:
+            raise BadSlotSize(f"slot size must be positive, got {nbytes} bytes")
+        size = mmap.PAGESIZE * -(-nbytes // mmap.PAGESIZE)
+        with self._lock:
+            stale = [s for s in self._slots.values() if s.rank_id == rank_id and s.once]
+            for s in stale:
+                del self._slots[s.slot_id]
+            used = sum(s.size for s in self._slots.values())
+        for s in stale:
+            s.close()
+        if used + size > self.budget_bytes:
+            raise SlotBudgetExceeded(f"no room for a {size}-byte restore slot: {used} of "
+                                     f"{self.budget_bytes} bytes are in use")
+        slot = self._create(rank_id, size, prefault=False)  # the restore writes every page
+        slot.once = True
+        with self._lock:
+            self._slots[slot.slot_id] = slot
+        return slot
+
+    def handed_out(self, slot: Slot) -> None:
+        """The fd of `slot` went to its rank: a one-time slot is the rank's alone now."""
+        if not slot.once:
+            return
+        with self._lock:
+            self._slots.pop(slot.slot_id, None)
+        slot.close()
+
+    def _create(self, rank_id: str, size: int, prefault: bool = True) -> Slot:
         fd = os.memfd_create(f"stalwart-{rank_id}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
@@ -120,7 +152,8 @@ class SlotPool:
         except OSError:
             os.close(fd)
             raise
-        _prefault(view)
+        if prefault:
+            _prefault(view)
         slot = Slot(slot_id=secrets.token_hex(8), rank_id=rank_id, size=size, fd=fd, view=view)
         slot.released.set()
         return slot
@@ -238,6 +271,7 @@ class FdServer:
             self._refused(conn, "pid", f"slot {slot_id} belongs to rank {slot.rank_id}; {why}")
             return
         socket.send_fds(conn, [f"OK {slot.size}\n".encode()], [slot.fd])
+        self.pool.handed_out(slot)
 
     def stop(self) -> None:
         self._stop.set()

@@ -425,21 +425,27 @@ class RestoreRequest(_message.Message):
     RANK_ID_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
+    INTO_SLOT_FIELD_NUMBER: _builtins.int
     rank_id: _builtins.str
     step: _builtins.int
     """0 = newest committed step that is still recoverable"""
     rank: _builtins.int
     """which rank's state (in the step's layout)"""
+    into_slot: _builtins.bool
+    """Put the state in a shared-memory slot for the caller to map instead of streaming
+    it; the daemon streams it when it cannot (no room in the slot budget).
+    """
     def __init__(
         self,
         *,
         rank_id: _builtins.str = ...,
         step: _builtins.int = ...,
         rank: _builtins.int = ...,
+        into_slot: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank", "rank_id", b"rank_id", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["into_slot", b"into_slot", "rank", b"rank", "rank_id", b"rank_id", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -453,10 +459,17 @@ class RestorePiece(_message.Message):
     OFFSET_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
+    SLOT_ID_FIELD_NUMBER: _builtins.int
+    FD_SOCKET_FIELD_NUMBER: _builtins.int
     offset: _builtins.int
     data: _builtins.bytes
     step: _builtins.int
     """first piece only: the step restored (answers step = 0)"""
+    slot_id: _builtins.str
+    """First piece only, when the state is in a slot: fetch its fd from fd_socket (as a
+    capture slot's) and map it; no data pieces follow. The slot is handed out once.
+    """
+    fd_socket: _builtins.str
     @_builtins.property
     def state(self) -> _manifest_pb2.RankState:
         """first piece only: metadata"""
@@ -468,10 +481,12 @@ class RestorePiece(_message.Message):
         offset: _builtins.int = ...,
         data: _builtins.bytes = ...,
         step: _builtins.int = ...,
+        slot_id: _builtins.str = ...,
+        fd_socket: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "offset", b"offset", "state", b"state", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "fd_socket", b"fd_socket", "offset", b"offset", "slot_id", b"slot_id", "state", b"state", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,88 @@
+"""A restore reaches the rank the way a capture leaves it: in a shared-memory slot the
+daemon fills and the rank maps (one copy into the model), handed out once; where the
+slot budget has no room for it, over the stream as before. Bitwise either way. A real
+daemon; this process is its registered rank."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import pytest
+import torch
+
+from stalwart.client.agent import GrpcCaptureTransport
+from stalwart.client.capture import Capturer
+from stalwart.client.daemon_client import DaemonClient
+from stalwart.client.local_cluster import LocalCluster, wait_until
+from stalwart.client.shm import MappedSlot, SlotRefused
+from stalwart.client.state_layout import StateTensor, describe, unpack
+from stalwart.v1 import common_pb2, rank_pb2
+
+pytestmark = pytest.mark.multiprocess
+
+LAYOUT = common_pb2.ParallelLayout(dp=1, pp=1, tp=1, schedule="1f1b", microbatches=1,
+                                   grad_accum=1)
+
+
+def state() -> list[StateTensor]:
+    g = torch.Generator().manual_seed(3)
+    return [StateTensor("model/w", torch.randn(512, 256, generator=g)),
+            StateTensor("optim/w/exp_avg", torch.randn(512, 256, generator=g)),
+            StateTensor("model/b", torch.randn(7, generator=g).to(torch.bfloat16))]
+
+
+def committed_rank(tmp_path: Path, settings: dict | None = None):
+    """A one-daemon job whose only rank is this process, with `state()` committed as step 1."""
+    cluster = LocalCluster(nodes=1, workdir=tmp_path / "cluster", daemon_settings=settings or {})
+    cluster.start_daemons()
+    client = DaemonClient(f"unix:{cluster.daemons[0].socket}")
+    client.register(env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, layout=LAYOUT)
+    client.start_heartbeats()
+    client.generation = wait_until(lambda: client.status().generation, 60.0, "the first plan")
+    capturer = Capturer(GrpcCaptureTransport(client, common_pb2.RankCoord(rank=0), LAYOUT,
+                                             client.generation), token=client.token)
+    capturer.capture(1, state(), {"step": 1}, final=True)
+    capturer.close()
+    reply = client.call("wait_committed", "WaitCommitted",
+                        rank_pb2.WaitCommittedRequest(step=1, timeout_s=60.0))
+    assert reply.committed, reply.message
+    return cluster, client
+
+
+def same(record, data) -> bool:
+    got = unpack(data, record.tensors, copy=False)
+    return sorted(got) == sorted(t.name for t in state()) and all(
+        torch.equal(got[t.name], t.tensor) for t in state())
+
+
+def test_a_restore_arrives_in_a_slot_mapped_once_and_equals_the_stream(tmp_path: Path) -> None:
+    cluster, client = committed_rank(tmp_path)
+    try:
+        record, data = client.restore(1, 0)
+        assert isinstance(data, mmap.mmap) and same(record, data)
+        streamed_record, streamed = client.restore(1, 0, into_slot=False)
+        assert isinstance(streamed, bytearray) and same(streamed_record, streamed)
+        # The slot is handed out once: its id names nothing afterwards.
+        [first] = client.call("restore", "Restore", rank_pb2.RestoreRequest(
+            rank_id=client.rank_id, step=1, rank=0, into_slot=True))
+        assert first.slot_id and not first.data
+        MappedSlot.attach(first.fd_socket, first.slot_id, client.token).close()
+        with pytest.raises(SlotRefused, match="unknown slot"):
+            MappedSlot.attach(first.fd_socket, first.slot_id, client.token)
+    finally:
+        client.close()
+        cluster.close()
+
+
+def test_without_room_for_a_slot_the_state_is_streamed(tmp_path: Path) -> None:
+    _, nbytes = describe(state())
+    pages = mmap.PAGESIZE * -(-nbytes // mmap.PAGESIZE)
+    # Room for the two capture slots and no more.
+    cluster, client = committed_rank(tmp_path, {"snapshot": {"slot_bytes": 2 * pages}})
+    try:
+        record, data = client.restore(1, 0)
+        assert isinstance(data, bytearray) and same(record, data)
+    finally:
+        client.close()
+        cluster.close()
