@@ -164,7 +164,7 @@ def _capture_and_restore(device: str, width: int, layers: int, batch: int, repea
             record, data = rank.client.restore(last, 0, into_slot=into_slot)
             fetched_s = time.perf_counter() - t0
             restored = {name: t.to(state[name].device, non_blocking=True)
-                        for name, t in unpack(data, record.tensors, copy=False).items()}
+                        for name, t in unpack(data, record.tensors).items()}
             if device == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0

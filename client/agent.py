@@ -184,7 +184,7 @@ class Generation:
         """Committed `step` as old rank `rank` captured it: metas, tensors by name, extra."""
         record, data = self.daemon.restore(step, rank)
         metas = list(record.tensors)
-        return metas, unpack(data, metas, copy=False), json.loads(record.extra.decode())
+        return metas, unpack(data, metas), json.loads(record.extra.decode())
 
     def report_rebuilt(self, rebuild_s: float, restore_s: float) -> None:
         if self.plan.generation > 1:

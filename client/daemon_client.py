@@ -335,7 +335,7 @@ class DaemonClient:
     def restore(self, step: int, rank: int, timeout_s: float = 300.0, *,
                 into_slot: bool = True) -> tuple[manifest_pb2.RankState, RestoredBytes]:
         """A committed step's record and state bytes for `rank` (in that step's layout),
-        in a buffer of the caller's own (see `state_layout.unpack(copy=False)`): a
+        in a buffer of the caller's own (`state_layout.unpack` copies each tensor out): a
         shared-memory slot the daemon filled, mapped here, or (`into_slot=False`, or
         where the daemon has no room for a slot or this process cannot map it) the bytes
         streamed over the socket."""

@@ -8,6 +8,7 @@ element size and lets restore find each tensor again by name.
 from __future__ import annotations
 
 import mmap
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -89,19 +90,13 @@ def pack_into(buffer: torch.Tensor, tensors: Iterable[StateTensor],
 
 
 def unpack(data: bytes | bytearray | memoryview | mmap.mmap,
-           metas: Sequence[common_pb2.TensorMeta],
-           *, copy: bool = True) -> dict[str, torch.Tensor]:
-    """Tensors by name out of a state buffer (bitwise as captured). `copy=False` takes a
-    buffer the caller hands over (a restore's: a bytearray, or the slot it mapped): the
-    tensors are views into it, and the state is not copied again on its way into the
-    model."""
+           metas: Sequence[common_pb2.TensorMeta]) -> dict[str, torch.Tensor]:
+    """Tensors by name, each copied straight out of a state buffer into memory of its own
+    (bitwise as captured): a restore's buffer (a mapped slot, a bytearray) can be let go
+    once this returns, and APIs that want a tensor of their own (set_rng_state) get one."""
     if not len(data):
         return {m.name: byte_view(torch.empty(0, dtype=torch.uint8), m) for m in metas}
-    if not copy:
-        if not isinstance(data, bytearray | mmap.mmap):
-            raise TypeError(f"unpack(copy=False) takes a bytearray or mapped slot it may "
-                            f"keep, not {type(data).__name__}")
+    with warnings.catch_warnings():  # a read-only buffer: it is only read, to be cloned
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
         buf = torch.frombuffer(data, dtype=torch.uint8)
-        return {m.name: byte_view(buf, m) for m in metas}
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return {m.name: byte_view(buf, m).clone() for m in metas}
