@@ -22,7 +22,7 @@ from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.peers import Peer
 from stalwart.daemon.snapshot.checksum import crc32c
-from stalwart.daemon.snapshot.coder import ZfecCodec, default_km
+from stalwart.daemon.snapshot.coder import Buffer, ZfecCodec, default_km
 from stalwart.daemon.snapshot.holders import ShardHolders
 from stalwart.daemon.snapshot.s3_tier import S3Tier
 from stalwart.daemon.snapshot.shard_client import ShardTransferError
@@ -111,7 +111,7 @@ class ShardPlacer:
         await asyncio.gather(*puts)
         self.metrics.stored_bytes.labels(tier="shards").inc(sum(len(b) for b, _ in shards))
 
-    async def _put_shard(self, record: manifest_pb2.ShardRecord, body: bytes, step: int,
+    async def _put_shard(self, record: manifest_pb2.ShardRecord, body: Buffer, step: int,
                          generation: int, live: set[str], chosen: set[str],
                          unreachable: set[str]) -> None:
         """Store one shard on `record.node`; when that peer cannot take it, on another live
@@ -147,6 +147,8 @@ class ShardPlacer:
         return spare[0] if spare else self.node
 
 
-def _sealed(codec: ZfecCodec, payload: bytes) -> list[tuple[bytes, int]]:
-    """Each shard of `payload` as bytes with its CRC32C (on an encode thread)."""
-    return [(body := bytes(shard), crc32c(body)) for shard in codec.encode(payload)]
+def _sealed(codec: ZfecCodec, payload: bytes) -> list[tuple[Buffer, int]]:
+    """Each shard of `payload` with its CRC32C (on an encode thread). Data shards stay
+    views into `payload`: every holder takes a buffer, and a copy here would cost as
+    much as the encoding."""
+    return [(shard, crc32c(shard)) for shard in codec.encode(payload)]
