@@ -177,7 +177,7 @@ def _pin(pid: int, cores: set[int]) -> None:
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             os.sched_setaffinity(int(task.name), cores)
-        except (ProcessLookupError, PermissionError):
+        except ProcessLookupError:
             pass  # a thread that ended meanwhile
 
 
@@ -191,6 +191,10 @@ def _own_cores_overhead(rank: _DaemonRank, model, opt, step: Callable[[], float]
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         return {"overhead_pct": None, "why": f"{len(cores)} core(s): nothing to pin apart"}
+    try:
+        os.sched_setaffinity(0, set(cores))  # may this process set affinities at all?
+    except OSError as exc:
+        return {"overhead_pct": None, "why": f"cannot pin threads here: {exc}"}
     daemon = rank.cluster.daemons[0].proc
     assert daemon is not None
     threads = torch.get_num_threads()

@@ -17,6 +17,7 @@ that proves the script, not a figure to quote.
 from __future__ import annotations
 
 import asyncio
+import mmap
 import shutil
 import tempfile
 import time
@@ -163,6 +164,7 @@ def _capture_and_restore(device: str, width: int, layers: int, batch: int, repea
             t0 = time.perf_counter()
             record, data = rank.client.restore(last, 0, into_slot=into_slot)
             fetched_s = time.perf_counter() - t0
+            paths.add("slot" if isinstance(data, mmap.mmap) else "stream")
             restored = {name: t.to(state[name].device, non_blocking=True)
                         for name, t in unpack(data, record.tensors).items()}
             if device == "cuda":
@@ -172,9 +174,12 @@ def _capture_and_restore(device: str, width: int, layers: int, batch: int, repea
                 torch.equal(restored[name], t) for name, t in state.items())
 
         # Alternated, best of each: the daemon's page cache is warm for both.
+        paths: set[str] = set()
         runs = [restore(into_slot) for _ in range(2) for into_slot in (True, False)]
-        restore_s, fetched_s, bitwise = min(runs[0::2])
-        stream_s, stream_fetched_s, stream_bitwise = min(runs[1::2])
+        restore_s, fetched_s, _ = min(runs[0::2])
+        stream_s, stream_fetched_s, _ = min(runs[1::2])
+        bitwise = all(ok for _, _, ok in runs[0::2])
+        stream_bitwise = all(ok for _, _, ok in runs[1::2])
     finally:
         rank.close()
     return {
@@ -197,6 +202,7 @@ def _capture_and_restore(device: str, width: int, layers: int, batch: int, repea
         "stream_restore_fetch_s": round(stream_fetched_s, 6),
         "stream_restore_bitwise": stream_bitwise,
         "restore_speedup_vs_stream": round(stream_s / restore_s, 2),
+        "restore_paths": sorted(paths),  # ["slot", "stream"]: the slot path was taken
     }
 
 

@@ -6,6 +6,7 @@ later generation can be built in the same process after `destroy()`.
 from __future__ import annotations
 
 import datetime
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from stalwart.client.watchdog import Watchdog
 from stalwart.core.layout import Coord, Layout
 
 __all__ = ["Group", "ParallelDims", "Sending"]
+
+log = logging.getLogger("stalwart.client.parallel_dims")
 
 T = TypeVar("T")
 
@@ -216,12 +219,20 @@ class ParallelDims:
         self._end("abort")
 
     def _end(self, how: str) -> None:
-        for g in self.groups.values():
-            end = getattr(g.pg, how, None) or getattr(g.pg, "shutdown", None)
-            if end is not None:
-                end()
-        self.groups.clear()
-        self.generation = None
+        try:
+            for g in self.groups.values():
+                end = getattr(g.pg, how, None) or getattr(g.pg, "shutdown", None)
+                if end is None:
+                    continue
+                try:
+                    end()
+                except Exception as exc:  # torn down already (a watchdog, a lost peer)
+                    if how == "shutdown":
+                        raise
+                    log.warning("%s of the %s group failed: %s", how, g.axis, exc)
+        finally:
+            self.groups.clear()
+            self.generation = None
 
 
 def _make_pg(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:

@@ -21,7 +21,8 @@ def test_the_gpu_check_runs_on_the_cpu_and_says_what_it_could_not_read(tmp_path:
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(out.read_text())
     assert figures["device"] == "cpu" and figures["cuda"] is None
-    assert figures["restore_bitwise"] is True
+    assert figures["restore_bitwise"] is True and figures["stream_restore_bitwise"] is True
+    assert figures["restore_paths"] == ["slot", "stream"]
     assert figures["state_bytes"] == figures["state_bytes_on_device"] > 0
     assert 0 < figures["capture_stall_s"] and 0 < figures["dcp_async_save_stall_s"]
     groups = figures["groups"]

@@ -119,3 +119,30 @@ def test_unpack_copies_each_tensor_out_of_any_buffer_into_memory_of_its_own() ->
     data[metas[0].offset + 4:metas[0].offset + 8] = bytes(4)  # the buffer may be reused
     assert got["a"][1] == 1
     torch.set_rng_state(got["rng/cpu"])  # an API that wants a tensor of its own
+
+
+def test_a_restore_slot_is_handed_out_once_and_one_never_fetched_expires() -> None:
+    import os
+
+    from stalwart.daemon.snapshot import slots
+    from stalwart.daemon.snapshot.slots import SlotBudgetExceeded, UnknownSlot
+
+    pool = SlotPool(budget_bytes=3 * 4096)
+    once = pool.open_once("n/1", 100)
+    slot, fd = pool.take_fd(once.slot_id)
+    os.close(fd)
+    with pytest.raises(UnknownSlot):  # a second caller, side by side or later
+        pool.take_fd(once.slot_id)
+    reusable = pool.open("n/2", 4096)[0]
+    _, dup = pool.take_fd(reusable.slot_id)
+    assert dup != reusable.fd  # a duplicate: the pool may close its own meanwhile
+    os.close(dup)
+    assert pool.used_bytes == 2 * 4096
+    forgotten = pool.open_once("n/3", 4096)
+    with pytest.raises(SlotBudgetExceeded):
+        pool.open_once("n/4", 4096)  # the budget is full
+    forgotten.created -= slots.ONCE_TTL_S + 1  # its rank never came for it
+    pool.open_once("n/4", 4096)  # and it is dropped to make room
+    with pytest.raises(UnknownSlot):
+        pool.take_fd(forgotten.slot_id)
+    pool.close()

@@ -86,7 +86,7 @@ def test_every_chunk_lands_as_zfecs_shards_on_distinct_holders_with_threads() ->
         expected = codec.encode(chunk)
         for s in record.shards:
             assert holders.stored[(s.node, s.location)] == bytes(expected[s.index])
-    assert all(name.startswith("stalwart-encode") for name in encoders)
+    assert len(encoders) == 2 and all(n.startswith("stalwart-encode") for n in encoders)
     assert holders.most_in_flight > K + M  # a chunk's puts overlapped another chunk's
 
 
@@ -109,5 +109,5 @@ def test_the_erasure_benchmark_times_the_placer_beside_single_thread_zfec() -> N
     figures = _coder_figures(buf, K, M, repeats=1)
     assert figures["encode_threads"] == DaemonConfig().erasure.encode_threads == 2
     assert figures["encode_gbps"] > 0 and figures["zfec_single_thread_gbps"] > 0
-    assert figures["encode_speedup_vs_single_thread"] == pytest.approx(
-        figures["encode_gbps"] / figures["zfec_single_thread_gbps"], rel=0.02)
+    assert figures["encode_speedup_vs_single_thread"] == pytest.approx(  # both rounded
+        figures["encode_gbps"] / figures["zfec_single_thread_gbps"], rel=0.05, abs=0.02)

@@ -89,3 +89,20 @@ def test_without_room_for_a_slot_the_state_is_streamed(tmp_path: Path) -> None:
     finally:
         client.close()
         cluster.close()
+
+
+def test_a_slot_this_process_cannot_map_falls_back_to_the_stream(tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    import stalwart.client.daemon_client as daemon_client
+
+    cluster, client = committed_rank(tmp_path)
+    try:
+        def refused(*_args, **_kw):
+            raise SlotRefused("daemon refused slot: as a pid namespace apart would")
+
+        monkeypatch.setattr(daemon_client.MappedSlot, "attach", refused)
+        record, data = client.restore(0, 0)  # the newest step: the fallback keeps it
+        assert record.rank == 0 and isinstance(data, bytearray) and same(record, data)
+    finally:
+        client.close()
+        cluster.close()

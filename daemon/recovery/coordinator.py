@@ -106,9 +106,12 @@ class Coordinator:
                 return False
             # Ranks re-announced before this daemon knew it coordinates (a peer saw the
             # seat change first) are not in the installed plan: the spares among them.
+            # Only announcements made under the installed plan: an older one may name a
+            # rank that is gone since.
             known = {m.rank_id for m in (*self.plan.members, *self.plan.spares)}
             early = tuple(Member(a.rank_id, a.node) for a in self.announced.values()
-                          if a.rank_id not in known)
+                          if a.rank_id not in known and a.rank_id not in installed.lost
+                          and a.generation >= installed.generation)
             if early:
                 self._joined.update(m.rank_id for m in early)
                 self.plan = dataclasses.replace(self.plan, spares=(*self.plan.spares, *early))

@@ -27,9 +27,9 @@ log = logging.getLogger("stalwart.daemon.recovery.reports")
 RPC_TIMEOUT_S = 10.0
 HANG_WINDOW_S = 1.5   # collect hang reports this long before deciding (seconds)
 # Other failures are facts: decide once they stop coming. A burst (the ranks of one
-# GPU, the processes one signal ended) arrives within FACT_QUIET_S of each other; a
-# report that comes later than that is met by a second plan.
-FACT_QUIET_S = 0.02
+# GPU, the processes a node's loss ended, reports forwarded one RPC at a time) arrives
+# within FACT_QUIET_S of each other; a report that comes later is met by a second plan.
+FACT_QUIET_S = 0.05
 FACT_WINDOW_S = 0.2   # the longest a burst is collected for
 
 

@@ -177,6 +177,8 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             async for piece in self.snapshots.restorer.restore(request.step, request.rank,
                                                                into):
                 if not await send_within(context, piece, RESTORE_IDLE_S):
+                    if piece.slot_id:
+                        self.snapshots.intake.forget_slot(piece.slot_id)
                     log.warning("restore reader cut off: it took no piece for %g s",
                                 RESTORE_IDLE_S, extra={"rank_id": request.rank_id})
                     return

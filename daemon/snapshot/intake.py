@@ -9,14 +9,17 @@ steps stay in order. At most MAX_BACKLOG captures per rank wait to be encoded.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 
 from stalwart.core.generation import check_generation
 from stalwart.daemon.errors import Invalid, NotFound, Refused
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.recovery.registry import Registry
+from stalwart.daemon.recovery.registry import DEAD, LEFT, Registry
 from stalwart.daemon.snapshot.slots import FdServer, SlotBudgetExceeded, SlotPool
 from stalwart.v1 import rank_pb2
+
+log = logging.getLogger("stalwart.daemon.snapshot.intake")
 
 MAX_BACKLOG = 3  # captures per rank copied but not yet encoded, at most
 
@@ -49,14 +52,24 @@ class Intake:
         """A restore's state in a one-time slot for `rank_id` to map: (slot_id,
         fd_socket); None when the rank is not registered here or the slot budget has no
         room (the state is streamed instead). Called on a worker thread."""
-        if not data or self.registry.get(rank_id) is None:
+        record = self.registry.get(rank_id)
+        if not data or record is None or record.state in (DEAD, LEFT):
             return None
         try:
             slot = self.pool.open_once(rank_id, len(data))
-        except SlotBudgetExceeded:
+        except (SlotBudgetExceeded, OSError) as exc:  # no room, no memfd: stream it
+            log.info("restore streamed, not in a slot: %s", exc, extra={"rank_id": rank_id})
             return None
-        slot.view[:len(data)] = data
+        try:
+            slot.view[:len(data)] = data
+        except BaseException:
+            self.pool.forget(slot.slot_id)
+            raise
         return slot.slot_id, str(self.fd_server.path)
+
+    def forget_slot(self, slot_id: str) -> None:
+        """A restore's slot whose reply did not reach its rank."""
+        self.pool.forget(slot_id)
 
     async def capture(self, request: rank_pb2.CaptureRequest) -> None:
         """Take the slot's bytes; returns once the slot may be reused."""

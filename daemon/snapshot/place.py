@@ -86,10 +86,9 @@ class ShardPlacer:
     async def _place_chunk(self, chunk: manifest_pb2.ChunkRecord, payload: bytes,
                            codec: ZfecCodec, nodes: list[Node], step: int, generation: int,
                            live: set[str], unreachable: set[str]) -> None:
-        t0 = time.perf_counter()
-        shards = await asyncio.get_running_loop().run_in_executor(
+        shards, seconds = await asyncio.get_running_loop().run_in_executor(
             self._encoders, _sealed, codec, payload)
-        self.metrics.coder_seconds.labels("encode").inc(time.perf_counter() - t0)
+        self.metrics.coder_seconds.labels("encode").inc(seconds)
         self.metrics.coder_bytes.labels("encode").inc(len(payload))
         k, m = codec.k, codec.m
         placement = place_chunk(chunk.chunk_id, k, m, nodes, self.config.erasure.parity_to)
@@ -147,8 +146,11 @@ class ShardPlacer:
         return spare[0] if spare else self.node
 
 
-def _sealed(codec: ZfecCodec, payload: bytes) -> list[tuple[Buffer, int]]:
-    """Each shard of `payload` with its CRC32C (on an encode thread). Data shards stay
-    views into `payload`: every holder takes a buffer, and a copy here would cost as
-    much as the encoding."""
-    return [(shard, crc32c(shard)) for shard in codec.encode(payload)]
+def _sealed(codec: ZfecCodec, payload: bytes) -> tuple[list[tuple[Buffer, int]], float]:
+    """Each shard of `payload` with its CRC32C, and the seconds that took (on an encode
+    thread, so time queued for one is not counted). Data shards stay views into
+    `payload`: every holder takes a buffer, and a copy here would cost as much as the
+    encoding."""
+    t0 = time.perf_counter()
+    shards = [(shard, crc32c(shard)) for shard in codec.encode(payload)]
+    return shards, time.perf_counter() - t0

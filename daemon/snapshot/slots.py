@@ -15,6 +15,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ PREFAULT_BLOCK = 64 << 20  # bytes touched per write while pre-faulting
 MAX_REQUEST = 256          # bytes: "<slot_id> <token>\n"
 MAX_FD_CONNECTIONS = 64    # slot requests served at once
 FD_REQUEST_DEADLINE_S = 1.0  # a caller gets this long to send its request (seconds)
+ONCE_TTL_S = 60.0  # a restore's slot not fetched by then is dropped at the next restore
 
 
 class SlotError(DaemonError):
@@ -57,6 +59,7 @@ class Slot:
     busy: bool = False  # True from Capture until the daemon has consumed it
     released: threading.Event = field(default_factory=threading.Event)
     once: bool = False  # a restore's slot: handed out once, then the rank's alone
+    created: float = field(default_factory=time.monotonic)
 
     def close(self) -> None:
         self.view.close()
@@ -78,6 +81,7 @@ class SlotPool:
         self.budget_bytes = budget_bytes
         self.token = token
         self._slots: dict[str, Slot] = {}
+        self._reserved = 0  # bytes of one-time slots being made
         self._lock = threading.Lock()
 
     @property
@@ -98,7 +102,8 @@ class SlotPool:
             mine = [s for s in self._slots.values() if s.rank_id == rank_id and not s.once]
             if len(mine) == count and all(s.size >= size for s in mine):
                 return mine
-            others = sum(s.size for s in self._slots.values() if s not in mine)
+            others = sum(s.size for s in self._slots.values() if s not in mine) + \
+                self._reserved
             if others + count * size > self.budget_bytes:
                 raise SlotBudgetExceeded(
                     f"shared-memory budget exceeded: rank {rank_id} needs {count} x {size} bytes "
@@ -116,33 +121,55 @@ class SlotPool:
     def open_once(self, rank_id: str, nbytes: int) -> Slot:
         """A slot for one restore of `rank_id`: the FdServer hands it out once and then
         forgets it (the rank's mapping keeps the memory). An earlier one the rank never
-        fetched is dropped first."""
+        fetched, and any not fetched within ONCE_TTL_S, are dropped first."""
         if nbytes <= 0:
             raise BadSlotSize(f"slot size must be positive, got {nbytes} bytes")
         size = mmap.PAGESIZE * -(-nbytes // mmap.PAGESIZE)
+        now = time.monotonic()
         with self._lock:
-            stale = [s for s in self._slots.values() if s.rank_id == rank_id and s.once]
+            stale = [s for s in self._slots.values() if s.once and (
+                s.rank_id == rank_id or now - s.created > ONCE_TTL_S)]
             for s in stale:
                 del self._slots[s.slot_id]
-            used = sum(s.size for s in self._slots.values())
+            used = sum(s.size for s in self._slots.values()) + self._reserved
+            if used + size > self.budget_bytes:
+                raise SlotBudgetExceeded(f"no room for a {size}-byte restore slot: {used} of "
+                                         f"{self.budget_bytes} bytes are in use")
+            self._reserved += size
         for s in stale:
             s.close()
-        if used + size > self.budget_bytes:
-            raise SlotBudgetExceeded(f"no room for a {size}-byte restore slot: {used} of "
-                                     f"{self.budget_bytes} bytes are in use")
-        slot = self._create(rank_id, size, prefault=False)  # the restore writes every page
+        try:
+            slot = self._create(rank_id, size, prefault=False)  # the restore writes it all
+        finally:
+            with self._lock:
+                self._reserved -= size
         slot.once = True
         with self._lock:
             self._slots[slot.slot_id] = slot
         return slot
 
-    def handed_out(self, slot: Slot) -> None:
-        """The fd of `slot` went to its rank: a one-time slot is the rank's alone now."""
-        if not slot.once:
-            return
+    def forget(self, slot_id: str) -> None:
+        """Drop a one-time slot its rank will not fetch (its restore reply was lost)."""
         with self._lock:
-            self._slots.pop(slot.slot_id, None)
+            slot = self._slots.get(slot_id)
+            if slot is None or not slot.once:
+                return
+            del self._slots[slot_id]
         slot.close()
+
+    def take_fd(self, slot_id: str) -> tuple[Slot, int]:
+        """The slot and a descriptor of it that the caller sends and then closes: a
+        duplicate for a reusable slot, the slot's own for a one-time slot, which leaves
+        the pool here, so that it is handed out once even to callers side by side."""
+        with self._lock:
+            slot = self._slots.get(slot_id)
+            if slot is None:
+                raise UnknownSlot(f"unknown slot {slot_id!r}; ask for a new one with OpenSlot")
+            if not slot.once:
+                return slot, os.dup(slot.fd)
+            del self._slots[slot_id]
+        slot.view.close()  # the descriptor, sent and closed by the caller, is all that's left
+        return slot, slot.fd
 
     def _create(self, rank_id: str, size: int, prefault: bool = True) -> Slot:
         fd = os.memfd_create(f"stalwart-{rank_id}", os.MFD_CLOEXEC)
@@ -270,8 +297,15 @@ class FdServer:
         if why:
             self._refused(conn, "pid", f"slot {slot_id} belongs to rank {slot.rank_id}; {why}")
             return
-        socket.send_fds(conn, [f"OK {slot.size}\n".encode()], [slot.fd])
-        self.pool.handed_out(slot)
+        try:
+            slot, fd = self.pool.take_fd(slot_id)
+        except SlotError as exc:  # dropped, or handed out to a caller beside this one
+            conn.sendall(f"ERR {exc}\n".encode())
+            return
+        try:
+            socket.send_fds(conn, [f"OK {slot.size}\n".encode()], [fd])
+        finally:
+            os.close(fd)
 
     def stop(self) -> None:
         self._stop.set()
