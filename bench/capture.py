@@ -112,14 +112,16 @@ def _dcp_async_stall(state: dict[str, Any], folder: Path, repeats: int) -> tuple
 class _DaemonRank:
     """This process registered as the only rank of a one-daemon job, with a Capturer."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, daemon_settings: dict[str, Any] | None = None
+                 ) -> None:
         from stalwart.client.agent import GrpcCaptureTransport
         from stalwart.client.capture import Capturer
         from stalwart.client.daemon_client import DaemonClient
         from stalwart.client.local_cluster import LocalCluster, wait_until
         from stalwart.v1 import common_pb2
 
-        self.cluster = LocalCluster(nodes=1, workdir=workdir)
+        self.cluster = LocalCluster(nodes=1, workdir=workdir,
+                                    daemon_settings=daemon_settings or {})
         self.cluster.start_daemons()
         node = self.cluster.daemons[0]
         self.client = DaemonClient(f"unix:{node.socket}")
@@ -163,6 +165,17 @@ class _DaemonRank:
             if hook is not None:
                 hook.remove()
         return times
+
+    def wait_committed(self, step: int, timeout_s: float = 300.0) -> None:
+        """Until the daemon has committed `step`."""
+        from stalwart.client.local_cluster import wait_until
+        from stalwart.v1 import rank_pb2
+
+        def committed() -> bool:
+            return self.client.call("wait_committed", "WaitCommitted", rank_pb2.
+                                    WaitCommittedRequest(step=step, timeout_s=5.0)).committed
+
+        wait_until(committed, timeout_s, f"the commit of step {step}")
 
     def close(self) -> None:
         try:

@@ -34,8 +34,11 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
-class _Discard:
-    """A shard holder that takes every shard and keeps none: the placer's own work alone."""
+class _Discarding:
+    """Shard holders that take every shard and keep none: the placer's own work alone."""
+
+    def client(self, node: str) -> _Discarding:
+        return self
 
     async def put(self, *_: object, **__: object) -> None:
         return None
@@ -52,8 +55,7 @@ def _place_all(chunks: list[memoryview], k: int, m: int, threads: int) -> float:
 
     config = DaemonConfig(node="n0", erasure=ErasureConfig(k=k, m=m, encode_threads=threads))
     peers = [Peer(f"n{i}", f"127.0.0.1:{9000 + i}", {}) for i in range(k + m)]
-    holders = type("Holders", (), {"client": lambda self, node: _Discard()})()
-    placer = ShardPlacer(config, Metrics(), holders, None, lambda: peers)
+    placer = ShardPlacer(config, Metrics(), _Discarding(), None, lambda: peers)
     state = manifest_pb2.RankState(chunks=[manifest_pb2.ChunkRecord(chunk_id=f"c{i}")
                                            for i in range(len(chunks))])
     try:

@@ -122,9 +122,7 @@ def _capture_and_restore(device: str, width: int, layers: int, batch: int, repea
     import torch
 
     from stalwart.bench.capture import _DaemonRank, _state, _state_tensors
-    from stalwart.client.local_cluster import wait_until
     from stalwart.client.state_layout import unpack
-    from stalwart.v1 import rank_pb2
 
     model, opt, step = _model(device, width, layers, batch)
     state = _state(model, opt)
@@ -155,10 +153,7 @@ def _capture_and_restore(device: str, width: int, layers: int, batch: int, repea
         capture()()
         rank.capturer.drain()
         last = rank.step
-        wait_until(lambda: rank.client.call(
-            "wait_committed", "WaitCommitted",
-            rank_pb2.WaitCommittedRequest(step=last, timeout_s=5.0)).committed,
-            300.0, f"the commit of step {last}")
+        rank.wait_committed(last)
 
         def restore(into_slot: bool) -> tuple[float, float, bool]:
             t0 = time.perf_counter()

@@ -219,21 +219,20 @@ class ParallelDims:
         self._end("abort")
 
     def _end(self, how: str) -> None:
-        try:
-            for g in self.groups.values():
-                end = getattr(g.pg, how, None) or getattr(g.pg, "shutdown", None)
-                if end is None:
-                    continue
-                try:
-                    end()
-                except Exception as exc:  # torn down already (a watchdog, a lost peer)
-                    if how == "shutdown":
-                        raise
-                    log.warning("%s of the %s group failed: %s", how, g.axis, exc)
-        finally:
-            self.groups.clear()
-            self.generation = None
-
+        groups = list(self.groups.values())
+        self.groups.clear()
+        self.generation = None
+        for g in groups:
+            end = getattr(g.pg, how, None) or getattr(g.pg, "shutdown", None)
+            if end is None:
+                continue
+            if how == "shutdown":
+                end()
+                continue
+            try:
+                end()
+            except Exception as exc:  # torn down already (a watchdog, a lost peer)
+                log.warning("%s of the %s group failed: %s", how, g.axis, exc)
 
 def _make_pg(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
     if backend == "gloo":

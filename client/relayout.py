@@ -151,8 +151,7 @@ def fetch_and_assemble(daemon: Any, step: int, old: Layout | None, role: Role, *
     def fetch(rank: int) -> None:
         record, data = daemon.restore(step, rank)
         metas = list(record.tensors)
-        states[rank] = (metas, unpack(data, metas),
-                        json.loads(record.extra.decode()))
+        states[rank] = (metas, unpack(data, metas), json.loads(record.extra.decode()))
 
     if old is None:
         if 0 not in states:

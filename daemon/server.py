@@ -32,7 +32,7 @@ from stalwart.daemon.peers import PeerChannels
 from stalwart.daemon.recovery.exits import ExitWatch
 from stalwart.daemon.recovery.gossip import gossip_forever
 from stalwart.daemon.recovery.membership import Membership
-from stalwart.daemon.recovery.registry import DEAD, LEFT, Registry
+from stalwart.daemon.recovery.registry import Registry
 from stalwart.daemon.rpc.guard import Guard
 from stalwart.daemon.rpc.operator_service import OperatorServicer
 from stalwart.daemon.rpc.peer_service import PeerServicer
@@ -245,7 +245,7 @@ class Daemon:
                 try:
                     self.membership.check()
                     exits.follow(r.pid for r in self.registry.ranks()
-                                 if r.process is not None and r.state not in (DEAD, LEFT))
+                                 if r.process is not None and not r.ended)
                 except Exception:  # a detector bug must not stop detection of the rest
                     log.exception("liveness check failed")
                 await asyncio.sleep(tick_s)

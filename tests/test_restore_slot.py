@@ -11,18 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from stalwart.client.agent import GrpcCaptureTransport
-from stalwart.client.capture import Capturer
-from stalwart.client.daemon_client import DaemonClient
-from stalwart.client.local_cluster import LocalCluster, wait_until
+from stalwart.bench.capture import _DaemonRank
 from stalwart.client.shm import MappedSlot, SlotRefused
 from stalwart.client.state_layout import StateTensor, describe, unpack
-from stalwart.v1 import common_pb2, rank_pb2
+from stalwart.v1 import rank_pb2
 
 pytestmark = pytest.mark.multiprocess
-
-LAYOUT = common_pb2.ParallelLayout(dp=1, pp=1, tp=1, schedule="1f1b", microbatches=1,
-                                   grad_accum=1)
 
 
 def state() -> list[StateTensor]:
@@ -33,22 +27,13 @@ def state() -> list[StateTensor]:
             StateTensor("rng/cpu", g.get_state())]
 
 
-def committed_rank(tmp_path: Path, settings: dict | None = None):
+def committed_rank(tmp_path: Path, settings: dict | None = None) -> _DaemonRank:
     """A one-daemon job whose only rank is this process, with `state()` committed as step 1."""
-    cluster = LocalCluster(nodes=1, workdir=tmp_path / "cluster", daemon_settings=settings or {})
-    cluster.start_daemons()
-    client = DaemonClient(f"unix:{cluster.daemons[0].socket}")
-    client.register(env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, layout=LAYOUT)
-    client.start_heartbeats()
-    client.generation = wait_until(lambda: client.status().generation, 60.0, "the first plan")
-    capturer = Capturer(GrpcCaptureTransport(client, common_pb2.RankCoord(rank=0), LAYOUT,
-                                             client.generation), token=client.token)
-    capturer.capture(1, state(), {"step": 1}, final=True)
-    capturer.close()
-    reply = client.call("wait_committed", "WaitCommitted",
-                        rank_pb2.WaitCommittedRequest(step=1, timeout_s=60.0))
-    assert reply.committed, reply.message
-    return cluster, client
+    rank = _DaemonRank(tmp_path / "cluster", settings)
+    rank.capturer.capture(1, state(), {"step": 1}, final=True)
+    rank.capturer.drain()
+    rank.wait_committed(1, timeout_s=60.0)
+    return rank
 
 
 def same(record, data) -> bool:
@@ -60,7 +45,8 @@ def same(record, data) -> bool:
 
 
 def test_a_restore_arrives_in_a_slot_mapped_once_and_equals_the_stream(tmp_path: Path) -> None:
-    cluster, client = committed_rank(tmp_path)
+    rank = committed_rank(tmp_path)
+    client = rank.client
     try:
         record, data = client.restore(1, 0)
         assert isinstance(data, mmap.mmap) and same(record, data)
@@ -74,28 +60,28 @@ def test_a_restore_arrives_in_a_slot_mapped_once_and_equals_the_stream(tmp_path:
         with pytest.raises(SlotRefused, match="unknown slot"):
             MappedSlot.attach(first.fd_socket, first.slot_id, client.token)
     finally:
-        client.close()
-        cluster.close()
+        rank.close()
 
 
 def test_without_room_for_a_slot_the_state_is_streamed(tmp_path: Path) -> None:
     _, nbytes = describe(state())
     pages = mmap.PAGESIZE * -(-nbytes // mmap.PAGESIZE)
     # Room for the two capture slots and no more.
-    cluster, client = committed_rank(tmp_path, {"snapshot": {"slot_bytes": 2 * pages}})
+    rank = committed_rank(tmp_path, {"snapshot": {"slot_bytes": 2 * pages}})
+    client = rank.client
     try:
         record, data = client.restore(1, 0)
         assert isinstance(data, bytearray) and same(record, data)
     finally:
-        client.close()
-        cluster.close()
+        rank.close()
 
 
 def test_a_slot_this_process_cannot_map_falls_back_to_the_stream(tmp_path: Path,
                                                                   monkeypatch) -> None:
     import stalwart.client.daemon_client as daemon_client
 
-    cluster, client = committed_rank(tmp_path)
+    rank = committed_rank(tmp_path)
+    client = rank.client
     try:
         def refused(*_args, **_kw):
             raise SlotRefused("daemon refused slot: as a pid namespace apart would")
@@ -104,5 +90,4 @@ def test_a_slot_this_process_cannot_map_falls_back_to_the_stream(tmp_path: Path,
         record, data = client.restore(0, 0)  # the newest step: the fallback keeps it
         assert record.rank == 0 and isinstance(data, bytearray) and same(record, data)
     finally:
-        client.close()
-        cluster.close()
+        rank.close()

@@ -104,10 +104,9 @@ class Coordinator:
                 log.error("cannot take over: the installed plan is inconsistent (%s); "
                           "waiting for ranks to register", exc)
                 return False
-            # Ranks re-announced before this daemon knew it coordinates (a peer saw the
-            # seat change first) are not in the installed plan: the spares among them.
-            # Only announcements made under the installed plan: an older one may name a
-            # rank that is gone since.
+            # Ranks re-announced under the installed plan before this daemon knew it
+            # coordinates (a peer saw the seat move first) are spares the plan does not
+            # name; an announcement from before that plan may name a rank gone since.
             known = {m.rank_id for m in (*self.plan.members, *self.plan.spares)}
             early = tuple(Member(a.rank_id, a.node) for a in self.announced.values()
                           if a.rank_id not in known and a.rank_id not in installed.lost

@@ -75,6 +75,11 @@ class RankRecord:
     cause: str = ""  # evidence of the death, once dead
 
     @property
+    def ended(self) -> bool:
+        """Declared dead, or left cleanly: nothing of this rank runs any more."""
+        return self.state in (DEAD, LEFT)
+
+    @property
     def shown_state(self) -> str:
         """State as `stalwart status` shows it: a live spare reads "spare"."""
         return SPARE if self.spare and self.state == ALIVE else self.state
@@ -146,7 +151,7 @@ class Registry:
             raise UnknownRank(
                 f"rank {rank_id!r} is not registered with daemon {self.node}; "
                 "register again (the daemon may have restarted)")
-        if record.state in (DEAD, LEFT):
+        if record.ended:
             raise RankFenced(
                 f"rank {rank_id} was declared dead ({record.cause}); register again to rejoin")
         # Proof of life even from an older generation: a rank that has not seen the new
@@ -229,7 +234,7 @@ class Registry:
             log.warning("this daemon was paused; its ranks get a fresh heartbeat deadline",
                         extra={"paused_s": round(now - last, 3)})
         for record in list(self._ranks.values()):
-            if record.state in (DEAD, LEFT):
+            if record.ended:
                 continue
             if record.process is not None and not process_alive(record.process):
                 found.append(self._declare_dead(
@@ -309,7 +314,7 @@ class Registry:
         self._listeners.append(listener)
 
     def _prune_dead(self) -> None:
-        dead = [r for r in self._ranks.values() if r.state in (DEAD, LEFT)]
+        dead = [r for r in self._ranks.values() if r.ended]
         for record in dead[: max(0, len(dead) - KEEP_DEAD)]:
             del self._ranks[record.rank_id]
 

@@ -11,6 +11,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import replace
+from functools import partial
 
 import grpc
 
@@ -170,10 +171,8 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         await self.auth.token_holder(context)
         await admit(context, self.metrics, request)
         try:
-            into = None
-            if request.into_slot:
-                def into(data: bytes) -> tuple[str, str] | None:
-                    return self.snapshots.intake.restore_slot(request.rank_id, data)
+            into = partial(self.snapshots.intake.restore_slot, request.rank_id) \
+                if request.into_slot else None
             async for piece in self.snapshots.restorer.restore(request.step, request.rank,
                                                                into):
                 if not await send_within(context, piece, RESTORE_IDLE_S):

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from stalwart.core.generation import check_generation
 from stalwart.daemon.errors import Invalid, NotFound, Refused
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.recovery.registry import DEAD, LEFT, Registry
+from stalwart.daemon.recovery.registry import Registry
 from stalwart.daemon.snapshot.slots import FdServer, SlotBudgetExceeded, SlotPool
 from stalwart.v1 import rank_pb2
 
@@ -53,7 +53,7 @@ class Intake:
         fd_socket); None when the rank is not registered here or the slot budget has no
         room (the state is streamed instead). Called on a worker thread."""
         record = self.registry.get(rank_id)
-        if not data or record is None or record.state in (DEAD, LEFT):
+        if not data or record is None or record.ended:
             return None
         try:
             slot = self.pool.open_once(rank_id, len(data))

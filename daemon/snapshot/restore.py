@@ -22,10 +22,10 @@ from stalwart.daemon.snapshot.shard_reader import BeyondToleranceError, ShardRea
 from stalwart.v1 import manifest_pb2, rank_pb2
 
 PIECE_BYTES = 1 << 20  # restore stream message size
+FETCH_TIMEOUT_S = 120.0  # one chunk this daemon does not hold, rebuilt from shards
 
 # A state's bytes -> (slot_id, fd socket) of the slot now holding them, or None.
 Slotter = Callable[[bytes], "tuple[str, str] | None"]
-FETCH_TIMEOUT_S = 120.0  # one chunk this daemon does not hold, rebuilt from shards
 
 
 class Restorer:
