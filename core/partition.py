@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from stalwart.core.partition_search import Memory, Problem
 
-__all__ = ["Partition", "in_flight", "partition", "uniform"]
+__all__ = ["Partition", "Splitter", "in_flight", "partition", "uniform"]
 
 
 
@@ -141,13 +141,40 @@ def partition(costs: Sequence[float], stages: int, speeds: Sequence[float] | Non
     if len(move_costs) != p or any(len(row) != n for row in move_costs):
         raise ValueError(f"move_costs must be {p} rows (stages) of {n} numbers (layers)")
 
-    problem = Problem(costs, speeds, _memory_model(n, p, mem, act, mem_cap, schedule,
-                                                    micro_batches))
-    if not problem.feasible(math.inf):
-        raise ValueError(problem.memory_shortfall_message())
-    best = problem.min_bottleneck()
-    bounds = problem.min_moves(best, move_costs)
-    return _describe(problem, bounds)
+    return Splitter(costs, p, mem=mem, act=act, mem_cap=mem_cap, schedule=schedule,
+                    micro_batches=micro_batches).split(speeds, move_costs)
+
+
+class Splitter:
+    """`partition` of one model into one stage count, for many speeds and move costs:
+    the bottleneck search runs once per distinct speeds, and only the fewest-moves
+    tie-break once per call (a re-plan's search scores hundreds of assignments that
+    differ in which groups hold a stage, rarely in how fast each stage is).
+
+    Inputs are taken as `partition` checked them."""
+
+    def __init__(self, costs: Sequence[float], stages: int, *,
+                 mem: Sequence[float] | None = None,
+                 mem_cap: float | Sequence[float] | None = None,
+                 act: Sequence[float] | None = None, schedule: str = "1f1b",
+                 micro_batches: int | None = None) -> None:
+        self.costs = costs
+        self.memory = _memory_model(len(costs), stages, mem, act, mem_cap, schedule,
+                                    micro_batches)
+        self._solved: dict[tuple[float, ...], tuple[Problem, float]] = {}
+
+    def split(self, speeds: Sequence[float],
+              move_costs: Sequence[Sequence[float]]) -> Partition:
+        """The fastest split at `speeds` that moves the least by `move_costs`
+        (ValueError: no split fits the memory caps)."""
+        key = tuple(speeds)
+        if key not in self._solved:
+            problem = Problem(self.costs, list(key), self.memory)
+            if not problem.feasible(math.inf):
+                raise ValueError(problem.memory_shortfall_message())
+            self._solved[key] = problem, problem.min_bottleneck()
+        problem, best = self._solved[key]
+        return _describe(problem, problem.min_moves(best, move_costs))
 
 
 def _owners_of(part: Partition | Sequence[Sequence[int]]) -> list[int]:

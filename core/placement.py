@@ -2,11 +2,15 @@
 
 Pure functions: rendezvous hashing of the chunk id spreads load and keeps placement
 stable as nodes come and go; failure-domain labels (zone, then rack) spread shards
-so that one rack or zone failing costs as few shards as possible.
+so that one rack or zone failing costs as few shards as possible. Beyond WINDOW nodes
+a chunk's candidates are the WINDOW nodes that follow its hash on a ring of the
+nodes' hashes, so placing a chunk costs O(log nodes), not O(nodes), per shard.
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 import hashlib
 import itertools
 from collections import Counter
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 
 S3 = "s3"  # holder name of the remote tier; never lost with a node
 PARITY_TARGETS = ("peers", "s3", "both")
+WINDOW = 64  # candidates per chunk in a larger cluster (wide enough to spread zones, racks)
 
 
 class PlacementError(ValueError):
@@ -61,12 +66,32 @@ def _score(chunk_id: str, node: str) -> int:
     return int.from_bytes(digest, "big")
 
 
+@functools.lru_cache(maxsize=16)
+def _ring(names: tuple[str, ...]) -> tuple[list[int], list[int]]:
+    """The nodes' hashes in ring order, and each one's index in `names`."""
+    points = sorted((_score("", name), i) for i, name in enumerate(names))
+    return [p for p, _ in points], [i for _, i in points]
+
+
+def _window(chunk_id: str, candidates: Sequence[Node], count: int) -> Sequence[Node]:
+    """The candidates a chunk chooses among: all of a small cluster; in a large one the
+    max(WINDOW, 4 x count) nodes after the chunk's hash on the ring (consistent hashing:
+    a node that joins or leaves changes the window of the chunks next to it only)."""
+    size = max(WINDOW, 4 * count)
+    if len(candidates) <= size:
+        return candidates
+    keys, order = _ring(tuple(n.name for n in candidates))
+    start = bisect.bisect_left(keys, _score(chunk_id, ""))
+    return [candidates[order[(start + j) % len(keys)]] for j in range(size)]
+
+
 def _spread(chunk_id: str, candidates: Sequence[Node], count: int,
             taken: Iterable[Node] = ()) -> list[Node]:
     """`count` nodes, greedily from the least-used zone then rack, ties by hash order."""
     zones = Counter(n.labels.get("zone", "") for n in taken)
     racks = Counter(n.labels.get("rack", "") for n in taken)
-    pool = sorted(candidates, key=lambda n: _score(chunk_id, n.name), reverse=True)
+    pool = sorted(_window(chunk_id, candidates, count), key=lambda n: _score(chunk_id, n.name),
+                  reverse=True)
     chosen: list[Node] = []
     for _ in range(count):
         best = min(range(len(pool)), key=lambda i: (zones[pool[i].labels.get("zone", "")],

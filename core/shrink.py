@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -21,8 +21,9 @@ from stalwart.core.partition import partition, uniform
 from stalwart.core.stage_search import (
     TIE,
     Candidate,
+    Scorer,
+    align,
     assignments,
-    evaluate,
     greedy_assignments,
     improve,
     lacks,
@@ -219,16 +220,21 @@ def plan_layout(state: PlanState, failed: frozenset[str], config: ElasticConfig,
         m, ga = micro
         exact = math.comb(len(kinds) + dp - 1, dp) ** pp <= config.max_assignments
         local: Candidate | None = None
+        score = Scorer(costs, tp, config, micro, pp)
         try:
             if exact:
                 for assignment in assignments(kinds, dp, pp):
-                    local = pick(local, evaluate(assignment, costs, tp, config, micro))
+                    local = pick(local, score(assignment))
             else:
                 budget = [config.max_assignments]  # evaluations left for this (dp, pp)
                 for assignment in greedy_assignments(kinds, dp, pp):
-                    start = evaluate(assignment, costs, tp, config, micro)
-                    local = pick(local, improve(start, kinds, costs, tp, config, micro,
-                                                  budget))
+                    if budget[0] <= 0 and local is not None:
+                        break  # starts count too: a large pool has hundreds of them
+                    budget[0] -= 1
+                    start = score(assignment)
+                    if local is None:  # the groups that hold most of its stages
+                        start = align(start, kinds, score, budget)
+                    local = pick(local, improve(start, kinds, score, budget))
         except ValueError as exc:  # memory does not depend on which ranks hold a stage
             shortfalls.append((dp, pp, m, str(exc)))
         if local is not None:
@@ -272,14 +278,14 @@ def _result(state: PlanState, failed: frozenset[str], pool: list[Member], groups
             best: Candidate, config: ElasticConfig, considered: tuple[dict, ...]) -> ShrinkResult:
     old, tp = state.layout, state.layout.tp
     m, ga = best.micro
-    free: dict[tuple, list[_Group]] = {}
+    free: dict[tuple, deque[_Group]] = {}
     for g in sorted(groups, key=lambda g: g.old_dp):
-        free.setdefault(g.kind, []).append(g)
+        free.setdefault(g.kind, deque()).append(g)
     layout = Layout(dp=best.dp, pp=best.pp, tp=tp, stages=best.stages, schedule=old.schedule,
                     microbatches=m, grad_accum=ga)
     members, receive = [], {}
     for s, combo in enumerate(best.assignment):
-        chosen = [free[k].pop(0) for k in combo]
+        chosen = [free[k].popleft() for k in combo]
         # A group keeps its DP index where it can (its RNG stream and data share).
         slots: dict[int, _Group] = {}
         for g in chosen:
@@ -306,8 +312,10 @@ def _result(state: PlanState, failed: frozenset[str], pool: list[Member], groups
               f" tp={tp} -> dp={best.dp} pp={best.pp} tp={tp}, stages {list(best.stages)}, "
               f"grad_accum {old.grad_accum} -> {ga}, {best.key[1]} layers moved; the fastest "
               f"of {len(considered)} layout(s) that fit")
-    if any(len({x.node for x in members if x.coord.dp == d and x.coord.pp == p}) > 1
-           for d in range(best.dp) for p in range(best.pp)):
+    cell_nodes: dict[tuple[int, int], set[str]] = {}
+    for x in members:
+        cell_nodes.setdefault((x.coord.dp, x.coord.pp), set()).add(x.node)
+    if any(len(nodes) > 1 for nodes in cell_nodes.values()):
         reason += "; a tensor-parallel group spans nodes (nothing faster fits)"
     plan = PlanState(generation=state.generation, layout=layout, members=tuple(members),
                      spares=spares, resume_step=state.resume_step, reason=reason)
@@ -320,10 +328,12 @@ def _result(state: PlanState, failed: frozenset[str], pool: list[Member], groups
                   for i in range(naive_bounds[n // best.dp][0], naive_bounds[n // best.dp][1] + 1)
                   for _ in range(tp) if lacks(g.held, i)]
     per_layer = config.layer_bytes or (0.0,) * len(config.costs)
-    held = {g.members[0].rank_id: g.held for g in groups}
-    sources = {i: tuple(x.rank_id for g in groups for x in g.members
-                        if not lacks(held[g.members[0].rank_id], i))
-               for i in range(len(config.costs))}
+    holders: list[list[str]] = [[] for _ in config.costs]
+    for g in groups:
+        if g.held is not None:
+            for i in range(max(g.held[0], 0), min(g.held[1], len(holders) - 1) + 1):
+                holders[i] += [x.rank_id for x in g.members]
+    sources = {i: tuple(h) for i, h in enumerate(holders)}
     before_speeds = [min((config.speeds.get(x.rank_id, 1.0) for x in state.members
                           if x.coord and x.coord.pp == s), default=1.0) for s in range(old.pp)]
     return ShrinkResult(

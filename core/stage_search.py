@@ -2,7 +2,8 @@
 
 Groups of the same kind (the layers they hold, their speed) are interchangeable, so
 the search runs over multisets of kinds per stage: every assignment when few enough,
-else greedy starts improved by local swaps. Each assignment is scored by the exact
+else greedy starts, the first aligned with its split (each stage to the groups that
+hold most of it), improved by local swaps. Each assignment is scored by the exact
 partition (`core/partition.py`) that moves the fewest layers among the fastest.
 """
 
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from stalwart.core.partition import partition
+from stalwart.core.partition import Splitter
 
 if TYPE_CHECKING:
     from stalwart.core.shrink import ElasticConfig
@@ -44,10 +45,14 @@ def greedy_assignments(kinds: Counter, dp: int, pp: int) -> Iterator[tuple[tuple
     """A few monotone assignments (kinds in layer order) for pools too big to enumerate."""
     flat = [k for k in sorted(kinds, key=lambda k: (k[0] is None, k[0] or (0, 0), -k[1]))
             for _ in range(kinds[k])]
+    seen = set()
     for skip in range(len(flat) - dp * pp + 1):
         chosen = flat[:dp * pp - skip] + flat[len(flat) - skip:] if skip else flat[:dp * pp]
         chosen.sort(key=lambda k: (k[0] is None, k[0] or (0, 0)))
-        yield tuple(tuple(chosen[s * dp:(s + 1) * dp]) for s in range(pp))
+        start = tuple(tuple(chosen[s * dp:(s + 1) * dp]) for s in range(pp))
+        if start not in seen:  # interchangeable groups make many skips the same start
+            seen.add(start)
+            yield start
 
 
 def lacks(held: tuple[int, int] | None, layer: int) -> bool:
@@ -73,21 +78,55 @@ def better(step: float, moved: int, changed: int, best: Candidate | None) -> boo
     return step <= b_step * (1 + TIE) and (moved, changed) < (b_moved, b_changed)
 
 
-def evaluate(assignment: tuple[tuple, ...], costs: list[float], tp: int,
-              config: ElasticConfig, micro: tuple[int, int]) -> Candidate:
-    """Time, layers moved and stage changes of one rank-kind-to-stage assignment, with
-    the partition that moves the fewest layers among the fastest (ValueError: no fit)."""
-    m, ga = micro
-    pp, dp = len(assignment), len(assignment[0])
-    speeds = [min(k[1] for k in combo) for combo in assignment]
-    move = [[float(tp * sum(lacks(k[0], i) for k in combo)) for i in range(len(costs))]
-            for combo in assignment]
-    part = partition(costs, pp, speeds, mem=config.mem, act=config.act, mem_cap=config.mem_cap,
-                     micro_batches=m, move_costs=move)
-    moved = int(sum(move[j][i] for i, j in enumerate(part.owners())))
-    changed = sum(k[0] != part.stages[s] for s, combo in enumerate(assignment) for k in combo)
-    return Candidate((ga * (m + pp - 1) * part.bottleneck, moved, changed), dp, pp, micro,
-                 assignment, part.stages)
+class Scorer:
+    """Scores assignments of one (dp, pp, micro-batches) layout: time, layers moved and
+    stage changes, with the partition that moves the fewest layers among the fastest.
+
+    A stage's move costs depend only on its multiset of kinds and the partition's
+    bottleneck only on the stage speeds, so both are computed once and reused: a
+    search over a large pool scores hundreds of assignments that share them."""
+
+    def __init__(self, costs: list[float], tp: int, config: ElasticConfig,
+                 micro: tuple[int, int], pp: int) -> None:
+        self.costs, self.tp, self.micro = costs, tp, micro
+        self.splitter = Splitter(costs, pp, mem=config.mem, act=config.act,
+                                 mem_cap=config.mem_cap, micro_batches=micro[0])
+        self._rows: dict[tuple, list[float]] = {}
+        self.scored = 0
+
+    def _row(self, combo: tuple) -> list[float]:
+        """What each layer costs to place on a stage of these kinds: tp x the groups
+        that lack it (a difference array over the held ranges)."""
+        row = self._rows.get(combo)
+        if row is None:
+            n = len(self.costs)
+            have = [0] * (n + 1)
+            for held, _ in combo:
+                if held is not None:
+                    a, b = max(held[0], 0), min(held[1], n - 1)
+                    if a <= b:
+                        have[a] += 1
+                        have[b + 1] -= 1
+            row, inside = [], 0
+            for i in range(n):
+                inside += have[i]
+                row.append(float(self.tp * (len(combo) - inside)))
+            self._rows[combo] = row
+        return row
+
+    def __call__(self, assignment: tuple[tuple, ...]) -> Candidate:
+        """ValueError: no partition fits the memory caps."""
+        self.scored += 1
+        m, ga = self.micro
+        pp, dp = len(assignment), len(assignment[0])
+        speeds = [min(k[1] for k in combo) for combo in assignment]
+        move = [self._row(combo) for combo in assignment]
+        part = self.splitter.split(speeds, move)
+        moved = int(sum(move[j][i] for i, j in enumerate(part.owners())))
+        changed = sum(k[0] != part.stages[s] for s, combo in enumerate(assignment)
+                      for k in combo)
+        return Candidate((ga * (m + pp - 1) * part.bottleneck, moved, changed), dp, pp,
+                         self.micro, assignment, part.stages)
 
 
 def pick(best: Candidate | None, other: Candidate | None) -> Candidate | None:
@@ -96,8 +135,7 @@ def pick(best: Candidate | None, other: Candidate | None) -> Candidate | None:
     return other if better(*other.key, best) else best
 
 
-def improve(best: Candidate, kinds: Counter, costs: list[float], tp: int, config: ElasticConfig,
-             micro: tuple[int, int], budget: list[int]) -> Candidate:
+def improve(best: Candidate, kinds: Counter, score: Scorer, budget: list[int]) -> Candidate:
     """Local search from a greedy assignment: swap kinds between neighbouring stages or
     with unused ranks while that helps and budget[0] evaluations are left (pools too big
     to enumerate)."""
@@ -119,11 +157,50 @@ def improve(best: Candidate, kinds: Counter, costs: list[float], tp: int, config
             if budget[0] <= 0:
                 break
             budget[0] -= 1
-            other = evaluate(cand, costs, tp, config, micro)
+            other = score(cand)
             if better(*other.key, best):
                 best, improved = other, True
                 break
     return best
+
+
+def align(start: Candidate, kinds: Counter, score: Scorer, budget: list[int]) -> Candidate:
+    """Alternate the two halves of the problem from `start`: give each stage of the
+    current split the groups that already hold most of it, split again for that
+    assignment, while that helps (a few rounds; each costs one score). Local swaps
+    alone crawl on a large pool, one group per round."""
+    best = start
+    while budget[0] > 0:
+        assignment = holders_first(kinds, best.stages, best.dp)
+        if assignment == best.assignment:
+            break
+        budget[0] -= 1
+        other = score(assignment)
+        if not better(*other.key, best):
+            break
+        best = other
+    return best
+
+
+def holders_first(kinds: Counter, stages: tuple[tuple[int, int], ...], dp: int
+                  ) -> tuple[tuple, ...]:
+    """dp group kinds per stage, cheapest (kind, stage) pairs first: fewest of the
+    stage's layers missing, then the fastest."""
+    def missing(held: tuple[int, int] | None, a: int, b: int) -> int:
+        if held is None:
+            return b - a + 1
+        return b - a + 1 - max(0, min(b, held[1]) - max(a, held[0]) + 1)
+
+    left, slots = Counter(kinds), [dp] * len(stages)
+    combos: list[list] = [[] for _ in stages]
+    for _, _, _, s, k in sorted((missing(k[0], a, b), -k[1], repr(k), s, k)
+                                for k in kinds for s, (a, b) in enumerate(stages)):
+        take = min(left[k], slots[s])
+        if take:
+            combos[s] += [k] * take
+            left[k] -= take
+            slots[s] -= take
+    return tuple(tuple(sorted(c, key=repr)) for c in combos)
 
 
 def swap(assignment: tuple[tuple, ...], change: dict[int, tuple]) -> tuple[tuple, ...]:

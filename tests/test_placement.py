@@ -131,3 +131,32 @@ def test_repair_reports_unrecoverable_and_unplaceable_chunks():
     assert plan.unrecoverable == ["c"] and not plan.tasks
     plan = repair_plan([p], {"n0"}, cluster(3))
     assert plan.unplaceable == [("c", 0)]
+
+
+def test_a_large_cluster_places_each_chunk_among_a_window_and_still_spreads_the_load():
+    # 2,048 daemons in 64 racks: a chunk chooses among the WINDOW nodes after its hash on
+    # the ring, so its cost does not grow with the cluster; every node still gets shards.
+    nodes = cluster(2048, racks=64)
+    counts = dict.fromkeys((n.name for n in nodes), 0)
+    for c in range(3000):
+        p = place_chunk(f"9/{c % 8}/c{c}", 4, 2, nodes)
+        holders = [hs[0] for hs in p.holders]
+        assert len(set(holders)) == 6
+        assert len({int(h[1:]) % 64 for h in holders}) == 6  # six racks
+        for h in holders:
+            counts[h] += 1
+    mean = 3000 * 6 / 2048
+    assert max(counts.values()) < 3 * mean
+    assert sum(c > 0 for c in counts.values()) > 0.95 * 2048
+    assert place_chunk("x", 4, 2, list(reversed(nodes))) == place_chunk("x", 4, 2, nodes)
+
+
+def test_losing_one_node_of_a_large_cluster_moves_few_placements():
+    nodes = cluster(2048, racks=64)
+    fewer = [n for n in nodes if n.name != "n1000"]
+    chunks = [f"3/0/c{c}" for c in range(1000)]
+    moved = sum(place_chunk(c, 4, 2, nodes) != place_chunk(c, 4, 2, fewer) for c in chunks)
+    held = sum(any(hs[0] == "n1000" for hs in place_chunk(c, 4, 2, nodes).holders)
+               for c in chunks)
+    assert moved >= held  # every chunk it held must move
+    assert moved <= 30    # and few others (consistent hashing of the windows)

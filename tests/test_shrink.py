@@ -235,3 +235,20 @@ def test_a_tp_group_that_lost_a_rank_moves_whole_onto_the_spares_of_another_node
     moved = {m.rank_id for m in result.plan.members if m.coord.dp == 0}
     assert moved == {"s0", "s1"} and result.plan.reason.startswith("re-form")
     assert "r1" in {s.rank_id for s in result.plan.spares}  # the lone survivor waits
+
+
+def test_a_node_lost_from_a_thousand_gpus_shrinks_onto_groups_that_hold_their_stages():
+    # dp 8 x pp 16 x tp 8 over 128 nodes, no spares, 80 equal layers: dp stays 8 (it must
+    # divide the global batch), so the 127 intact TP groups re-form 14 or 15 stages.
+    # Each new stage goes to the groups that already hold most of it: about one layer
+    # of the 5-6 per stage moves. A from-scratch split moves more than twice as many.
+    lay = Layout(8, 16, 8, microbatches=32)
+    members = tuple(Member(f"r{r}", f"n{r // 8}", lay.coords(r)) for r in range(1024))
+    before = PlanState(1, lay, members)
+    result = plan_shrink(before, frozenset(m.rank_id for m in members if m.node == "n3"),
+                         ElasticConfig(costs=(1.0,) * 80))
+    after = result.plan.layout
+    assert (after.dp, after.tp) == (8, 8) and after.pp in (14, 15)
+    groups = after.dp * after.pp
+    assert result.layers_moved <= 8 * groups * 1.4  # tp x groups x at most ~1.4 layers each
+    assert result.layers_moved * 2 < result.layers_moved_naive
