@@ -30,6 +30,10 @@ from stalwart.core.stage_search import (
     pick,
 )
 
+# Greedy starts of the local search per (dp, pp): a large pool has hundreds of them,
+# nearly all one spare group apart.
+MAX_STARTS = 8
+
 __all__ = ["ElasticConfig", "ElasticPlanner", "ShrinkMemoryError", "ShrinkResult",
            "plan_layout", "plan_shrink", "predicted_step"]
 
@@ -227,14 +231,18 @@ def plan_layout(state: PlanState, failed: frozenset[str], config: ElasticConfig,
                     local = pick(local, score(assignment))
             else:
                 budget = [config.max_assignments]  # evaluations left for this (dp, pp)
-                for assignment in greedy_assignments(kinds, dp, pp):
+                starts = itertools.islice(greedy_assignments(kinds, dp, pp), MAX_STARTS)
+                seen = set()
+                for assignment in starts:
                     if budget[0] <= 0 and local is not None:
-                        break  # starts count too: a large pool has hundreds of them
+                        break  # starts count too
                     budget[0] -= 1
-                    start = score(assignment)
-                    if local is None:  # the groups that hold most of its stages
-                        start = align(start, kinds, score, budget)
-                    local = pick(local, improve(start, kinds, score, budget))
+                    # Each stage to the groups that hold most of it; starts that align
+                    # to the same assignment are searched once.
+                    start = align(score(assignment), kinds, score, budget)
+                    if start.assignment not in seen:
+                        seen.add(start.assignment)
+                        local = pick(local, improve(start, kinds, score, budget))
         except ValueError as exc:  # memory does not depend on which ranks hold a stage
             shortfalls.append((dp, pp, m, str(exc)))
         if local is not None:

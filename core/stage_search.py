@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 # Predicted step times within this fraction count as equal; fewer moved layers then win.
 TIE = 1e-9
+# Swaps scored in a row without a gain before the local search stops trying those that
+# move no less under the current split.
+PATIENCE = 24
 
 
 def assignments(kinds: Counter, dp: int, pp: int) -> Iterator[tuple[tuple, ...]]:
@@ -114,6 +117,20 @@ class Scorer:
             self._rows[combo] = row
         return row
 
+    def placed(self, kind: tuple, bounds: tuple[int, int]) -> float:
+        """What one group of `kind` moves on a stage of layers `bounds`."""
+        held = kind[0]
+        a, b = bounds
+        if held is None:
+            return float(self.tp * (b - a + 1))
+        inside = max(0, min(b, held[1]) - max(a, held[0]) + 1)
+        return float(self.tp * (b - a + 1 - inside))
+
+    def gain(self, change: dict[int, tuple], stages: tuple[tuple[int, int], ...]) -> float:
+        """What `change` (stage -> (old kind, new kind)) moves more under `stages`."""
+        return sum(self.placed(new, stages[s]) - self.placed(old, stages[s])
+                   for s, (old, new) in change.items())
+
     def __call__(self, assignment: tuple[tuple, ...]) -> Candidate:
         """ValueError: no partition fits the memory caps."""
         self.scored += 1
@@ -145,22 +162,27 @@ def improve(best: Candidate, kinds: Counter, score: Scorer, budget: list[int]) -
         cur = best.assignment
         used = Counter(k for combo in cur for k in combo)
         unused = [k for k in kinds if kinds[k] > used[k]]
-        tries = []
+        changes = []
         for s in range(len(cur)):
             for k1 in set(cur[s]):
                 swaps = [(s + 1, k2) for k2 in set(cur[s + 1]) if k2 != k1] \
                     if s + 1 < len(cur) else []
-                for t, k2 in swaps:
-                    tries.append(swap(cur, {s: (k1, k2), t: (k2, k1)}))
-                tries += [swap(cur, {s: (k1, k2)}) for k2 in unused if k2 != k1]
-        for cand in tries:
-            if budget[0] <= 0:
-                break
+                changes += [{s: (k1, k2), t: (k2, k1)} for t, k2 in swaps]
+                changes += [{s: (k1, k2)} for k2 in unused if k2 != k1]
+        # Most promising first: what the swap moves under the current split (a swap that
+        # already moves less there can only move less once split again).
+        gains = [(score.gain(change, best.stages), i) for i, change in enumerate(changes)]
+        misses = 0
+        for gain, i in sorted(gains):
+            change = changes[i]
+            if budget[0] <= 0 or (misses >= PATIENCE and gain >= 0):
+                break  # what is left moves no less under this split: rarely a gain
             budget[0] -= 1
-            other = score(cand)
+            other = score(swap(cur, change))
             if better(*other.key, best):
                 best, improved = other, True
                 break
+            misses += 1
     return best
 
 

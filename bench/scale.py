@@ -1,0 +1,102 @@
+"""Re-planning at scale: decide, partition, rank placement and shard placement after a
+node is lost from jobs of 1,024, 4,096 and 16,384 GPUs (the coordinator's real code).
+
+Each job is dp x pp 16 x tp 8 on nodes of 8 GPUs with 80 equal layers. A node is lost;
+with a spare node the plan replaces it, without one the elastic planner shrinks onto
+the survivors (the slower path, and the one `replan_s` reports). Rank placement lays the
+new layout onto the nodes; shard placement is the repair plan for the shards the lost
+node held (2,048 chunks of k=4, m=2 spread over the job's nodes) and the cost of placing
+one chunk, which every daemon pays for every chunk of every step.
+
+The per-step commit at scale (a manifest per step that carries every rank's records)
+is not measured here yet: its split is issue 17's remaining work.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from stalwart.bench import progress
+from stalwart.core.decide import Member, PlanDecision, PlanState, decide
+from stalwart.core.failures import Failure, FailureKind
+from stalwart.core.layout import Layout
+from stalwart.core.placement import Node, place_chunk, repair_plan
+from stalwart.core.rank_placement import place
+from stalwart.core.shrink import ElasticConfig, ElasticPlanner
+from stalwart.core.topology import Topology
+
+GPUS = (1024, 4096, 16384)
+PER_NODE, TP, PP, LAYERS = 8, 8, 16, 80
+LOST = "node-3"
+CHUNKS = 2048  # chunks whose shards the repair plan re-places
+
+
+def run(quick: bool) -> dict[str, Any]:
+    repeats = 1 if quick else 3
+    points = []
+    for gpus in GPUS:
+        progress.say(f"{gpus} GPUs: replace, shrink, rank and shard placement")
+        points.append(_point(gpus, repeats))
+    return {
+        "model": {"layers": LAYERS, "tp": TP, "pp": PP, "gpus_per_node": PER_NODE,
+                  "lost": "one node (8 GPUs)", "k": 4, "m": 2},
+        "replan": points,
+        "replan_s": {str(p["gpus"]): p["replan_s"] for p in points},
+        "commit": "not measured yet: the split of the per-step manifest (issue 17) is open",
+    }
+
+
+def _point(gpus: int, repeats: int) -> dict[str, Any]:
+    nodes = gpus // PER_NODE
+    fail = [Failure(FailureKind.PEER_LOST, LOST, "bench: node lost", generation=1)]
+    planner = ElasticPlanner(ElasticConfig(costs=(1.0,) * LAYERS))
+    with_spare, without = _state(gpus, spare_nodes=1), _state(gpus, spare_nodes=0)
+    replace_s, replaced = _median(repeats, lambda: decide(with_spare, fail, 100))
+    shrink_s, shrunk = _median(repeats, lambda: decide(without, fail, 100,
+                                                       shrink_planner=planner))
+    assert isinstance(replaced, PlanDecision) and replaced.kind == "replace", replaced
+    assert isinstance(shrunk, PlanDecision) and shrunk.kind == "shrink", shrunk
+    lay = shrunk.plan.layout
+    topology = Topology(nodes=nodes - 1, devices_per_node=PER_NODE)
+    placement_s, _ = _median(repeats, lambda: place(lay, topology))
+    live = [Node(f"node-{i}", {"rack": f"rack-{i // 16}"}) for i in range(nodes)]
+    per_chunk_s, placements = _median(repeats, lambda: [
+        place_chunk(f"100/{c % 8}/c{c}", 4, 2, live) for c in range(CHUNKS)])
+    survivors = [n for n in live if n.name != LOST]
+    repair_s, plan = _median(repeats, lambda: repair_plan(placements, {LOST}, survivors))
+    result = planner.last
+    return {
+        "gpus": gpus, "nodes": nodes,
+        "replace_s": round(replace_s, 4),
+        "shrink_s": round(shrink_s, 4),
+        "shrink_to": f"dp={lay.dp} pp={lay.pp} tp={lay.tp}",
+        "layers_moved": result.layers_moved if result else None,
+        "layers_moved_naive": result.layers_moved_naive if result else None,
+        "rank_placement_s": round(placement_s, 4),
+        "shard_place_us_per_chunk": round(per_chunk_s / CHUNKS * 1e6, 1),
+        "shard_repair_plan_s": round(repair_s, 4),
+        "shards_repaired": len(plan.tasks),
+        "replan_s": round(shrink_s + placement_s + repair_s, 4),
+    }
+
+
+def _state(gpus: int, spare_nodes: int) -> PlanState:
+    lay = Layout(dp=gpus // (TP * PP), pp=PP, tp=TP, microbatches=2 * PP)
+    members = tuple(Member(f"rank-{r}", f"node-{r // PER_NODE}", lay.coords(r))
+                    for r in range(gpus))
+    first = gpus // PER_NODE
+    spares = tuple(Member(f"spare-{i}", f"node-{first + i // PER_NODE}")
+                   for i in range(spare_nodes * PER_NODE))
+    return PlanState(generation=1, layout=lay, members=members, spares=spares)
+
+
+def _median(repeats: int, fn: Callable[[], Any]) -> tuple[float, Any]:
+    times, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
