@@ -261,12 +261,9 @@ class Coordinator:
             committed = self.latest_committed() or 0
             planner = self._shrink_planner()
             stopped = self._stopped
-            decision: PlanDecision | StopDecision | NoChange = (
-                decide(self.plan, failures, committed, in_flight=self._in_flight,
-                       stragglers_fail=self.stragglers_fail, shrink_planner=planner)
-                if stopped is None else
-                resume(self.plan, stopped, failures, committed,
-                       stragglers_fail=self.stragglers_fail, shrink_planner=planner))
+            # On a thread: a shrink of thousands of GPUs searches for a fraction of a
+            # second, and heartbeats and commits must not wait for it.
+            decision = await self._decide(failures, committed, planner, stopped)
             if isinstance(decision, NoChange):
                 self.plan = decision.plan
                 return
@@ -280,6 +277,27 @@ class Coordinator:
                     f"{stopped.message} Lost since the stop: {since}; {len(lost)} role(s) "
                     "now wait for a spare."))
             await self._carry_out(decision, [f.describe() for f in failures], t0, planner)
+
+    async def _decide(self, failures: list[Failure], committed: int,
+                      planner: ElasticPlanner | None, stopped: StopDecision | None
+                      ) -> PlanDecision | StopDecision | NoChange:
+        """`decide` (or `resume` after a stop) on a thread: a shrink of thousands of GPUs
+        searches for a fraction of a second, and heartbeats and commits must not wait.
+        Decided again if the plan changed meanwhile (a takeover outside the lock)."""
+        def run(plan: PlanState, in_flight: PlanDecision | None
+                ) -> PlanDecision | StopDecision | NoChange:
+            if stopped is None:
+                return decide(plan, failures, committed, in_flight=in_flight,
+                              stragglers_fail=self.stragglers_fail, shrink_planner=planner)
+            return resume(plan, stopped, failures, committed,
+                          stragglers_fail=self.stragglers_fail, shrink_planner=planner)
+
+        while True:
+            plan, in_flight = self.plan, self._in_flight
+            assert plan is not None
+            decision = await asyncio.to_thread(run, plan, in_flight)
+            if self.plan is plan and self._in_flight is in_flight:
+                return decision
 
     async def _maybe_resume(self) -> None:
         """A spare registered while the job waits at a stop: resume when the spares now
