@@ -20,7 +20,7 @@ BENCHMARKS: dict[str, str] = {
     "erasure": "Reed-Solomon coder throughput, storage ratio, restore from shards",
     "recovery": "time to recover from a killed rank vs restart-all + checkpoint load",
     "elastic": "shrinking a 4-stage pipeline onto 3 survivors",
-    "scale": "re-planning after a node loss at 1k, 4k and 16k GPUs (decide, place)",
+    "scale": "per-step commit with up to 2,048 simulated daemons; re-planning at 16k GPUs",
     "comm": "cross-node bytes under topology-aware placement; hierarchical all-reduce",
     "gpu": "CUDA capture stall vs DCP pinned async_save, restore, NVML, NCCL abort (GPU)",
     "fuzz": "random, mutated and undecodable inputs to every RPC, with and without credentials",

@@ -1,6 +1,7 @@
 """Erasure figures from a real training run on a LocalCluster: bytes the daemons store
-per protected step (deltas on, k + m shards plus the capturing node's copy) against the
-state captured, and a Restore RPC with m daemons killed against one from the local copy.
+per protected step (deltas on, k + m shards plus the capturing node's copy, and every
+copy of the ranks' records) against the state captured, and a Restore RPC with m
+daemons killed against one from the local copy.
 """
 
 from __future__ import annotations
@@ -13,12 +14,18 @@ from pathlib import Path
 MODEL = {"d_model": 128, "n_layer": 4, "n_head": 4, "d_ff": 512, "seq_len": 32}
 
 
-def _manifests(data_dir: Path) -> dict:
-    from stalwart.v1 import manifest_pb2
+def _stored(data_dirs: list[Path]) -> tuple[dict, int]:
+    """Every committed step whole (each daemon's records joined) and the bytes of every
+    copy of the records on the daemons' disks."""
+    from stalwart.daemon.snapshot.local_store import LocalStore
+    from stalwart.daemon.snapshot.records import from_disks
 
-    folder = data_dir / "snapshots" / "default" / "manifests"
-    return {int(p.name.split(".")[0]): manifest_pb2.Manifest.FromString(p.read_bytes())
-            for p in folder.glob("*.manifest")}
+    stores = [LocalStore(d, ram_tier_bytes=0) for d in data_dirs]
+    fetch = from_disks(stores)
+    found = {s: stores[-1].load_manifest(s, fetch) for s in stores[-1].committed_steps()}
+    copies = sum(p.stat().st_size for d in data_dirs
+                 for p in (d / "snapshots" / "default" / "steps").glob("*/*/rank.pb"))
+    return found, copies
 
 
 def _restore_s(address: str, step: int, token: str) -> tuple[float, bytes]:
@@ -55,7 +62,7 @@ def cluster_figures(quick: bool, k: int = 4, m: int = 2) -> dict:
             wait_until(lambda: all((st := n.status()) is not None and
                                    st.latest_committed_step == steps for n in cluster.daemons),
                        60, "the last commit on every daemon")
-            found = _manifests(cluster.daemons[-1].data_dir)
+            found, records = _stored([n.data_dir for n in cluster.daemons])
             state = sum(r.total_bytes for mf in found.values() for r in mf.ranks)
             shards = sum(rec.size for mf in found.values() for r in mf.ranks for c in r.chunks
                          for rec in c.shards)
@@ -76,7 +83,8 @@ def cluster_figures(quick: bool, k: int = 4, m: int = 2) -> dict:
     return {
         "k": k, "m": m, "steps_committed": len(found), "base_every": base_every,
         "state_bytes_per_step": state // len(found),
-        "stored_bytes_per_step_ratio": round((shards + local) / state, 4),
+        "stored_bytes_per_step_ratio": round((shards + local + records) / state, 4),
+        "records_ratio": round(records / state, 4),
         "shards_only_ratio": round(shards / state, 4),
         "restore_from_shards_s": round(shards_s, 4), "restore_local_s": round(local_s, 4),
         "restore_nodes_lost": m, "restore_bytes": len(want),

@@ -41,6 +41,8 @@ log = logging.getLogger("stalwart.client.agent")
 T = TypeVar("T")
 # How often a rank waiting for its final step to commit looks for a newer plan (seconds).
 COMMIT_WAIT_SLICE_S = 0.5
+# One attempt to reach a generation's store; between attempts a newer plan is looked for.
+STORE_ATTEMPT_S = 1.0
 
 
 class JobStopped(RuntimeError):
@@ -371,19 +373,33 @@ class ElasticAgent:
     def _store_of(self, plan: common_pb2.Plan) -> Any:
         """The store the generation's groups start from: the one a rank of the plan
         serves (this rank's own when the plan names it), else the launcher's."""
-        import torch.distributed as dist
-
         if plan.store_rank_id == self.daemon.rank_id:
             return self._served
         if plan.store:
-            host, _, port = plan.store.rpartition(":")
-            return dist.TCPStore(host.strip("[]"), int(port), None, False,
-                                 wait_for_workers=False, timeout=datetime.timedelta(
-                                     seconds=self.cfg.collective_timeout_s * 3))
+            return self._connect(plan)
         if self.store is None:
             raise RuntimeError(f"plan {plan.generation} names no store and this rank has no "
                                "launcher store (MASTER_ADDR); is every daemon up to date?")
         return self.store
+
+    def _connect(self, plan: common_pb2.Plan) -> Any:
+        """A client of the store `plan` names, tried in short attempts: its host may have
+        died with the plan, and then a newer plan comes that this rank must not miss
+        while it waits out one long connect (PlanChanged)."""
+        import torch.distributed as dist
+
+        host, _, port = plan.store.rpartition(":")
+        give_up = time.monotonic() + self.cfg.collective_timeout_s * 3
+        while True:
+            try:
+                return dist.TCPStore(host.strip("[]"), int(port), None, False,
+                                     wait_for_workers=False,
+                                     timeout=datetime.timedelta(seconds=STORE_ATTEMPT_S))
+            except (dist.DistError, RuntimeError):
+                if self._newest > plan.generation:
+                    raise PlanChanged() from None
+                if time.monotonic() >= give_up:
+                    raise
 
     def _report_hang(self, failure: Failure) -> None:
         """The watchdog's hang, told to the daemon unless the job already moved on."""

@@ -77,9 +77,15 @@ def read_from_store(data_dir: Path, job_id: str, step: int
     if not (data_dir / "snapshots" / job_id / "manifests").is_dir():
         raise InteropError(f"{data_dir} holds no snapshots of job {job_id!r} "
                            f"(no {data_dir}/snapshots/{job_id}/manifests)")
+    from stalwart.core.step_record import MissingRecords
+
     store = LocalStore(data_dir, job_id=job_id, ram_tier_bytes=0)
     step = step or store.latest_committed() or 0
-    manifest = store.load_manifest(step)
+    try:
+        manifest = store.load_manifest(step)
+    except MissingRecords as exc:
+        raise InteropError(f"{exc}: this store is one daemon's of several; export through "
+                           "a running daemon with --socket") from None
     out = []
     for r in manifest.ranks:
         if r.coord.dp != 0:
@@ -401,6 +407,7 @@ def commit_checkpoint(tensors: dict[str, torch.Tensor], data_dir: Path, step: in
     """Write `tensors` as committed `step` of layout (1,1,1) in the store under data_dir."""
     from stalwart.client.state_layout import StateTensor, describe, pack_into
     from stalwart.core import manifest as mf
+    from stalwart.core import step_record as sr
     from stalwart.daemon.snapshot.local_store import LocalStore
     from stalwart.v1 import common_pb2
 
@@ -431,8 +438,9 @@ def commit_checkpoint(tensors: dict[str, torch.Tensor], data_dir: Path, step: in
     prepared = store.encode(step, 0, buffer.numpy(), metas, coord=common_pb2.RankCoord(rank=0),
                             extra=json.dumps(extra, sort_keys=True).encode())
     state = store.prepare(step, prepared)
-    store.commit(mf.build_manifest(job_id=job_id, step=step, generation=0, layout=layout,
-                                   ranks=[state], base_step=prepared.root_step))
+    store.commit(sr.split(mf.build_manifest(job_id=job_id, step=step, generation=0,
+                                            layout=layout, ranks=[state],
+                                            base_step=prepared.root_step)))
 
 
 def _is_layer_name(key: str) -> bool:

@@ -112,12 +112,12 @@ def validate(manifest: manifest_pb2.Manifest) -> None:
             raise ManifestError(f"step {step} rank {r.rank}: coord ({c.dp},{c.pp},{c.tp}) "
                                 "lies outside the layout")
         coords.add((c.dp, c.pp, c.tp))
-        _validate_rank(step, r)
+        validate_rank(step, r)
     if len(coords) != world:
         raise ManifestError(f"step {step}: two ranks share a (dp, pp, tp) coordinate")
 
 
-def _validate_rank(step: int, r: manifest_pb2.RankState) -> None:
+def validate_rank(step: int, r: manifest_pb2.RankState) -> None:
     where = f"step {step} rank {r.rank}"
     spans = []
     for t in r.tensors:

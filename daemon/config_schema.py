@@ -79,7 +79,7 @@ GiB = 1 << 30
 
 SCHEMA: dict[str, dict[str, Key]] = {
     "": {
-        "node": Key("str", "", doc="name of this node in manifests and placement",
+        "node": Key("str", "", doc="name of this node in step records and placement",
                     shown="the hostname"),
         "job_id": Key("str", "default", doc="job served; ranks of another job are refused"),
         "listen": Key("str", "127.0.0.1:7070", _host_port, "gRPC endpoint for peers and "
@@ -87,7 +87,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "unix_socket": Key("str", "", check_socket_path, "path of the Unix socket for the ranks of "
                            "this node", shown=f"{SOCKET_NAME} in data_dir"),
         "data_dir": Key("str", "/var/lib/stalwart", doc="directory of the daemon's state: "
-                        "shards, manifests, the job token"),
+                        "shards, records, the job token"),
         "metrics_port": Key("int", 9400, _port, "port of the Prometheus /metrics endpoint, "
                             "on the host of listen; 0 = off"),
         "log_format": Key("str", "", _in("json", "text"), "format of the logs on stderr: "

@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 
 from stalwart.core import manifest as mf
+from stalwart.core import step_record as sr
 from stalwart.core.failures import Failure, FailureKind
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.links import Links
@@ -66,12 +67,13 @@ class Job:
         self.plans.send = self.links.install_plan
         membership.on_peer_up = self.plans.on_peer_up
         self.coordinator = Coordinator(config.node, config.job_id, metrics, self.links,
-                                       store.latest_committed, load_manifest=store.load_manifest,
+                                       store.latest_committed, load_record=store.load_record,
                                        elastic=config.elastic)
         self.gate = JobGate(node=self.node, registry=registry, membership=membership,
                             leadership=self.leadership, coordinator=self.coordinator,
                             store=store, adopt_plan=self.plans.adopt,
-                            commit=self.snapshots.committer.commit, nodes=self.links.nodes,
+                            commit=self.snapshots.committer.commit,
+                            records=self.snapshots.records, nodes=self.links.nodes,
                             stub=self.links.stub, me=lambda: self.me())
         self.reports = FailureReports(self.coordinator, registry, metrics,
                                       self.leadership.is_leader, self.links.coordinator,
@@ -161,14 +163,14 @@ class Job:
         first = max(own + 1, source.latest_committed - self.config.snapshot.retain + 1)
         for step in range(first, source.latest_committed + 1):
             try:
-                manifest = await self.links.stub(source.node).GetManifest(
-                    peer_pb2.GetManifestRequest(job_id=self.config.job_id, step=step),
+                record = await self.links.stub(source.node).GetStepRecord(
+                    peer_pb2.GetStepRecordRequest(job_id=self.config.job_id, step=step),
                     timeout=RPC_TIMEOUT_S)
-                if manifest.step != step or manifest.job_id != self.config.job_id:
-                    raise mf.ManifestError(f"{source.node} answered with step {manifest.step} "
-                                           f"of job {manifest.job_id!r}")
-                mf.verify_digest(manifest)
-                await self.snapshots.committer.commit(manifest)
+                if record.step != step or record.job_id != self.config.job_id:
+                    raise mf.ManifestError(f"{source.node} answered with step {record.step} "
+                                           f"of job {record.job_id!r}")
+                sr.verify(record)
+                await self.snapshots.committer.commit(record)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     continue  # skipped there too (its prepares were lost)

@@ -26,7 +26,7 @@ class Links:
     def __init__(self, node: str, peers: Callable[[], list[Peer]], channels: PeerChannels,
                  leadership: Leadership,
                  adopt_plan: Callable[[common_pb2.Plan], common_pb2.Ack],
-                 commit: Callable[[manifest_pb2.Manifest], Awaitable[None]]) -> None:
+                 commit: Callable[[manifest_pb2.StepRecord], Awaitable[None]]) -> None:
         self.node, self.peers, self.channels, self.leadership = node, peers, channels, leadership
         self.adopt_plan, self.commit = adopt_plan, commit
 
@@ -59,9 +59,9 @@ class Links:
         if not ack.accepted:
             log.warning("plan refused", extra={"node": node, "why": ack.message})
 
-    async def commit_step(self, node: str, manifest: manifest_pb2.Manifest) -> None:
+    async def commit_step(self, node: str, record: manifest_pb2.StepRecord) -> None:
         if node == self.node:
-            await self.commit(manifest)
+            await self.commit(record)
             return
-        await self.stub(node).CommitStep(peer_pb2.CommitStepRequest(manifest=manifest),
+        await self.stub(node).CommitStep(peer_pb2.CommitStepRequest(record=record),
                                          timeout=RPC_TIMEOUT_S)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from stalwart.core.manifest import build_manifest
+from stalwart.core.step_record import split
 from stalwart.v1 import common_pb2
 
 SPECS = [("w", common_pb2.FLOAT32, (64, 96)), ("b", common_pb2.BFLOAT16, (333,)),
@@ -60,5 +61,5 @@ def commit_step(store, step: int, world: int = 1, scale: int = 1):
         ranks.append(store.prepare(step, prepared))
     manifest = build_manifest(job_id=store.job_id, step=step, generation=1, layout=layout,
                               ranks=ranks)
-    store.commit(manifest)
+    store.commit(split(manifest))
     return manifest

@@ -43,14 +43,14 @@ def test_a_new_coordinator_takes_the_step_its_predecessor_committed_only_elsewhe
                     "a to hear through gossip that b committed step 3")
         await a.job._catch_up()
         return {"steps": a.job.snapshots.store.committed_steps(),
-                "same": a.job.snapshots.store.load_manifest(3)
-                == b.job.snapshots.store.load_manifest(3)}
+                "same": a.job.snapshots.store.load_record(3)
+                == b.job.snapshots.store.load_record(3)}
 
     seen = asyncio.run(two_daemons(tmp_path, body))
     assert seen == {"steps": [1, 2, 3], "same": True}
 
 
-def test_a_manifest_is_given_only_to_a_live_daemon_of_the_job(tmp_path: Path) -> None:
+def test_a_step_record_is_given_only_to_a_live_daemon_of_the_job(tmp_path: Path) -> None:
     async def body(a: Daemon, b: Daemon) -> dict:
         commit_step(a.job.snapshots.store, 1)
         await until(lambda: any(p.node == "b" for p in a.membership.peers()),
@@ -59,9 +59,9 @@ def test_a_manifest_is_given_only_to_a_live_daemon_of_the_job(tmp_path: Path) ->
             stub = peer_pb2_grpc.PeerServiceStub(ch)
 
             def ask(step: int, node: str):
-                return stub.GetManifest(peer_pb2.GetManifestRequest(job_id="default",
-                                                                    step=step),
-                                        metadata=as_node(node), timeout=10)
+                return stub.GetStepRecord(peer_pb2.GetStepRecordRequest(job_id="default",
+                                                                        step=step),
+                                          metadata=as_node(node), timeout=10)
             return {"stranger": await code_of(ask(1, "z")),
                     "absent": await code_of(ask(7, "b")),
                     "member": (await ask(1, "b")).step}

@@ -1,7 +1,7 @@
 """A commit that fails on the coordinator's own disk (full) while a peer committed it is
-retried on its own, with the same manifest, so the job's last steps still commit once
+retried on its own, with the same record, so the job's last steps still commit once
 the disk has room (before: retried only when another prepare came, and with a rebuilt
-manifest the peer refused)."""
+record the peer refused)."""
 
 from __future__ import annotations
 
@@ -9,33 +9,33 @@ import asyncio
 import errno
 import time
 
+from stalwart.core.step_record import seal
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.coordinator import Coordinator
-from stalwart.daemon.snapshot.repair import same_but_holders
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
 
 
 class Links:
     """Two daemons: n0 (the coordinator) with a full disk until `full` is cleared, n1
-    that refuses a second, different manifest for a step it committed."""
+    that refuses a second, different record for a step it committed."""
 
     def __init__(self) -> None:
         self.full = True
-        self.committed: dict[str, dict[int, manifest_pb2.Manifest]] = {"n0": {}, "n1": {}}
+        self.committed: dict[str, dict[int, manifest_pb2.StepRecord]] = {"n0": {}, "n1": {}}
         self.refused = 0
 
     def nodes(self) -> list[str]:
         return ["n0", "n1"]
 
-    async def commit_step(self, node: str, manifest: manifest_pb2.Manifest) -> None:
+    async def commit_step(self, node: str, record: manifest_pb2.StepRecord) -> None:
         if node == "n0" and self.full:
             raise OSError(errno.ENOSPC, "No space left on device")
-        old = self.committed[node].get(manifest.step)
-        if old is not None and old != manifest and not same_but_holders(old, manifest):
+        old = self.committed[node].get(record.step)
+        if old is not None and old != record:
             self.refused += 1
-            raise ValueError(f"step {manifest.step} is already committed with a different "
-                             "manifest")
-        self.committed[node][manifest.step] = manifest
+            raise ValueError(f"step {record.step} is already committed with a different "
+                             "record")
+        self.committed[node][record.step] = record
 
 
 def test_a_commit_that_failed_on_the_coordinators_full_disk_is_retried_unprompted() -> None:
@@ -46,7 +46,7 @@ def test_a_commit_that_failed_on_the_coordinators_full_disk_is_retried_unprompte
             latest_committed=lambda: max(links.committed["n0"], default=None))
         await coordinator.prepared(peer_pb2.PrepareStepRequest(
             job_id="job", step=12, generation=1, node="n0",
-            ranks=[manifest_pb2.RankState(rank=0, node="n0")],
+            seal=seal("n0", [manifest_pb2.RankState(rank=0, node="n0")]),
             layout=common_pb2.ParallelLayout(dp=1, pp=1, tp=1)))
         assert 12 in links.committed["n1"] and not links.committed["n0"]
         await asyncio.sleep(0)  # lets the first retry, still on a full disk, fail too

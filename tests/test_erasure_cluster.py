@@ -22,9 +22,11 @@ import pytest
 from stalwart.client.local_cluster import LocalCluster, Node, wait_until
 from stalwart.core import manifest as mf
 from stalwart.core.placement import decodable
+from stalwart.core.step_record import split
 from stalwart.daemon.snapshot import repair
 from stalwart.daemon.snapshot.checksum import crc32c
 from stalwart.daemon.snapshot.local_store import LocalStore
+from stalwart.daemon.snapshot.records import RecordHolders, from_disks
 from stalwart.daemon.snapshot.shard_reader import placement_of
 from stalwart.v1 import common_pb2, manifest_pb2, rank_pb2, rank_pb2_grpc
 
@@ -48,9 +50,18 @@ def restore(node: Node, step: int, rank: int = 0, timeout_s: float = 60.0
 
 
 def manifests(node: Node) -> dict[int, manifest_pb2.Manifest]:
-    folder = node.data_dir / "snapshots" / "default" / "manifests"
-    return {int(p.name.split(".")[0]): manifest_pb2.Manifest.FromString(p.read_bytes())
-            for p in folder.glob("*.manifest")}
+    """The steps `node` committed, whole: each rank's record from whichever daemon of the
+    cluster keeps a copy on its disk (their data dirs are siblings)."""
+    stores = [LocalStore(d, ram_tier_bytes=0) for d in sorted(node.data_dir.parent.iterdir())
+              if (d / "snapshots").is_dir()]
+    mine = LocalStore(node.data_dir, ram_tier_bytes=0)
+    return {s: mine.load_manifest(s, from_disks(stores)) for s in mine.committed_steps()}
+
+
+def held(node: Node) -> list[manifest_pb2.Manifest]:
+    """The records on `node`'s own disk (its ranks' and the copies it keeps)."""
+    store = LocalStore(node.data_dir, ram_tier_bytes=0)
+    return [store.held_manifest(s) for s in store.committed_steps()]
 
 
 def recoverable(found: dict[int, manifest_pb2.Manifest], lost: set[str]) -> list[int]:
@@ -208,8 +219,7 @@ def test_lost_daemon_is_repaired_so_m_more_losses_are_survived(cluster) -> None:
 
     def repaired() -> bool:
         return all(rec.node != lost.name for n in c.daemons if n.alive
-                   for m in manifests(n).values() for r in m.ranks for ch in r.chunks
-                   for rec in ch.shards)
+                   for m in held(n) for r in m.ranks for ch in r.chunks for rec in ch.shards)
 
     wait_until(repaired, 60, "the repair leader to re-create the lost daemon's shards")
     assert all(len({rec.node for rec in ch.shards}) == K + M
@@ -225,7 +235,7 @@ def test_lost_daemon_is_repaired_so_m_more_losses_are_survived(cluster) -> None:
         assert restore(reader, step) == (step, want), f"step {step} after repair and 2 losses"
 
 
-# In-process: recoverability, repaired manifests -------------------------------------------
+# In-process: recoverability, repaired records ---------------------------------------------
 
 def _step(step: int, base: int, holders: list[str], node: str = "node-0"
           ) -> manifest_pb2.Manifest:
@@ -262,21 +272,25 @@ def test_beyond_tolerance_names_the_newest_older_recoverable_step() -> None:
     assert "lost: c, d, e" in message
 
 
-def test_a_repaired_manifest_replaces_only_shard_holders(tmp_path: Path) -> None:
+def test_a_repaired_record_replaces_only_shard_holders(tmp_path: Path) -> None:
+    # A copy of another daemon's record, then the same record with one shard moved (what
+    # a repair sends): it checks against the committed seal. Any other change does not.
     store = LocalStore(tmp_path)
+    holders = RecordHolders("node-1", "default", store, None, list, None, lambda: 2)
     old = _step(5, 5, ["a", "b", "c", "d"], node="elsewhere")
-    store.commit(old, local_node="node-0")
-    moved = manifest_pb2.Manifest()
-    moved.CopyFrom(old)
-    moved.ranks[0].chunks[0].shards[2].node = "e"
-    assert repair.install_repaired(store, mf.seal(moved))
+    holders.accept(manifest_pb2.RankRecords(job_id="default", step=5, ranks=old.ranks))
+    store.commit(split(old), local_node="node-1")
+    moved = manifest_pb2.RankState()
+    moved.CopyFrom(old.ranks[0])
+    moved.chunks[0].shards[2].node = "e"
+    holders.accept(manifest_pb2.RankRecords(job_id="default", step=5, ranks=[moved]))
     assert LocalStore(tmp_path).load_manifest(5).ranks[0].chunks[0].shards[2].node == "e"
-    other = manifest_pb2.Manifest()
+    other = manifest_pb2.RankState()
     other.CopyFrom(moved)
-    other.ranks[0].chunks[0].shards[2].crc32c = 99
-    with pytest.raises(ValueError, match="not just new shard holders"):
-        repair.install_repaired(store, mf.seal(other))
-    assert not repair.install_repaired(store, _step(6, 6, ["a", "b", "c", "d"]))
+    other.chunks[0].shards[2].crc32c = 99
+    with pytest.raises(mf.ManifestError, match="do not match their seal"):
+        holders.accept(manifest_pb2.RankRecords(job_id="default", step=5, ranks=[other]))
+    assert LocalStore(tmp_path).load_manifest(5).ranks[0] == moved
 
 
 def test_status_storage_reports_shards_protection_repair_and_scrub(tmp_path: Path) -> None:
@@ -296,9 +310,12 @@ def test_status_storage_reports_shards_protection_repair_and_scrub(tmp_path: Pat
                         PeerChannels(config.tls), send_prepare=None,  # type: ignore[arg-type]
                         is_leader=lambda: True)
     try:
-        path.store.commit(_step(5, 5, ["a", "b", "c", "d"], node="x"), local_node="a")
+        step = _step(5, 5, ["a", "b", "c", "d"], node="x")
+        path.store.keep_records(5, list(step.ranks))  # a copy of x's record
+        path.store.commit(split(step), local_node="a")
         status = path.status_storage()
-        assert status["shards"] == "step 5 and its bases: 2 healthy, 2 missing, 0 repairing"
+        assert status["shards"] == ("step 5 and its bases: 2 healthy, 2 missing, 0 repairing "
+                                    "(records held here)")
         assert status["protection"] == "step 5 survives 0 more daemon losses"
         assert status["repair"].endswith("lost holders: c, d")
         # A stored shard that fails its checksum and belongs to no kept step: deleted.

@@ -17,7 +17,8 @@ import pytest
 
 from bench.netns_cluster import emulated_cluster, netns_unavailable
 from stalwart.client.local_cluster import LocalCluster, Node, wait_until
-from stalwart.v1 import manifest_pb2, operator_pb2, operator_pb2_grpc, rank_pb2, rank_pb2_grpc
+from stalwart.daemon.snapshot.local_store import LocalStore
+from stalwart.v1 import operator_pb2, operator_pb2_grpc, rank_pb2, rank_pb2_grpc
 
 pytestmark = pytest.mark.multiprocess
 
@@ -99,10 +100,10 @@ def test_peer_with_dropped_traffic_is_read_around_within_the_deadline(tmp_path: 
             reference = _restore(cluster.daemons[0], STEPS, 30.0)  # node-0's own disk copy
 
             # Block the holder of a data shard: the reader asks for data shards first.
-            folder = cluster.daemons[3].data_dir / "snapshots" / "default" / "manifests"
-            manifest = manifest_pb2.Manifest.FromString(
-                (folder / f"{STEPS:012d}.manifest").read_bytes())
-            chunk = manifest.ranks[0].chunks[0]
+            # node-0 captured rank 0 and keeps its record.
+            record = LocalStore(cluster.daemons[0].data_dir, ram_tier_bytes=0).held_record(
+                STEPS, 0)
+            chunk = record.chunks[0]
             blocked = next(int(rec.node.split("-")[1]) for rec in sorted(
                 chunk.shards, key=lambda r: r.index) if rec.node not in ("node-0", "node-3"))
             reader = cluster.daemons[3]

@@ -18,6 +18,7 @@ import pytest
 from fixtures_hostile import code_of, until
 from fixtures_hostile import run as with_daemon
 
+from stalwart.core.step_record import seal
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.rpc.shard_service import ShardServicer
@@ -89,7 +90,9 @@ def test_a_rank_without_the_job_token_is_refused_on_every_call(open_dir: Path) -
 def test_a_step_message_of_another_job_is_refused(open_dir: Path) -> None:
     async def body(daemon: Daemon) -> str:
         stub = peer_pb2_grpc.PeerServiceStub(daemon.channels.get(daemon.address))
-        request = peer_pb2.PrepareStepRequest(job_id="other-job", step=3, generation=1)
+        request = peer_pb2.PrepareStepRequest(
+            job_id="other-job", step=3, generation=1, node="n1",
+            seal=seal("n1", [manifest_pb2.RankState(rank=0)]))
         return await code_of(stub.PrepareStep(request, timeout=5))
 
     assert with_daemon(config(open_dir), body).startswith(
@@ -209,16 +212,15 @@ def test_a_shard_id_that_leaves_the_store_is_refused(open_dir: Path, shard_id: s
     assert not list(Path("/etc").glob("passwd.tmp-*"))
 
 
-def test_a_manifest_naming_a_chunk_outside_the_store_is_refused(open_dir: Path) -> None:
+def test_a_record_naming_a_chunk_outside_the_store_is_refused(open_dir: Path) -> None:
     async def body(daemon: Daemon) -> str:
         stub = peer_pb2_grpc.PeerServiceStub(daemon.channels.get(daemon.address))
-        manifest = manifest_pb2.Manifest(job_id="default", step=1, generation=1)
-        manifest.ranks.add(rank=0).chunks.add(chunk_id="../../etc/passwd")
-        return await code_of(stub.CommitStep(
-            peer_pb2.CommitStepRequest(manifest=manifest), timeout=5))
+        records = manifest_pb2.RankRecords(job_id="default", step=1)
+        records.ranks.add(rank=0).chunks.add(chunk_id="../../etc/passwd")
+        return await code_of(stub.PutRecords(records, timeout=5))
 
     assert with_daemon(config(open_dir), body).startswith(
-        "INVALID_ARGUMENT: manifest rank 0 chunk_id '../../etc/passwd' is not allowed")
+        "INVALID_ARGUMENT: rank 0 chunk_id '../../etc/passwd' is not allowed")
 
 
 # --- slow and greedy peers ------------------------------------------------------------

@@ -14,6 +14,7 @@ import pytest
 from fixtures_hostile import TOKEN, as_node, code_of, config, refused, register_self, run, until
 from snapshot_states import commit_step
 
+from stalwart.core.step_record import seal, split
 from stalwart.daemon.config import SnapshotConfig
 from stalwart.daemon.security.roles import MAX_GENERATION_JUMP
 from stalwart.daemon.server import Daemon
@@ -85,16 +86,16 @@ def test_a_forged_or_empty_commit_is_refused(tmp_path: Path) -> None:
         async with grpc.aio.insecure_channel(daemon.address) as ch:
             stub = peer_stub(daemon, ch)
             forged = await code_of(stub.CommitStep(peer_pb2.CommitStepRequest(
-                manifest=invented), metadata=as_node("n9"), timeout=5))
+                record=split(invented)), metadata=as_node("n9"), timeout=5))
             empty = await code_of(stub.CommitStep(peer_pb2.CommitStepRequest(
-                manifest=manifest_pb2.Manifest(job_id="default", step=0, generation=1)),
+                record=manifest_pb2.StepRecord(job_id="default", step=0, generation=1)),
                 metadata=as_node("n1"), timeout=5))
         return forged, empty, store.latest_committed()
 
     forged, empty, latest = run(config(tmp_path), body)
     assert forged.startswith("PERMISSION_DENIED: the commit of step 2 comes only from the "
                              "coordinator")
-    assert empty.startswith("INVALID_ARGUMENT: manifest of step 0 has no ranks")
+    assert empty.startswith("INVALID_ARGUMENT: the record of step 0 has no seals")
     assert latest == 1
 
 
@@ -108,13 +109,14 @@ def test_a_daemon_prepares_only_its_own_ranks_for_steps_near_the_last_commit(
     def prepare(node: str, step: int, rank_node: str | None = None):
         req = peer_pb2.PrepareStepRequest(job_id="default", step=step, generation=1,
                                           node=node, layout=layout)
-        req.ranks.add(rank=0, node=rank_node or node)
+        req.seal.CopyFrom(seal(rank_node or node, [manifest_pb2.RankState(rank=0)]))
         return req
 
     async def body(daemon: Daemon) -> dict[str, str]:
         await register_self(daemon)
         flood = peer_pb2.PrepareStepRequest(job_id="default", step=1, generation=1, node="n9")
-        flood.ranks.extend(manifest_pb2.RankState(node="n9") for _ in range(1 << 20))
+        flood.seal.CopyFrom(seal("n9", []))
+        flood.seal.ranks.extend(range(1 << 20))
         async with grpc.aio.insecure_channel(daemon.address) as ch:
             stub = peer_stub(daemon, ch)
             out = {
@@ -137,7 +139,8 @@ def test_a_daemon_prepares_only_its_own_ranks_for_steps_near_the_last_commit(
     assert seen["in another's name"].startswith(
         "PERMISSION_DENIED: daemon n9 sent a prepare for node 'n1'")
     assert seen["far ahead"].startswith("PERMISSION_DENIED: step 1000000000 is more than")
-    assert seen["a million ranks"].startswith("INVALID_ARGUMENT: ranks has 1048576 entries")
+    assert seen["a million ranks"].startswith(
+        "INVALID_ARGUMENT: seal.ranks has 1048576 entries")
     assert seen["pending"] == "[]"
 
 

@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from snapshot_states import commit_step, state, tensors
 
-from stalwart.core.manifest import ManifestError, build_manifest, plan_chain
+from stalwart.core.manifest import ManifestError, build_manifest
+from stalwart.core.step_record import plan_chain, split
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.snapshot.local_store import CorruptChunkError, LocalStore
 from stalwart.daemon.snapshot.predict import predict_param
@@ -74,9 +75,9 @@ def test_reusing_the_capture_buffer_does_not_disturb_later_deltas(tmp_path: Path
         slot[:] = state(step)
         prepared = store.encode(step, 0, slot, tensors())
         assert prepared.root_step == 1
-        store.commit(build_manifest(job_id="default", step=step, generation=1, layout=layout,
+        store.commit(split(build_manifest(job_id="default", step=step, generation=1, layout=layout,
                                     ranks=[store.prepare(step, prepared)],
-                                    base_step=prepared.root_step))
+                                    base_step=prepared.root_step)))
     assert store.load_manifest(3).base_step == 1
     assert [store.read_rank(s, 0) for s in (1, 2, 3)] == [state(s) for s in (1, 2, 3)]
 
@@ -93,8 +94,8 @@ def test_ranks_prepared_from_several_threads_commit_together(tmp_path: Path) -> 
     with ThreadPoolExecutor(4) as pool:
         for step in (1, 2):
             ranks = list(pool.map(lambda r, s=step: prepare(s, r), range(4)))
-            store.commit(build_manifest(job_id="default", step=step, generation=1,
-                                        layout=layout, ranks=ranks))
+            store.commit(split(build_manifest(job_id="default", step=step, generation=1,
+                                        layout=layout, ranks=ranks)))
     assert store.ram_used() <= 60_000
     assert [store.read_rank(2, r) for r in range(4)] == [state(2, r) for r in range(4)]
 
@@ -126,7 +127,7 @@ def test_commit_refuses_a_step_missing_a_rank(tmp_path: Path) -> None:
     manifest = build_manifest(job_id="default", step=1, generation=1,
                               layout=common_pb2.ParallelLayout(dp=2, pp=1, tp=1), ranks=[rank0])
     with pytest.raises(ManifestError, match="missing \\[1\\]"):
-        store.commit(manifest)
+        store.commit(split(manifest))
     assert store.latest_committed() is None
 
 
@@ -137,7 +138,7 @@ def test_commit_refuses_chunks_that_were_never_prepared(tmp_path: Path) -> None:
                               layout=common_pb2.ParallelLayout(dp=1, pp=1, tp=1),
                               ranks=[prepared.state])
     with pytest.raises(ValueError, match="not durable"):
-        store.commit(manifest)
+        store.commit(split(manifest))
 
 
 def test_flipped_bit_on_disk_is_detected_and_named(tmp_path: Path) -> None:
@@ -190,11 +191,11 @@ def test_retention_keeps_the_newest_steps_and_their_chains(tmp_path: Path) -> No
     for step in range(1, 16):
         commit_step(store, step)
     committed = store.committed_steps()
-    chains = {s: plan_chain(store.committed_manifests(), s) for s in (14, 15)}
+    chains = {s: plan_chain(store.committed_records(), s) for s in (14, 15)}
     # Besides the newest steps' chains, every step within two chain lengths of the newest
     # stays: other daemons' in-flight deltas may still apply to it.
     recent = {c for s in range(15 - 2 * 4, 16) for c in chains.get(s) or plan_chain(
-        store.committed_manifests(), s)}
+        store.committed_records(), s)}
     assert committed == sorted(set(chains[14]) | set(chains[15]) | recent)
     assert committed[0] > 1 and committed[-2:] == [14, 15]
     assert sorted(int(p.name) for p in (store.root / "steps").iterdir()) == committed
@@ -261,7 +262,7 @@ def test_adamw_hints_shrink_deltas_and_restore_bitwise(tmp_path: Path) -> None:
             m = build_manifest(job_id="default", step=step, generation=1,
                                layout=common_pb2.ParallelLayout(dp=1, pp=1, tp=1),
                                ranks=[store.prepare(step, prepared)])
-            store.commit(m)
+            store.commit(split(m))
         sizes[adamw] = sum(c.stored_size for c in m.ranks[0].chunks)
         fresh = LocalStore(tmp_path / str(adamw), **SMALL)
         assert [fresh.read_rank(s, 0) for s in (1, 2, 3, 4)] == buffers
@@ -277,9 +278,9 @@ def test_adamw_hints_are_used_only_against_the_previous_step(tmp_path: Path) -> 
     for step, (buf, hint) in enumerate(zip(buffers, hints, strict=True), start=1):
         prepared = store.encode(step, 0, buf, metas, adamw=hint)
         codecs.append({c.codec for c in prepared.state.chunks})
-        store.commit(build_manifest(job_id="default", step=step, generation=1,
+        store.commit(split(build_manifest(job_id="default", step=step, generation=1,
                                     layout=common_pb2.ParallelLayout(dp=1, pp=1, tp=1),
-                                    ranks=[store.prepare(step, prepared)]))
+                                    ranks=[store.prepare(step, prepared)])))
     assert codecs[1] == {manifest_pb2.ADAM_PREDICTED_XOR_ZSTD}  # step 2 against step 1
     assert codecs[2] == {manifest_pb2.XOR_DELTA_ZSTD}  # step 3 against base step 1
     assert [store.read_rank(s, 0) for s in range(1, 6)] == buffers
@@ -360,8 +361,8 @@ def test_a_step_that_an_uncommitted_delta_needs_survives_retention(tmp_path: Pat
             for r in range(2)]
 
     def commit(step: int, ranks: list[manifest_pb2.RankState]) -> None:
-        store.commit(build_manifest(job_id="default", step=step, generation=1, layout=layout,
-                                    ranks=ranks))
+        store.commit(split(build_manifest(job_id="default", step=step, generation=1, layout=layout,
+                                    ranks=ranks)))
 
     for step in (1, 2):
         commit(step, prepare(step))

@@ -27,7 +27,8 @@ def prepare(node: str = "b", rank: int = 1, step: int = 11, generation: int = 3,
             dp: int = 2) -> peer_pb2.PrepareStepRequest:
     req = peer_pb2.PrepareStepRequest(step=step, generation=generation, node=node,
                                       layout=common_pb2.ParallelLayout(dp=dp, pp=1, tp=1))
-    req.ranks.add(rank=rank, node=node)
+    req.seal.node = node
+    req.seal.ranks.append(rank)
     return req
 
 

@@ -61,7 +61,7 @@ class Coordinator:
     links: PeerLinks
     latest_committed: Callable[[], int | None]
     shrink_planner: ShrinkPlanner | None = None
-    load_manifest: Callable[[int], manifest_pb2.Manifest] | None = None
+    load_record: Callable[[int], manifest_pb2.StepRecord] | None = None
     elastic: ElasticSettings | None = None
     profile: common_pb2.LayerProfile | None = None
     original_world: int = 0
@@ -80,12 +80,12 @@ class Coordinator:
     def __post_init__(self) -> None:
         self.commits = StepCommits(
             self.node, self.job_id, self.metrics, self.links, self.latest_committed,
-            self.load_manifest, generation=lambda: self.plan.generation if self.plan else None,
+            self.load_record, generation=lambda: self.plan.generation if self.plan else None,
             committed=self.recovery_done, finished=self._complete)
 
     @property
-    def pending(self) -> dict[int, dict[int, manifest_pb2.RankState]]:
-        """Steps awaiting their commit: step -> rank -> that rank's record."""
+    def pending(self) -> dict[int, dict[int, manifest_pb2.RankSeal]]:
+        """Steps awaiting their commit: step -> rank -> the seal of its record."""
         return self.commits.pending
 
     # membership ---------------------------------------------------------------

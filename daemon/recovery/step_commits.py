@@ -1,9 +1,12 @@
 """The coordinator's side of the commit: prepares in, a step committed everywhere out.
 
-Each daemon sends phase one for its ranks of a step; once every rank of the step's
-layout is in, the manifest is built and sent to every daemon (phase two), steps in
-order. A step whose prepares were lost with an old coordinator is skipped once a
-later step is complete; a commit that fails on the coordinator itself is retried.
+Each daemon sends phase one for its ranks of a step: the seal of their records, not
+the records. Once every rank of the step's layout is in, the step's record (the
+seals, a few bytes each) is built and sent to every daemon (phase two), steps in
+order: the coordinator's work and every daemon's bytes per step grow with the
+prepares, never with what a rank's record weighs. A step whose prepares were lost
+with an old coordinator is skipped once a later step is complete; a commit that
+fails on the coordinator itself is retried.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from stalwart.core import manifest as mf
+from stalwart.core import step_record as sr
 from stalwart.core.generation import check_generation
 from stalwart.core.layout import Layout
 from stalwart.daemon.metrics import Metrics
@@ -37,7 +40,12 @@ class PeerLinks(Protocol):
 
     async def install_plan(self, node: str, plan: common_pb2.Plan) -> None: ...
 
-    async def commit_step(self, node: str, manifest: manifest_pb2.Manifest) -> None: ...
+    async def commit_step(self, node: str, record: manifest_pb2.StepRecord) -> None: ...
+
+
+def covered(seals: dict[int, manifest_pb2.RankSeal]) -> int:
+    """Ranks the prepares of a step have sealed so far: O(prepares), not O(ranks)."""
+    return sum(len(s.ranks) for s in seals.values())
 
 
 def world_of(lay: common_pb2.ParallelLayout) -> int:
@@ -52,18 +60,20 @@ class StepCommits:
     metrics: Metrics
     links: PeerLinks
     latest_committed: Callable[[], int | None]
-    load_manifest: Callable[[int], manifest_pb2.Manifest] | None
+    load_record: Callable[[int], manifest_pb2.StepRecord] | None
     generation: Callable[[], int | None]  # the plan's generation, None before one
     committed: Callable[[int], None]  # a step of this generation committed everywhere
     finished: Callable[[int], Awaitable[None]]  # every rank committed its last step
-    pending: dict[int, dict[int, manifest_pb2.RankState]] = field(default_factory=dict)
+    # step -> first rank of a prepare's seal -> that seal (a prepare sent again replaces
+    # its first copy); the seals of a step cover its ranks once each
+    pending: dict[int, dict[int, manifest_pb2.RankSeal]] = field(default_factory=dict)
     layouts: dict[int, common_pb2.ParallelLayout] = field(default_factory=dict)
     generations: dict[int, int] = field(default_factory=dict)
     finals: dict[int, set[int]] = field(default_factory=dict)  # step -> ranks ending there
     _committing: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # The manifest first sent for each pending step: a retry sends the same bytes, so a
+    # The record first sent for each pending step: a retry sends the same bytes, so a
     # daemon that committed the first attempt accepts it again (a rebuilt one differs).
-    _built: dict[int, manifest_pb2.Manifest] = field(default_factory=dict)
+    _built: dict[int, manifest_pb2.StepRecord] = field(default_factory=dict)
     _retry: asyncio.TimerHandle | None = None
     _retrying: asyncio.Future[None] | None = None
 
@@ -77,13 +87,11 @@ class StepCommits:
             # the commit: send it the commit.
             await self.resend(req.step, [req.node])
             return
-        ranks = self.pending.setdefault(req.step, {})
-        for r in req.ranks:
-            ranks[r.rank] = r
+        self.pending.setdefault(req.step, {})[req.seal.ranks[0]] = req.seal
         self.layouts[req.step] = req.layout
         self.generations[req.step] = req.generation
         if req.final:
-            self.finals.setdefault(req.step, set()).update(r.rank for r in req.ranks)
+            self.finals.setdefault(req.step, set()).update(req.seal.ranks)
         await self._commit_ready()
 
     def abandon_after(self, step: int) -> None:
@@ -92,17 +100,17 @@ class StepCommits:
         self._built = {s: m for s, m in self._built.items() if s <= step}
 
     async def resend(self, step: int, nodes: list[str]) -> None:
-        """Send the committed manifest of `step` again to `nodes` (not this daemon): a
+        """Send the committed record of `step` again to `nodes` (not this daemon): a
         coordinator that died while sending phase two left it on some daemons only."""
         others = [n for n in nodes if n != self.node]
-        if self.load_manifest is None or not others:
+        if self.load_record is None or not others:
             return
         try:
-            manifest = self.load_manifest(step)
+            record = self.load_record(step)
         except (FileNotFoundError, KeyError, ValueError) as exc:
             log.error("cannot re-send a commit", extra={"step": step, "error": str(exc)})
             return
-        results = await asyncio.gather(*(self.links.commit_step(n, manifest) for n in others),
+        results = await asyncio.gather(*(self.links.commit_step(n, record) for n in others),
                                        return_exceptions=True)
         for node, result in zip(others, results, strict=True):
             if isinstance(result, BaseException):
@@ -117,13 +125,13 @@ class StepCommits:
                     del self.pending[step]
                     continue
                 lay = self.layouts[step]
-                if len(self.pending[step]) < world_of(lay):
+                if covered(self.pending[step]) < world_of(lay):
                     if self._complete_after(step):
                         # Every rank prepares in step order, so a complete later step means
                         # this one's missing prepares are lost (they went to a coordinator
                         # that died): skip it instead of blocking every later commit.
                         log.warning("step skipped: some ranks' prepares were lost",
-                                    extra={"step": step, "have": sorted(self.pending[step])})
+                                    extra={"step": step, "have": covered(self.pending[step])})
                         del self.pending[step]
                         continue
                     return  # steps commit in order; a later one waits for this one
@@ -135,16 +143,18 @@ class StepCommits:
 
     async def _commit(self, step: int, lay: common_pb2.ParallelLayout) -> bool:
         """Phase two of one complete step on every daemon; False to try again later."""
-        ranks = sorted(self.pending[step].values(), key=lambda r: r.rank)
-        manifest = self._built.get(step)
-        if (manifest is None or manifest.generation != self.generations[step]
-                or list(manifest.ranks) != ranks):
-            manifest = self._built[step] = mf.build_manifest(
+        seals = list(self.pending[step].values())
+        record = self._built.get(step)
+        if (record is None or record.generation != self.generations[step]
+                or sorted(x.SerializeToString() for x in record.seals)
+                != sorted(x.SerializeToString() for x in seals)):
+            bases = [b for x in seals for b in x.bases]
+            record = self._built[step] = sr.build(
                 job_id=self.job_id, step=step, generation=self.generations[step],
-                layout=lay, ranks=ranks)
+                layout=lay, seals=seals, base_step=min(bases, default=step))
         t0 = time.monotonic()
         nodes = self.links.nodes()
-        results = await asyncio.gather(*(self.links.commit_step(n, manifest) for n in nodes),
+        results = await asyncio.gather(*(self.links.commit_step(n, record) for n in nodes),
                                        return_exceptions=True)
         errors = {n: r for n, r in zip(nodes, results, strict=True)
                   if isinstance(r, BaseException)}
@@ -177,8 +187,8 @@ class StepCommits:
             self._retry = asyncio.get_running_loop().call_later(COMMIT_RETRY_S, retry)
 
     def _complete_after(self, step: int) -> bool:
-        for s, ranks in self.pending.items():
+        for s, seals in self.pending.items():
             lay = self.layouts.get(s)
-            if s > step and lay is not None and len(ranks) >= world_of(lay):
+            if s > step and lay is not None and covered(seals) >= world_of(lay):
                 return True
         return False

@@ -114,21 +114,44 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     async def CommitStep(self, request: peer_pb2.CommitStepRequest,
                          context: grpc.aio.ServicerContext) -> peer_pb2.CommitStepReply:
         caller = await self._caller(context, request)
-        await self._same_job(context, request.manifest.job_id)
+        await self._same_job(context, request.record.job_id)
         try:
-            await self.steps.commit_from(caller, request.manifest)
+            await self.steps.commit_from(caller, request.record)
         except Forbidden as exc:
             await self._forbidden(context, exc)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return peer_pb2.CommitStepReply(committed=True)
 
-    async def GetManifest(self, request: peer_pb2.GetManifestRequest,
-                          context: grpc.aio.ServicerContext) -> manifest_pb2.Manifest:
+    async def GetStepRecord(self, request: peer_pb2.GetStepRecordRequest,
+                            context: grpc.aio.ServicerContext) -> manifest_pb2.StepRecord:
         caller = await self._caller(context, request)
         await self._same_job(context, request.job_id)
         try:
-            return await self.steps.manifest_for(caller, request.step)
+            return await self.steps.record_for(caller, request.step)
+        except Forbidden as exc:
+            await self._forbidden(context, exc)
+        except TYPED as exc:
+            await abort(context, exc)
+
+    async def PutRecords(self, request: manifest_pb2.RankRecords,
+                         context: grpc.aio.ServicerContext) -> common_pb2.Ack:
+        caller = await self._caller(context, request)
+        await self._same_job(context, request.job_id)
+        try:
+            await self.steps.records_from(caller, request)
+        except Forbidden as exc:
+            await self._forbidden(context, exc)
+        except TYPED as exc:
+            await abort(context, exc)
+        return common_pb2.Ack(accepted=True)
+
+    async def GetRecords(self, request: peer_pb2.GetRecordsRequest,
+                         context: grpc.aio.ServicerContext) -> manifest_pb2.RankRecords:
+        caller = await self._caller(context, request)
+        await self._same_job(context, request.job_id)
+        try:
+            return await self.steps.records_for(caller, request)
         except Forbidden as exc:
             await self._forbidden(context, exc)
         except TYPED as exc:

@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 import grpc
 
 from stalwart.core import manifest as mf
+from stalwart.core import step_record as sr
 from stalwart.daemon.snapshot.shard_store import validate_id
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, rank_pb2
 
@@ -122,19 +123,46 @@ def manifest_ids(state: manifest_pb2.RankState, what: str) -> None:
             text(shard.node, f"{what} shard node", MAX_NAME)
 
 
-def manifest(m: manifest_pb2.Manifest) -> None:
-    in_range(m.step, 0, MAX_STEP, "manifest.step")
-    in_range(m.generation, 0, MAX_GENERATION, "manifest.generation")
-    _layout(m.layout, "manifest.layout")
-    count(m.ranks, "manifest.ranks", MAX_WORLD)
-    if not m.ranks:
-        _fail(f"manifest of step {m.step} has no ranks; a committed step holds every rank")
-    for r in m.ranks:
-        manifest_ids(r, f"manifest rank {r.rank}")
+def _seal(seal: manifest_pb2.RankSeal, what: str) -> None:
+    text(seal.node, f"{what}.node", MAX_NAME)
+    count(seal.ranks, f"{what}.ranks", MAX_WORLD)
+    count(seal.bases, f"{what}.bases", MAX_TENSORS)
+    if len(seal.digest) != 32:
+        _fail(f"{what}.digest has {len(seal.digest)} bytes; a seal is one sha256 (32 bytes)")
+
+
+def step_record(r: manifest_pb2.StepRecord) -> None:
+    text(r.job_id, "record.job_id", MAX_NAME)
+    in_range(r.step, 0, MAX_STEP, "record.step")
+    in_range(r.generation, 0, MAX_GENERATION, "record.generation")
+    _layout(r.layout, "record.layout")
+    count(r.seals, "record.seals", MAX_WORLD)
+    if not r.seals:
+        _fail(f"the record of step {r.step} has no seals; a committed step holds every rank")
+    for seal in r.seals:
+        _seal(seal, "record seal")
     try:
-        mf.validate(m)  # every rank of the layout once, coordinates inside it, chunks sane
+        sr.verify(r)  # every rank of the layout once, digest intact
     except mf.ManifestError as e:
-        _fail(f"inconsistent manifest: {e}")
+        _fail(f"inconsistent record: {e}")
+
+
+def _records(r: manifest_pb2.RankRecords) -> None:
+    text(r.job_id, "job_id", MAX_NAME)
+    in_range(r.step, 1, MAX_STEP, "step")
+    count(r.ranks, "ranks", MAX_LIVE_RANKS_PER_NODE)
+    for state in r.ranks:
+        in_range(state.rank, 0, MAX_WORLD - 1, "rank")
+        text(state.node, "node", MAX_NAME)
+        manifest_ids(state, f"rank {state.rank}")
+
+
+def _get_records(r: peer_pb2.GetRecordsRequest) -> None:
+    text(r.job_id, "job_id", MAX_NAME)
+    in_range(r.step, 1, MAX_STEP, "step")
+    count(r.ranks, "ranks", MAX_LIVE_RANKS_PER_NODE)
+    if not r.ranks:
+        _fail("GetRecords names no rank")
 
 
 def request(message: Any) -> None:
@@ -255,16 +283,17 @@ def _prepare(r: peer_pb2.PrepareStepRequest) -> None:
     in_range(r.step, 0, MAX_STEP, "step")
     in_range(r.generation, 0, MAX_GENERATION, "generation")
     text(r.node, "node", MAX_NAME)
-    count(r.ranks, "ranks", MAX_LIVE_RANKS_PER_NODE)
-    for state in r.ranks:
-        if state.node != r.node:
-            _fail(f"rank {state.rank} is recorded for node {state.node!r}, but the prepare "
-                  f"is from node {r.node!r}; a daemon prepares only its own ranks")
-        manifest_ids(state, f"rank {state.rank}")
+    _seal(r.seal, "seal")
+    if r.seal.node != r.node:
+        _fail(f"the seal is of node {r.seal.node!r}, but the prepare is from node "
+              f"{r.node!r}; a daemon prepares only its own ranks")
+    count(r.seal.ranks, "seal.ranks", MAX_LIVE_RANKS_PER_NODE)
+    if not r.seal.ranks:
+        _fail(f"the prepare of step {r.step} seals no rank")
     _layout(r.layout)
 
 
-def _get_manifest(r: peer_pb2.GetManifestRequest) -> None:
+def _get_record(r: peer_pb2.GetStepRecordRequest) -> None:
     text(r.job_id, "job_id", MAX_NAME)
     in_range(r.step, 1, MAX_STEP, "step")
 
@@ -282,8 +311,10 @@ _CHECKS: dict[type, Any] = {
     peer_pb2.PeerInfo: _peer_info,
     peer_pb2.RankAnnouncement: _announce,
     peer_pb2.PrepareStepRequest: _prepare,
-    peer_pb2.CommitStepRequest: lambda r: manifest(r.manifest),
-    peer_pb2.GetManifestRequest: _get_manifest,
+    peer_pb2.CommitStepRequest: lambda r: step_record(r.record),
+    peer_pb2.GetStepRecordRequest: _get_record,
+    manifest_pb2.RankRecords: _records,
+    peer_pb2.GetRecordsRequest: _get_records,
 }
 
 

@@ -25,6 +25,7 @@ from stalwart.daemon.recovery.registry import Registry
 from stalwart.daemon.rpc.validate import MAX_LIVE_RANKS_PER_NODE
 from stalwart.daemon.security.auth import Forbidden
 from stalwart.daemon.snapshot.local_store import LocalStore
+from stalwart.daemon.snapshot.records import RecordHolders
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon.security.roles")
@@ -74,11 +75,11 @@ def check_prepare(plan: PlanState | None, caller: str, req: peer_pb2.PrepareStep
         raise Forbidden(f"step {req.step} was captured in layout {lay.dp}x{lay.pp}x{lay.tp}, "
                         f"the plan's is {plan.layout.dp}x{plan.layout.pp}x{plan.layout.tp}")
     where = placement(plan) if where is None else where
-    for r in req.ranks:
-        if where.get(r.rank) != caller:
-            raise Forbidden(f"daemon {caller} prepared rank {r.rank}, which the plan of "
+    for r in req.seal.ranks:
+        if where.get(r) != caller:
+            raise Forbidden(f"daemon {caller} prepared rank {r}, which the plan of "
                             f"generation {plan.generation} places on "
-                            f"{where.get(r.rank, 'no node')}; a daemon prepares its own ranks")
+                            f"{where.get(r, 'no node')}; a daemon prepares its own ranks")
 
 
 class JobGate:
@@ -88,13 +89,14 @@ class JobGate:
     def __init__(self, *, node: str, registry: Registry, membership: Membership,
                  leadership: Leadership, coordinator: Coordinator, store: LocalStore,
                  adopt_plan: Callable[[common_pb2.Plan], common_pb2.Ack],
-                 commit: Callable[[manifest_pb2.Manifest], Awaitable[None]],
-                 nodes: Callable[[], list[str]],
+                 commit: Callable[[manifest_pb2.StepRecord], Awaitable[None]],
+                 records: RecordHolders, nodes: Callable[[], list[str]],
                  stub: Callable[[str], peer_pb2_grpc.PeerServiceStub],
                  me: Callable[[], peer_pb2.PeerInfo]) -> None:
         self.node, self.registry, self.membership = node, registry, membership
         self.leadership, self.coordinator, self.store = leadership, coordinator, store
         self.adopt_plan, self.commit, self.nodes = adopt_plan, commit, nodes
+        self.records = records
         self.stub, self.me = stub, me
         self._placed: tuple[PlanState | None, dict[int, str]] = (None, {})
 
@@ -115,15 +117,38 @@ class JobGate:
         self._generation_bound(plan.generation, "plan")
         return self.adopt_plan(plan)
 
-    async def commit_from(self, caller: str, manifest: manifest_pb2.Manifest) -> None:
-        if manifest.step not in self.store.committed_steps():
-            await self._coordinator(caller, f"the commit of step {manifest.step}")
-            self._generation_bound(manifest.generation, "commit")
+    async def commit_from(self, caller: str, record: manifest_pb2.StepRecord) -> None:
+        if record.step not in self.store.committed_steps():
+            await self._coordinator(caller, f"the commit of step {record.step}")
+            self._generation_bound(record.generation, "commit")
         elif caller not in self.nodes():
-            # A repaired manifest (new shard holders only, checked by the store) of a step
-            # committed here may come from the repair leader, a live daemon of the job.
+            # The same commit again (a new coordinator re-sending phase two; the store
+            # refuses a different one) from a live daemon of the job.
             raise Forbidden(f"daemon {caller} is not a live member of this job")
-        await self.commit(manifest)
+        await self.commit(record)
+
+    async def records_from(self, caller: str, message: manifest_pb2.RankRecords) -> None:
+        """Copies of a peer's ranks' records (this daemon is one of their holders), or
+        repaired ones; the records checker refuses what would replace a good record."""
+        if caller not in self.nodes():
+            raise Forbidden(f"daemon {caller} is not a live member of this job")
+        latest = self.store.latest_committed() or 0
+        if message.step > latest + MAX_STEPS_AHEAD:
+            raise Forbidden(f"records of step {message.step} are more than "
+                            f"{MAX_STEPS_AHEAD} steps past the last committed step {latest}")
+        try:
+            await asyncio.to_thread(self.records.accept, message)
+        except (ValueError, LookupError) as exc:
+            raise Forbidden(str(exc)) from None
+
+    async def records_for(self, caller: str, request: peer_pb2.GetRecordsRequest
+                          ) -> manifest_pb2.RankRecords:
+        if caller not in self.nodes():
+            raise Forbidden(f"daemon {caller} is not a live member of this job")
+        try:
+            return await asyncio.to_thread(self.records.held, request)
+        except LookupError as exc:
+            raise NotFound(str(exc)) from None
 
     async def prepare_from(self, caller: str, req: peer_pb2.PrepareStepRequest) -> None:
         if req.node != caller:
@@ -153,14 +178,14 @@ class JobGate:
             self.coordinator.take_over(self.registry.current_plan())
         await self.coordinator.announce(a)
 
-    async def manifest_for(self, caller: str, step: int) -> manifest_pb2.Manifest:
-        """A committed step's manifest, for a live daemon of the job (a new coordinator
+    async def record_for(self, caller: str, step: int) -> manifest_pb2.StepRecord:
+        """A committed step's record, for a live daemon of the job (a new coordinator
         catching up on a commit its predecessor did not finish sending)."""
         if caller not in self.nodes():
             raise Forbidden(f"daemon {caller} is not a live member of this job")
         if step not in self.store.committed_steps():
             raise NotFound(f"step {step} is not committed on {self.node}")
-        return await asyncio.to_thread(self.store.load_manifest, step)
+        return await asyncio.to_thread(self.store.load_record, step)
 
     def may_delete(self, caller: str, owner: str, step: int) -> str:
         """Why `caller` may not delete a shard of `step` stored for `owner` ("" if it may):

@@ -1,10 +1,11 @@
 """Commit, the fifth stage: phase one out (prepares to the coordinator), phase two in.
 
-A daemon tells the coordinator when its ranks' records for a step are durable
-(`PrepareOutbox`, which keeps them until the step commits, for a coordinator that
-takes over). The coordinator's CommitStep makes the step visible here atomically
-(`Committer.commit`), wakes the ranks waiting on it, and the leader uploads the
-manifest to S3. A repaired manifest (same step, new holders) travels the same way.
+A daemon tells the coordinator when its ranks' records for a step are durable and
+copied (`PrepareOutbox`, which keeps the prepares until the step commits, for a
+coordinator that takes over); a prepare carries the records' seal, not the records.
+The coordinator's CommitStep brings the step's small record (`StepRecord`), which
+`Committer.commit` makes visible here atomically, wakes the ranks waiting on it, and
+the leader uploads to S3.
 """
 
 from __future__ import annotations
@@ -18,26 +19,21 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from stalwart.core.generation import StaleGeneration
-from stalwart.daemon.peers import Peer, PeerChannels
-from stalwart.daemon.snapshot import repair
 from stalwart.daemon.snapshot.local_store import LocalStore
 from stalwart.daemon.snapshot.s3_tier import ManifestExistsError, S3Tier
-from stalwart.v1 import manifest_pb2, peer_pb2, peer_pb2_grpc, rank_pb2
+from stalwart.v1 import manifest_pb2, peer_pb2, rank_pb2
 
 log = logging.getLogger("stalwart.daemon.snapshot.commit")
 
-PUSH_TIMEOUT_S = 10.0  # a repaired manifest sent to one peer
 DEFAULT_WAIT_S = 30.0  # WaitCommitted without a timeout
 
 
 class Committer:
-    """Committed steps on this daemon: install, wait for, publish a repaired one."""
+    """Committed steps on this daemon: install one, wait for one."""
 
     def __init__(self, node: str, store: LocalStore, s3: S3Tier | None,
-                 is_leader: Callable[[], bool], peers: Callable[[], list[Peer]],
-                 channels: PeerChannels) -> None:
-        self.node, self.store, self.s3 = node, store, s3
-        self.is_leader, self.peers, self.channels = is_leader, peers, channels
+                 is_leader: Callable[[], bool]) -> None:
+        self.node, self.store, self.s3, self.is_leader = node, store, s3, is_leader
         # Commits get their own thread so a backlog of captures never delays publishing.
         self._io = ThreadPoolExecutor(1, thread_name_prefix="commit")
         self._committed = asyncio.Condition()
@@ -45,30 +41,24 @@ class Committer:
     async def _run(self, fn: Callable[..., object], *args: object) -> object:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
-    async def commit(self, manifest: manifest_pb2.Manifest) -> None:
-        """Phase two, sent by the coordinator to every daemon; also a repaired manifest
-        (same step, new shard holders) sent by the repair leader."""
-        if manifest.step in self.store.committed_steps():
-            if self.store.load_manifest(manifest.step) == manifest:
-                return  # phase two re-sent by a new coordinator: already done here
-            await self._run(repair.install_repaired, self.store, manifest)
-            return
+    async def commit(self, record: manifest_pb2.StepRecord) -> None:
+        """Phase two, sent by the coordinator to every daemon (again by a new one)."""
         latest = self.store.latest_committed()
-        if latest is not None and manifest.step < latest:
+        if record.step not in self.store.committed_steps() and latest is not None \
+                and record.step < latest:
             # New steps commit above the latest one (discard_after lowers it first), so
-            # this is a repaired copy of a step retired here: nothing to update.
-            log.info("repaired manifest of a step not kept here ignored",
-                     extra={"step": manifest.step})
+            # this is a late copy of a step retired here: nothing to do.
+            log.info("commit of a step not kept here ignored", extra={"step": record.step})
             return
-        await self._run(lambda: self.store.commit(manifest, local_node=self.node))
+        await self._run(lambda: self.store.commit(record, local_node=self.node))
         if self.s3 is not None and self.is_leader():
-            data = manifest.SerializeToString(deterministic=True)
+            data = record.SerializeToString(deterministic=True)
             try:
-                await self.s3.put_manifest(manifest.step, data)
+                await self.s3.put_manifest(record.step, data)
             except ManifestExistsError:
                 # The previous uploader (a daemon since lost) got there first: the same
                 # commit is fine; a different one means two writers disagree.
-                if await self.s3.get_manifest(manifest.step) != data:
+                if await self.s3.get_manifest(record.step) != data:
                     raise
         async with self._committed:
             self._committed.notify_all()
@@ -96,22 +86,6 @@ class Committer:
             committed=reached(), latest_committed=latest or 0,
             message="" if reached() else f"step {step} not committed within "
             f"{timeout_s:g} s; latest committed is {latest}")
-
-    async def publish(self, manifest: manifest_pb2.Manifest) -> None:
-        """Replace a repaired step's manifest here and on every other live daemon."""
-        if not await self._run(repair.install_repaired, self.store, manifest):
-            return  # retired or discarded meanwhile: the other daemons drop it too
-        request = peer_pb2.CommitStepRequest(manifest=manifest)
-        for p in self.peers():
-            if p.node == self.node:
-                continue
-            stub = peer_pb2_grpc.PeerServiceStub(self.channels.get(p.address))
-            try:
-                await stub.CommitStep(request, timeout=PUSH_TIMEOUT_S)
-            except grpc.aio.AioRpcError as exc:
-                log.warning("repaired manifest not delivered; that daemon keeps the old "
-                            "holders", extra={"peer": p.node, "step": manifest.step,
-                                              "error": exc.details()})
 
     def stop(self) -> None:
         self._io.shutdown(wait=True)

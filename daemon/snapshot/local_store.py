@@ -1,8 +1,11 @@
 """The daemon's local snapshot tiers: a bounded RAM cache over durable local disk.
 
-Two-phase commit: `prepare` makes one rank's encoded chunks durable (temp file, fsync,
-rename), `commit` then writes the step's manifest atomically, so a step is either
-fully visible or not at all. Reads follow the base/delta chain and verify every CRC32C.
+Two-phase commit: `prepare` makes one rank's encoded chunks and its record durable
+(temp file, fsync, rename), `commit` then writes the step's record (`StepRecord`: the
+seals of every prepare, not the records) atomically, so a step is either fully visible
+or not at all. The store holds the records of its own ranks and the copies peers sent
+it; the others are fetched where needed (`FetchRecords`) and checked against their
+seal. Reads follow the base/delta chain and verify every CRC32C.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from stalwart.core import manifest as mf
+from stalwart.core import step_record as sr
 from stalwart.daemon.config_schema import default
 from stalwart.daemon.errors import DataLoss
 from stalwart.daemon.metrics import Metrics
@@ -30,6 +34,9 @@ _STEP_DIGITS = 12  # zero-padded step numbers sort as text
 
 
 Fetch = Callable[[manifest_pb2.ChunkRecord], bytes]
+# The records one seal of a step names, from their holders (verified by the store).
+FetchRecords = Callable[[manifest_pb2.StepRecord, manifest_pb2.RankSeal],
+                        list[manifest_pb2.RankState]]
 
 
 class CorruptChunkError(DataLoss):
@@ -97,7 +104,8 @@ class LocalStore:
         self.ram = RamTier(ram_tier_bytes, self._ram_protected)
         self._refs: dict[int, _Reference] = {}
         self._pending: dict[tuple[int, int], _Reference] = {}
-        self._manifests: dict[int, manifest_pb2.Manifest] = {}
+        self._records: dict[int, manifest_pb2.StepRecord] = {}
+        self._checked: dict[tuple[int, int], manifest_pb2.RankState] = {}  # vs their seal
         self._lock = threading.RLock()
         (self.root / "manifests").mkdir(parents=True, exist_ok=True)
         (self.root / "steps").mkdir(parents=True, exist_ok=True)
@@ -110,8 +118,8 @@ class LocalStore:
 
     # --- paths ---------------------------------------------------------------------
 
-    def _manifest_path(self, step: int) -> Path:
-        return self.root / "manifests" / f"{step:0{_STEP_DIGITS}d}.manifest"
+    def _record_path(self, step: int) -> Path:
+        return self.root / "manifests" / f"{step:0{_STEP_DIGITS}d}.step"
 
     def _rank_dir(self, step: int, rank: int) -> Path:
         return self.root / "steps" / f"{step:0{_STEP_DIGITS}d}" / f"r{rank}"
@@ -176,59 +184,80 @@ class LocalStore:
             self.metrics.stored_bytes.labels(tier="disk").inc(sum(map(len, prepared.payloads)))
         return prepared.state
 
-    def prepared_rank(self, step: int, rank: int) -> manifest_pb2.RankState:
-        """The durable record `prepare` wrote for (step, rank)."""
-        path = self._rank_dir(step, rank) / "rank.pb"
-        if not path.exists():
-            raise FileNotFoundError(f"step {step} rank {rank} was never prepared here")
-        return manifest_pb2.RankState.FromString(path.read_bytes())
+    def keep_records(self, step: int, states: Sequence[manifest_pb2.RankState]) -> None:
+        """Keep copies of other daemons' records (this daemon is one of their holders, or
+        fetched them to restore); checked against their seal when read."""
+        with self._lock:  # copies of one record may arrive at once (a repair, a re-copy)
+            for state in states:
+                rank_dir = self._rank_dir(step, state.rank)
+                rank_dir.mkdir(parents=True, exist_ok=True)
+                write_atomic(rank_dir / "rank.pb", state.SerializeToString(deterministic=True))
+                self._checked.pop((step, state.rank), None)
+            if states:
+                fsync_dir(self._rank_dir(step, states[0].rank).parent)
 
-    def commit(self, manifest: manifest_pb2.Manifest, *, local_node: str | None = None) -> None:
+    def held_record(self, step: int, rank: int) -> manifest_pb2.RankState | None:
+        """The record of (step, rank) on this disk as written, or None."""
+        path = self._rank_dir(step, rank) / "rank.pb"
+        try:
+            return manifest_pb2.RankState.FromString(path.read_bytes())
+        except FileNotFoundError:
+            return None
+
+    def commit(self, record: manifest_pb2.StepRecord, *, local_node: str | None = None) -> None:
         """Phase two: publish a step atomically once every rank's chunks are durable.
 
-        With `local_node`, only the ranks that node captured must be on this disk; the
-        others are durable as shards on their own daemons and peers.
-        """
+        With `local_node`, only the ranks that node sealed must be on this disk (records
+        and chunks); the others are durable on their own daemons and as shards."""
         with self._lock:
-            self._commit(manifest, local_node)
+            self._commit(record, local_node)
 
-    def _commit(self, manifest: manifest_pb2.Manifest, local_node: str | None = None) -> None:
-        mf.validate(manifest)
-        mf.verify_digest(manifest)
-        step = manifest.step
-        path = self._manifest_path(step)
+    def _commit(self, record: manifest_pb2.StepRecord, local_node: str | None) -> None:
+        sr.verify(record)
+        step = record.step
+        path = self._record_path(step)
+        data = record.SerializeToString(deterministic=True)
         if path.exists():
-            if path.read_bytes() == manifest.SerializeToString(deterministic=True):
+            if path.read_bytes() == data:
                 return  # a retried commit of the same step
-            raise ValueError(f"step {step} is already committed with a different manifest")
-        for r in manifest.ranks:
-            if local_node is not None and r.node != local_node:
-                continue
-            for index, c in enumerate(r.chunks):
-                p = self.chunk_path(step, r.rank, index)
-                if not p.exists() or p.stat().st_size != c.stored_size:
-                    raise ValueError(f"cannot commit step {step}: rank {r.rank} chunk "
-                                     f"{c.chunk_id} is not durable at {p}; prepare it first")
-        committed = self.committed_manifests()
-        mf.plan_chain({**committed, step: manifest}, step)  # every base it needs exists
-        write_atomic(path, manifest.SerializeToString(deterministic=True))
+            raise ValueError(f"step {step} is already committed with a different record")
+        mine = [seal for seal in record.seals if local_node is None or seal.node == local_node]
+        states = []
+        for seal in mine:
+            held = [self.held_record(step, r) for r in seal.ranks]
+            if any(h is None for h in held):
+                raise ValueError(f"cannot commit step {step}: the records of ranks "
+                                 f"{list(seal.ranks)[:8]} are not durable here; prepare first")
+            sr.check(record, held)
+            for state in held:
+                for index, c in enumerate(state.chunks):
+                    p = self.chunk_path(step, state.rank, index)
+                    if not p.exists() or p.stat().st_size != c.stored_size:
+                        raise ValueError(f"cannot commit step {step}: rank {state.rank} chunk "
+                                         f"{c.chunk_id} is not durable at {p}; prepare it "
+                                         "first")
+                self._checked[(step, state.rank)] = state
+            states += held
+        sr.plan_chain({**self.committed_records(), step: record}, step)  # its bases exist
+        write_atomic(path, data)
         fsync_dir(path.parent)
-        self._manifests[step] = manifest
-        for r in manifest.ranks:
-            ref = self._pending.pop((step, r.rank), None)
+        self._records[step] = record
+        for state in states:
+            ref = self._pending.pop((step, state.rank), None)
             if ref is not None and (self.delta_against == "previous" or ref.length == 0
-                                    or r.rank not in self._refs):
-                self._refs[r.rank] = ref
+                                    or state.rank not in self._refs):
+                self._refs[state.rank] = ref
             elif ref is not None:  # deltas keep applying to the chain's base
-                base = self._refs[r.rank]
+                base = self._refs[state.rank]
                 base.length, base.delta_bytes = ref.length, ref.delta_bytes
         self._pending = {k: v for k, v in self._pending.items() if k[0] > step}
         if self.metrics:
             self.metrics.commits.inc()
             self.metrics.last_committed_step.set(step)
-            stored = sum(c.stored_size for r in manifest.ranks for c in r.chunks)
-            self.metrics.compression_ratio.set(
-                sum(r.total_bytes for r in manifest.ranks) / max(stored, 1))
+            if states:
+                stored = sum(c.stored_size for r in states for c in r.chunks)
+                self.metrics.compression_ratio.set(
+                    sum(r.total_bytes for r in states) / max(stored, 1))
         self.collect_garbage()
 
     def discard_after(self, step: int) -> list[int]:
@@ -237,8 +266,9 @@ class LocalStore:
         with self._lock:
             newer = [s for s in self.committed_steps() if s > step]
             for s in sorted(newer, reverse=True):
-                self._manifest_path(s).unlink()
-                self._manifests.pop(s, None)
+                self._record_path(s).unlink()
+                self._records.pop(s, None)
+            self._checked = {k: v for k, v in self._checked.items() if k[0] <= step}
             fsync_dir(self.root / "manifests")
             for step_dir in (self.root / "steps").iterdir():
                 if int(step_dir.name) > step:
@@ -252,62 +282,113 @@ class LocalStore:
 
     def committed_steps(self) -> list[int]:
         return sorted(int(p.name.split(".")[0])
-                      for p in (self.root / "manifests").glob("*.manifest"))
+                      for p in (self.root / "manifests").glob("*.step"))
 
     def latest_committed(self) -> int | None:
         steps = self.committed_steps()
         return steps[-1] if steps else None
 
-    def load_manifest(self, step: int) -> manifest_pb2.Manifest:
-        """The committed manifest of `step`, digest verified."""
-        if step in self._manifests:
-            return self._manifests[step]
-        path = self._manifest_path(step)
+    def load_record(self, step: int) -> manifest_pb2.StepRecord:
+        """The committed record of `step`, digest verified."""
+        if step in self._records:
+            return self._records[step]
+        path = self._record_path(step)
         if not path.exists():
             raise FileNotFoundError(f"step {step} is not committed in {self.root}; committed: "
                                     f"{self.committed_steps()[-5:]}")
-        manifest = manifest_pb2.Manifest.FromString(path.read_bytes())
-        mf.verify_digest(manifest)
-        self._manifests[step] = manifest
-        return manifest
+        record = manifest_pb2.StepRecord.FromString(path.read_bytes())
+        sr.verify(record)
+        self._records[step] = record
+        return record
 
-    def committed_manifests(self) -> dict[int, manifest_pb2.Manifest]:
-        return {s: self.load_manifest(s) for s in self.committed_steps()}
+    def committed_records(self) -> dict[int, manifest_pb2.StepRecord]:
+        return {s: self.load_record(s) for s in self.committed_steps()}
+
+    def records(self, step: int, seal: manifest_pb2.RankSeal,
+                fetch: FetchRecords | None = None) -> list[manifest_pb2.RankState]:
+        """The records `seal` of committed `step` names, checked against it: from this
+        disk, else fetched (not kept: the holders a repair updates are the ones that keep
+        copies). MissingRecords when neither has them."""
+        record = self.load_record(step)
+        ranks = list(seal.ranks)
+        if all((step, r) in self._checked for r in ranks):
+            return [self._checked[(step, r)] for r in ranks]
+        held = [self.held_record(step, r) for r in ranks]
+        if all(h is not None for h in held):
+            try:
+                sr.check(record, held)
+            except mf.ManifestError:
+                if fetch is None:
+                    raise
+            else:
+                self._checked.update(((step, h.rank), h) for h in held)
+                return held
+        if fetch is None:
+            raise sr.MissingRecords(step, ranks)
+        fetched = fetch(record, seal)
+        sr.check(record, fetched)
+        return sorted(fetched, key=lambda f: f.rank)
+
+    def rank_record(self, step: int, rank: int, fetch: FetchRecords | None = None
+                    ) -> manifest_pb2.RankState:
+        """The checked record of one rank of committed `step` (see `records`)."""
+        seal = sr.seal_of(self.load_record(step), rank)
+        return next(r for r in self.records(step, seal, fetch) if r.rank == rank)
+
+    def load_manifest(self, step: int, fetch: FetchRecords | None = None
+                      ) -> manifest_pb2.Manifest:
+        """Committed `step` whole, every rank's record (fetched where not held here)."""
+        record = self.load_record(step)
+        states = [s for seal in record.seals for s in self.records(step, seal, fetch)]
+        return sr.assemble(record, states)
+
+    def held_manifest(self, step: int) -> manifest_pb2.Manifest:
+        """Committed `step` with the records this disk holds (its own ranks' and the
+        copies it keeps for peers), each checked: what this daemon can vouch for."""
+        record = self.load_record(step)
+        states = []
+        for seal in record.seals:
+            try:
+                states += self.records(step, seal)
+            except (sr.MissingRecords, mf.ManifestError):
+                continue
+        return manifest_pb2.Manifest(
+            format_version=mf.FORMAT_VERSION, job_id=record.job_id, step=step,
+            generation=record.generation, layout=record.layout, ranks=states,
+            base_step=record.base_step, created_unix_ms=record.created_unix_ms)
 
     # --- read path -----------------------------------------------------------------
 
-    def read_rank(self, step: int, rank: int, fetch: Fetch | None = None) -> bytes:
+    def read_rank(self, step: int, rank: int, fetch: Fetch | None = None,
+                  fetch_records: FetchRecords | None = None) -> bytes:
         """The rank's logical state buffer at a committed step, every CRC verified.
 
         `fetch(chunk)` returns a chunk's stored bytes from elsewhere (erasure shards)
-        when this disk lacks it or holds a corrupt copy.
-        """
-        manifests = self.committed_manifests()
-        if step not in manifests:
+        when this disk lacks it or holds a corrupt copy; `fetch_records` the records of
+        a rank captured elsewhere."""
+        records = self.committed_records()
+        if step not in records:
             raise FileNotFoundError(f"step {step} is not committed; latest committed is "
                                     f"{self.latest_committed()}")
-        chain = mf.plan_chain(manifests, step)
-        users = {s: {t for t in chain if s in mf.referenced_steps(manifests[t])} for s in chain}
+        chain = sr.plan_chain(records, step, rank)
+        users = {s: {t for t in chain if s in sr.seal_of(records[t], rank).bases}
+                 for s in chain}
         decoded: dict[int, np.ndarray] = {}
         for s in chain:
-            decoded[s] = self._decode_rank(manifests[s], rank, decoded, fetch)
+            state = self.rank_record(s, rank, fetch_records)
+            decoded[s] = self._decode_rank(s, state, decoded, fetch)
             for done in [d for d in decoded if d != step and max(users[d], default=-1) <= s]:
                 del decoded[done]  # no later step in the chain applies to it
         return decoded[step].tobytes()
 
-    def _decode_rank(self, manifest: manifest_pb2.Manifest, rank: int,
+    def _decode_rank(self, step: int, state: manifest_pb2.RankState,
                      decoded: dict[int, np.ndarray], fetch: Fetch | None = None) -> np.ndarray:
-        states = [r for r in manifest.ranks if r.rank == rank]
-        if not states:
-            raise KeyError(f"step {manifest.step} has no rank {rank} "
-                           f"(ranks {[r.rank for r in manifest.ranks]})")
-        state = states[0]
-        payloads = [self._read_or_fetch(manifest.step, rank, index, c, fetch)
+        payloads = [self._read_or_fetch(step, state.rank, index, c, fetch)
                     for index, c in enumerate(state.chunks)]
         out = decode_rank(state, payloads, decoded)
         for c in state.chunks:
             if crc32c(out[c.offset:c.offset + c.size]) != c.crc32c:
-                raise CorruptChunkError(manifest.step, rank, c.chunk_id, "decoded",
+                raise CorruptChunkError(step, state.rank, c.chunk_id, "decoded",
                                         f"decoded bytes fail CRC32C (base step {c.base_step})")
         return out
 
@@ -351,9 +432,9 @@ class LocalStore:
 
     def _ram_protected(self, steps: set[int]) -> set[int]:
         """Steps the RAM tier should keep: in flight, or needed to restore the newest."""
-        manifests = self.committed_manifests()
-        latest = max(manifests, default=-1)
-        needed = set(mf.plan_chain(manifests, latest)) if manifests else set()
+        records = self.committed_records()
+        latest = max(records, default=-1)
+        needed = set(sr.plan_chain(records, latest)) if records else set()
         return {s for s in steps if s > latest or s in needed}
 
     def ram_used(self) -> int:
@@ -373,23 +454,24 @@ class LocalStore:
             return self._collect_garbage()
 
     def _collect_garbage(self) -> list[int]:
-        manifests = self.committed_manifests()
+        manifests = self.committed_records()
         if not manifests:
             return []
-        kept = mf.retained_steps(manifests, self.retain)
+        kept = sr.retained_steps(manifests, self.retain)
         # Prepared-but-uncommitted deltas, and the next capture of every rank, apply to
         # chains that may be older than the newest `retain` steps: keep those chains too.
         for ref in [*self._pending.values(), *self._refs.values()]:
             kept.update(s for s in manifests if ref.root <= s <= ref.step)
         latest = max(manifests)
-        # Other daemons' ranks have chains this store cannot see, and the coordinator
-        # checks them against these manifests: keep every step a recent chain may use.
+        # Other daemons' ranks have chains this store does not hold the records of: keep
+        # every step a recent chain may use.
         for s in [s for s in manifests if s >= latest - 2 * self.max_chain]:
-            kept.update(mf.plan_chain(manifests, s))
+            kept.update(sr.plan_chain(manifests, s))
         dropped = [s for s in manifests if s not in kept]
         for s in dropped:
-            self._manifest_path(s).unlink()
-            self._manifests.pop(s, None)
+            self._record_path(s).unlink()
+            self._records.pop(s, None)
+        self._checked = {k: v for k, v in self._checked.items() if k[0] not in dropped}
         if dropped:
             fsync_dir(self.root / "manifests")
         for step_dir in (self.root / "steps").iterdir():

@@ -5,8 +5,9 @@ A capture is answered as soon as its slot's bytes are copied out (`intake`); the
 rest runs in the background, in step order per rank: delta-encode into chunks
 (`local_store.encode`, `chunks`, `codecs`), make them durable on this node's disk
 (`local_store.prepare`), spread them as erasure shards over peers and S3
-(`place`), and send phase one to the coordinator. Phase two and the read side
-live in `commit` and `restore`; `repair` and `scrub` keep stored steps whole.
+(`place`), copy the rank's record to its holders (`records`), and send phase one,
+the record's seal, to the coordinator. Phase two and the read side live in
+`commit` and `restore`; `repair` and `scrub` keep stored steps whole.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from stalwart.core import manifest as mf
+from stalwart.core import step_record as sr
 from stalwart.core.placement import S3, Node
 from stalwart.core.protection import census
 from stalwart.daemon.config import DaemonConfig
@@ -33,13 +34,14 @@ from stalwart.daemon.snapshot.intake import Intake
 from stalwart.daemon.snapshot.local_store import LocalStore
 from stalwart.daemon.snapshot.place import ShardPlacer
 from stalwart.daemon.snapshot.quota import DiskQuota
+from stalwart.daemon.snapshot.records import RecordHolders
 from stalwart.daemon.snapshot.restore import Restorer
 from stalwart.daemon.snapshot.s3_tier import S3Tier
 from stalwart.daemon.snapshot.scrub import Scrubber
 from stalwart.daemon.snapshot.shard_reader import ShardReader
 from stalwart.daemon.snapshot.shard_store import ShardStore
 from stalwart.daemon.snapshot.slots import FdServer, SlotPool
-from stalwart.v1 import peer_pb2, rank_pb2
+from stalwart.v1 import manifest_pb2, peer_pb2, rank_pb2
 
 log = logging.getLogger("stalwart.daemon.snapshot.path")
 
@@ -81,19 +83,26 @@ class SnapshotPath:
         self.intake = Intake(self.pool, self.fd_server, registry, metrics, self.node,
                              self._make_durable)
         self.placer = ShardPlacer(config, metrics, self.holders, self.s3, peers)
-        self.committer = Committer(self.node, self.store, self.s3, is_leader, peers, channels)
+        self.records = RecordHolders(self.node, config.job_id, self.store, self.s3, peers,
+                                     channels, self._copies)
+        self.committer = Committer(self.node, self.store, self.s3, is_leader)
         self.repairer = repair.Repairer(
             node=self.node, store=self.store, metrics=metrics, live=self._live_nodes,
-            client=self.holders.client, reader=self._reader, publish=self.committer.publish,
+            client=self.holders.client, reader=self._reader, records=self.records,
             s3_available=self.s3 is not None, is_leader=is_leader)
         self.restorer = Restorer(self.node, self.store, metrics, self._io, self._reader,
-                                 self.repairer.lost, self.s3 is not None)
+                                 self.records.fetch_blocking, self._live_nodes,
+                                 self.s3 is not None)
         self.scrubber = Scrubber(node=self.node, job_id=config.job_id,
                                  shard_dir=data_dir / "shards", store=self.store,
-                                 metrics=metrics, reader=self._reader, put_local=self._put_local)
+                                 metrics=metrics, reader=self._reader, put_local=self._put_local,
+                                 fetch_records=self.records.fetch_blocking)
         self._background: list[asyncio.Task[None]] = []
+        # (step, generation) -> records of this node's ranks made durable, until all are
+        self._gathering: dict[tuple[int, int], list[manifest_pb2.RankState]] = {}
 
     async def start(self) -> None:
+        self.records.loop = asyncio.get_running_loop()
         self.store.sweep_temporaries()
         self.fd_server.start()
         self._background = [asyncio.create_task(self.scrubber.forever(), name="scrub")]
@@ -116,6 +125,11 @@ class SnapshotPath:
 
     def _live_nodes(self) -> list[Node]:
         return [Node(p.node, p.labels) for p in self.peers()]
+
+    def _copies(self) -> int:
+        """Daemons besides this one that keep a copy of its ranks' records: m."""
+        live = len(self.peers())
+        return 0 if live < 2 else self.placer.coding(live)[1]
 
     def _reader(self) -> ShardReader:
         return ShardReader(node=self.node, peers=self.holders.live(), s3=self.s3,
@@ -141,23 +155,59 @@ class SnapshotPath:
         # A later step's commit makes a lost one moot, but nothing follows the job's last
         # step: that one is retried (a full disk may be freed) while its generation lasts.
         give_up = time.monotonic() + (FINAL_RETRY_S if request.final else 0.0)
+
+        async def store_and_place() -> None:
+            self.quota.reserve(sum(len(p) for p in prepared.payloads))
+            state = await self._run(self.store.prepare, step, prepared)
+            state = await self.placer.place(step, generation, state, prepared.payloads)
+            await self._run(self.store.keep_records, step, [state])  # with its shards
+            states.append(state)
+
+        states: list[manifest_pb2.RankState] = []
+        if not await self._retrying(store_and_place, give_up, generation, step,
+                                    request.coord.rank):
+            return
+        # One prepare per node and step: the last of this node's ranks to get here copies
+        # every one's record to the holders and sends their seal.
+        gathered = self._gathering.setdefault((step, generation), [])
+        gathered += states
+        if len(gathered) < self._local_ranks(generation):
+            return
+        del self._gathering[(step, generation)]
+        self._gathering = {k: v for k, v in self._gathering.items() if k[1] >= generation}
+
+        async def protect_and_prepare() -> None:
+            await self.records.copy(step, gathered)
+            await self.send_prepare(peer_pb2.PrepareStepRequest(
+                job_id=self.config.job_id, step=step, generation=generation, node=self.node,
+                seal=sr.seal(self.node, gathered), layout=request.layout, final=request.final))
+
+        await self._retrying(protect_and_prepare, give_up, generation, step,
+                             [s.rank for s in gathered])
+
+    async def _retrying(self, work: Callable[[], Awaitable[None]], give_up: float,
+                        generation: int, step: int, rank: object) -> bool:
+        """`work` until it succeeds (True), or, once past `give_up` or the generation,
+        logs why the step will not commit (False)."""
         while True:
             try:
-                self.quota.reserve(sum(len(p) for p in prepared.payloads))
-                state = await self._run(self.store.prepare, step, prepared)
-                state = await self.placer.place(step, generation, state, prepared.payloads)
-                await self.send_prepare(peer_pb2.PrepareStepRequest(
-                    job_id=self.config.job_id, step=step, generation=generation,
-                    node=self.node, ranks=[state], layout=request.layout, final=request.final))
-                return
+                await work()
+                return True
             except Exception:
                 if time.monotonic() >= give_up or generation < self.registry.generation:
                     log.exception("step could not be made durable; it will not commit",
-                                  extra={"step": step, "rank": request.coord.rank})
-                    return
+                                  extra={"step": step, "rank": rank})
+                    return False
                 log.warning("the job's last step is not durable yet; retrying",
-                            extra={"step": step, "rank": request.coord.rank}, exc_info=True)
+                            extra={"step": step, "rank": rank}, exc_info=True)
                 await asyncio.sleep(FINAL_RETRY_EVERY_S)
+
+    def _local_ranks(self, generation: int) -> int:
+        """Ranks the plan of `generation` places on this node (1 before any plan)."""
+        plan = self.registry.current_plan()
+        if plan.generation != generation:
+            return 1
+        return max(1, sum(1 for a in plan.assignments if not a.spare and a.node == self.node))
 
     async def _encode(self, request: rank_pb2.CaptureRequest, owned: bytes) -> Any:
         """Delta-encode one capture (None if its generation is over)."""
@@ -169,27 +219,30 @@ class SnapshotPath:
             node=self.node, adamw=list(request.adamw))
 
     async def on_peer_lost(self, node: str) -> None:
-        """A daemon is gone: the repair leader re-creates its shards on live daemons."""
+        """A daemon is gone: records it held are copied back to m holders, and the repair
+        leader re-creates its shards on live daemons."""
         log.warning("peer lost", extra={"peer": node, "repair_leader": self.repairer.is_leader()})
+        await self.records.on_peer_lost(node)
         await self.repairer.run()
 
     def status_storage(self) -> dict[str, str]:
         """Entries for StatusReply.storage: shards and protection of the newest committed
-        step (with the bases it needs), repair and scrub progress."""
-        manifests = self.store.committed_manifests()
+        step (with the bases it needs) for the records held here, repair and scrub."""
+        records = self.store.committed_records()
         live = {p.node for p in self.peers()}
         state = self.repairer.state
         out = {}
-        latest = max(manifests, default=None)
+        latest = max(records, default=None)
         if latest is not None:
-            c = census((manifests[s] for s in mf.plan_chain(manifests, latest)), live)
+            c = census((self.store.held_manifest(s) for s in sr.plan_chain(records, latest)),
+                       live)
             out["shards"] = (f"step {latest} and its bases: {c.healthy} healthy, {c.missing} "
-                             f"missing, {state.pending} repairing")
+                             f"missing, {state.pending} repairing (records held here)")
             out["protection"] = (f"step {latest} survives {c.margin} more daemon losses"
                                  if c.margin >= 0 else f"step {latest} is not recoverable now")
         out["repair"] = (f"running, {state.pending} shards pending" if state.running
                          else state.last) + f"; {state.repaired} shards re-created since start"
-        gone = self.repairer.lost(manifests) - {S3}
+        gone = self.repairer.lost([self.store.held_manifest(s) for s in records]) - {S3}
         if gone:
             out["repair"] += f"; lost holders: {', '.join(sorted(gone))}"
         out["scrub"] = self.scrubber.state.last

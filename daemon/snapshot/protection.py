@@ -2,7 +2,8 @@
 
 Re-counts the newest committed step (and the bases it needs) whenever the step or
 the set of live daemons changes, so a lost peer shows at once as missing shards
-and a smaller margin.
+and a smaller margin. Each daemon counts the records it holds (its own ranks' and
+the copies it keeps): the job's margin is the smallest any daemon reports.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 from collections.abc import Callable
 
 from stalwart.core import manifest as mf
+from stalwart.core import step_record as sr
 from stalwart.core.protection import Census, census
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.snapshot.local_store import LocalStore
@@ -37,11 +39,11 @@ class ProtectionWatch:
             self._seen = (latest, live)
             return None
         try:
-            manifests = self.store.committed_manifests()
-            chain = mf.plan_chain(manifests, latest)
+            chain = sr.plan_chain(self.store.committed_records(), latest)
+            held = [self.store.held_manifest(s) for s in chain]
         except (FileNotFoundError, KeyError, mf.ManifestError):
             return self.last  # a step was discarded or retired meanwhile: next tick
-        self.last = census((manifests[s] for s in chain), set(live))
+        self.last = census(held, set(live))
         self._seen = (latest, live)
         self.metrics.shards.labels("healthy").set(self.last.healthy)
         self.metrics.shards.labels("missing").set(self.last.missing)

@@ -1,26 +1,29 @@
 """Repair and recoverability: what the committed steps still survive, and re-creating the
 shards a lost daemon held from any k survivors onto live daemons.
 
-One daemon drives repair: the live daemon with the smallest name (the rule that also picks
-the S3 manifest writer), so no election is needed and, if it dies, the next one takes over
-on its own peer-lost event. A repaired manifest is the committed one with new shard
-holders, re-sealed; it replaces the old file atomically on every live daemon (CommitStep).
+One daemon drives repair: the leader (the coordinator), so the repair, the S3 writer
+and the plans come from one election; if it dies, the next one takes over on its own
+peer-lost event. It fetches the records of every kept step (`records`), re-creates the
+shards the lost daemons held, and sends the records with their new shard holders to
+the daemons that keep them: their seal leaves holder names out, so the committed step
+stays as it is and every copy still checks against it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from stalwart.core import manifest as mf
+from stalwart.core import step_record as sr
 from stalwart.core.placement import S3, Node, decodable, repair_plan
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.snapshot.checksum import crc32c
 from stalwart.daemon.snapshot.local_store import LocalStore
+from stalwart.daemon.snapshot.records import RecordHolders
 from stalwart.daemon.snapshot.shard_client import ShardClient
 from stalwart.daemon.snapshot.shard_reader import ShardReader, placement_of
 from stalwart.v1 import manifest_pb2
@@ -32,9 +35,9 @@ Manifests = Mapping[int, manifest_pb2.Manifest]
 
 # recoverability (pure) ----------------------------------------------------------------
 
-def holders(manifests: Manifests) -> set[str]:
-    """Every node (and "s3") named as a shard holder by the committed manifests."""
-    return {rec.node for m in manifests.values() for r in m.ranks for c in r.chunks
+def holders(manifests: Iterable[manifest_pb2.Manifest]) -> set[str]:
+    """Every node (and "s3") named as a shard holder by the manifests."""
+    return {rec.node for m in manifests for r in m.ranks for c in r.chunks
             for rec in c.shards}
 
 
@@ -92,46 +95,6 @@ def beyond_tolerance(step: int, rank: int, why: str, manifests: Manifests, lost:
             older[0] if older else None)
 
 
-def same_but_holders(old: manifest_pb2.Manifest, new: manifest_pb2.Manifest) -> bool:
-    """True when `new` differs from `old` only in which node holds each shard."""
-    def bare(m: manifest_pb2.Manifest) -> tuple[bytes, list[tuple]]:
-        copy = manifest_pb2.Manifest()
-        copy.CopyFrom(m)
-        copy.ClearField("digest")
-        shards = []
-        for r in copy.ranks:
-            for c in r.chunks:
-                shards.append(sorted((s.index, s.location, s.size, s.crc32c) for s in c.shards))
-                del c.shards[:]
-        return copy.SerializeToString(deterministic=True), shards
-
-    return bare(old) == bare(new)
-
-
-def install_repaired(store: LocalStore, manifest: manifest_pb2.Manifest) -> bool:
-    """Replace a committed manifest with its repaired copy, atomically; False when the
-    step is not committed here (never committed, or already retired)."""
-    mf.validate(manifest)
-    mf.verify_digest(manifest)
-    with store._lock:  # noqa: SLF001 - same lock as commit and retention
-        path = store._manifest_path(manifest.step)  # noqa: SLF001
-        if not path.exists():
-            return False
-        data = manifest.SerializeToString(deterministic=True)
-        old = manifest_pb2.Manifest.FromString(path.read_bytes())
-        if not same_but_holders(old, manifest):
-            raise ValueError(f"step {manifest.step} is already committed with a different "
-                             "manifest (not just new shard holders); refusing to replace it")
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        store._manifests[manifest.step] = manifest  # noqa: SLF001
-        return True
-
-
 # repair (I/O) ----------------------------------------------------------------------------
 
 @dataclass
@@ -145,25 +108,22 @@ class RepairState:
     unrecoverable: list[str] = field(default_factory=list)  # chunk ids below k shards
 
 
-Publish = Callable[[manifest_pb2.Manifest], Awaitable[None]]
-
-
 class Repairer:
     """Re-creates shards of lost daemons; `run()` is safe to call on every peer loss."""
 
     def __init__(self, *, node: str, store: LocalStore, metrics: Metrics,
                  live: Callable[[], list[Node]], client: Callable[[str], ShardClient],
-                 reader: Callable[[], ShardReader], publish: Publish,
+                 reader: Callable[[], ShardReader], records: RecordHolders,
                  s3_available: bool, is_leader: Callable[[], bool]) -> None:
         self.node, self.store, self.metrics = node, store, metrics
-        self.live, self.client, self.reader, self.publish = live, client, reader, publish
+        self.live, self.client, self.reader, self.records = live, client, reader, records
         self.s3_available = s3_available
         self.is_leader = is_leader  # the coordinator repairs (core of one election)
         self.state = RepairState()
         self._lock = asyncio.Lock()
         self._again = False
 
-    def lost(self, manifests: Manifests) -> set[str]:
+    def lost(self, manifests: Iterable[manifest_pb2.Manifest]) -> set[str]:
         """Holders named by the manifests that are not live (and S3 when not configured)."""
         names = {n.name for n in self.live()}
         gone = {h for h in holders(manifests) if h != S3 and h not in names}
@@ -188,9 +148,21 @@ class Repairer:
                     self.state.running = False
                     self._pending(0)
 
+    def _kept_steps(self) -> dict[int, manifest_pb2.Manifest]:
+        """Every kept step whole, records fetched from their holders (a repair needs the
+        chunks of every rank; a step whose records are lost cannot be repaired)."""
+        out = {}
+        for step in self.store.committed_steps():
+            try:
+                out[step] = self.store.load_manifest(step, self.records.fetch_blocking)
+            except (mf.ManifestError, sr.MissingRecords, FileNotFoundError) as exc:
+                log.error("step not repaired: its records are not readable",
+                          extra={"step": step, "error": str(exc)})
+        return out
+
     async def _pass(self) -> None:
-        manifests = await asyncio.to_thread(self.store.committed_manifests)
-        lost = self.lost(manifests)
+        manifests = await asyncio.to_thread(self._kept_steps)
+        lost = self.lost(manifests.values())
         live = self.live()
         work = []
         unrecoverable: set[str] = set()
@@ -220,16 +192,19 @@ class Repairer:
             by_step.setdefault(step, {})[chunk_id] = targets
         done = 0
         for step, chunks in by_step.items():
-            repaired = manifest_pb2.Manifest()
-            repaired.CopyFrom(manifests[step])
-            for r in repaired.ranks:
-                for c in r.chunks:
-                    if c.chunk_id in chunks:
-                        await self._repair_chunk(reader, step, repaired.generation, c,
-                                                 chunks[c.chunk_id], lost)
-                        done += len(chunks[c.chunk_id])
-                        self._pending(total - done)
-            await self.publish(mf.seal(repaired))
+            record = await asyncio.to_thread(self.store.load_record, step)
+            by_rank = {r.rank: r for r in manifests[step].ranks}
+            for seal in record.seals:
+                states = [by_rank[r] for r in seal.ranks]
+                changed = False
+                for c in (c for r in states for c in r.chunks if c.chunk_id in chunks):
+                    await self._repair_chunk(reader, step, record.generation, c,
+                                             chunks[c.chunk_id], lost)
+                    done += len(chunks[c.chunk_id])
+                    self._pending(total - done)
+                    changed = True
+                if changed:
+                    await self.records.publish(step, states)
         self.state.last = (f"re-created {done} shards of {len(by_step)} steps after losing "
                            f"{', '.join(sorted(lost - {S3}))} in "
                            f"{time.monotonic() - started:.1f} s")

@@ -1,10 +1,11 @@
 """Restore, the last stage: a rank's state for a committed step, read back and verified.
 
-The newest committed step that the surviving holders can still rebuild is chosen
-(or the step asked for). Chunks this daemon holds come from its own tiers; the
-others are rebuilt from any k of their shards, cheapest holder first
-(`shard_reader`). The state reaches the rank in a shared-memory slot it maps (as a
-capture leaves it), or, where there is no room for one, in PIECE_BYTES pieces.
+The newest committed step whose chain this rank's surviving holders can still rebuild
+is chosen (or the step asked for). The rank's records come from this disk or their
+holders (`records`); chunks this daemon holds come from its own tiers, the others are
+rebuilt from any k of their shards, cheapest holder first (`shard_reader`). The state
+reaches the rank in a shared-memory slot it maps (as a capture leaves it), or, where
+there is no room for one, in PIECE_BYTES pieces.
 """
 
 from __future__ import annotations
@@ -14,10 +15,14 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 
+from stalwart.core import manifest as mf
+from stalwart.core import step_record as sr
+from stalwart.core.layout import Layout
+from stalwart.core.placement import S3, Node
 from stalwart.daemon.errors import NotFound, NotRecoverable
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.snapshot import repair
-from stalwart.daemon.snapshot.local_store import LocalStore
+from stalwart.daemon.snapshot.local_store import FetchRecords, LocalStore
 from stalwart.daemon.snapshot.shard_reader import BeyondToleranceError, ShardReader
 from stalwart.v1 import manifest_pb2, rank_pb2
 
@@ -32,10 +37,11 @@ class Restorer:
     """Reads committed state back for this node's ranks."""
 
     def __init__(self, node: str, store: LocalStore, metrics: Metrics, executor: Executor,
-                 reader: Callable[[], ShardReader], lost: Callable[[repair.Manifests], set[str]],
-                 s3_available: bool) -> None:
+                 reader: Callable[[], ShardReader], fetch_records: FetchRecords,
+                 live: Callable[[], list[Node]], s3_available: bool) -> None:
         self.node, self.store, self.metrics, self.executor = node, store, metrics, executor
-        self.reader, self.lost, self.s3_available = reader, lost, s3_available
+        self.reader, self.fetch_records, self.live = reader, fetch_records, live
+        self.s3_available = s3_available
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def _run(self, fn: Callable[..., object], *args: object, **kw: object) -> object:
@@ -48,41 +54,64 @@ class Restorer:
         fut = asyncio.run_coroutine_threadsafe(self.reader().read_chunk(chunk), self.loop)
         return fut.result(timeout=FETCH_TIMEOUT_S)
 
+    def _views(self, records: dict[int, manifest_pb2.StepRecord], steps: list[int],
+               rank: int) -> dict[int, manifest_pb2.Manifest]:
+        """Per step, a manifest of `rank`'s record alone (fetched where not held here):
+        what deciding whether its chain is readable needs, without the other ranks'."""
+        views = {}
+        for s in steps:
+            try:
+                state = self.store.rank_record(s, rank, self.fetch_records)
+            except (sr.MissingRecords, mf.ManifestError, KeyError):
+                continue
+            views[s] = manifest_pb2.Manifest(step=s, layout=records[s].layout, ranks=[state])
+        return views
+
+    def _lost(self, views: dict[int, manifest_pb2.Manifest]) -> set[str]:
+        names = {n.name for n in self.live()}
+        gone = {h for h in repair.holders(views.values()) if h != S3 and h not in names}
+        return gone if self.s3_available else gone | {S3}
+
     async def restore(self, step: int, rank: int, into: Slotter | None = None
                       ) -> AsyncIterator[rank_pb2.RestorePiece]:
-        """The rank's record, then its bytes; `step` 0 is the newest recoverable step.
-        With `into`, the bytes go into the slot it makes where it can, and the record
-        names that slot. Raises NotFound, NotRecoverable (naming the newest recoverable
-        step) or CorruptChunkError."""
+        """The rank's record, then its bytes; `step` 0 is the newest step whose chain of
+        this rank's records and chunks is still readable. With `into`, the bytes go into
+        the slot it makes where it can, and the record names that slot. Raises NotFound,
+        NotRecoverable (naming the newest recoverable step) or CorruptChunkError."""
         self.loop = asyncio.get_running_loop()
-        manifests = await self._run(self.store.committed_manifests)
-        if not manifests:
+        records = await self._run(self.store.committed_records)
+        if not records:
             raise NotFound("no step is committed yet; nothing to restore")
-        if step and step not in manifests:
+        if step and step not in records:
             raise NotFound(f"step {step} is not committed here; committed: "
-                           f"{sorted(manifests)[-5:]}")
-        lost = self.lost(manifests)
+                           f"{sorted(records)[-5:]}")
+        newest = step or max(records)
+        world = Layout.from_proto(records[newest].layout).world_size
+        if rank >= world:
+            raise NotFound(f"step {newest} has no rank {rank} (its layout has {world} ranks)")
+        views = await self._run(self._views, records, sorted(records), rank)
+        lost = self._lost(views)
         steps = [step] if step else (
-            repair.recoverable(manifests, lost, self.node) or [max(manifests)])
+            repair.recoverable(views, lost, self.node) or [max(records)])
         for candidate in steps:
             if candidate not in (steps[0], steps[-1]) and not repair.step_recoverable(
-                    manifests, candidate, lost, self.node):
+                    views, candidate, lost, self.node):
                 continue  # a holder failed while reading a newer step; skip what needs it
-            state = next((r for r in manifests[candidate].ranks if r.rank == rank), None)
-            if state is None:
-                raise NotFound(f"step {candidate} has no rank {rank} (its layout has "
-                               f"{len(manifests[candidate].ranks)} ranks)")
             t0 = time.perf_counter()
             try:
+                if candidate not in views:
+                    raise sr.MissingRecords(candidate, [rank])
+                state = views[candidate].ranks[0]
                 data = await self._run(self.store.read_rank, candidate, rank,
-                                       fetch=self._fetch_chunk)
-            except BeyondToleranceError as exc:
-                lost |= repair.failed_holders(manifests, exc.chunk_id, exc.unavailable)
+                                       fetch=self._fetch_chunk,
+                                       fetch_records=self.fetch_records)
+            except (BeyondToleranceError, sr.MissingRecords, mf.ManifestError) as exc:
+                if isinstance(exc, BeyondToleranceError):
+                    lost |= repair.failed_holders(views, exc.chunk_id, exc.unavailable)
                 if step or candidate == steps[-1]:
-                    message, newest = repair.beyond_tolerance(
-                        candidate, rank, str(exc), manifests, lost, self.node,
-                        self.s3_available)
-                    raise NotRecoverable(message, newest) from exc
+                    message, newest_ok = repair.beyond_tolerance(
+                        candidate, rank, str(exc), views, lost, self.node, self.s3_available)
+                    raise NotRecoverable(message, newest_ok) from exc
                 continue
             self.metrics.recovery_phase.labels("restore_read").observe(
                 time.perf_counter() - t0)

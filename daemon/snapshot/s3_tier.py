@@ -1,6 +1,7 @@
-"""The remote tier: shards and manifests of a job in any S3-compatible bucket (boto3).
+"""The remote tier: shards, records and committed steps of a job in any S3-compatible
+bucket (boto3).
 
-Keys live under `<prefix>/<job_id>/`; a manifest is created at most once
+Keys live under `<prefix>/<job_id>/`; a committed step's record is created at most once
 (If-None-Match: *), so two writers can never overwrite a committed step. Every
 object carries its CRC32C; throttling and outages are retried with backoff; boto3
 runs in worker threads so the daemon's event loop never blocks on S3.
@@ -195,8 +196,19 @@ class S3Tier:
             await self._call("delete", keys[at], lambda b=batch: self.client.delete_objects(
                 Bucket=self.bucket, Delete={"Objects": b, "Quiet": True}))
 
+    def records_key(self, step: int, rank: int) -> str:
+        return f"{self.root}/records/{step:020d}/r{rank}.pb"
+
+    async def put_records(self, step: int, rank: int, data: bytes) -> None:
+        """A rank's record of `step` (its capturing daemon writes it, before the commit)."""
+        await self._put(self.records_key(step, rank), memoryview(data), "put_records")
+
+    async def get_records(self, step: int, rank: int) -> bytes:
+        return await self._get(self.records_key(step, rank), "get_records")
+
     async def put_manifest(self, step: int, data: bytes) -> None:
-        """Create the manifest of `step` once; ManifestExistsError if anyone already did."""
+        """Create the committed record of `step` once (a `StepRecord`; the ranks' records
+        are keyed apart); ManifestExistsError if anyone already did."""
         await self._put(self.manifest_key(step), memoryview(data), "put_manifest",
                         IfNoneMatch="*")
 

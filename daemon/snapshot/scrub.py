@@ -10,13 +10,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from stalwart.core import manifest as mf
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.snapshot.local_store import LocalStore
+from stalwart.daemon.snapshot.local_store import FetchRecords, LocalStore
 from stalwart.daemon.snapshot.shard_reader import ShardReader
 from stalwart.daemon.snapshot.shard_store import ShardStore
 from stalwart.v1 import manifest_pb2
@@ -27,6 +29,7 @@ log = logging.getLogger("stalwart.daemon.snapshot.scrub")
 DEFAULT_INTERVAL_S = float(os.environ.get("STALWART_SCRUB_INTERVAL_S", "300"))
 
 Put = Callable[[str, bytes, int, int], Awaitable[None]]  # shard id, body, step, generation
+_SHARD_ID = re.compile(r"s(?P<step>\d+)-r(?P<rank>\d+)-c\d+\.\d+")  # chunks.chunk_id + index
 
 
 @dataclass
@@ -43,10 +46,10 @@ class Scrubber:
 
     def __init__(self, *, node: str, job_id: str, shard_dir: Path, store: LocalStore,
                  metrics: Metrics, reader: Callable[[], ShardReader], put_local: Put,
-                 interval_s: float = DEFAULT_INTERVAL_S) -> None:
+                 fetch_records: FetchRecords, interval_s: float = DEFAULT_INTERVAL_S) -> None:
         self.node, self.job_id, self.shard_dir = node, job_id, shard_dir
         self.store, self.metrics, self.reader, self.put_local = store, metrics, reader, put_local
-        self.interval_s = interval_s
+        self.fetch_records, self.interval_s = fetch_records, interval_s
         self.state = ScrubState()
 
     async def forever(self) -> None:
@@ -100,11 +103,22 @@ class Scrubber:
         self.metrics.repaired_shards.inc()
 
     def _find(self, sid: str) -> tuple[int, int, manifest_pb2.ChunkRecord, int] | None:
-        for step, m in sorted(self.store.committed_manifests().items(), reverse=True):
-            for r in m.ranks:
-                for c in r.chunks:
-                    for rec in c.shards:
-                        if rec.node == self.node and (rec.location or
-                                                      f"{c.chunk_id}.{rec.index}") == sid:
-                            return step, m.generation, c, rec.index
+        """The committed chunk a shard id ("s<step>-r<rank>-c<i>.<index>") belongs to,
+        from its rank's record (held here or fetched from its holders)."""
+        named = _SHARD_ID.fullmatch(sid)
+        if named is None:
+            return None
+        step, rank = int(named["step"]), int(named["rank"])
+        if step not in self.store.committed_steps():
+            return None
+        try:
+            state = self.store.rank_record(step, rank, self.fetch_records)
+        except (LookupError, mf.ManifestError) as exc:
+            log.error("the record of a corrupt shard is not readable",
+                      extra={"shard": sid, "error": str(exc)})
+            return None
+        for c in state.chunks:
+            for rec in c.shards:
+                if rec.node == self.node and (rec.location or f"{c.chunk_id}.{rec.index}") == sid:
+                    return step, self.store.load_record(step).generation, c, rec.index
         return None

@@ -299,3 +299,124 @@ class Manifest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Manifest: _TypeAlias = Manifest  # noqa: Y015
+
+@_typing.final
+class RankSeal(_message.Message):
+    """The seal of records one prepare made durable: ranks of one step captured on one daemon."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    BASES_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    """the daemon that captured them"""
+    digest: _builtins.bytes
+    """sha256 of their records, shard holder names left out"""
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """increasing"""
+
+    @_builtins.property
+    def bases(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """earlier steps their delta chunks apply to"""
+
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        ranks: _abc.Iterable[_builtins.int] | None = ...,
+        digest: _builtins.bytes = ...,
+        bases: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bases", b"bases", "digest", b"digest", "node", b"node", "ranks", b"ranks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RankSeal: _TypeAlias = RankSeal  # noqa: Y015
+
+@_typing.final
+class StepRecord(_message.Message):
+    """A committed step as every daemon keeps it: a few bytes per prepare. The records the
+    seals stand for stay with the daemon that captured them and m ring successors (and S3
+    when configured); a restore, a repair or an export fetches only the ones it needs.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FORMAT_VERSION_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
+    SEALS_FIELD_NUMBER: _builtins.int
+    CREATED_UNIX_MS_FIELD_NUMBER: _builtins.int
+    BASE_STEP_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    format_version: _builtins.int
+    """2"""
+    job_id: _builtins.str
+    step: _builtins.int
+    generation: _builtins.int
+    created_unix_ms: _builtins.int
+    base_step: _builtins.int
+    """the oldest full base any rank's chain starts from"""
+    digest: _builtins.bytes
+    """sha256 of the record with this field empty"""
+    @_builtins.property
+    def layout(self) -> _common_pb2.ParallelLayout: ...
+    @_builtins.property
+    def seals(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankSeal]:
+        """by first rank; together every rank of the layout once"""
+
+    def __init__(
+        self,
+        *,
+        format_version: _builtins.int = ...,
+        job_id: _builtins.str = ...,
+        step: _builtins.int = ...,
+        generation: _builtins.int = ...,
+        layout: _common_pb2.ParallelLayout | None = ...,
+        seals: _abc.Iterable[Global___RankSeal] | None = ...,
+        created_unix_ms: _builtins.int = ...,
+        base_step: _builtins.int = ...,
+        digest: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_step", b"base_step", "created_unix_ms", b"created_unix_ms", "digest", b"digest", "format_version", b"format_version", "generation", b"generation", "job_id", b"job_id", "layout", b"layout", "seals", b"seals", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepRecord: _TypeAlias = StepRecord  # noqa: Y015
+
+@_typing.final
+class RankRecords(_message.Message):
+    """Records of some ranks of one step, as a daemon copies them to the record holders."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    step: _builtins.int
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankState]: ...
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        step: _builtins.int = ...,
+        ranks: _abc.Iterable[Global___RankState] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "ranks", b"ranks", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RankRecords: _TypeAlias = RankRecords  # noqa: Y015

@@ -311,9 +311,9 @@ class PrepareStepRequest(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
-    RANKS_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
     FINAL_FIELD_NUMBER: _builtins.int
+    SEAL_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     step: _builtins.int
     generation: _builtins.int
@@ -322,12 +322,12 @@ class PrepareStepRequest(_message.Message):
     final: _builtins.bool
     """the ranks' last step of the job"""
     @_builtins.property
-    def ranks(self) -> _containers.RepeatedCompositeFieldContainer[_manifest_pb2.RankState]:
-        """their records, shards placed"""
-
-    @_builtins.property
     def layout(self) -> _common_pb2.ParallelLayout:
         """layout the step was captured in"""
+
+    @_builtins.property
+    def seal(self) -> _manifest_pb2.RankSeal:
+        """their records' seal; the records stay with holders"""
 
     def __init__(
         self,
@@ -336,13 +336,13 @@ class PrepareStepRequest(_message.Message):
         step: _builtins.int = ...,
         generation: _builtins.int = ...,
         node: _builtins.str = ...,
-        ranks: _abc.Iterable[_manifest_pb2.RankState] | None = ...,
         layout: _common_pb2.ParallelLayout | None = ...,
         final: _builtins.bool = ...,
+        seal: _manifest_pb2.RankSeal | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "seal", b"seal"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "generation", b"generation", "job_id", b"job_id", "layout", b"layout", "node", b"node", "ranks", b"ranks", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "generation", b"generation", "job_id", b"job_id", "layout", b"layout", "node", b"node", "seal", b"seal", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -353,24 +353,18 @@ class PrepareStepReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     READY_FIELD_NUMBER: _builtins.int
-    RANKS_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     ready: _builtins.bool
     message: _builtins.str
-    @_builtins.property
-    def ranks(self) -> _containers.RepeatedCompositeFieldContainer[_manifest_pb2.RankState]:
-        """this node's ranks, durable"""
-
     def __init__(
         self,
         *,
         ready: _builtins.bool = ...,
-        ranks: _abc.Iterable[_manifest_pb2.RankState] | None = ...,
         message: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "ranks", b"ranks", "ready", b"ready"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "ready", b"ready"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -380,24 +374,24 @@ Global___PrepareStepReply: _TypeAlias = PrepareStepReply  # noqa: Y015
 class CommitStepRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    MANIFEST_FIELD_NUMBER: _builtins.int
+    RECORD_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def manifest(self) -> _manifest_pb2.Manifest: ...
+    def record(self) -> _manifest_pb2.StepRecord: ...
     def __init__(
         self,
         *,
-        manifest: _manifest_pb2.Manifest | None = ...,
+        record: _manifest_pb2.StepRecord | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["record", b"record"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["record", b"record"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CommitStepRequest: _TypeAlias = CommitStepRequest  # noqa: Y015
 
 @_typing.final
-class GetManifestRequest(_message.Message):
+class GetStepRecordRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     JOB_ID_FIELD_NUMBER: _builtins.int
@@ -416,7 +410,33 @@ class GetManifestRequest(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___GetManifestRequest: _TypeAlias = GetManifestRequest  # noqa: Y015
+Global___GetStepRecordRequest: _TypeAlias = GetStepRecordRequest  # noqa: Y015
+
+@_typing.final
+class GetRecordsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    step: _builtins.int
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        step: _builtins.int = ...,
+        ranks: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "ranks", b"ranks", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetRecordsRequest: _TypeAlias = GetRecordsRequest  # noqa: Y015
 
 @_typing.final
 class CommitStepReply(_message.Message):

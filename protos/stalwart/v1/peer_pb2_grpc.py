@@ -214,10 +214,20 @@ class PeerServiceStub:
                 request_serializer=stalwart_dot_v1_dot_peer__pb2.CommitStepRequest.SerializeToString,
                 response_deserializer=stalwart_dot_v1_dot_peer__pb2.CommitStepReply.FromString,
                 _registered_method=True)
-        self.GetManifest = channel.unary_unary(
-                '/stalwart.v1.PeerService/GetManifest',
-                request_serializer=stalwart_dot_v1_dot_peer__pb2.GetManifestRequest.SerializeToString,
-                response_deserializer=stalwart_dot_v1_dot_manifest__pb2.Manifest.FromString,
+        self.GetStepRecord = channel.unary_unary(
+                '/stalwart.v1.PeerService/GetStepRecord',
+                request_serializer=stalwart_dot_v1_dot_peer__pb2.GetStepRecordRequest.SerializeToString,
+                response_deserializer=stalwart_dot_v1_dot_manifest__pb2.StepRecord.FromString,
+                _registered_method=True)
+        self.PutRecords = channel.unary_unary(
+                '/stalwart.v1.PeerService/PutRecords',
+                request_serializer=stalwart_dot_v1_dot_manifest__pb2.RankRecords.SerializeToString,
+                response_deserializer=stalwart_dot_v1_dot_common__pb2.Ack.FromString,
+                _registered_method=True)
+        self.GetRecords = channel.unary_unary(
+                '/stalwart.v1.PeerService/GetRecords',
+                request_serializer=stalwart_dot_v1_dot_peer__pb2.GetRecordsRequest.SerializeToString,
+                response_deserializer=stalwart_dot_v1_dot_manifest__pb2.RankRecords.FromString,
                 _registered_method=True)
         self.InstallPlan = channel.unary_unary(
                 '/stalwart.v1.PeerService/InstallPlan',
@@ -260,10 +270,24 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def GetManifest(self, request, context):
+    def GetStepRecord(self, request, context):
         """A new coordinator fetches a step that a peer committed and it did not (the old
         coordinator died while sending phase two).
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutRecords(self, request, context):
+        """Records of ranks: a capturing daemon copies its ranks' records to their holders
+        before it prepares; a restore, repair or export fetches the ones it needs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRecords(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -306,10 +330,20 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     request_deserializer=stalwart_dot_v1_dot_peer__pb2.CommitStepRequest.FromString,
                     response_serializer=stalwart_dot_v1_dot_peer__pb2.CommitStepReply.SerializeToString,
             ),
-            'GetManifest': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetManifest,
-                    request_deserializer=stalwart_dot_v1_dot_peer__pb2.GetManifestRequest.FromString,
-                    response_serializer=stalwart_dot_v1_dot_manifest__pb2.Manifest.SerializeToString,
+            'GetStepRecord': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStepRecord,
+                    request_deserializer=stalwart_dot_v1_dot_peer__pb2.GetStepRecordRequest.FromString,
+                    response_serializer=stalwart_dot_v1_dot_manifest__pb2.StepRecord.SerializeToString,
+            ),
+            'PutRecords': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutRecords,
+                    request_deserializer=stalwart_dot_v1_dot_manifest__pb2.RankRecords.FromString,
+                    response_serializer=stalwart_dot_v1_dot_common__pb2.Ack.SerializeToString,
+            ),
+            'GetRecords': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRecords,
+                    request_deserializer=stalwart_dot_v1_dot_peer__pb2.GetRecordsRequest.FromString,
+                    response_serializer=stalwart_dot_v1_dot_manifest__pb2.RankRecords.SerializeToString,
             ),
             'InstallPlan': grpc.unary_unary_rpc_method_handler(
                     servicer.InstallPlan,
@@ -420,7 +454,7 @@ class PeerService:
             _registered_method=True)
 
     @staticmethod
-    def GetManifest(request,
+    def GetStepRecord(request,
             target,
             options=(),
             channel_credentials=None,
@@ -433,9 +467,63 @@ class PeerService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/stalwart.v1.PeerService/GetManifest',
-            stalwart_dot_v1_dot_peer__pb2.GetManifestRequest.SerializeToString,
-            stalwart_dot_v1_dot_manifest__pb2.Manifest.FromString,
+            '/stalwart.v1.PeerService/GetStepRecord',
+            stalwart_dot_v1_dot_peer__pb2.GetStepRecordRequest.SerializeToString,
+            stalwart_dot_v1_dot_manifest__pb2.StepRecord.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutRecords(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stalwart.v1.PeerService/PutRecords',
+            stalwart_dot_v1_dot_manifest__pb2.RankRecords.SerializeToString,
+            stalwart_dot_v1_dot_common__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRecords(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stalwart.v1.PeerService/GetRecords',
+            stalwart_dot_v1_dot_peer__pb2.GetRecordsRequest.SerializeToString,
+            stalwart_dot_v1_dot_manifest__pb2.RankRecords.FromString,
             options,
             channel_credentials,
             insecure,

@@ -89,10 +89,15 @@ class PeerServiceStub:
     PrepareStep: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PrepareStepRequest, _peer_pb2.PrepareStepReply]
     """Two-phase commit of a step, driven by the coordinator."""
     CommitStep: _grpc.UnaryUnaryMultiCallable[_peer_pb2.CommitStepRequest, _peer_pb2.CommitStepReply]
-    GetManifest: _grpc.UnaryUnaryMultiCallable[_peer_pb2.GetManifestRequest, _manifest_pb2.Manifest]
+    GetStepRecord: _grpc.UnaryUnaryMultiCallable[_peer_pb2.GetStepRecordRequest, _manifest_pb2.StepRecord]
     """A new coordinator fetches a step that a peer committed and it did not (the old
     coordinator died while sending phase two).
     """
+    PutRecords: _grpc.UnaryUnaryMultiCallable[_manifest_pb2.RankRecords, _common_pb2.Ack]
+    """Records of ranks: a capturing daemon copies its ranks' records to their holders
+    before it prepares; a restore, repair or export fetches the ones it needs.
+    """
+    GetRecords: _grpc.UnaryUnaryMultiCallable[_peer_pb2.GetRecordsRequest, _manifest_pb2.RankRecords]
     InstallPlan: _grpc.UnaryUnaryMultiCallable[_common_pb2.Plan, _common_pb2.Ack]
     """The coordinator pushes a new plan to every daemon."""
     ReportFailure: _grpc.UnaryUnaryMultiCallable[_common_pb2.FailureEvent, _common_pb2.Ack]
@@ -109,10 +114,15 @@ class PeerServiceAsyncStub(PeerServiceStub):
     PrepareStep: _aio.UnaryUnaryMultiCallable[_peer_pb2.PrepareStepRequest, _peer_pb2.PrepareStepReply]  # type: ignore[assignment]
     """Two-phase commit of a step, driven by the coordinator."""
     CommitStep: _aio.UnaryUnaryMultiCallable[_peer_pb2.CommitStepRequest, _peer_pb2.CommitStepReply]  # type: ignore[assignment]
-    GetManifest: _aio.UnaryUnaryMultiCallable[_peer_pb2.GetManifestRequest, _manifest_pb2.Manifest]  # type: ignore[assignment]
+    GetStepRecord: _aio.UnaryUnaryMultiCallable[_peer_pb2.GetStepRecordRequest, _manifest_pb2.StepRecord]  # type: ignore[assignment]
     """A new coordinator fetches a step that a peer committed and it did not (the old
     coordinator died while sending phase two).
     """
+    PutRecords: _aio.UnaryUnaryMultiCallable[_manifest_pb2.RankRecords, _common_pb2.Ack]  # type: ignore[assignment]
+    """Records of ranks: a capturing daemon copies its ranks' records to their holders
+    before it prepares; a restore, repair or export fetches the ones it needs.
+    """
+    GetRecords: _aio.UnaryUnaryMultiCallable[_peer_pb2.GetRecordsRequest, _manifest_pb2.RankRecords]  # type: ignore[assignment]
     InstallPlan: _aio.UnaryUnaryMultiCallable[_common_pb2.Plan, _common_pb2.Ack]  # type: ignore[assignment]
     """The coordinator pushes a new plan to every daemon."""
     ReportFailure: _aio.UnaryUnaryMultiCallable[_common_pb2.FailureEvent, _common_pb2.Ack]  # type: ignore[assignment]
@@ -146,14 +156,31 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_peer_pb2.CommitStepReply, _abc.Awaitable[_peer_pb2.CommitStepReply]]: ...
 
     @_abc_1.abstractmethod
-    def GetManifest(
+    def GetStepRecord(
         self,
-        request: _peer_pb2.GetManifestRequest,
+        request: _peer_pb2.GetStepRecordRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_manifest_pb2.Manifest, _abc.Awaitable[_manifest_pb2.Manifest]]:
+    ) -> _typing.Union[_manifest_pb2.StepRecord, _abc.Awaitable[_manifest_pb2.StepRecord]]:
         """A new coordinator fetches a step that a peer committed and it did not (the old
         coordinator died while sending phase two).
         """
+
+    @_abc_1.abstractmethod
+    def PutRecords(
+        self,
+        request: _manifest_pb2.RankRecords,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.Ack, _abc.Awaitable[_common_pb2.Ack]]:
+        """Records of ranks: a capturing daemon copies its ranks' records to their holders
+        before it prepares; a restore, repair or export fetches the ones it needs.
+        """
+
+    @_abc_1.abstractmethod
+    def GetRecords(
+        self,
+        request: _peer_pb2.GetRecordsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_manifest_pb2.RankRecords, _abc.Awaitable[_manifest_pb2.RankRecords]]: ...
 
     @_abc_1.abstractmethod
     def InstallPlan(

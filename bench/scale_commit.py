@@ -1,0 +1,297 @@
+"""The per-step commit with N simulated daemons: real gRPC, the real coordinator.
+
+The bench process runs the coordinator's commit code (`StepCommits`) behind a gRPC
+server; worker processes host the simulated daemons, many per process behind one
+server each (a request names its daemon in metadata). Every step, each daemon sends
+one PrepareStep with the seal of its 8 ranks' records and takes the CommitStep with the
+step's record, which it verifies as a daemon does (digest, every rank once, its own
+seal). Nothing trains and no record travels: a daemon's records go to its m ring
+successors, which costs the same bytes whatever N is; those bytes are counted from a
+record of realistic size (`realistic_record`), measured, not sent.
+
+Per N: commit latency (the step's last prepare in -> every daemon acknowledged), the
+coordinator's CPU per step (its process alone), bytes per daemon per step (prepare
+out, record in, record copies out and in) beside the old design's (every rank's
+record in the prepare, the whole manifest back to every daemon), and the
+coordinator's memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import multiprocessing
+import os
+import resource
+import statistics
+import time
+from typing import Any
+
+import grpc
+
+from stalwart.bench import progress
+from stalwart.core import step_record as sr
+from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.recovery.step_commits import StepCommits
+from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
+
+RANKS_PER_DAEMON = 8
+K, M = 4, 2
+WORKERS = 2
+NODE_KEY = "stalwart-bench-node"
+RPC_TIMEOUT_S = 120.0
+
+# A 70B model at TP 8 x PP 8: about 15 GB of parameters and AdamW state per rank in
+# 4 MiB chunks, each in k + m shards, about 270 tensors.
+RANK_STATE_BYTES = 15 << 30
+CHUNK_BYTES = 4 << 20
+TENSORS = 270
+
+
+def realistic_record(rank: int = 0, step: int = 100) -> manifest_pb2.RankState:
+    """One rank's record shaped like the 70B case: tensors, chunks, k + m shards each."""
+    state = manifest_pb2.RankState(rank=rank, node=f"node-{rank // RANKS_PER_DAEMON:04d}",
+                                   total_bytes=RANK_STATE_BYTES,
+                                   coord=common_pb2.RankCoord(rank=rank))
+    per_tensor = RANK_STATE_BYTES // TENSORS
+    for t in range(TENSORS):
+        state.tensors.add(name=f"model/layers.{t // 27}.block.weight_{t % 27}",
+                          dtype=common_pb2.BFLOAT16, shape=[per_tensor // 2],
+                          offset=t * per_tensor, nbytes=per_tensor - per_tensor % 2)
+    for c in range(RANK_STATE_BYTES // CHUNK_BYTES):
+        chunk = state.chunks.add(chunk_id=f"s{step}-r{rank}-c{c}", offset=c * CHUNK_BYTES,
+                                 size=CHUNK_BYTES, stored_size=CHUNK_BYTES // 3,
+                                 crc32c=0x9E3779B9 ^ c, stored_crc32c=0x7F4A7C15 ^ c,
+                                 codec=manifest_pb2.ADAM_PREDICTED_XOR_ZSTD,
+                                 base_step=step - 1, k=K, m=M)
+        for i in range(K + M):
+            chunk.shards.add(index=i, node=f"node-{(rank + 7 * c + i) % 2048:04d}",
+                             location=f"{chunk.chunk_id}.{i}", size=CHUNK_BYTES // 3 // K,
+                             crc32c=c * 31 + i)
+    return state
+
+
+# --- simulated daemons (worker processes) --------------------------------------------
+
+class _Daemons(peer_pb2_grpc.PeerServiceServicer):
+    """The commit side of many simulated daemons behind one server."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.seals = {}
+        for name in names:
+            first = int(name.split("-")[1]) * RANKS_PER_DAEMON
+            states = [manifest_pb2.RankState(rank=first + r, node=name)
+                      for r in range(RANKS_PER_DAEMON)]
+            self.seals[name] = sr.seal(name, states)
+        self.committed: dict[int, int] = {}
+        self.received = 0
+        self.all_in = asyncio.Condition()
+
+    async def CommitStep(self, request, context):  # noqa: N802 - gRPC method name
+        record = request.record
+        sr.verify(record)
+        node = dict(context.invocation_metadata())[NODE_KEY]
+        own = sr.seal_of(record, self.seals[node].ranks[0])
+        if own.digest != self.seals[node].digest:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "own seal differs")
+        self.received += request.ByteSize()
+        self.committed[record.step] = self.committed.get(record.step, 0) + 1
+        async with self.all_in:
+            self.all_in.notify_all()
+        return peer_pb2.CommitStepReply(committed=True)
+
+    async def wait_all(self, step: int) -> None:
+        async with self.all_in:
+            await asyncio.wait_for(self.all_in.wait_for(
+                lambda: self.committed.get(step, 0) >= len(self.seals)), RPC_TIMEOUT_S)
+
+
+def _worker(names: list[str], coordinator: str, conn: Any) -> None:
+    asyncio.run(_serve(names, coordinator, conn))
+
+
+async def _serve(names: list[str], coordinator: str, conn: Any) -> None:
+    daemons = _Daemons(names)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    peer_pb2_grpc.add_PeerServiceServicer_to_server(daemons, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    conn.send(port)
+    loop = asyncio.get_running_loop()
+    async with grpc.aio.insecure_channel(coordinator) as channel:
+        stub = peer_pb2_grpc.PeerServiceStub(channel)
+        layout = common_pb2.ParallelLayout(dp=len(names), pp=1, tp=RANKS_PER_DAEMON)
+        while True:
+            order = await loop.run_in_executor(None, conn.recv)
+            if order is None:
+                break
+            step, world = order
+            layout.dp = world // RANKS_PER_DAEMON
+            sent = 0
+            calls = []
+            for name in names:
+                req = peer_pb2.PrepareStepRequest(job_id="bench", step=step, generation=1,
+                                                  node=name, layout=layout,
+                                                  seal=daemons.seals[name])
+                sent += req.ByteSize()
+                calls.append(stub.PrepareStep(req, timeout=RPC_TIMEOUT_S,
+                                              metadata=((NODE_KEY, name),)))
+            await asyncio.gather(*calls)
+            await daemons.wait_all(step)
+            conn.send((sent, daemons.received, dict(daemons.committed)))
+    await server.stop(0)
+
+
+# --- the coordinator (this process) --------------------------------------------------
+
+class _Links:
+    """StepCommits' outbound calls: CommitStep to each simulated daemon over gRPC."""
+
+    def __init__(self, names: list[str], where: dict[str, peer_pb2_grpc.PeerServiceStub]
+                 ) -> None:
+        self.names, self.where = names, where
+        self.done: dict[int, float] = {}
+
+    def nodes(self) -> list[str]:
+        return self.names
+
+    def holds_seat(self) -> bool:
+        return True
+
+    async def install_plan(self, node: str, plan: common_pb2.Plan) -> None:
+        raise NotImplementedError
+
+    async def commit_step(self, node: str, record: manifest_pb2.StepRecord) -> None:
+        await self.where[node].CommitStep(peer_pb2.CommitStepRequest(record=record),
+                                          timeout=RPC_TIMEOUT_S,
+                                          metadata=((NODE_KEY, node),))
+
+
+class _Coordinator(peer_pb2_grpc.PeerServiceServicer):
+    def __init__(self, commits: StepCommits, world: int) -> None:
+        self.commits, self.world = commits, world
+        self.last_in: dict[int, float] = {}
+        self.count: dict[int, int] = {}
+
+    async def PrepareStep(self, request, context):  # noqa: N802 - gRPC method name
+        self.count[request.step] = self.count.get(request.step, 0) + 1
+        if self.count[request.step] * RANKS_PER_DAEMON >= self.world:
+            self.last_in[request.step] = time.perf_counter()
+        await self.commits.prepared(request)
+        return peer_pb2.PrepareStepReply(ready=True)
+
+
+async def _simulate(daemons: int, steps: int) -> dict[str, Any]:
+    names = [f"node-{i:04d}" for i in range(daemons)]
+    world = daemons * RANKS_PER_DAEMON
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    port = server.add_insecure_port("127.0.0.1:0")
+    latest: list[int] = []
+    done_at: dict[int, float] = {}
+
+    def committed(generation: int) -> None:
+        pass
+
+    async def finished(step: int) -> None:
+        pass
+
+    channels, where, procs, pipes = [], {}, [], []
+    links = _Links(names, where)
+    commits = StepCommits("coordinator", "bench", Metrics(), links,
+                          latest_committed=lambda: latest[-1] if latest else None,
+                          load_record=None, generation=lambda: 1, committed=committed,
+                          finished=finished)
+    servicer = _Coordinator(commits, world)
+    peer_pb2_grpc.add_PeerServiceServicer_to_server(servicer, server)
+    await server.start()
+    original = commits._commit  # noqa: SLF001 - the bench times the real phase two
+
+    async def timed(step: int, lay: common_pb2.ParallelLayout) -> bool:
+        ok = await original(step, lay)
+        if ok:
+            latest.append(step)
+            done_at[step] = time.perf_counter()
+        return ok
+
+    commits._commit = timed  # type: ignore[method-assign]  # noqa: SLF001
+    ctx = multiprocessing.get_context("spawn")
+    try:
+        for w in range(WORKERS):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(names[w::WORKERS], f"127.0.0.1:{port}",
+                                                     theirs), daemon=True)
+            proc.start()
+            procs.append(proc)
+            pipes.append(ours)
+        loop = asyncio.get_running_loop()
+        for w, pipe in enumerate(pipes):
+            worker_port = await loop.run_in_executor(None, pipe.recv)
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{worker_port}")
+            channels.append(channel)
+            stub = peer_pb2_grpc.PeerServiceStub(channel)
+            where.update({n: stub for n in names[w::WORKERS]})
+        latencies, cpu, prepare_bytes, received = [], [], 0.0, 0
+        for step in range(1, steps + 2):  # the first step warms connections up
+            cpu0 = time.process_time()
+            for pipe in pipes:
+                pipe.send((step, world))
+            replies = [await loop.run_in_executor(None, p.recv) for p in pipes]
+            spent = time.process_time() - cpu0
+            if step == 1:
+                continue
+            latencies.append(done_at[step] - servicer.last_in[step])
+            cpu.append(spent)
+            prepare_bytes = sum(r[0] for r in replies) / daemons
+            received = sum(r[1] for r in replies)  # since the start, warm-up included
+            assert all(r[2].get(step) for r in replies), "a daemon missed a commit"
+        record_bytes = received / daemons / (steps + 1)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    finally:
+        for pipe in pipes:
+            pipe.send(None)
+        for proc in procs:
+            proc.join(10)
+        for channel in channels:
+            await channel.close()
+        await server.stop(0)
+    latencies.sort()
+    return {"latencies": latencies, "cpu": statistics.median(cpu),
+            "prepare_bytes": prepare_bytes, "record_bytes": record_bytes, "rss": rss}
+
+
+def points(sizes: tuple[int, ...], steps: int) -> dict[str, Any]:
+    one = realistic_record().ByteSize()
+    copies = 2 * M * RANKS_PER_DAEMON * one  # m copies out, m predecessors' copies in
+    out = []
+    for n in sizes:
+        progress.say(f"commit with {n} simulated daemons ({n * RANKS_PER_DAEMON} ranks), "
+                     f"{steps} steps")
+        got = asyncio.run(_simulate(n, steps if n <= 256 else max(3, steps // 3)))
+        lat = got["latencies"]
+        protocol = got["prepare_bytes"] + got["record_bytes"]
+        out.append({
+            "daemons": n, "ranks": n * RANKS_PER_DAEMON,
+            "commit_p50_s": round(statistics.median(lat), 5),
+            "commit_p99_s": round(lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)], 5),
+            "coordinator_cpu_s_per_step": round(got["cpu"], 5),
+            "protocol_bytes_per_daemon_per_step": int(protocol),
+            "bytes_per_daemon_per_step": int(protocol + copies),
+            "old_bytes_per_daemon_per_step": int(RANKS_PER_DAEMON * one * (n + 1)),
+            "coordinator_rss_bytes": got["rss"],
+        })
+    return {"record_bytes_per_rank": one, "points": out,
+            "growth_exponent": {key: _slope(out, key) for key in (
+                "bytes_per_daemon_per_step", "old_bytes_per_daemon_per_step",
+                "protocol_bytes_per_daemon_per_step", "coordinator_cpu_s_per_step",
+                "commit_p99_s")},
+            "workers": WORKERS, "cpus": os.cpu_count()}
+
+
+def _slope(rows: list[dict], key: str) -> float:
+    """Least-squares slope of log(value) over log(daemons): 0 flat, 1 linear."""
+    xs = [math.log(r["daemons"]) for r in rows]
+    ys = [math.log(max(r[key], 1e-12)) for r in rows]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return round(sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den, 3) \
+        if den else 0.0
