@@ -1,4 +1,5 @@
-"""`stalwart bench scale`: re-planning figures for 1k, 4k and 16k GPUs, as the issue keys them."""
+"""`stalwart bench scale`: the commit with simulated daemons and re-planning at 1k-16k GPUs,
+under the keys the issue names."""
 
 from __future__ import annotations
 
@@ -6,12 +7,18 @@ import json
 import subprocess
 import sys
 
+import pytest
 
-def test_bench_scale_reports_replan_seconds_per_gpu_count(tmp_path):
-    out = tmp_path / "scale.json"
+
+@pytest.fixture(scope="module")
+def figures(tmp_path_factory):
+    out = tmp_path_factory.mktemp("scale") / "scale.json"
     subprocess.run([sys.executable, "-m", "stalwart.cli", "bench", "scale", "--quick",
                     "--json", str(out)], check=True, timeout=600)
-    figures = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_bench_scale_reports_replan_seconds_per_gpu_count(figures):
     assert set(figures["replan_s"]) == {"1024", "4096", "16384"}
     for point in figures["replan"]:
         assert point["replan_s"] == figures["replan_s"][str(point["gpus"])] > 0
@@ -20,3 +27,22 @@ def test_bench_scale_reports_replan_seconds_per_gpu_count(tmp_path):
         assert point["shrink_to"].endswith("tp=8")
         assert 0 < point["layers_moved"] < point["layers_moved_naive"]
         assert point["shards_repaired"] > 0
+
+
+def test_bench_scale_commits_with_simulated_daemons_in_bytes_that_do_not_grow_with_them(
+        figures):
+    # The quick run simulates 8, 64 and 256 daemons over real gRPC: per daemon and step
+    # the bytes stay flat (its own records' copies dominate) while the old design's grow
+    # with the job.
+    points = figures["points"]
+    assert [p["daemons"] for p in points] == [8, 64, 256]
+    for p in points:
+        assert p["ranks"] == 8 * p["daemons"]
+        assert 0 < p["commit_p50_s"] <= p["commit_p99_s"]
+        assert p["coordinator_cpu_s_per_step"] > 0
+        assert p["bytes_per_daemon_per_step"] < p["old_bytes_per_daemon_per_step"]
+    first, last = points[0], points[-1]
+    assert last["bytes_per_daemon_per_step"] < 2 * first["bytes_per_daemon_per_step"]
+    assert last["old_bytes_per_daemon_per_step"] > 20 * first["old_bytes_per_daemon_per_step"]
+    assert figures["growth_exponent"]["bytes_per_daemon_per_step"] < 0.1
+    assert figures["growth_exponent"]["old_bytes_per_daemon_per_step"] > 0.9

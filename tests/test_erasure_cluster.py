@@ -153,6 +153,34 @@ def test_m_lost_restore_bitwise_and_m_plus_one_names_the_newest_recoverable(clus
 
 
 @pytest.mark.multiprocess
+def test_the_records_outlive_the_daemon_that_captured_them_and_its_first_successor(
+        cluster) -> None:
+    # Rank 0's record of each step lives on node-0 (its daemon) and the next m daemons
+    # on the ring (node-1, node-2). Lose node-0 and node-1: node-4, which never held the
+    # record, fetches it from node-2 and rebuilds the chunks from the surviving shards.
+    c = cluster(5, heartbeat_timeout_s=300.0)
+    reference = train(c)
+    by_name = {n.name: n for n in c.daemons}
+    holders = [n.name for n in c.daemons
+               if LocalStore(n.data_dir, ram_tier_bytes=0).held_record(STEPS, 0) is not None]
+    assert holders == ["node-0", "node-1", "node-2"]
+    assert LocalStore(by_name["node-4"].data_dir, ram_tier_bytes=0).held_record(STEPS, 0) \
+        is None
+    for name in ("node-0", "node-1"):
+        c.kill_daemon(by_name[name])
+    reader = by_name["node-4"]
+    for step, want in reference.items():
+        assert restore(reader, step) == (step, want), f"step {step} after losing node-0, -1"
+    # The third copy gone too: the record is lost, and the error says so.
+    c.kill_daemon(by_name["node-2"])
+    with pytest.raises(grpc.RpcError) as err:
+        restore(reader, STEPS)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "no live daemon holds a good copy of the records of ranks [0]" in \
+        err.value.details()
+
+
+@pytest.mark.multiprocess
 def first_reads(manifest: manifest_pb2.Manifest, reader: Node) -> list[manifest_pb2.ShardRecord]:
     """Per chunk, the shard `reader` asks for first: the lowest index held by a peer
     (ShardReader reads its own memory first, then peers' data shards before parity)."""

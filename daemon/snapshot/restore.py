@@ -55,17 +55,19 @@ class Restorer:
         return fut.result(timeout=FETCH_TIMEOUT_S)
 
     def _views(self, records: dict[int, manifest_pb2.StepRecord], steps: list[int],
-               rank: int) -> dict[int, manifest_pb2.Manifest]:
+               rank: int) -> tuple[dict[int, manifest_pb2.Manifest], dict[int, str]]:
         """Per step, a manifest of `rank`'s record alone (fetched where not held here):
-        what deciding whether its chain is readable needs, without the other ranks'."""
-        views = {}
+        what deciding whether its chain is readable needs, without the other ranks'.
+        Beside it, why a step's record could not be had."""
+        views, why = {}, {}
         for s in steps:
             try:
                 state = self.store.rank_record(s, rank, self.fetch_records)
-            except (sr.MissingRecords, mf.ManifestError, KeyError):
+            except (sr.MissingRecords, mf.ManifestError, KeyError) as exc:
+                why[s] = str(exc)
                 continue
             views[s] = manifest_pb2.Manifest(step=s, layout=records[s].layout, ranks=[state])
-        return views
+        return views, why
 
     def _lost(self, views: dict[int, manifest_pb2.Manifest]) -> set[str]:
         names = {n.name for n in self.live()}
@@ -89,7 +91,7 @@ class Restorer:
         world = Layout.from_proto(records[newest].layout).world_size
         if rank >= world:
             raise NotFound(f"step {newest} has no rank {rank} (its layout has {world} ranks)")
-        views = await self._run(self._views, records, sorted(records), rank)
+        views, why = await self._run(self._views, records, sorted(records), rank)
         lost = self._lost(views)
         steps = [step] if step else (
             repair.recoverable(views, lost, self.node) or [max(records)])
@@ -100,7 +102,8 @@ class Restorer:
             t0 = time.perf_counter()
             try:
                 if candidate not in views:
-                    raise sr.MissingRecords(candidate, [rank])
+                    raise mf.ManifestError(why.get(candidate, f"step {candidate}: no record "
+                                                   f"of rank {rank}"))
                 state = views[candidate].ranks[0]
                 data = await self._run(self.store.read_rank, candidate, rank,
                                        fetch=self._fetch_chunk,
