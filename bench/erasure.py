@@ -196,13 +196,14 @@ def run(quick: bool) -> dict:
     figures.update({key: first[key] for key in ("encode_gbps", "decode_gbps",
                                                 "zfec_single_thread_gbps")})
     figures.update({key: run_[key] for key in ("stored_bytes_per_step_ratio",
-                                               "restore_from_shards_s", "restore_local_s",
-                                               "restore_nodes_lost")})
+                                               "records_ratio", "restore_from_shards_s",
+                                               "restore_local_s", "restore_nodes_lost")})
     figures["stored_vs_replication3"] = round(run_["stored_bytes_per_step_ratio"] / 3.0, 4)
     figures["storage_note"] = (
         "stored_bytes_per_step_ratio: bytes the daemons of a real training run (LocalCluster, "
         "k=4 m=2, deltas and AdamW prediction on, one base every base_every steps) stored per "
-        "committed step (every shard plus the capturing node's own encoded copy) / state "
+        "committed step (every shard, the capturing node's own encoded copy and every copy "
+        "of the ranks' records: records_ratio of the state) / state "
         "bytes captured, averaged over the run; per-code values for other codes are derived "
         "from the same run's encoded/state")
     figures["restore_note"] = (

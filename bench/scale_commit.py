@@ -31,6 +31,7 @@ import grpc
 
 from stalwart.bench import progress
 from stalwart.core import step_record as sr
+from stalwart.daemon.links import CommitSender
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.step_commits import StepCommits
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
@@ -40,6 +41,7 @@ K, M = 4, 2
 WORKERS = 2
 NODE_KEY = "stalwart-bench-node"
 RPC_TIMEOUT_S = 120.0
+IN_FLIGHT = 128  # prepares one worker has in flight (its daemons send at once)
 
 # A 70B model at TP 8 x PP 8: about 15 GB of parameters and AdamW state per rank in
 # 4 MiB chunks, each in k + m shards, about 270 tensors.
@@ -127,19 +129,24 @@ async def _serve(names: list[str], coordinator: str, conn: Any) -> None:
                 break
             step, world = order
             layout.dp = world // RANKS_PER_DAEMON
-            sent = 0
-            calls = []
-            for name in names:
-                req = peer_pb2.PrepareStepRequest(job_id="bench", step=step, generation=1,
-                                                  node=name, layout=layout,
-                                                  seal=daemons.seals[name])
-                sent += req.ByteSize()
-                calls.append(stub.PrepareStep(req, timeout=RPC_TIMEOUT_S,
-                                              metadata=((NODE_KEY, name),)))
-            await asyncio.gather(*calls)
+            room = asyncio.Semaphore(IN_FLIGHT)
+            sent = sum(await asyncio.gather(*(
+                _prepare(stub, room, step, name, layout, daemons.seals[name])
+                for name in names)))
             await daemons.wait_all(step)
             conn.send((sent, daemons.received, dict(daemons.committed)))
     await server.stop(0)
+
+
+async def _prepare(stub: peer_pb2_grpc.PeerServiceStub, room: asyncio.Semaphore, step: int,
+                   name: str, layout: common_pb2.ParallelLayout,
+                   seal: manifest_pb2.RankSeal) -> int:
+    """One simulated daemon's phase one; returns the bytes it sent."""
+    req = peer_pb2.PrepareStepRequest(job_id="bench", step=step, generation=1, node=name,
+                                      layout=layout, seal=seal)
+    async with room:
+        await stub.PrepareStep(req, timeout=RPC_TIMEOUT_S, metadata=((NODE_KEY, name),))
+    return req.ByteSize()
 
 
 # --- the coordinator (this process) --------------------------------------------------
@@ -147,10 +154,9 @@ async def _serve(names: list[str], coordinator: str, conn: Any) -> None:
 class _Links:
     """StepCommits' outbound calls: CommitStep to each simulated daemon over gRPC."""
 
-    def __init__(self, names: list[str], where: dict[str, peer_pb2_grpc.PeerServiceStub]
-                 ) -> None:
+    def __init__(self, names: list[str], where: dict[str, grpc.aio.Channel]) -> None:
         self.names, self.where = names, where
-        self.done: dict[int, float] = {}
+        self.sender = CommitSender()  # the daemon's own: one serialisation per step
 
     def nodes(self) -> list[str]:
         return self.names
@@ -162,9 +168,8 @@ class _Links:
         raise NotImplementedError
 
     async def commit_step(self, node: str, record: manifest_pb2.StepRecord) -> None:
-        await self.where[node].CommitStep(peer_pb2.CommitStepRequest(record=record),
-                                          timeout=RPC_TIMEOUT_S,
-                                          metadata=((NODE_KEY, node),))
+        await self.sender.send(self.where[node], record, RPC_TIMEOUT_S,
+                               metadata=((NODE_KEY, node),))
 
 
 class _Coordinator(peer_pb2_grpc.PeerServiceServicer):
@@ -228,8 +233,7 @@ async def _simulate(daemons: int, steps: int) -> dict[str, Any]:
             worker_port = await loop.run_in_executor(None, pipe.recv)
             channel = grpc.aio.insecure_channel(f"127.0.0.1:{worker_port}")
             channels.append(channel)
-            stub = peer_pb2_grpc.PeerServiceStub(channel)
-            where.update({n: stub for n in names[w::WORKERS]})
+            where.update({n: channel for n in names[w::WORKERS]})
         latencies, cpu, prepare_bytes, received = [], [], 0.0, 0
         for step in range(1, steps + 2):  # the first step warms connections up
             cpu0 = time.process_time()

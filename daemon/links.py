@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
+import grpc
+
 from stalwart.daemon.peers import Peer, PeerChannels
 from stalwart.daemon.recovery.election import Leadership
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
@@ -18,6 +20,27 @@ from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
 log = logging.getLogger("stalwart.daemon.links")
 
 RPC_TIMEOUT_S = 10.0
+COMMIT_STEP = "/stalwart.v1.PeerService/CommitStep"
+
+
+class CommitSender:
+    """Phase two to many daemons with one serialisation: the step record goes to every
+    daemon as the same bytes, so it is encoded once per step, not once per daemon."""
+
+    def __init__(self) -> None:
+        self._encoded: tuple[manifest_pb2.StepRecord | None, bytes] = (None, b"")
+
+    def encoded(self, record: manifest_pb2.StepRecord) -> bytes:
+        if self._encoded[0] is not record:
+            request = peer_pb2.CommitStepRequest(record=record)
+            self._encoded = (record, request.SerializeToString())
+        return self._encoded[1]
+
+    async def send(self, channel: grpc.aio.Channel, record: manifest_pb2.StepRecord,
+                   timeout: float, metadata: tuple = ()) -> peer_pb2.CommitStepReply:
+        call = channel.unary_unary(COMMIT_STEP, request_serializer=None,
+                                   response_deserializer=peer_pb2.CommitStepReply.FromString)
+        return await call(self.encoded(record), timeout=timeout, metadata=metadata or None)
 
 
 class Links:
@@ -29,6 +52,7 @@ class Links:
                  commit: Callable[[manifest_pb2.StepRecord], Awaitable[None]]) -> None:
         self.node, self.peers, self.channels, self.leadership = node, peers, channels, leadership
         self.adopt_plan, self.commit = adopt_plan, commit
+        self.commits = CommitSender()
 
     def nodes(self) -> list[str]:
         """Live daemons of the job, by node name (this one included)."""
@@ -45,6 +69,13 @@ class Links:
         if address is None:
             raise LookupError(f"daemon {node} is not a live member of this job")
         return peer_pb2_grpc.PeerServiceStub(self.channels.get(address))
+
+    def channel(self, node: str) -> grpc.aio.Channel:
+        """The channel to a live daemon; LookupError when it is not one."""
+        address = next((p.address for p in self.peers() if p.node == node), None)
+        if address is None:
+            raise LookupError(f"daemon {node} is not a live member of this job")
+        return self.channels.get(address)
 
     def coordinator(self) -> peer_pb2_grpc.PeerServiceStub:
         return self.stub(self.leadership.leader())
@@ -63,5 +94,4 @@ class Links:
         if node == self.node:
             await self.commit(record)
             return
-        await self.stub(node).CommitStep(peer_pb2.CommitStepRequest(record=record),
-                                         timeout=RPC_TIMEOUT_S)
+        await self.commits.send(self.channel(node), record, RPC_TIMEOUT_S)
