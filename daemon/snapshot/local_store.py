@@ -11,7 +11,6 @@ seal. Reads follow the base/delta chain and verify every CRC32C.
 from __future__ import annotations
 
 import shutil
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -19,24 +18,18 @@ from pathlib import Path
 
 import numpy as np
 
-from stalwart.core import manifest as mf
 from stalwart.core import step_record as sr
 from stalwart.daemon.config_schema import default
 from stalwart.daemon.errors import DataLoss
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.snapshot.atomic import fsync_dir, write_atomic
+from stalwart.daemon.snapshot.catalogue import Catalogue, FetchRecords
 from stalwart.daemon.snapshot.checksum import Buffer, crc32c
 from stalwart.daemon.snapshot.chunks import DEFAULT_CHUNK_BYTES, decode_rank, encode_rank
 from stalwart.daemon.snapshot.ram_tier import RamTier
 from stalwart.v1 import common_pb2, manifest_pb2
 
-_STEP_DIGITS = 12  # zero-padded step numbers sort as text
-
-
 Fetch = Callable[[manifest_pb2.ChunkRecord], bytes]
-# The records one seal of a step names, from their holders (verified by the store).
-FetchRecords = Callable[[manifest_pb2.StepRecord, manifest_pb2.RankSeal],
-                        list[manifest_pb2.RankState]]
 
 
 class CorruptChunkError(DataLoss):
@@ -74,7 +67,7 @@ class _Reference:
     layout: bytes      # serialised tensor metas: a changed layout forces a new base
 
 
-class LocalStore:
+class LocalStore(Catalogue):
     """RAM + disk tiers of one job's snapshots under `data_dir` (one writer process).
 
     Ranks may be encoded and prepared from several threads at once; commits and garbage
@@ -95,7 +88,7 @@ class LocalStore:
         `executor`: threads to encode chunks in parallel (zstd releases the GIL)."""
         if delta_against not in ("previous", "base"):
             raise ValueError(f"delta_against={delta_against!r}: use 'previous' or 'base'")
-        self.root = Path(data_dir) / "snapshots" / job_id
+        super().__init__(Path(data_dir) / "snapshots" / job_id)
         self.job_id, self.chunk_bytes = job_id, chunk_bytes
         self.base_every, self.retain, self.level = base_every, retain, level
         self.max_chain = base_every if max_chain is None else max_chain
@@ -104,11 +97,6 @@ class LocalStore:
         self.ram = RamTier(ram_tier_bytes, self._ram_protected)
         self._refs: dict[int, _Reference] = {}
         self._pending: dict[tuple[int, int], _Reference] = {}
-        self._records: dict[int, manifest_pb2.StepRecord] = {}
-        self._checked: dict[tuple[int, int], manifest_pb2.RankState] = {}  # vs their seal
-        self._lock = threading.RLock()
-        (self.root / "manifests").mkdir(parents=True, exist_ok=True)
-        (self.root / "steps").mkdir(parents=True, exist_ok=True)
 
     def sweep_temporaries(self) -> None:
         """Remove leftovers of writes a crash interrupted. Only the daemon that holds the
@@ -116,13 +104,7 @@ class LocalStore:
         for tmp in self.root.rglob("*.tmp"):
             tmp.unlink(missing_ok=True)
 
-    # --- paths ---------------------------------------------------------------------
-
-    def _record_path(self, step: int) -> Path:
-        return self.root / "manifests" / f"{step:0{_STEP_DIGITS}d}.step"
-
-    def _rank_dir(self, step: int, rank: int) -> Path:
-        return self.root / "steps" / f"{step:0{_STEP_DIGITS}d}" / f"r{rank}"
+    # --- paths (records: `Catalogue`) ---------------------------------------------
 
     def chunk_path(self, step: int, rank: int, index: int) -> Path:
         """Disk location of a chunk payload (tests and scrubbers use it)."""
@@ -183,26 +165,6 @@ class LocalStore:
         if self.metrics:
             self.metrics.stored_bytes.labels(tier="disk").inc(sum(map(len, prepared.payloads)))
         return prepared.state
-
-    def keep_records(self, step: int, states: Sequence[manifest_pb2.RankState]) -> None:
-        """Keep copies of other daemons' records (this daemon is one of their holders, or
-        fetched them to restore); checked against their seal when read."""
-        with self._lock:  # copies of one record may arrive at once (a repair, a re-copy)
-            for state in states:
-                rank_dir = self._rank_dir(step, state.rank)
-                rank_dir.mkdir(parents=True, exist_ok=True)
-                write_atomic(rank_dir / "rank.pb", state.SerializeToString(deterministic=True))
-                self._checked.pop((step, state.rank), None)
-            if states:
-                fsync_dir(self._rank_dir(step, states[0].rank).parent)
-
-    def held_record(self, step: int, rank: int) -> manifest_pb2.RankState | None:
-        """The record of (step, rank) on this disk as written, or None."""
-        path = self._rank_dir(step, rank) / "rank.pb"
-        try:
-            return manifest_pb2.RankState.FromString(path.read_bytes())
-        except FileNotFoundError:
-            return None
 
     def commit(self, record: manifest_pb2.StepRecord, *, local_node: str | None = None) -> None:
         """Phase two: publish a step atomically once every rank's chunks are durable.
@@ -277,85 +239,6 @@ class LocalStore:
             self._refs.clear()
             self._pending.clear()
             return newer
-
-    # --- catalogue -----------------------------------------------------------------
-
-    def committed_steps(self) -> list[int]:
-        return sorted(int(p.name.split(".")[0])
-                      for p in (self.root / "manifests").glob("*.step"))
-
-    def latest_committed(self) -> int | None:
-        steps = self.committed_steps()
-        return steps[-1] if steps else None
-
-    def load_record(self, step: int) -> manifest_pb2.StepRecord:
-        """The committed record of `step`, digest verified."""
-        if step in self._records:
-            return self._records[step]
-        path = self._record_path(step)
-        if not path.exists():
-            raise FileNotFoundError(f"step {step} is not committed in {self.root}; committed: "
-                                    f"{self.committed_steps()[-5:]}")
-        record = manifest_pb2.StepRecord.FromString(path.read_bytes())
-        sr.verify(record)
-        self._records[step] = record
-        return record
-
-    def committed_records(self) -> dict[int, manifest_pb2.StepRecord]:
-        return {s: self.load_record(s) for s in self.committed_steps()}
-
-    def records(self, step: int, seal: manifest_pb2.RankSeal,
-                fetch: FetchRecords | None = None) -> list[manifest_pb2.RankState]:
-        """The records `seal` of committed `step` names, checked against it: from this
-        disk, else fetched (not kept: the holders a repair updates are the ones that keep
-        copies). MissingRecords when neither has them."""
-        record = self.load_record(step)
-        ranks = list(seal.ranks)
-        if all((step, r) in self._checked for r in ranks):
-            return [self._checked[(step, r)] for r in ranks]
-        held = [self.held_record(step, r) for r in ranks]
-        if all(h is not None for h in held):
-            try:
-                sr.check(record, held)
-            except mf.ManifestError:
-                if fetch is None:
-                    raise
-            else:
-                self._checked.update(((step, h.rank), h) for h in held)
-                return held
-        if fetch is None:
-            raise sr.MissingRecords(step, ranks)
-        fetched = fetch(record, seal)
-        sr.check(record, fetched)
-        return sorted(fetched, key=lambda f: f.rank)
-
-    def rank_record(self, step: int, rank: int, fetch: FetchRecords | None = None
-                    ) -> manifest_pb2.RankState:
-        """The checked record of one rank of committed `step` (see `records`)."""
-        seal = sr.seal_of(self.load_record(step), rank)
-        return next(r for r in self.records(step, seal, fetch) if r.rank == rank)
-
-    def load_manifest(self, step: int, fetch: FetchRecords | None = None
-                      ) -> manifest_pb2.Manifest:
-        """Committed `step` whole, every rank's record (fetched where not held here)."""
-        record = self.load_record(step)
-        states = [s for seal in record.seals for s in self.records(step, seal, fetch)]
-        return sr.assemble(record, states)
-
-    def held_manifest(self, step: int) -> manifest_pb2.Manifest:
-        """Committed `step` with the records this disk holds (its own ranks' and the
-        copies it keeps for peers), each checked: what this daemon can vouch for."""
-        record = self.load_record(step)
-        states = []
-        for seal in record.seals:
-            try:
-                states += self.records(step, seal)
-            except (sr.MissingRecords, mf.ManifestError):
-                continue
-        return manifest_pb2.Manifest(
-            format_version=mf.FORMAT_VERSION, job_id=record.job_id, step=step,
-            generation=record.generation, layout=record.layout, ranks=states,
-            base_step=record.base_step, created_unix_ms=record.created_unix_ms)
 
     # --- read path -----------------------------------------------------------------
 

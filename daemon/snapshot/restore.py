@@ -22,7 +22,8 @@ from stalwart.core.placement import S3, Node
 from stalwart.daemon.errors import NotFound, NotRecoverable
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.snapshot import repair
-from stalwart.daemon.snapshot.local_store import FetchRecords, LocalStore
+from stalwart.daemon.snapshot.catalogue import FetchRecords
+from stalwart.daemon.snapshot.local_store import LocalStore
 from stalwart.daemon.snapshot.shard_reader import BeyondToleranceError, ShardReader
 from stalwart.v1 import manifest_pb2, rank_pb2
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from stalwart.core import manifest as mf
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.snapshot.local_store import FetchRecords, LocalStore
+from stalwart.daemon.snapshot.catalogue import FetchRecords
+from stalwart.daemon.snapshot.local_store import LocalStore
 from stalwart.daemon.snapshot.shard_reader import ShardReader
 from stalwart.daemon.snapshot.shard_store import ShardStore
 from stalwart.v1 import manifest_pb2

@@ -1,0 +1,139 @@
+"""What a daemon's store knows of committed steps: their records (`StepRecord`, one
+small file per step), and the records of ranks this disk holds (its own ranks', and the
+copies it keeps for peers) or fetches, each checked against its seal before use.
+
+`LocalStore` is a catalogue with the chunks, the encoding and the retention on top.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from stalwart.core import manifest as mf
+from stalwart.core import step_record as sr
+from stalwart.daemon.snapshot.atomic import fsync_dir, write_atomic
+from stalwart.v1 import manifest_pb2
+
+_STEP_DIGITS = 12  # zero-padded step numbers sort as text
+
+# The records one seal of a step names, from their holders (verified by the catalogue).
+FetchRecords = Callable[[manifest_pb2.StepRecord, manifest_pb2.RankSeal],
+                        list[manifest_pb2.RankState]]
+
+
+class Catalogue:
+    """Committed steps and rank records under `root` (one writer process; the lock is the
+    store's, shared with its commits and retention)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._records: dict[int, manifest_pb2.StepRecord] = {}
+        self._checked: dict[tuple[int, int], manifest_pb2.RankState] = {}  # vs their seal
+        self._lock = threading.RLock()
+        (self.root / "manifests").mkdir(parents=True, exist_ok=True)
+        (self.root / "steps").mkdir(parents=True, exist_ok=True)
+
+    def _record_path(self, step: int) -> Path:
+        return self.root / "manifests" / f"{step:0{_STEP_DIGITS}d}.step"
+
+    def _rank_dir(self, step: int, rank: int) -> Path:
+        return self.root / "steps" / f"{step:0{_STEP_DIGITS}d}" / f"r{rank}"
+
+    def keep_records(self, step: int, states: Sequence[manifest_pb2.RankState]) -> None:
+        """Keep copies of other daemons' records (this daemon is one of their holders, or
+        fetched them to restore); checked against their seal when read."""
+        with self._lock:  # copies of one record may arrive at once (a repair, a re-copy)
+            for state in states:
+                rank_dir = self._rank_dir(step, state.rank)
+                rank_dir.mkdir(parents=True, exist_ok=True)
+                write_atomic(rank_dir / "rank.pb", state.SerializeToString(deterministic=True))
+                self._checked.pop((step, state.rank), None)
+            if states:
+                fsync_dir(self._rank_dir(step, states[0].rank).parent)
+
+    def held_record(self, step: int, rank: int) -> manifest_pb2.RankState | None:
+        """The record of (step, rank) on this disk as written, or None."""
+        path = self._rank_dir(step, rank) / "rank.pb"
+        try:
+            return manifest_pb2.RankState.FromString(path.read_bytes())
+        except FileNotFoundError:
+            return None
+
+    def committed_steps(self) -> list[int]:
+        return sorted(int(p.name.split(".")[0])
+                      for p in (self.root / "manifests").glob("*.step"))
+
+    def latest_committed(self) -> int | None:
+        steps = self.committed_steps()
+        return steps[-1] if steps else None
+
+    def load_record(self, step: int) -> manifest_pb2.StepRecord:
+        """The committed record of `step`, digest verified."""
+        if step in self._records:
+            return self._records[step]
+        path = self._record_path(step)
+        if not path.exists():
+            raise FileNotFoundError(f"step {step} is not committed in {self.root}; committed: "
+                                    f"{self.committed_steps()[-5:]}")
+        record = manifest_pb2.StepRecord.FromString(path.read_bytes())
+        sr.verify(record)
+        self._records[step] = record
+        return record
+
+    def committed_records(self) -> dict[int, manifest_pb2.StepRecord]:
+        return {s: self.load_record(s) for s in self.committed_steps()}
+
+    def records(self, step: int, seal: manifest_pb2.RankSeal,
+                fetch: FetchRecords | None = None) -> list[manifest_pb2.RankState]:
+        """The records `seal` of committed `step` names, checked against it: from this
+        disk, else fetched (not kept: the holders a repair updates are the ones that keep
+        copies). MissingRecords when neither has them."""
+        record = self.load_record(step)
+        ranks = list(seal.ranks)
+        if all((step, r) in self._checked for r in ranks):
+            return [self._checked[(step, r)] for r in ranks]
+        held = [self.held_record(step, r) for r in ranks]
+        if all(h is not None for h in held):
+            try:
+                sr.check(record, held)
+            except mf.ManifestError:
+                if fetch is None:
+                    raise
+            else:
+                self._checked.update(((step, h.rank), h) for h in held)
+                return held
+        if fetch is None:
+            raise sr.MissingRecords(step, ranks)
+        fetched = fetch(record, seal)
+        sr.check(record, fetched)
+        return sorted(fetched, key=lambda f: f.rank)
+
+    def rank_record(self, step: int, rank: int, fetch: FetchRecords | None = None
+                    ) -> manifest_pb2.RankState:
+        """The checked record of one rank of committed `step` (see `records`)."""
+        seal = sr.seal_of(self.load_record(step), rank)
+        return next(r for r in self.records(step, seal, fetch) if r.rank == rank)
+
+    def load_manifest(self, step: int, fetch: FetchRecords | None = None
+                      ) -> manifest_pb2.Manifest:
+        """Committed `step` whole, every rank's record (fetched where not held here)."""
+        record = self.load_record(step)
+        states = [s for seal in record.seals for s in self.records(step, seal, fetch)]
+        return sr.assemble(record, states)
+
+    def held_manifest(self, step: int) -> manifest_pb2.Manifest:
+        """Committed `step` with the records this disk holds (its own ranks' and the
+        copies it keeps for peers), each checked: what this daemon can vouch for."""
+        record = self.load_record(step)
+        states = []
+        for seal in record.seals:
+            try:
+                states += self.records(step, seal)
+            except (sr.MissingRecords, mf.ManifestError):
+                continue
+        return manifest_pb2.Manifest(
+            format_version=mf.FORMAT_VERSION, job_id=record.job_id, step=step,
+            generation=record.generation, layout=record.layout, ranks=states,
+            base_step=record.base_step, created_unix_ms=record.created_unix_ms)
