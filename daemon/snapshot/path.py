@@ -174,7 +174,11 @@ class SnapshotPath:
         if len(gathered) < self._local_ranks(generation):
             return
         del self._gathering[(step, generation)]
-        self._gathering = {k: v for k, v in self._gathering.items() if k[1] >= generation}
+        # A step one of this node's ranks could not store never gathers: drop it once a
+        # later step commits, or its generation ends.
+        latest = self.store.latest_committed() or 0
+        self._gathering = {k: v for k, v in self._gathering.items()
+                           if k[1] >= generation and k[0] > latest}
 
         async def protect_and_prepare() -> None:
             await self.records.copy(step, gathered)

@@ -5,8 +5,9 @@ captured it; before that daemon prepares the step it copies the record to the fi
 m live daemons after it on the ring of node names (and to S3 when configured), so any
 m daemons can be lost with every committed record still readable. The committed step
 carries only the records' seal (`core.step_record`); a restore, a repair or a scrub
-fetches the records it needs, owner first, then the owner's ring successors, then
-any other live daemon, then S3, and checks each against its seal.
+fetches the records it needs, owner first, then the live daemons after it on the ring
+(the step's daemons and any that joined since), then S3, and checks each against its
+seal.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ log = logging.getLogger("stalwart.daemon.snapshot.records")
 
 COPY_TIMEOUT_S = 10.0   # one PutRecords
 FETCH_TIMEOUT_S = 30.0  # one GetRecords
+MAX_ASKED = 64          # live daemons asked for a record before S3
 
 
 class RecordsNotProtected(RuntimeError):
@@ -98,15 +100,16 @@ class RecordHolders:
 
     async def fetch(self, record: manifest_pb2.StepRecord, seal: manifest_pb2.RankSeal
                     ) -> list[manifest_pb2.RankState]:
-        """The records `seal` names, checked against it: owner, its ring successors,
-        any other live daemon, then S3. RecordsLost when none has a good copy."""
+        """The records `seal` names, checked against it: owner, the live daemons after it
+        on the ring, then S3. RecordsLost when none has a good copy."""
         live = set(self._live())
-        order = [seal.node, *sr.successors(sr.nodes(record), seal.node)]
-        order += sorted(live - set(order))
+        # Copies sit on the owner's first m successors, or a few further on once some of
+        # those were lost and the copies made again: ask the first MAX_ASKED live ones.
+        order = [seal.node, *sr.successors(sr.nodes(record) + sorted(live), seal.node)]
         request = peer_pb2.GetRecordsRequest(job_id=self.job_id, step=record.step,
                                              ranks=seal.ranks)
         tried = []
-        for node in [n for n in order if n in live and n != self.node]:
+        for node in [n for n in order if n in live and n != self.node][:MAX_ASKED]:
             try:
                 reply = await self._stub(node).GetRecords(request, timeout=FETCH_TIMEOUT_S)
                 states = list(reply.ranks)

@@ -92,7 +92,13 @@ class Restorer:
         world = Layout.from_proto(records[newest].layout).world_size
         if rank >= world:
             raise NotFound(f"step {newest} has no rank {rank} (its layout has {world} ranks)")
-        views, why = await self._run(self._views, records, sorted(records), rank)
+        # A step asked for needs only its own chain's records of this rank (the seals
+        # name the steps it applies to); the newest recoverable one needs them all.
+        try:
+            wanted = sr.plan_chain(records, step, rank) if step else sorted(records)
+        except mf.ManifestError:
+            wanted = [step]
+        views, why = await self._run(self._views, records, wanted, rank)
         lost = self._lost(views)
         steps = [step] if step else (
             repair.recoverable(views, lost, self.node) or [max(records)])
@@ -113,6 +119,9 @@ class Restorer:
                 if isinstance(exc, BeyondToleranceError):
                     lost |= repair.failed_holders(views, exc.chunk_id, exc.unavailable)
                 if step or candidate == steps[-1]:
+                    older = [s for s in records if s < candidate and s not in views]
+                    if older:  # which older step would do: only the error needs to know
+                        views.update((await self._run(self._views, records, older, rank))[0])
                     message, newest_ok = repair.beyond_tolerance(
                         candidate, rank, str(exc), views, lost, self.node, self.s3_available)
                     raise NotRecoverable(message, newest_ok) from exc
