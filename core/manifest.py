@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping
 
 from stalwart.v1 import common_pb2, manifest_pb2
 
@@ -163,25 +163,32 @@ def plan_chain(manifests: Mapping[int, manifest_pb2.Manifest], step: int) -> lis
     Raises ManifestError naming the missing link when a step in the chain has
     no manifest (it was garbage-collected or never committed).
     """
+    return walk_chain(step, manifests, lambda s: referenced_steps(manifests[s]))
+
+
+def walk_chain(step: int, committed: Container[int],
+               applies_to: Callable[[int], Iterable[int]]) -> list[int]:
+    """`step` and every earlier step its deltas apply to, transitively, oldest first;
+    ManifestError names the first one not `committed`."""
     needed: set[int] = set()
     frontier = [step]
     while frontier:
         s = frontier.pop()
         if s in needed:
             continue
-        if s not in manifests:
-            raise ManifestError(f"step {step} needs step {s} to restore, but its manifest is "
-                                "missing; restore an older committed step")
+        if s not in committed:
+            raise ManifestError(f"step {step} needs step {s} to restore, but it is not "
+                                "committed here (retired or never committed); restore an "
+                                "older committed step")
         needed.add(s)
-        frontier.extend(referenced_steps(manifests[s]))
+        frontier.extend(applies_to(s))
     return sorted(needed)
 
 
 def retained_steps(manifests: Mapping[int, manifest_pb2.Manifest],
                    keep: int) -> set[int]:
     """The newest `keep` committed steps plus every step their chains need."""
-    newest: Sequence[int] = sorted(manifests)[-keep:] if keep > 0 else []
     kept: set[int] = set()
-    for s in newest:
+    for s in sorted(manifests)[-keep:] if keep > 0 else []:
         kept.update(plan_chain(manifests, s))
     return kept

@@ -139,20 +139,8 @@ def plan_chain(records: Mapping[int, manifest_pb2.StepRecord], step: int,
                rank: int | None = None) -> list[int]:
     """Steps to decode, oldest base first, to restore `step` (of `rank` only, whose
     chain stays on one daemon, or of every rank). ManifestError names a missing link."""
-    needed: set[int] = set()
-    frontier = [step]
-    while frontier:
-        s = frontier.pop()
-        if s in needed:
-            continue
-        if s not in records:
-            raise mf.ManifestError(f"step {step} needs step {s} to restore, but it is not "
-                                   "committed here (retired or never committed); restore "
-                                   "an older committed step")
-        needed.add(s)
-        frontier.extend(seal_of(records[s], rank).bases if rank is not None
-                        else referenced_steps(records[s]))
-    return sorted(needed)
+    return mf.walk_chain(step, records, lambda s: seal_of(records[s], rank).bases
+                         if rank is not None else referenced_steps(records[s]))
 
 
 def retained_steps(records: Mapping[int, manifest_pb2.StepRecord], keep: int) -> set[int]:

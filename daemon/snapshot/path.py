@@ -158,9 +158,10 @@ class SnapshotPath:
 
         async def store_and_place() -> None:
             self.quota.reserve(sum(len(p) for p in prepared.payloads))
-            state = await self._run(self.store.prepare, step, prepared)
-            state = await self.placer.place(step, generation, state, prepared.payloads)
-            await self._run(self.store.keep_records, step, [state])  # with its shards
+            local = await self._run(self.store.prepare, step, prepared)
+            state = await self.placer.place(step, generation, local, prepared.payloads)
+            if state is not local:  # the record again, now naming its shards' holders
+                await self._run(self.store.keep_records, step, [state])
             states.append(state)
 
         states: list[manifest_pb2.RankState] = []
