@@ -5,15 +5,20 @@ server; worker processes host the simulated daemons, many per process behind one
 server each (a request names its daemon in metadata). Every step, each daemon sends
 one PrepareStep with the seal of its 8 ranks' records and takes the CommitStep with the
 step's record, which it verifies as a daemon does (digest, every rank once, its own
-seal). Nothing trains and no record travels: a daemon's records go to its m ring
-successors, which costs the same bytes whatever N is; those bytes are counted from a
-record of realistic size (`realistic_record`), measured, not sent.
+seal, and the coordinator's signature when the commit came through another daemon),
+then passes it on to its children in the commit tree (`commit_tree.pass_on`, the
+daemon's own code). Nothing trains and no record travels: a daemon's records go to
+its m ring successors, which costs the same bytes whatever N is; those bytes are
+counted from a record of realistic size (`realistic_record`), measured, not sent.
 
-Per N: commit latency (the step's last prepare in -> every daemon acknowledged), the
-coordinator's CPU per step (its process alone), bytes per daemon per step (prepare
-out, record in, record copies out and in) beside the old design's (every rank's
-record in the prepare, the whole manifest back to every daemon), and the
-coordinator's memory.
+Per N: commit latency (the step's last prepare in -> the last daemon committed it),
+the coordinator's CPU per step (its process alone), each simulated daemon's CPU per
+step, bytes per daemon per step (prepare out, record in and passed on, record copies
+out and in) beside the old design's (every rank's record in the prepare, the whole
+manifest back to every daemon), and the coordinator's memory. The workers' two cores
+do the work of all N daemons, which real daemons do side by side: past a few hundred
+daemons the measured latency is theirs, not the protocol's (`daemon_cpu_s_per_step`
+x N / 2 cores bounds it from below).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import os
 import resource
 import statistics
 import time
+from functools import partial
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -34,6 +41,10 @@ from stalwart.core import step_record as sr
 from stalwart.daemon.links import CommitSender
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.step_commits import StepCommits
+from stalwart.daemon.rpc import validate
+from stalwart.daemon.security.roles import check_prepare
+from stalwart.daemon.snapshot import commit_tree
+from stalwart.daemon.snapshot.prepare_relay import PrepareRelay
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
 
 RANKS_PER_DAEMON = 8
@@ -42,6 +53,8 @@ WORKERS = 2
 NODE_KEY = "stalwart-bench-node"
 RPC_TIMEOUT_S = 120.0
 IN_FLIGHT = 128  # prepares one worker has in flight (its daemons send at once)
+FANOUT = 32  # the commit tree's, the daemon's default
+COORDINATOR = "coordinator"
 
 # A 70B model at TP 8 x PP 8: about 15 GB of parameters and AdamW state per rank in
 # 4 MiB chunks, each in k + m shards, about 270 tensors.
@@ -78,16 +91,27 @@ def realistic_record(rank: int = 0, step: int = 100) -> manifest_pb2.RankState:
 class _Daemons(peer_pb2_grpc.PeerServiceServicer):
     """The commit side of many simulated daemons behind one server."""
 
-    def __init__(self, names: list[str]) -> None:
+    def __init__(self, names: list[str], key: bytes, where: dict[str, grpc.aio.Channel]
+                 ) -> None:
         self.seals = {}
         for name in names:
             first = int(name.split("-")[1]) * RANKS_PER_DAEMON
             states = [manifest_pb2.RankState(rank=first + r, node=name)
                       for r in range(RANKS_PER_DAEMON)]
             self.seals[name] = sr.seal(name, states)
+        self.key, self.where = key, where
+        self.sender = CommitSender()
         self.committed: dict[int, int] = {}
-        self.received = 0
+        self.last_at: dict[int, float] = {}
+        self.prepare_bytes = 0  # sent up by these daemons: their own and relayed ones
+        self.coordinator: peer_pb2_grpc.PeerServiceStub | None = None
+        plan = common_pb2.Plan(generation=1, coordinator=COORDINATOR, commit_fanout=FANOUT)
+        self.plan = plan
+        self.relays = {n: PrepareRelay(n, "bench", lambda: plan, partial(self._up, n))
+                       for n in names}
+        self.received = self.passed = 0
         self.all_in = asyncio.Condition()
+        self._passing: set[asyncio.Task] = set()
 
     async def CommitStep(self, request, context):  # noqa: N802 - gRPC method name
         record = request.record
@@ -96,11 +120,58 @@ class _Daemons(peer_pb2_grpc.PeerServiceServicer):
         own = sr.seal_of(record, self.seals[node].ranks[0])
         if own.digest != self.seals[node].digest:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "own seal differs")
+        if request.fanout and not commit_tree.signed_by(self.key, record, request.signature):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "not the coordinator's")
         self.received += request.ByteSize()
         self.committed[record.step] = self.committed.get(record.step, 0) + 1
+        self.last_at[record.step] = time.perf_counter()
+        targets = commit_tree.children(commit_tree.nodes_of(record), node, request.fanout)
+        if targets:  # as the daemon's Links.pass_on: in the background
+            self.passed += len(targets) * request.ByteSize()
+            task = asyncio.get_running_loop().create_task(
+                commit_tree.pass_on(request, targets, self._send))
+            self._passing.add(task)
+            task.add_done_callback(self._passing.discard)
         async with self.all_in:
             self.all_in.notify_all()
         return peer_pb2.CommitStepReply(committed=True)
+
+    async def RelayPrepares(self, request, context):  # noqa: N802 - gRPC method name
+        node = dict(context.invocation_metadata())[NODE_KEY]
+        self.relays[node].add(list(request.prepares))
+        return common_pb2.Ack(accepted=True)
+
+    async def _up(self, node: str, target: str | None, batch: peer_pb2.PrepareBatch) -> None:
+        """A simulated daemon's batch of prepares to its parent or the coordinator."""
+        self.prepare_bytes += batch.ByteSize()
+        if target is None:
+            assert self.coordinator is not None
+            await self.coordinator.RelayPrepares(batch, timeout=RPC_TIMEOUT_S)
+            return
+        await peer_pb2_grpc.PeerServiceStub(self.where[target]).RelayPrepares(
+            batch, timeout=RPC_TIMEOUT_S, metadata=((NODE_KEY, target),))
+
+    async def prepare(self, room: asyncio.Semaphore, step: int, name: str,
+                      layout: common_pb2.ParallelLayout) -> None:
+        """One simulated daemon's phase one, as Job._deliver_prepare: up the tree once
+        the coordinator gave it a key, else directly."""
+        req = peer_pb2.PrepareStepRequest(job_id="bench", step=step, generation=1,
+                                          node=name, layout=layout, seal=self.seals[name])
+        relay = self.relays[name]
+        if relay.usable(COORDINATOR):
+            relay.own(req)
+            return
+        assert self.coordinator is not None
+        async with room:
+            reply = await self.coordinator.PrepareStep(req, timeout=RPC_TIMEOUT_S,
+                                                       metadata=((NODE_KEY, name),))
+        self.prepare_bytes += req.ByteSize()
+        if reply.relay_key:
+            relay.key = (COORDINATOR, reply.relay_key)
+
+    async def _send(self, node: str, data: bytes) -> None:
+        await self.sender.send(self.where[node], data, RPC_TIMEOUT_S,
+                               metadata=((NODE_KEY, node),))
 
     async def wait_all(self, step: int) -> None:
         async with self.all_in:
@@ -108,20 +179,27 @@ class _Daemons(peer_pb2_grpc.PeerServiceServicer):
                 lambda: self.committed.get(step, 0) >= len(self.seals)), RPC_TIMEOUT_S)
 
 
-def _worker(names: list[str], coordinator: str, conn: Any) -> None:
-    asyncio.run(_serve(names, coordinator, conn))
+def _worker(names: list[str], coordinator: str, key: bytes, conn: Any) -> None:
+    asyncio.run(_serve(names, coordinator, key, conn))
 
 
-async def _serve(names: list[str], coordinator: str, conn: Any) -> None:
-    daemons = _Daemons(names)
+async def _serve(names: list[str], coordinator: str, key: bytes, conn: Any) -> None:
+    where: dict[str, grpc.aio.Channel] = {}
+    daemons = _Daemons(names, key, where)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     peer_pb2_grpc.add_PeerServiceServicer_to_server(daemons, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     conn.send(port)
     loop = asyncio.get_running_loop()
+    # Every worker's port (its own included): a daemon passes commits on to any other.
+    ports = await loop.run_in_executor(None, conn.recv)
+    peers = [grpc.aio.insecure_channel(f"127.0.0.1:{p}") for p in ports]
+    everyone = await loop.run_in_executor(None, conn.recv)
+    where.update({n: peers[i % len(peers)] for i, n in enumerate(everyone)})
+    daemons.plan.assignments.extend(common_pb2.RankAssignment(node=n) for n in everyone)
     async with grpc.aio.insecure_channel(coordinator) as channel:
-        stub = peer_pb2_grpc.PeerServiceStub(channel)
+        daemons.coordinator = peer_pb2_grpc.PeerServiceStub(channel)
         layout = common_pb2.ParallelLayout(dp=len(names), pp=1, tp=RANKS_PER_DAEMON)
         while True:
             order = await loop.run_in_executor(None, conn.recv)
@@ -130,23 +208,18 @@ async def _serve(names: list[str], coordinator: str, conn: Any) -> None:
             step, world = order
             layout.dp = world // RANKS_PER_DAEMON
             room = asyncio.Semaphore(IN_FLIGHT)
-            sent = sum(await asyncio.gather(*(
-                _prepare(stub, room, step, name, layout, daemons.seals[name])
-                for name in names)))
+            cpu0 = time.process_time()
+            await asyncio.gather(*(daemons.prepare(room, step, name, layout)
+                                   for name in names))
             await daemons.wait_all(step)
-            conn.send((sent, daemons.received, dict(daemons.committed)))
+            sent, daemons.prepare_bytes = daemons.prepare_bytes, 0
+            while daemons._passing:  # noqa: SLF001 - its own relays finish this step
+                await asyncio.gather(*list(daemons._passing))  # noqa: SLF001
+            conn.send((sent, daemons.received + daemons.passed, dict(daemons.committed),
+                       daemons.last_at.get(step, 0.0), time.process_time() - cpu0))
+    for peer in peers:
+        await peer.close()
     await server.stop(0)
-
-
-async def _prepare(stub: peer_pb2_grpc.PeerServiceStub, room: asyncio.Semaphore, step: int,
-                   name: str, layout: common_pb2.ParallelLayout,
-                   seal: manifest_pb2.RankSeal) -> int:
-    """One simulated daemon's phase one; returns the bytes it sent."""
-    req = peer_pb2.PrepareStepRequest(job_id="bench", step=step, generation=1, node=name,
-                                      layout=layout, seal=seal)
-    async with room:
-        await stub.PrepareStep(req, timeout=RPC_TIMEOUT_S, metadata=((NODE_KEY, name),))
-    return req.ByteSize()
 
 
 # --- the coordinator (this process) --------------------------------------------------
@@ -167,23 +240,44 @@ class _Links:
     async def install_plan(self, node: str, plan: common_pb2.Plan) -> None:
         raise NotImplementedError
 
-    async def commit_step(self, node: str, record: manifest_pb2.StepRecord) -> None:
-        await self.sender.send(self.where[node], record, RPC_TIMEOUT_S,
+    async def commit_step(self, node: str, request: peer_pb2.CommitStepRequest | bytes
+                          ) -> None:
+        if node == COORDINATOR:
+            return  # the coordinator's own store is not simulated
+        await self.sender.send(self.where[node], request, RPC_TIMEOUT_S,
                                metadata=((NODE_KEY, node),))
 
 
 class _Coordinator(peer_pb2_grpc.PeerServiceServicer):
     def __init__(self, commits: StepCommits, world: int) -> None:
         self.commits, self.world = commits, world
+        # The plan as check_prepare reads it, and where it places every rank.
+        self.plan = SimpleNamespace(generation=1, resume_step=0, layout=common_pb2.ParallelLayout(
+            dp=world // RANKS_PER_DAEMON, pp=1, tp=RANKS_PER_DAEMON))
+        self.where = {r: f"node-{r // RANKS_PER_DAEMON:04d}" for r in range(world)}
         self.last_in: dict[int, float] = {}
         self.count: dict[int, int] = {}
 
-    async def PrepareStep(self, request, context):  # noqa: N802 - gRPC method name
+    async def _take(self, request: peer_pb2.PrepareStepRequest) -> None:
+        """What the coordinator's role check does with a prepare, then phase one."""
+        check_prepare(self.plan, request.node, request, self.commits.latest_committed(),
+                      self.commits.steps, self.where)
         self.count[request.step] = self.count.get(request.step, 0) + 1
         if self.count[request.step] * RANKS_PER_DAEMON >= self.world:
             self.last_in[request.step] = time.perf_counter()
         await self.commits.prepared(request)
-        return peer_pb2.PrepareStepReply(ready=True)
+
+    async def PrepareStep(self, request, context):  # noqa: N802 - gRPC method name
+        await self._take(request)
+        return peer_pb2.PrepareStepReply(
+            ready=True, relay_key=self.commits.relay_keys.key_for(request.node))
+
+    async def RelayPrepares(self, request, context):  # noqa: N802 - gRPC method name
+        for tagged in request.prepares:  # as JobGate.relay_from
+            prepare = self.commits.relay_keys.open(tagged)
+            validate.request(prepare)
+            await self._take(prepare)
+        return common_pb2.Ack(accepted=True)
 
 
 async def _simulate(daemons: int, steps: int) -> dict[str, Any]:
@@ -192,7 +286,6 @@ async def _simulate(daemons: int, steps: int) -> dict[str, Any]:
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     port = server.add_insecure_port("127.0.0.1:0")
     latest: list[int] = []
-    done_at: dict[int, float] = {}
 
     def committed(generation: int) -> None:
         pass
@@ -202,39 +295,40 @@ async def _simulate(daemons: int, steps: int) -> dict[str, Any]:
 
     channels, where, procs, pipes = [], {}, [], []
     links = _Links(names, where)
-    commits = StepCommits("coordinator", "bench", Metrics(), links,
+    commits = StepCommits(COORDINATOR, "bench", Metrics(), links,
                           latest_committed=lambda: latest[-1] if latest else None,
                           load_record=None, generation=lambda: 1, committed=committed,
-                          finished=finished)
+                          finished=finished, fanout=FANOUT, keyed=True)
     servicer = _Coordinator(commits, world)
     peer_pb2_grpc.add_PeerServiceServicer_to_server(servicer, server)
     await server.start()
-    original = commits._commit  # noqa: SLF001 - the bench times the real phase two
+    original = commits._commit  # noqa: SLF001 - the bench records the real phase two
 
-    async def timed(step: int, lay: common_pb2.ParallelLayout) -> bool:
-        ok = await original(step, lay)
+    async def recorded(step: int, pending: Any) -> bool:
+        ok = await original(step, pending)
         if ok:
             latest.append(step)
-            done_at[step] = time.perf_counter()
         return ok
 
-    commits._commit = timed  # type: ignore[method-assign]  # noqa: SLF001
+    commits._commit = recorded  # type: ignore[method-assign]  # noqa: SLF001
     ctx = multiprocessing.get_context("spawn")
     try:
         for w in range(WORKERS):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=_worker, args=(names[w::WORKERS], f"127.0.0.1:{port}",
-                                                     theirs), daemon=True)
+                                                     commits.key.public, theirs), daemon=True)
             proc.start()
             procs.append(proc)
             pipes.append(ours)
         loop = asyncio.get_running_loop()
-        for w, pipe in enumerate(pipes):
-            worker_port = await loop.run_in_executor(None, pipe.recv)
+        ports = [await loop.run_in_executor(None, pipe.recv) for pipe in pipes]
+        for w, (pipe, worker_port) in enumerate(zip(pipes, ports, strict=True)):
+            pipe.send(ports)
+            pipe.send(names)
             channel = grpc.aio.insecure_channel(f"127.0.0.1:{worker_port}")
             channels.append(channel)
             where.update({n: channel for n in names[w::WORKERS]})
-        latencies, cpu, prepare_bytes, received = [], [], 0.0, 0
+        latencies, cpu, daemon_cpu, prepare_bytes, received = [], [], [], 0.0, 0
         for step in range(1, steps + 2):  # the first step warms connections up
             cpu0 = time.process_time()
             for pipe in pipes:
@@ -243,8 +337,9 @@ async def _simulate(daemons: int, steps: int) -> dict[str, Any]:
             spent = time.process_time() - cpu0
             if step == 1:
                 continue
-            latencies.append(done_at[step] - servicer.last_in[step])
+            latencies.append(max(r[3] for r in replies) - servicer.last_in[step])
             cpu.append(spent)
+            daemon_cpu.append(sum(r[4] for r in replies) / daemons)
             prepare_bytes = sum(r[0] for r in replies) / daemons
             received = sum(r[1] for r in replies)  # since the start, warm-up included
             assert all(r[2].get(step) for r in replies), "a daemon missed a commit"
@@ -260,7 +355,8 @@ async def _simulate(daemons: int, steps: int) -> dict[str, Any]:
         await server.stop(0)
     latencies.sort()
     return {"latencies": latencies, "cpu": statistics.median(cpu),
-            "prepare_bytes": prepare_bytes, "record_bytes": record_bytes, "rss": rss}
+            "daemon_cpu": statistics.median(daemon_cpu), "prepare_bytes": prepare_bytes,
+            "record_bytes": record_bytes, "rss": rss}
 
 
 def points(sizes: tuple[int, ...], steps: int) -> dict[str, Any]:
@@ -278,6 +374,7 @@ def points(sizes: tuple[int, ...], steps: int) -> dict[str, Any]:
             "commit_p50_s": round(statistics.median(lat), 5),
             "commit_p99_s": round(lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)], 5),
             "coordinator_cpu_s_per_step": round(got["cpu"], 5),
+            "daemon_cpu_s_per_step": round(got["daemon_cpu"], 6),
             "protocol_bytes_per_daemon_per_step": int(protocol),
             "bytes_per_daemon_per_step": int(protocol + copies),
             "old_bytes_per_daemon_per_step": int(RANKS_PER_DAEMON * one * (n + 1)),
@@ -288,7 +385,7 @@ def points(sizes: tuple[int, ...], steps: int) -> dict[str, Any]:
                 "bytes_per_daemon_per_step", "old_bytes_per_daemon_per_step",
                 "protocol_bytes_per_daemon_per_step", "coordinator_cpu_s_per_step",
                 "commit_p99_s")},
-            "workers": WORKERS, "cpus": os.cpu_count()}
+            "commit_fanout": FANOUT, "workers": WORKERS, "cpus": os.cpu_count()}
 
 
 def _slope(rows: list[dict], key: str) -> float:

@@ -64,6 +64,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--collective-timeout", type=float, default=10.0,
       help="seconds a collective may wait before it counts as a hang")
     a("--timeout", type=float, default=900.0, help="seconds for the whole demo")
+    a("--commit-fanout", type=int, default=None, metavar="N",
+      help="daemons each daemon passes a step's commit on to (the daemons' commit_fanout; "
+           "0: the coordinator talks to every daemon directly)")
     a("--etcd", default="", metavar="HOST:PORT",
       help="elect the coordinator through this etcd server (default: smallest node name)")
     a("--workdir", type=Path, default=None, help="keep logs and snapshots here")
@@ -120,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
         "elastic": {"shrink": not args.no_shrink, "mem_cap_bytes": args.mem_cap}}
     if args.etcd:
         settings["etcd"] = args.etcd
+    if args.commit_fanout is not None:
+        settings["commit_fanout"] = args.commit_fanout
     cluster = LocalCluster(nodes=args.nodes, workdir=args.workdir, daemon_settings=settings)
     cluster.env["STALWART_FAULT_LOG"] = str(cluster.workdir)
     print(f"Stalwart demo: {args.nodes} nodes, {world} ranks (dp={args.dp} pp={args.pp} "

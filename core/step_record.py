@@ -99,13 +99,16 @@ def verify(record: manifest_pb2.StepRecord) -> None:
         raise mf.ManifestError(f"step {step}: its seals cover {len(ranks)} ranks, not each of "
                                f"the layout's {world} once (missing {missing[:16]}, duplicates "
                                "possible); a step commits only with every rank")
-    for s in record.seals:
-        if len(s.digest) != 32:
-            raise mf.ManifestError(f"step {step}: the seal of ranks {list(s.ranks)[:8]} has "
-                                   "no sha256")
-        if any(b >= step for b in s.bases):
-            raise mf.ManifestError(f"step {step}: ranks {list(s.ranks)[:8]} apply to a step "
-                                   f"not before it ({list(s.bases)})")
+    # Both checks in C over all seals first; the loop only names the culprit.
+    sizes = [len(s.digest) for s in record.seals]
+    if sizes and (min(sizes) != 32 or max(sizes) != 32):
+        s = record.seals[next(i for i, n in enumerate(sizes) if n != 32)]
+        raise mf.ManifestError(f"step {step}: the seal of ranks {list(s.ranks)[:8]} has "
+                               "no sha256")
+    if max(itertools.chain.from_iterable(s.bases for s in record.seals), default=-1) >= step:
+        s = next(s for s in record.seals if any(b >= step for b in s.bases))
+        raise mf.ManifestError(f"step {step}: ranks {list(s.ranks)[:8]} apply to a step "
+                               f"not before it ({list(s.bases)})")
 
 
 def seal_of(record: manifest_pb2.StepRecord, rank: int) -> manifest_pb2.RankSeal:

@@ -95,6 +95,7 @@ class DaemonConfig:
     token: str = default("token")
     etcd: str = default("etcd")
     etcd_lease_s: int = default("etcd_lease_s")
+    commit_fanout: int = default("commit_fanout")
     labels: Labels = field(default_factory=Labels)
     erasure: ErasureConfig = field(default_factory=ErasureConfig)
     elastic: ElasticSettings = field(default_factory=ElasticSettings)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -35,9 +36,12 @@ from stalwart.daemon.recovery.reports import RPC_TIMEOUT_S, FailureReports
 from stalwart.daemon.security.roles import JobGate
 from stalwart.daemon.snapshot.commit import PrepareOutbox
 from stalwart.daemon.snapshot.path import SnapshotPath
+from stalwart.daemon.snapshot.prepare_relay import PrepareRelay
 from stalwart.v1 import operator_pb2, peer_pb2
 
 log = logging.getLogger("stalwart.daemon.job")
+
+DIRECT_AFTER_S = 5.0  # a prepare sent up the commit tree and not committed by then goes direct
 
 
 class Job:
@@ -56,6 +60,9 @@ class Job:
         membership.incumbent = lambda: registry.current_plan().coordinator
         self.outbox = PrepareOutbox(self._deliver_prepare, self._latest_committed,
                                     lambda: registry.generation)
+        self._spawned: set[asyncio.Task] = set()
+        self.relay = PrepareRelay(self.node, config.job_id, registry.current_plan,
+                                  self._send_batch, metrics)
         self.snapshots = SnapshotPath(config, registry, metrics, data_dir, self.peers,
                                       channels, self.outbox.send, self.leadership.is_leader)
         store = self.snapshots.store
@@ -63,18 +70,20 @@ class Job:
         self.plans = Plans(registry, self.processes, store.discard_after,
                            self.leadership.is_leader, config.heartbeat_interval_s)
         self.links = Links(self.node, self.peers, channels, self.leadership, self.plans.adopt,
-                           self.snapshots.committer.commit)
+                           self.snapshots.committer.commit, metrics)
         self.plans.send = self.links.install_plan
         membership.on_peer_up = self.plans.on_peer_up
         self.coordinator = Coordinator(config.node, config.job_id, metrics, self.links,
                                        store.latest_committed, load_record=store.load_record,
-                                       elastic=config.elastic)
+                                       elastic=config.elastic,
+                                       commit_fanout=config.commit_fanout)
         self.gate = JobGate(node=self.node, registry=registry, membership=membership,
                             leadership=self.leadership, coordinator=self.coordinator,
                             store=store, adopt_plan=self.plans.adopt,
                             commit=self.snapshots.committer.commit,
                             records=self.snapshots.records, nodes=self.links.nodes,
-                            stub=self.links.stub, me=lambda: self.me())
+                            stub=self.links.stub, me=lambda: self.me(),
+                            pass_on=self.links.pass_on, relay=self.relay)
         self.reports = FailureReports(self.coordinator, registry, metrics,
                                       self.leadership.is_leader, self.links.coordinator,
                                       self.gate.confirmed, self._catch_up,
@@ -147,7 +156,40 @@ class Job:
         if self.leadership.is_leader():
             await self.coordinator.prepared(req)
             return
-        await self.links.coordinator().PrepareStep(req, timeout=RPC_TIMEOUT_S)
+        leader = self.leadership.leader()
+        if self.relay.usable(leader):
+            self.relay.own(req)  # up the commit tree, batched with the daemons below
+            # A daemon on the way may drop it: uncommitted by then, it goes directly.
+            asyncio.get_running_loop().call_later(
+                DIRECT_AFTER_S, lambda: self._background(self._direct_if_uncommitted(req)))
+            return
+        reply = await self.links.coordinator().PrepareStep(req, timeout=RPC_TIMEOUT_S)
+        if reply.relay_key:
+            self.relay.key = (leader, reply.relay_key)
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._spawned.add(task)
+        task.add_done_callback(self._spawned.discard)
+
+    async def _direct_if_uncommitted(self, req: peer_pb2.PrepareStepRequest) -> None:
+        if ((self._latest_committed() or 0) >= req.step
+                or req.generation != self.registry.generation):
+            return
+        log.warning("prepare sent up the commit tree not committed; sending it directly",
+                    extra={"step": req.step, "after_s": DIRECT_AFTER_S})
+        try:
+            await self.links.coordinator().PrepareStep(req, timeout=RPC_TIMEOUT_S)
+        except (grpc.aio.AioRpcError, LookupError) as exc:
+            log.warning("prepare not delivered", extra={"step": req.step, "error": str(exc)})
+
+    async def _send_batch(self, node: str | None, batch: peer_pb2.PrepareBatch) -> None:
+        """A batch of prepares to `node` in the prepare tree (None: the coordinator)."""
+        if node is None and self.leadership.is_leader():
+            await self.gate.relay_from(self.node, batch)
+            return
+        stub = self.links.coordinator() if node is None else self.links.stub(node)
+        await stub.RelayPrepares(batch, timeout=RPC_TIMEOUT_S)
 
     async def _catch_up(self) -> None:
         """Before deciding, a new coordinator takes the commits its predecessor did not

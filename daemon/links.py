@@ -8,13 +8,16 @@ daemon is handed to the local object instead of looping through gRPC.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
 import grpc
 
+from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.peers import Peer, PeerChannels
 from stalwart.daemon.recovery.election import Leadership
+from stalwart.daemon.snapshot import commit_tree
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon.links")
@@ -24,23 +27,23 @@ COMMIT_STEP = "/stalwart.v1.PeerService/CommitStep"
 
 
 class CommitSender:
-    """Phase two to many daemons with one serialisation: the step record goes to every
-    daemon as the same bytes, so it is encoded once per step, not once per daemon."""
+    """Phase two to many daemons with one serialisation: a step's CommitStep goes to
+    every daemon as the same bytes, so it is encoded once per step, not once per daemon."""
 
     def __init__(self) -> None:
-        self._encoded: tuple[manifest_pb2.StepRecord | None, bytes] = (None, b"")
+        self._encoded: tuple[peer_pb2.CommitStepRequest | None, bytes] = (None, b"")
 
-    def encoded(self, record: manifest_pb2.StepRecord) -> bytes:
-        if self._encoded[0] is not record:
-            request = peer_pb2.CommitStepRequest(record=record)
-            self._encoded = (record, request.SerializeToString())
+    def encoded(self, request: peer_pb2.CommitStepRequest) -> bytes:
+        if self._encoded[0] is not request:
+            self._encoded = (request, request.SerializeToString())
         return self._encoded[1]
 
-    async def send(self, channel: grpc.aio.Channel, record: manifest_pb2.StepRecord,
+    async def send(self, channel: grpc.aio.Channel, request: peer_pb2.CommitStepRequest | bytes,
                    timeout: float, metadata: tuple = ()) -> peer_pb2.CommitStepReply:
+        data = request if isinstance(request, bytes) else self.encoded(request)
         call = channel.unary_unary(COMMIT_STEP, request_serializer=None,
                                    response_deserializer=peer_pb2.CommitStepReply.FromString)
-        return await call(self.encoded(record), timeout=timeout, metadata=metadata or None)
+        return await call(data, timeout=timeout, metadata=metadata or None)
 
 
 class Links:
@@ -49,10 +52,14 @@ class Links:
     def __init__(self, node: str, peers: Callable[[], list[Peer]], channels: PeerChannels,
                  leadership: Leadership,
                  adopt_plan: Callable[[common_pb2.Plan], common_pb2.Ack],
-                 commit: Callable[[manifest_pb2.StepRecord], Awaitable[None]]) -> None:
+                 commit: Callable[[manifest_pb2.StepRecord], Awaitable[None]],
+                 metrics: Metrics | None = None) -> None:
         self.node, self.peers, self.channels, self.leadership = node, peers, channels, leadership
         self.adopt_plan, self.commit = adopt_plan, commit
         self.commits = CommitSender()
+        self.metrics = metrics
+        self._told = -1  # the generation whose commit tree was last logged
+        self._passing: set[asyncio.Task] = set()
 
     def nodes(self) -> list[str]:
         """Live daemons of the job, by node name (this one included)."""
@@ -90,8 +97,28 @@ class Links:
         if not ack.accepted:
             log.warning("plan refused", extra={"node": node, "why": ack.message})
 
-    async def commit_step(self, node: str, record: manifest_pb2.StepRecord) -> None:
+    async def commit_step(self, node: str, request: peer_pb2.CommitStepRequest | bytes) -> None:
+        """Phase two on `node`: here, the record is committed in-process."""
         if node == self.node:
-            await self.commit(record)
+            if isinstance(request, bytes):
+                request = peer_pb2.CommitStepRequest.FromString(request)
+            await self.commit(request.record)
             return
-        await self.commits.send(self.channel(node), record, RPC_TIMEOUT_S)
+        await self.commits.send(self.channel(node), request, RPC_TIMEOUT_S)
+
+    def pass_on(self, request: peer_pb2.CommitStepRequest) -> None:
+        """A commit that reached this daemon through the commit tree goes on to this
+        daemon's children in it, in the background (the sender is not kept waiting)."""
+        nodes = commit_tree.nodes_of(request.record)
+        targets = commit_tree.children(nodes, self.node, request.fanout)
+        if targets:
+            if self.metrics is not None:
+                self.metrics.commit_tree.labels("down").inc(len(targets))
+            if self._told != request.record.generation:
+                self._told = request.record.generation
+                log.info("commits go on down the commit tree",
+                         extra={"generation": self._told, "children": targets})
+            task = asyncio.get_running_loop().create_task(
+                commit_tree.pass_on(request, targets, self.commit_step, nodes))
+            self._passing.add(task)
+            task.add_done_callback(self._passing.discard)

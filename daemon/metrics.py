@@ -54,6 +54,10 @@ class Metrics:
         self.last_committed_step = Gauge(
             "stalwart_last_committed_step", "Newest committed step of the job.", registry=r)
         self.commits = Counter("stalwart_commits_total", "Steps committed.", registry=r)
+        self.commit_tree = Counter(
+            "stalwart_commit_tree_messages_total",
+            "Other daemons' prepares this daemon passed up the commit tree (up), and "
+            "commits it passed on to its children (down).", ["direction"], registry=r)
         self.commit_seconds = Histogram(
             "stalwart_commit_seconds", "Capture-to-commit latency of a step.",
             buckets=PHASE_BUCKETS, registry=r)

@@ -46,3 +46,13 @@ def test_bench_scale_commits_with_simulated_daemons_in_bytes_that_do_not_grow_wi
     assert last["old_bytes_per_daemon_per_step"] > 20 * first["old_bytes_per_daemon_per_step"]
     assert figures["growth_exponent"]["bytes_per_daemon_per_step"] < 0.1
     assert figures["growth_exponent"]["old_bytes_per_daemon_per_step"] > 0.9
+
+
+def test_bench_scale_commits_through_the_tree_with_few_messages_at_the_coordinator(figures):
+    # At 64 and 256 daemons (more than commit_fanout + 1) prepares and commits go through
+    # the commit tree: the coordinator's CPU per step grows much slower than the daemons.
+    points = {p["daemons"]: p for p in figures["points"]}
+    assert figures["commit_fanout"] == 32
+    growth = points[256]["coordinator_cpu_s_per_step"] / points[8]["coordinator_cpu_s_per_step"]
+    assert growth < 20  # 32x the daemons: a coordinator talking to each one grew ~26x here
+    assert all(p["daemon_cpu_s_per_step"] > 0 for p in points.values())

@@ -27,7 +27,11 @@ class Links:
     def nodes(self) -> list[str]:
         return ["n0", "n1"]
 
-    async def commit_step(self, node: str, record: manifest_pb2.StepRecord) -> None:
+    async def commit_step(self, node: str, request: peer_pb2.CommitStepRequest | bytes
+                          ) -> None:
+        if isinstance(request, bytes):  # what goes to another daemon is sent as bytes
+            request = peer_pb2.CommitStepRequest.FromString(request)
+        record = request.record
         if node == "n0" and self.full:
             raise OSError(errno.ENOSPC, "No space left on device")
         old = self.committed[node].get(record.step)

@@ -69,6 +69,32 @@ def test_a_killed_node_is_replaced_from_its_peers_shards(tmp_path: Path) -> None
     assert_recovered(summary, uninterrupted(tmp_path, *layout), 1)
 
 
+def test_a_relay_of_the_commit_tree_killed_with_its_node_is_routed_around(
+        tmp_path: Path) -> None:
+    """With commit_fanout 1 the daemons form a chain under the coordinator (node-0):
+    node-3's prepares go up through node-2 and node-1, node-0's commits down the same way.
+    node-2 dies with its rank after step 4: its neighbours route around it, the spare on
+    node-4 takes its role, the chain re-forms without it, and the run is bitwise the one
+    whose daemons all talk to the coordinator directly."""
+    layout = ("--nodes", "5", "--ranks-per-node", "1", "--dp", "4", "--pp", "1")
+    work = tmp_path / "chain"
+    code, summary = demo(tmp_path, *layout, "--commit-fanout", "1", "--spares", "1",
+                         "--kill", "node:2@step:4", "--workdir", str(work))
+    assert code == 0
+    assert_recovered(summary, uninterrupted(tmp_path, *layout), 1)
+
+    def told(node: str, msg: str, key: str) -> list:
+        lines = (work / node / "daemon.log").read_text().splitlines()
+        events = [json.loads(x) for x in lines if x.startswith("{")]
+        return [e[key] for e in sorted((e for e in events if e.get("msg") == msg),
+                                       key=lambda e: e["generation"])]
+
+    assert told("node-3", "prepares go up the commit tree", "parent") == ["node-2", "node-1"]
+    assert told("node-1", "commits go on down the commit tree", "children") == [
+        ["node-2"], ["node-3"]]
+    assert told("node-4", "prepares go up the commit tree", "parent") == ["node-3"]
+
+
 def test_a_hung_rank_is_fenced_and_replaced(tmp_path: Path) -> None:
     layout = ("--nodes", "2", "--dp", "2", "--pp", "1")
     code, summary = demo(tmp_path, *layout, "--spares", "1", "--hang", "rank:1@step:4")

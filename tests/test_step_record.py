@@ -123,8 +123,11 @@ class Links:
     def holds_seat(self) -> bool:
         return True
 
-    async def commit_step(self, node: str, record: manifest_pb2.StepRecord) -> None:
-        self.sent.append(record)
+    async def commit_step(self, node: str, request: peer_pb2.CommitStepRequest | bytes
+                          ) -> None:
+        if isinstance(request, bytes):
+            request = peer_pb2.CommitStepRequest.FromString(request)
+        self.sent.append(request.record)
 
 
 @pytest.mark.parametrize("record_chunks", [3, 300])

@@ -66,6 +66,7 @@ class Coordinator:
     profile: common_pb2.LayerProfile | None = None
     original_world: int = 0
     stragglers_fail: bool = False
+    commit_fanout: int = 0  # the commit tree's (0: this daemon sends every commit)
     plan: PlanState | None = None
     announced: dict[str, peer_pb2.RankAnnouncement] = field(default_factory=dict)
     completed: bool = False  # every rank trained its last step: nothing is re-planned
@@ -81,7 +82,7 @@ class Coordinator:
         self.commits = StepCommits(
             self.node, self.job_id, self.metrics, self.links, self.latest_committed,
             self.load_record, generation=lambda: self.plan.generation if self.plan else None,
-            committed=self.recovery_done, finished=self._complete)
+            committed=self.recovery_done, finished=self._complete, fanout=self.commit_fanout)
 
     @property
     def pending(self) -> dict[int, dict[int, manifest_pb2.RankSeal]]:
@@ -219,7 +220,8 @@ class Coordinator:
             log.error("plan not installed: this daemon no longer coordinates",
                       extra={"generation": plan.generation})
             return
-        plan.coordinator = self.node
+        plan.coordinator, plan.commit_key = self.node, self.commits.key.public
+        plan.commit_fanout = self.commit_fanout
         if not plan.stop:
             self._name_store(plan)
         nodes = self.links.nodes()
@@ -229,6 +231,7 @@ class Coordinator:
             await self.commits.resend(plan.resume_step, nodes)
         results = await asyncio.gather(*(self.links.install_plan(n, plan) for n in nodes),
                                        return_exceptions=True)
+        self.commits.keyed = True
         for node, result in zip(nodes, results, strict=True):
             if isinstance(result, BaseException):
                 log.warning("plan not delivered", extra={"node": node, "error": str(result),

@@ -22,6 +22,8 @@ from stalwart.core import step_record as sr
 from stalwart.core.generation import check_generation
 from stalwart.core.layout import Layout
 from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.snapshot import commit_tree
+from stalwart.daemon.snapshot.commit_tree import CommitKey, RelayKeys
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
 
 COMMIT_RETRY_S = 1.0  # seconds before a commit that failed on the coordinator is retried
@@ -40,17 +42,44 @@ class PeerLinks(Protocol):
 
     async def install_plan(self, node: str, plan: common_pb2.Plan) -> None: ...
 
-    async def commit_step(self, node: str, record: manifest_pb2.StepRecord) -> None: ...
-
-
-def covered(seals: dict[int, manifest_pb2.RankSeal]) -> int:
-    """Ranks the prepares of a step have sealed so far: O(prepares), not O(ranks)."""
-    return sum(len(s.ranks) for s in seals.values())
+    async def commit_step(self, node: str, request: peer_pb2.CommitStepRequest | bytes
+                          ) -> None:
+        """Phase two on `node` (this daemon: in-process); raises when it failed."""
 
 
 def world_of(lay: common_pb2.ParallelLayout) -> int:
     """Ranks that must prepare a step captured in `lay`."""
     return Layout.from_proto(lay).world_size
+
+
+@dataclass
+class PendingStep:
+    """The prepares of one step so far. `covered` (the ranks they seal) is kept as they
+    arrive: each prepare costs O(its own ranks), never O(the prepares already in)."""
+    layout: common_pb2.ParallelLayout
+    generation: int
+    world: int
+    # first rank of a prepare's seal -> that seal (a prepare sent again replaces its
+    # first copy); the seals cover the step's ranks once each
+    seals: dict[int, manifest_pb2.RankSeal] = field(default_factory=dict)
+    covered: int = 0
+    finals: dict[int, int] = field(default_factory=dict)  # first rank -> ranks ending here
+
+    def add(self, req: peer_pb2.PrepareStepRequest) -> None:
+        first = req.seal.ranks[0]
+        if (old := self.seals.get(first)) is not None:
+            self.covered -= len(old.ranks)
+        self.seals[first] = req.seal
+        self.covered += len(req.seal.ranks)
+        if req.layout != self.layout:
+            self.layout, self.world = req.layout, world_of(req.layout)
+        self.generation = req.generation
+        if req.final:
+            self.finals[first] = len(req.seal.ranks)
+
+    @property
+    def complete(self) -> bool:
+        return self.covered >= self.world
 
 
 @dataclass
@@ -64,12 +93,13 @@ class StepCommits:
     generation: Callable[[], int | None]  # the plan's generation, None before one
     committed: Callable[[int], None]  # a step of this generation committed everywhere
     finished: Callable[[int], Awaitable[None]]  # every rank committed its last step
-    # step -> first rank of a prepare's seal -> that seal (a prepare sent again replaces
-    # its first copy); the seals of a step cover its ranks once each
-    pending: dict[int, dict[int, manifest_pb2.RankSeal]] = field(default_factory=dict)
-    layouts: dict[int, common_pb2.ParallelLayout] = field(default_factory=dict)
-    generations: dict[int, int] = field(default_factory=dict)
-    finals: dict[int, set[int]] = field(default_factory=dict)  # step -> ranks ending there
+    # The commit tree (daemon/snapshot/commit_tree.py): this coordinator sends a step to
+    # `fanout` daemons, which pass it on, once the daemons hold a plan with its key.
+    fanout: int = 0
+    key: CommitKey = field(default_factory=CommitKey)
+    relay_keys: RelayKeys = field(default_factory=RelayKeys)  # tags of relayed prepares
+    keyed: bool = False  # a plan with `key` went out
+    steps: dict[int, PendingStep] = field(default_factory=dict)  # awaiting their commit
     _committing: asyncio.Lock = field(default_factory=asyncio.Lock)
     # The record first sent for each pending step: a retry sends the same bytes, so a
     # daemon that committed the first attempt accepts it again (a rebuilt one differs).
@@ -87,16 +117,21 @@ class StepCommits:
             # the commit: send it the commit.
             await self.resend(req.step, [req.node])
             return
-        self.pending.setdefault(req.step, {})[req.seal.ranks[0]] = req.seal
-        self.layouts[req.step] = req.layout
-        self.generations[req.step] = req.generation
-        if req.final:
-            self.finals.setdefault(req.step, set()).update(req.seal.ranks)
-        await self._commit_ready()
+        if (pending := self.steps.get(req.step)) is None:
+            pending = self.steps[req.step] = PendingStep(req.layout, req.generation,
+                                                         world_of(req.layout))
+        pending.add(req)
+        if pending.complete:
+            await self._commit_ready()
+
+    @property
+    def pending(self) -> dict[int, dict[int, manifest_pb2.RankSeal]]:
+        """Steps awaiting their commit: step -> first rank of a seal -> the seal."""
+        return {step: p.seals for step, p in self.steps.items()}
 
     def abandon_after(self, step: int) -> None:
         """Steps prepared by an old generation after the resume point will not commit."""
-        self.pending = {s: r for s, r in self.pending.items() if s <= step}
+        self.steps = {s: p for s, p in self.steps.items() if s <= step}
         self._built = {s: m for s, m in self._built.items() if s <= step}
 
     async def resend(self, step: int, nodes: list[str]) -> None:
@@ -110,74 +145,84 @@ class StepCommits:
         except (FileNotFoundError, KeyError, ValueError) as exc:
             log.error("cannot re-send a commit", extra={"step": step, "error": str(exc)})
             return
-        results = await asyncio.gather(*(self.links.commit_step(n, record) for n in others),
-                                       return_exceptions=True)
-        for node, result in zip(others, results, strict=True):
-            if isinstance(result, BaseException):
-                log.warning("commit not re-sent",
-                            extra={"node": node, "step": step, "error": str(result)})
+        await commit_tree.pass_on(peer_pb2.CommitStepRequest(record=record), others,
+                                  self.links.commit_step)
 
     async def _commit_ready(self) -> None:
         async with self._committing:
             latest = self.latest_committed()
-            for step in sorted(self.pending):
+            for step in sorted(self.steps):
                 if latest is not None and step <= latest:
-                    del self.pending[step]
+                    del self.steps[step]
                     continue
-                lay = self.layouts[step]
-                if covered(self.pending[step]) < world_of(lay):
+                pending = self.steps[step]
+                if not pending.complete:
                     if self._complete_after(step):
                         # Every rank prepares in step order, so a complete later step means
                         # this one's missing prepares are lost (they went to a coordinator
                         # that died): skip it instead of blocking every later commit.
                         log.warning("step skipped: some ranks' prepares were lost",
-                                    extra={"step": step, "have": covered(self.pending[step])})
-                        del self.pending[step]
+                                    extra={"step": step, "have": pending.covered})
+                        del self.steps[step]
                         continue
                     return  # steps commit in order; a later one waits for this one
-                if not await self._commit(step, lay):
+                if not await self._commit(step, pending):
                     return
                 latest = step
-                if len(self.finals.pop(step, ())) >= world_of(lay):
+                if sum(pending.finals.values()) >= pending.world:
                     await self.finished(step)
 
-    async def _commit(self, step: int, lay: common_pb2.ParallelLayout) -> bool:
+    async def _commit(self, step: int, pending: PendingStep) -> bool:
         """Phase two of one complete step on every daemon; False to try again later."""
-        seals = list(self.pending[step].values())
+        seals = list(pending.seals.values())
         record = self._built.get(step)
-        if (record is None or record.generation != self.generations[step]
+        if (record is None or record.generation != pending.generation
                 or sorted(x.SerializeToString() for x in record.seals)
                 != sorted(x.SerializeToString() for x in seals)):
             bases = [b for x in seals for b in x.bases]
             record = self._built[step] = sr.build(
-                job_id=self.job_id, step=step, generation=self.generations[step],
-                layout=lay, seals=seals, base_step=min(bases, default=step))
+                job_id=self.job_id, step=step, generation=pending.generation,
+                layout=pending.layout, seals=seals, base_step=min(bases, default=step))
         t0 = time.monotonic()
-        nodes = self.links.nodes()
-        results = await asyncio.gather(*(self.links.commit_step(n, record) for n in nodes),
-                                       return_exceptions=True)
-        errors = {n: r for n, r in zip(nodes, results, strict=True)
-                  if isinstance(r, BaseException)}
-        failed = [f"{n}: {r}" for n, r in errors.items()]
-        if self.node in errors:
+        request, targets = self._phase_two(record)
+        mine, missed = await asyncio.gather(
+            self.links.commit_step(self.node, request),
+            commit_tree.pass_on(request, targets, self.links.commit_step),
+            return_exceptions=True)
+        if isinstance(mine, BaseException):
             # Not committed here means not committed: keep it pending and retry soon,
             # since the last prepares of a job may already be in.
             log.error("commit failed on the coordinator itself",
-                      extra={"step": step, "errors": failed})
+                      extra={"step": step, "error": str(mine)})
             self._retry_later()
             return False
-        if failed:
+        if missed:
             log.warning("commit not acknowledged by every daemon",
-                        extra={"step": step, "errors": failed})
+                        extra={"step": step, "missed": missed})
         self.metrics.commit_seconds.observe(time.monotonic() - t0)
         generation = self.generation()
-        if generation is not None and self.generations[step] >= generation:
-            self.committed(self.generations[step])
-        del self.pending[step]
-        self.layouts.pop(step, None)
-        self.generations.pop(step, None)
-        self._built = {s: m for s, m in self._built.items() if s in self.pending}
+        if generation is not None and pending.generation >= generation:
+            self.committed(pending.generation)
+        del self.steps[step]
+        self._built = {s: m for s, m in self._built.items() if s in self.steps}
         return True
+
+    def _phase_two(self, record: manifest_pb2.StepRecord
+                   ) -> tuple[peer_pb2.CommitStepRequest, list[str]]:
+        """The request that commits `record`, and the daemons this coordinator sends it
+        to: every live one, or with the commit tree its children in it (and its own
+        children there, and the daemons outside the tree)."""
+        live = [n for n in self.links.nodes() if n != self.node]
+        if not self.keyed or self.fanout <= 0 or len(live) <= self.fanout:
+            return peer_pb2.CommitStepRequest(record=record), live
+        nodes = commit_tree.nodes_of(record)
+        inside = set(nodes)
+        targets = dict.fromkeys([*commit_tree.children(nodes, None, self.fanout),
+                                 *commit_tree.children(nodes, self.node, self.fanout),
+                                 *(n for n in live if n not in inside)])
+        targets.pop(self.node, None)
+        return peer_pb2.CommitStepRequest(record=record, fanout=self.fanout,
+                                          signature=self.key.sign(record)), list(targets)
 
     def _retry_later(self) -> None:
         if self._retry is None:
@@ -187,8 +232,4 @@ class StepCommits:
             self._retry = asyncio.get_running_loop().call_later(COMMIT_RETRY_S, retry)
 
     def _complete_after(self, step: int) -> bool:
-        for s, seals in self.pending.items():
-            lay = self.layouts.get(s)
-            if s > step and lay is not None and covered(seals) >= world_of(lay):
-                return True
-        return False
+        return any(s > step and p.complete for s, p in self.steps.items())

@@ -109,14 +109,24 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             await self._forbidden(context, exc)
         except TYPED as exc:
             await abort(context, exc)
-        return peer_pb2.PrepareStepReply(ready=True)
+        return peer_pb2.PrepareStepReply(ready=True, relay_key=self.steps.relay_key(caller))
+
+    async def RelayPrepares(self, request: peer_pb2.PrepareBatch,
+                            context: grpc.aio.ServicerContext) -> common_pb2.Ack:
+        caller = await self._caller(context, request)
+        await self._same_job(context, request.job_id)
+        try:
+            await self.steps.relay_from(caller, request)
+        except Forbidden as exc:
+            await self._forbidden(context, exc)
+        return common_pb2.Ack(accepted=True)
 
     async def CommitStep(self, request: peer_pb2.CommitStepRequest,
                          context: grpc.aio.ServicerContext) -> peer_pb2.CommitStepReply:
         caller = await self._caller(context, request)
         await self._same_job(context, request.record.job_id)
         try:
-            await self.steps.commit_from(caller, request.record)
+            await self.steps.commit_from(caller, request)
         except Forbidden as exc:
             await self._forbidden(context, exc)
         except ValueError as exc:

@@ -32,6 +32,8 @@ MAX_RANKS_PER_NODE = 4096      # registrations one daemon keeps (a GPU node has 
 MAX_LIVE_RANKS_PER_NODE = 1024 # live ranks and spares of one node (gossip, prepares)
 MAX_PEERS = 4096               # daemons one daemon gossips with
 MAX_COLLECTIVES = 64           # distinct collective names counted by link (metric labels)
+MAX_FANOUT = MAX_PEERS         # daemons one daemon passes a commit on to
+MAX_PREPARE_BYTES = 64 << 10   # one prepare in a relayed batch (a seal of 1024 ranks: ~4 KiB)
 COLLECTIVE_NAME = re.compile(r"[a-z0-9_]{1,48}")
 
 
@@ -93,6 +95,9 @@ def _plan(plan: common_pb2.Plan) -> None:
         text(a.node, "plan.assignments.node", MAX_NAME)
     text(plan.reason, "plan.reason")
     text(plan.stop_message, "plan.stop_message")
+    in_range(plan.commit_fanout, 0, MAX_FANOUT, "plan.commit_fanout")
+    if len(plan.commit_key) not in (0, 32):
+        _fail(f"plan.commit_key is 32 bytes (Ed25519), not {len(plan.commit_key)}")
 
 
 def known_enum(message: Any, name: str) -> None:
@@ -231,6 +236,13 @@ def _capture(r: rank_pb2.CaptureRequest) -> None:
     in_range(r.stall_s, 0.0, 1e9, "stall_s")
 
 
+def _commit_step(r: peer_pb2.CommitStepRequest) -> None:
+    step_record(r.record)
+    in_range(r.fanout, 0, MAX_FANOUT, "fanout")
+    if len(r.signature) not in (0, 64):
+        _fail(f"a commit signature is 64 bytes (Ed25519), not {len(r.signature)}")
+
+
 def _wait_committed(r: rank_pb2.WaitCommittedRequest) -> None:
     in_range(r.step, 0, MAX_STEP, "step")
     in_range(r.timeout_s, 0.0, MAX_WAIT_S, "timeout_s")
@@ -293,6 +305,17 @@ def _prepare(r: peer_pb2.PrepareStepRequest) -> None:
     _layout(r.layout)
 
 
+def _batch(r: peer_pb2.PrepareBatch) -> None:
+    text(r.job_id, "job_id", MAX_NAME)
+    count(r.prepares, "prepares", MAX_PEERS)
+    for t in r.prepares:
+        if len(t.prepare) > MAX_PREPARE_BYTES:
+            _fail(f"a relayed prepare is {len(t.prepare)} bytes; at most {MAX_PREPARE_BYTES}")
+        if len(t.tag) != 32:
+            _fail(f"a relayed prepare's tag is 32 bytes (HMAC-SHA256), not {len(t.tag)}")
+        in_range(t.step, 0, MAX_STEP, "prepares.step")
+
+
 def _get_record(r: peer_pb2.GetStepRecordRequest) -> None:
     text(r.job_id, "job_id", MAX_NAME)
     in_range(r.step, 1, MAX_STEP, "step")
@@ -311,8 +334,9 @@ _CHECKS: dict[type, Any] = {
     peer_pb2.PeerInfo: _peer_info,
     peer_pb2.RankAnnouncement: _announce,
     peer_pb2.PrepareStepRequest: _prepare,
-    peer_pb2.CommitStepRequest: lambda r: step_record(r.record),
+    peer_pb2.CommitStepRequest: _commit_step,
     peer_pb2.GetStepRecordRequest: _get_record,
+    peer_pb2.PrepareBatch: _batch,
     manifest_pb2.RankRecords: _records,
     peer_pb2.GetRecordsRequest: _get_records,
 }

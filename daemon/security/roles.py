@@ -22,9 +22,13 @@ from stalwart.daemon.recovery.coordinator import Coordinator
 from stalwart.daemon.recovery.election import Leadership
 from stalwart.daemon.recovery.membership import LOST, Membership
 from stalwart.daemon.recovery.registry import Registry
+from stalwart.daemon.rpc import validate
+from stalwart.daemon.rpc.errors import TYPED
 from stalwart.daemon.rpc.validate import MAX_LIVE_RANKS_PER_NODE
 from stalwart.daemon.security.auth import Forbidden
+from stalwart.daemon.snapshot import commit_tree
 from stalwart.daemon.snapshot.local_store import LocalStore
+from stalwart.daemon.snapshot.prepare_relay import PrepareRelay
 from stalwart.daemon.snapshot.records import RecordHolders
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
 
@@ -92,12 +96,14 @@ class JobGate:
                  commit: Callable[[manifest_pb2.StepRecord], Awaitable[None]],
                  records: RecordHolders, nodes: Callable[[], list[str]],
                  stub: Callable[[str], peer_pb2_grpc.PeerServiceStub],
-                 me: Callable[[], peer_pb2.PeerInfo]) -> None:
+                 me: Callable[[], peer_pb2.PeerInfo],
+                 pass_on: Callable[[peer_pb2.CommitStepRequest], None],
+                 relay: PrepareRelay) -> None:
         self.node, self.registry, self.membership = node, registry, membership
         self.leadership, self.coordinator, self.store = leadership, coordinator, store
         self.adopt_plan, self.commit, self.nodes = adopt_plan, commit, nodes
         self.records = records
-        self.stub, self.me = stub, me
+        self.stub, self.me, self.pass_on, self.relay = stub, me, pass_on, relay
         self._placed: tuple[PlanState | None, dict[int, str]] = (None, {})
 
     async def _coordinator(self, caller: str, what: str) -> None:
@@ -117,15 +123,32 @@ class JobGate:
         self._generation_bound(plan.generation, "plan")
         return self.adopt_plan(plan)
 
-    async def commit_from(self, caller: str, record: manifest_pb2.StepRecord) -> None:
-        if record.step not in self.store.committed_steps():
-            await self._coordinator(caller, f"the commit of step {record.step}")
+    async def commit_from(self, caller: str, request: peer_pb2.CommitStepRequest) -> None:
+        """Phase two: from the coordinator, or through the commit tree from any daemon
+        with the coordinator's signature; a commit new here goes on down the tree."""
+        record = request.record
+        new = record.step not in self.store.committed_steps()
+        if new:
+            if not self._signed_by_coordinator(request):
+                await self._coordinator(caller, f"the commit of step {record.step}")
+            elif caller not in self.nodes():
+                raise Forbidden(f"daemon {caller} passed on a commit but is not a live "
+                                "member of this job")
             self._generation_bound(record.generation, "commit")
         elif caller not in self.nodes():
             # The same commit again (a new coordinator re-sending phase two; the store
             # refuses a different one) from a live daemon of the job.
             raise Forbidden(f"daemon {caller} is not a live member of this job")
         await self.commit(record)
+        if new and request.fanout:
+            self.pass_on(request)
+
+    def _signed_by_coordinator(self, request: peer_pb2.CommitStepRequest) -> bool:
+        """Whether the plan's coordinator, still the one this daemon knows, signed it."""
+        plan = self.registry.current_plan()
+        return (plan is not None and bool(plan.coordinator)
+                and plan.coordinator == self.leadership.leader()
+                and commit_tree.signed_by(plan.commit_key, request.record, request.signature))
 
     async def records_from(self, caller: str, message: manifest_pb2.RankRecords) -> None:
         """Copies of a peer's ranks' records (this daemon is one of their holders), or
@@ -162,6 +185,35 @@ class JobGate:
         check_prepare(plan, caller, req, self.store.latest_committed(),
                       coordinator.pending, self._placed[1])
         await coordinator.prepared(req)
+
+    def relay_key(self, caller: str) -> bytes:
+        """The key `caller` tags its prepares with on their way up the commit tree, from
+        the coordinator only (the reply to a prepare it sent directly)."""
+        if not self.leadership.is_leader():
+            return b""
+        return self.coordinator.commits.relay_keys.key_for(caller)
+
+    async def relay_from(self, caller: str, batch: peer_pb2.PrepareBatch) -> None:
+        """Prepares on their way up the commit tree from a daemon of the job: passed on
+        up, or (on the coordinator) each checked against its own daemon's tag, then
+        taken as that daemon's prepare. One bad prepare does not refuse the others."""
+        if caller not in self.nodes():
+            raise Forbidden(f"daemon {caller} is not a live member of this job")
+        if not self.leadership.is_leader():
+            self.relay.relay(list(batch.prepares))
+            return
+        keys = self.coordinator.commits.relay_keys
+        for tagged in batch.prepares:
+            try:
+                req = keys.open(tagged)
+                validate.request(req)
+                if req.job_id != batch.job_id:
+                    raise Forbidden(f"a prepare of job {req.job_id!r} in a batch of job "
+                                    f"{batch.job_id!r}")
+                await self.prepare_from(req.node, req)
+            except (commit_tree.BadTag, validate.InvalidRequest, Forbidden, *TYPED) as exc:
+                log.warning("relayed prepare refused",
+                            extra={"via": caller, "step": tagged.step, "error": str(exc)})
 
     async def announce_from(self, caller: str, a: peer_pb2.RankAnnouncement) -> None:
         if a.node != caller:

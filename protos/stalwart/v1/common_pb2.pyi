@@ -202,6 +202,8 @@ class Plan(_message.Message):
     STORE_FIELD_NUMBER: _builtins.int
     STORE_RANK_ID_FIELD_NUMBER: _builtins.int
     LOST_FIELD_NUMBER: _builtins.int
+    COMMIT_KEY_FIELD_NUMBER: _builtins.int
+    COMMIT_FANOUT_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     reason: _builtins.str
     resume_step: _builtins.int
@@ -217,6 +219,14 @@ class Plan(_message.Message):
     """HOST:PORT of the store this generation's groups start from,"""
     store_rank_id: _builtins.str
     """served by this rank of the plan (a survivor)"""
+    commit_key: _builtins.bytes
+    """Ed25519 public key of the coordinator that installed the plan: a commit that reaches
+    a daemon through another daemon (the commit tree) must carry its signature.
+    """
+    commit_fanout: _builtins.int
+    """Daemons each daemon passes a commit on to, and takes prepares from (the commit tree
+    over the plan's nodes); 0: every daemon talks to the coordinator directly.
+    """
     @_builtins.property
     def layout(self) -> Global___ParallelLayout: ...
     @_builtins.property
@@ -242,10 +252,12 @@ class Plan(_message.Message):
         store: _builtins.str = ...,
         store_rank_id: _builtins.str = ...,
         lost: _abc.Iterable[_builtins.str] | None = ...,
+        commit_key: _builtins.bytes = ...,
+        commit_fanout: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "completed", b"completed", "coordinator", b"coordinator", "generation", b"generation", "layout", b"layout", "lost", b"lost", "reason", b"reason", "resume_step", b"resume_step", "stop", b"stop", "stop_message", b"stop_message", "store", b"store", "store_rank_id", b"store_rank_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "commit_fanout", b"commit_fanout", "commit_key", b"commit_key", "completed", b"completed", "coordinator", b"coordinator", "generation", b"generation", "layout", b"layout", "lost", b"lost", "reason", b"reason", "resume_step", b"resume_step", "stop", b"stop", "stop_message", b"stop_message", "store", b"store", "store_rank_id", b"store_rank_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -354,17 +354,23 @@ class PrepareStepReply(_message.Message):
 
     READY_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    RELAY_KEY_FIELD_NUMBER: _builtins.int
     ready: _builtins.bool
     message: _builtins.str
+    relay_key: _builtins.bytes
+    """The key this daemon tags its prepares with when they go through the commit tree
+    (HMAC-SHA256; only the coordinator and this daemon know it). Empty: send directly.
+    """
     def __init__(
         self,
         *,
         ready: _builtins.bool = ...,
         message: _builtins.str = ...,
+        relay_key: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "ready", b"ready"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "ready", b"ready", "relay_key", b"relay_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -375,20 +381,86 @@ class CommitStepRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RECORD_FIELD_NUMBER: _builtins.int
+    FANOUT_FIELD_NUMBER: _builtins.int
+    SIGNATURE_FIELD_NUMBER: _builtins.int
+    fanout: _builtins.int
+    """The commit tree: with fanout > 0, a daemon that commits the step here first passes
+    the same request on to its children in the tree of the record's nodes (see
+    daemon/snapshot/commit_tree.py). 0: the coordinator sent it to every daemon itself.
+    """
+    signature: _builtins.bytes
+    """Ed25519 signature of the coordinator (the plan's commit_key) over the step's
+    identity and digest; required when the request comes from another daemon.
+    """
     @_builtins.property
     def record(self) -> _manifest_pb2.StepRecord: ...
     def __init__(
         self,
         *,
         record: _manifest_pb2.StepRecord | None = ...,
+        fanout: _builtins.int = ...,
+        signature: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["record", b"record"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["record", b"record"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fanout", b"fanout", "record", b"record", "signature", b"signature"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CommitStepRequest: _TypeAlias = CommitStepRequest  # noqa: Y015
+
+@_typing.final
+class TaggedPrepare(_message.Message):
+    """One daemon's prepare as it travels the commit tree: the exact bytes of its
+    PrepareStepRequest and their HMAC-SHA256 under that daemon's relay key.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PREPARE_FIELD_NUMBER: _builtins.int
+    TAG_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    prepare: _builtins.bytes
+    tag: _builtins.bytes
+    step: _builtins.int
+    """the prepare's step, for batching on the way (not trusted)"""
+    def __init__(
+        self,
+        *,
+        prepare: _builtins.bytes = ...,
+        tag: _builtins.bytes = ...,
+        step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prepare", b"prepare", "step", b"step", "tag", b"tag"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TaggedPrepare: _TypeAlias = TaggedPrepare  # noqa: Y015
+
+@_typing.final
+class PrepareBatch(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    PREPARES_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    @_builtins.property
+    def prepares(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaggedPrepare]: ...
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        prepares: _abc.Iterable[Global___TaggedPrepare] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "prepares", b"prepares"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrepareBatch: _TypeAlias = PrepareBatch  # noqa: Y015
 
 @_typing.final
 class GetStepRecordRequest(_message.Message):

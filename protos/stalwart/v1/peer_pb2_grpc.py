@@ -214,6 +214,11 @@ class PeerServiceStub:
                 request_serializer=stalwart_dot_v1_dot_peer__pb2.CommitStepRequest.SerializeToString,
                 response_deserializer=stalwart_dot_v1_dot_peer__pb2.CommitStepReply.FromString,
                 _registered_method=True)
+        self.RelayPrepares = channel.unary_unary(
+                '/stalwart.v1.PeerService/RelayPrepares',
+                request_serializer=stalwart_dot_v1_dot_peer__pb2.PrepareBatch.SerializeToString,
+                response_deserializer=stalwart_dot_v1_dot_common__pb2.Ack.FromString,
+                _registered_method=True)
         self.GetStepRecord = channel.unary_unary(
                 '/stalwart.v1.PeerService/GetStepRecord',
                 request_serializer=stalwart_dot_v1_dot_peer__pb2.GetStepRecordRequest.SerializeToString,
@@ -266,6 +271,14 @@ class PeerServiceServicer:
 
     def CommitStep(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RelayPrepares(self, request, context):
+        """Prepares on their way up the commit tree: a daemon passes its own and those of the
+        daemons below it to its parent in one batch; each is tagged by its own daemon.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -329,6 +342,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.CommitStep,
                     request_deserializer=stalwart_dot_v1_dot_peer__pb2.CommitStepRequest.FromString,
                     response_serializer=stalwart_dot_v1_dot_peer__pb2.CommitStepReply.SerializeToString,
+            ),
+            'RelayPrepares': grpc.unary_unary_rpc_method_handler(
+                    servicer.RelayPrepares,
+                    request_deserializer=stalwart_dot_v1_dot_peer__pb2.PrepareBatch.FromString,
+                    response_serializer=stalwart_dot_v1_dot_common__pb2.Ack.SerializeToString,
             ),
             'GetStepRecord': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStepRecord,
@@ -443,6 +461,33 @@ class PeerService:
             '/stalwart.v1.PeerService/CommitStep',
             stalwart_dot_v1_dot_peer__pb2.CommitStepRequest.SerializeToString,
             stalwart_dot_v1_dot_peer__pb2.CommitStepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RelayPrepares(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stalwart.v1.PeerService/RelayPrepares',
+            stalwart_dot_v1_dot_peer__pb2.PrepareBatch.SerializeToString,
+            stalwart_dot_v1_dot_common__pb2.Ack.FromString,
             options,
             channel_credentials,
             insecure,

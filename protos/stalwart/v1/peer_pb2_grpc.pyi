@@ -89,6 +89,10 @@ class PeerServiceStub:
     PrepareStep: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PrepareStepRequest, _peer_pb2.PrepareStepReply]
     """Two-phase commit of a step, driven by the coordinator."""
     CommitStep: _grpc.UnaryUnaryMultiCallable[_peer_pb2.CommitStepRequest, _peer_pb2.CommitStepReply]
+    RelayPrepares: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PrepareBatch, _common_pb2.Ack]
+    """Prepares on their way up the commit tree: a daemon passes its own and those of the
+    daemons below it to its parent in one batch; each is tagged by its own daemon.
+    """
     GetStepRecord: _grpc.UnaryUnaryMultiCallable[_peer_pb2.GetStepRecordRequest, _manifest_pb2.StepRecord]
     """A new coordinator fetches a step that a peer committed and it did not (the old
     coordinator died while sending phase two).
@@ -114,6 +118,10 @@ class PeerServiceAsyncStub(PeerServiceStub):
     PrepareStep: _aio.UnaryUnaryMultiCallable[_peer_pb2.PrepareStepRequest, _peer_pb2.PrepareStepReply]  # type: ignore[assignment]
     """Two-phase commit of a step, driven by the coordinator."""
     CommitStep: _aio.UnaryUnaryMultiCallable[_peer_pb2.CommitStepRequest, _peer_pb2.CommitStepReply]  # type: ignore[assignment]
+    RelayPrepares: _aio.UnaryUnaryMultiCallable[_peer_pb2.PrepareBatch, _common_pb2.Ack]  # type: ignore[assignment]
+    """Prepares on their way up the commit tree: a daemon passes its own and those of the
+    daemons below it to its parent in one batch; each is tagged by its own daemon.
+    """
     GetStepRecord: _aio.UnaryUnaryMultiCallable[_peer_pb2.GetStepRecordRequest, _manifest_pb2.StepRecord]  # type: ignore[assignment]
     """A new coordinator fetches a step that a peer committed and it did not (the old
     coordinator died while sending phase two).
@@ -154,6 +162,16 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _peer_pb2.CommitStepRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_peer_pb2.CommitStepReply, _abc.Awaitable[_peer_pb2.CommitStepReply]]: ...
+
+    @_abc_1.abstractmethod
+    def RelayPrepares(
+        self,
+        request: _peer_pb2.PrepareBatch,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.Ack, _abc.Awaitable[_common_pb2.Ack]]:
+        """Prepares on their way up the commit tree: a daemon passes its own and those of the
+        daemons below it to its parent in one batch; each is tagged by its own daemon.
+        """
 
     @_abc_1.abstractmethod
     def GetStepRecord(

@@ -1,0 +1,189 @@
+"""The commit tree: a step's prepares go up and its commit comes down a tree of the
+job's daemons, so the coordinator exchanges a few messages per step with `fanout`
+daemons instead of one each way with every daemon.
+
+A tree is a sorted list of node names under the coordinator (its root): the root's
+children are the first `fanout`, and the daemon at index i has those at fanout*(i+1)
+... fanout*(i+1)+fanout-1. Every daemon derives the same tree from what it already
+holds: the commit tree from the step's record (the daemons whose seals it holds), the
+prepare tree from the plan (the daemons with ranks, less the coordinator). No
+membership view has to agree.
+
+Down: a daemon that cannot reach a child passes the commit on to that child's children
+itself, so a lost daemon costs its subtree one hop, not the commit; daemons the record
+does not name get it from the coordinator directly. A daemon accepts a commit from a
+daemon other than the coordinator only with the coordinator's Ed25519 signature over
+the step's identity and digest, checked against the key in the plan that coordinator
+installed: a daemon on the way passes on bytes it cannot forge.
+
+Up: each prepare travels as its exact bytes with an HMAC-SHA256 tag under a key only
+its daemon and the coordinator know (`RelayKeys`; the coordinator hands a daemon its
+key in the reply to a direct prepare). The coordinator checks every tag before it
+reads the prepare, so a daemon on the way can drop a prepare but never forge or alter
+one, and a dropped one costs only that step (its daemon's outbox sends it again to a
+new coordinator).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import hashlib
+import hmac
+import logging
+import os
+import struct
+from collections.abc import Awaitable, Callable
+
+import grpc
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from google.protobuf.message import DecodeError
+
+from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
+
+log = logging.getLogger("stalwart.daemon.snapshot.commit_tree")
+
+CONTEXT = b"stalwart step commit v1\0"
+
+
+def nodes_of(record: manifest_pb2.StepRecord) -> list[str]:
+    """The tree's daemons: those whose seals the record holds, by name."""
+    return sorted({s.node for s in record.seals})
+
+
+def children(nodes: list[str], node: str | None, fanout: int) -> list[str]:
+    """Where `node` (None: the root) passes a commit on to in the tree over `nodes`
+    (sorted); none for a node outside it or with fanout 0."""
+    if fanout <= 0:
+        return []
+    if node is None:
+        first = 0
+    else:
+        i = bisect.bisect_left(nodes, node)
+        if i == len(nodes) or nodes[i] != node:
+            return []
+        first = fanout * (i + 1)
+    return nodes[first:first + fanout]
+
+
+def parent(nodes: list[str], node: str, fanout: int) -> str | None:
+    """The daemon above `node` in the tree over `nodes`; None: the root (the
+    coordinator), also for a node outside the tree."""
+    i = bisect.bisect_left(nodes, node)
+    if fanout <= 0 or i == len(nodes) or nodes[i] != node or i < fanout:
+        return None
+    return nodes[i // fanout - 1]
+
+
+def below(nodes: list[str], node: str, fanout: int) -> int:
+    """How many daemons are under `node` in the tree over `nodes`: O(depth)."""
+    i = bisect.bisect_left(nodes, node)
+    if fanout <= 0 or i == len(nodes) or nodes[i] != node:
+        return 0
+    n, count = len(nodes), 0
+    first, last = fanout * (i + 1), fanout * (i + 1) + fanout - 1  # indexes, one level
+    while first < n:
+        count += min(last, n - 1) - first + 1
+        first, last = fanout * (first + 1), fanout * (last + 1) + fanout - 1
+    return count
+
+
+def prepare_nodes(plan: common_pb2.Plan) -> list[str]:
+    """The prepare tree's daemons: the plan's nodes with ranks, less its coordinator."""
+    return sorted({a.node for a in plan.assignments if not a.spare} - {plan.coordinator})
+
+
+class BadTag(ValueError):
+    """A relayed prepare whose tag its named daemon's key did not make."""
+
+
+def tag(key: bytes, prepare: bytes) -> bytes:
+    return hmac.digest(key, prepare, hashlib.sha256)
+
+
+class RelayKeys:
+    """The coordinator's side of the tags: every daemon's key, derived from one secret
+    that never leaves this coordinator (a new coordinator hands out new keys)."""
+
+    def __init__(self) -> None:
+        self._secret = os.urandom(32)
+        self._known: dict[str, bytes] = {}  # keys of daemons whose tags checked out
+
+    def key_for(self, node: str) -> bytes:
+        key = self._known.get(node)
+        if key is None:
+            key = hmac.digest(self._secret, b"stalwart relay key\0" + node.encode(),
+                              hashlib.sha256)
+        return key
+
+    def open(self, tagged: peer_pb2.TaggedPrepare) -> peer_pb2.PrepareStepRequest:
+        """The prepare `tagged` carries; BadTag unless its daemon's key tagged it."""
+        try:
+            req = peer_pb2.PrepareStepRequest.FromString(tagged.prepare)
+        except DecodeError as exc:
+            raise BadTag(f"a relayed prepare does not parse: {exc}") from None
+        key = self.key_for(req.node)
+        if not hmac.compare_digest(tag(key, tagged.prepare), tagged.tag):
+            raise BadTag(f"the relayed prepare of step {req.step} from {req.node!r} does not "
+                         "carry that daemon's tag: it was altered or forged on the way")
+        self._known[req.node] = key  # only daemons that hold their key get here
+        return req
+
+
+def _signed(record: manifest_pb2.StepRecord) -> bytes:
+    return (CONTEXT + record.job_id.encode() + b"\0"
+            + struct.pack(">QQ", record.step, record.generation) + record.digest)
+
+
+class CommitKey:
+    """The coordinator's signing key; its public half goes out with every plan."""
+
+    def __init__(self) -> None:
+        self._private = Ed25519PrivateKey.generate()
+        self.public = self._private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+    def sign(self, record: manifest_pb2.StepRecord) -> bytes:
+        return self._private.sign(_signed(record))
+
+
+def signed_by(public: bytes, record: manifest_pb2.StepRecord, signature: bytes) -> bool:
+    """Whether `signature` is the holder of `public`'s over `record` (its digest)."""
+    if not public or not signature:
+        return False
+    try:
+        Ed25519PublicKey.from_public_bytes(public).verify(signature, _signed(record))
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
+Send = Callable[[str, bytes], Awaitable[object]]
+
+
+async def pass_on(request: peer_pb2.CommitStepRequest, targets: list[str], send: Send,
+                  nodes: list[str] | None = None) -> list[str]:
+    """Send `request` to `targets`; for a target that fails, to its children in the
+    tree instead (and so on down). Returns the daemons the commit did not reach."""
+    nodes = nodes_of(request.record) if nodes is None else nodes
+    data = request.SerializeToString()
+    missed: list[str] = []
+
+    async def one(node: str) -> None:
+        try:
+            await send(node, data)
+            return
+        except (grpc.aio.AioRpcError, LookupError) as exc:
+            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            log.warning("commit not delivered" + (
+                "; its children in the commit tree get it from here" if request.fanout else ""),
+                extra={"node": node, "step": request.record.step, "error": detail})
+        missed.append(node)
+        await asyncio.gather(*(one(c) for c in children(nodes, node, request.fanout)))
+
+    await asyncio.gather(*(one(t) for t in targets))
+    return missed

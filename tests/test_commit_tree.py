@@ -1,0 +1,225 @@
+"""The commit tree: prepares go up and commits come down a tree of the job's daemons, so
+the coordinator talks to `commit_fanout` daemons per step, not to all of them.
+
+The shape is pure logic (every daemon derives the same tree); the trust is tested on real
+daemons over TCP: a prepare passed up is taken only with its own daemon's tag, a commit
+passed on only with the coordinator's signature. tests/test_recovery_e2e.py kills a relay
+of both trees mid-run."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from pathlib import Path
+
+import grpc
+from fixtures_hostile import as_node, code_of, config, register_self, until
+from hypothesis import given
+from hypothesis import strategies as st
+from snapshot_states import state, tensors
+
+from stalwart.core import step_record as sr
+from stalwart.daemon.server import Daemon
+from stalwart.daemon.snapshot import commit_tree
+from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
+
+LAYOUT = common_pb2.ParallelLayout(dp=1, pp=1, tp=1)
+
+
+# --- the shape -----------------------------------------------------------------------
+
+@given(st.integers(1, 300), st.integers(1, 40))
+def test_every_daemon_is_in_the_tree_once_under_the_parent_that_names_it(n: int,
+                                                                        fanout: int) -> None:
+    nodes = [f"node-{i:04d}" for i in range(n)]
+    seen: list[str] = []
+    todo = [None]
+    while todo:
+        above = todo.pop()
+        kids = commit_tree.children(nodes, above, fanout)
+        assert len(kids) <= fanout
+        for kid in kids:
+            assert commit_tree.parent(nodes, kid, fanout) == above
+        seen.extend(kids)
+        todo.extend(kids)
+    assert sorted(seen) == nodes  # reached once each: nobody misses a commit
+
+    def under(node: str) -> int:
+        return sum(1 + under(k) for k in commit_tree.children(nodes, node, fanout))
+
+    for node in nodes[:: max(1, n // 17)]:
+        assert commit_tree.below(nodes, node, fanout) == under(node)
+
+
+def test_the_tree_is_a_few_levels_deep_at_thousands_of_daemons() -> None:
+    nodes = [f"node-{i:04d}" for i in range(2048)]
+    depth = {None: 0}
+    todo = [None]
+    while todo:
+        above = todo.pop()
+        for kid in commit_tree.children(nodes, above, 32):
+            depth[kid] = depth[above] + 1
+            todo.append(kid)
+    assert max(depth.values()) == 3
+    assert len(commit_tree.children(nodes, None, 32)) == 32  # what the coordinator sends
+
+
+def test_a_daemon_outside_the_tree_has_no_place_in_it() -> None:
+    nodes = ["a", "b", "c"]
+    assert commit_tree.children(nodes, "z", 1) == []
+    assert commit_tree.parent(nodes, "z", 1) is None  # it talks to the coordinator
+    assert commit_tree.below(nodes, "z", 1) == 0
+    assert commit_tree.children(nodes, None, 0) == []  # fanout 0: no tree
+
+
+def test_the_prepare_tree_is_the_plans_nodes_with_ranks_less_its_coordinator() -> None:
+    plan = common_pb2.Plan(coordinator="n0", assignments=[
+        common_pb2.RankAssignment(node="n2"), common_pb2.RankAssignment(node="n0"),
+        common_pb2.RankAssignment(node="n1"), common_pb2.RankAssignment(node="n1"),
+        common_pb2.RankAssignment(node="n3", spare=True)])
+    assert commit_tree.prepare_nodes(plan) == ["n1", "n2"]
+
+
+# --- the trust -----------------------------------------------------------------------
+
+def test_a_tag_opens_only_under_its_own_daemons_key() -> None:
+    keys = commit_tree.RelayKeys()
+    req = peer_pb2.PrepareStepRequest(job_id="j", step=4, generation=1, node="n1")
+    data = req.SerializeToString()
+    good = peer_pb2.TaggedPrepare(prepare=data, tag=commit_tree.tag(keys.key_for("n1"), data))
+    assert keys.open(good) == req
+    for bad in (commit_tree.tag(keys.key_for("n2"), data),  # another daemon's key
+                commit_tree.tag(commit_tree.RelayKeys().key_for("n1"), data)):  # old coordinator
+        try:
+            keys.open(peer_pb2.TaggedPrepare(prepare=data, tag=bad))
+        except commit_tree.BadTag as exc:
+            assert "does not carry that daemon's tag" in str(exc)
+        else:
+            raise AssertionError("a tag under the wrong key opened")
+
+
+def test_a_signature_covers_the_steps_identity_and_digest() -> None:
+    key = commit_tree.CommitKey()
+    record = sr.build(job_id="j", step=7, generation=2, layout=LAYOUT, base_step=7,
+                      seals=[sr.seal("n0", [manifest_pb2.RankState(rank=0, node="n0")])])
+    signature = key.sign(record)
+    assert commit_tree.signed_by(key.public, record, signature)
+    assert not commit_tree.signed_by(commit_tree.CommitKey().public, record, signature)
+    later = manifest_pb2.StepRecord()
+    later.CopyFrom(record)
+    later.step = 8
+    assert not commit_tree.signed_by(key.public, later, signature)
+    assert not commit_tree.signed_by(key.public, record, b"")
+
+
+async def three_daemons(root: Path, body):
+    """a coordinates (the smallest name); b and c are its peers."""
+    a = Daemon(dataclasses.replace(config(root / "a"), node="a"))
+    await a.start()
+    b = Daemon(dataclasses.replace(config(root / "b"), node="b", peers=(a.address,)))
+    c = Daemon(dataclasses.replace(config(root / "c"), node="c", peers=(a.address,)))
+    await b.start()
+    await c.start()
+    try:
+        await until(lambda: all({p.node for p in d.membership.peers()} >= {"a", "b", "c"}
+                                - {d.config.node} for d in (a, b, c)),
+                    "the three daemons to know each other")
+        return await body(a, b, c)
+    finally:
+        for d in (c, b, a):
+            await d.stop(grace_s=0)
+
+
+def prepared(daemon: Daemon, step: int) -> peer_pb2.PrepareStepRequest:
+    """A real prepare of rank 0 on `daemon`: its record made durable in its store."""
+    store = daemon.job.snapshots.store
+    encoded = store.encode(step, 0, state(step), tensors(), coord=common_pb2.RankCoord(rank=0))
+    record = store.prepare(step, encoded)
+    return peer_pb2.PrepareStepRequest(job_id="default", step=step, node=daemon.config.node,
+                                       generation=daemon.registry.generation, layout=LAYOUT,
+                                       seal=sr.seal(daemon.config.node, [record]))
+
+
+def test_a_prepare_passed_up_is_taken_only_with_its_own_daemons_tag(tmp_path: Path) -> None:
+    async def body(a: Daemon, b: Daemon, c: Daemon) -> dict[str, object]:
+        await register_self(a)  # rank 0 on a: a world of one
+        async with grpc.aio.insecure_channel(a.address) as ch:
+            stub = peer_pb2_grpc.PeerServiceStub(ch)
+            # a's key comes back in the reply to a prepare a sends directly.
+            key = (await stub.PrepareStep(prepared(a, 1), metadata=as_node("a"),
+                                          timeout=10)).relay_key
+            await until(lambda: a.job.snapshots.store.latest_committed() == 1, "step 1")
+            two = prepared(a, 2)
+            data = two.SerializeToString()
+            altered = peer_pb2.PrepareStepRequest()
+            altered.CopyFrom(two)
+            altered.final = True
+            batch = peer_pb2.PrepareBatch(job_id="default", prepares=[
+                peer_pb2.TaggedPrepare(prepare=data, tag=commit_tree.tag(os.urandom(32), data),
+                                       step=2),
+                peer_pb2.TaggedPrepare(prepare=altered.SerializeToString(),
+                                       tag=commit_tree.tag(key, data), step=2)])
+            out: dict[str, object] = {
+                "forged and altered, via b": await code_of(stub.RelayPrepares(
+                    batch, metadata=as_node("b"), timeout=10))}
+            out["pending after them"] = sorted(a.job.coordinator.pending)
+            out["stranger"] = await code_of(stub.RelayPrepares(
+                batch, metadata=as_node("z"), timeout=10))
+            good = peer_pb2.PrepareBatch(job_id="default", prepares=[peer_pb2.TaggedPrepare(
+                prepare=data, tag=commit_tree.tag(key, data), step=2)])
+            out["tagged, via b"] = await code_of(stub.RelayPrepares(
+                good, metadata=as_node("b"), timeout=10))
+            await until(lambda: a.job.snapshots.store.latest_committed() == 2, "step 2")
+        out["key length"] = len(key)
+        return out
+
+    seen = asyncio.run(three_daemons(tmp_path, body))
+    assert seen["key length"] == 32
+    assert seen["forged and altered, via b"] == "OK"  # refused one by one, not the batch
+    assert seen["pending after them"] == []
+    assert seen["stranger"].startswith("PERMISSION_DENIED: daemon z is not a live member")
+    assert seen["tagged, via b"] == "OK"
+
+
+def test_a_commit_passed_on_is_taken_only_with_the_coordinators_signature(
+        tmp_path: Path) -> None:
+    async def body(a: Daemon, b: Daemon, c: Daemon) -> dict[str, object]:
+        await register_self(a)
+        await until(lambda: c.registry.current_plan().commit_key
+                    == a.job.coordinator.commits.key.public, "c to hold a's plan and its key")
+        one = prepared(a, 1)
+        record = sr.build(job_id="default", step=1, generation=one.generation, layout=LAYOUT,
+                          seals=[one.seal], base_step=1)
+        signed = a.job.coordinator.commits.key.sign(record)
+
+        def request(signature: bytes) -> peer_pb2.CommitStepRequest:
+            return peer_pb2.CommitStepRequest(record=record, fanout=2, signature=signature)
+
+        async with grpc.aio.insecure_channel(c.address) as ch:
+            stub = peer_pb2_grpc.PeerServiceStub(ch)
+            out: dict[str, object] = {
+                "unsigned, via b": await code_of(stub.CommitStep(
+                    peer_pb2.CommitStepRequest(record=record), metadata=as_node("b"),
+                    timeout=10)),
+                "signed by another key, via b": await code_of(stub.CommitStep(
+                    request(commit_tree.CommitKey().sign(record)), metadata=as_node("b"),
+                    timeout=10)),
+                "signed, via a stranger": await code_of(stub.CommitStep(
+                    request(signed), metadata=as_node("z"), timeout=10))}
+            out["committed on c before"] = c.job.snapshots.store.latest_committed()
+            out["signed, via b"] = await code_of(stub.CommitStep(
+                request(signed), metadata=as_node("b"), timeout=10))
+        out["committed on c after"] = c.job.snapshots.store.latest_committed()
+        return out
+
+    seen = asyncio.run(three_daemons(tmp_path, body))
+    assert seen["unsigned, via b"].startswith(
+        "PERMISSION_DENIED: the commit of step 1 comes only from the coordinator")
+    assert seen["signed by another key, via b"].startswith(
+        "PERMISSION_DENIED: the commit of step 1 comes only from the coordinator")
+    assert seen["signed, via a stranger"].startswith(
+        "PERMISSION_DENIED: daemon z passed on a commit but is not a live member")
+    assert seen["committed on c before"] is None
+    assert seen["signed, via b"] == "OK"
+    assert seen["committed on c after"] == 1
