@@ -38,6 +38,7 @@ import grpc
 
 from stalwart.bench import progress
 from stalwart.core import step_record as sr
+from stalwart.daemon.config_schema import default
 from stalwart.daemon.links import CommitSender
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.step_commits import StepCommits
@@ -53,8 +54,10 @@ WORKERS = 2
 NODE_KEY = "stalwart-bench-node"
 RPC_TIMEOUT_S = 120.0
 IN_FLIGHT = 128  # prepares one worker has in flight (its daemons send at once)
-FANOUT = 32  # the commit tree's, the daemon's default
+FANOUT = default("commit_fanout")  # the commit tree's, as a daemon has it by default
 COORDINATOR = "coordinator"
+SINK = "sink"  # a child that only acknowledges (the hop measurement)
+HOPS = 5  # repetitions of the hop measurement
 
 # A 70B model at TP 8 x PP 8: about 15 GB of parameters and AdamW state per rank in
 # 4 MiB chunks, each in k + m shards, about 270 tensors.
@@ -93,12 +96,7 @@ class _Daemons(peer_pb2_grpc.PeerServiceServicer):
 
     def __init__(self, names: list[str], key: bytes, where: dict[str, grpc.aio.Channel]
                  ) -> None:
-        self.seals = {}
-        for name in names:
-            first = int(name.split("-")[1]) * RANKS_PER_DAEMON
-            states = [manifest_pb2.RankState(rank=first + r, node=name)
-                      for r in range(RANKS_PER_DAEMON)]
-            self.seals[name] = sr.seal(name, states)
+        self.seals = {name: self.seal_of(name) for name in names}
         self.key, self.where = key, where
         self.sender = CommitSender()
         self.committed: dict[int, int] = {}
@@ -113,10 +111,19 @@ class _Daemons(peer_pb2_grpc.PeerServiceServicer):
         self.all_in = asyncio.Condition()
         self._passing: set[asyncio.Task] = set()
 
+    @staticmethod
+    def seal_of(name: str) -> manifest_pb2.RankSeal:
+        """The seal of simulated daemon `name`'s 8 ranks' records."""
+        first = int(name.split("-")[1]) * RANKS_PER_DAEMON
+        return sr.seal(name, [manifest_pb2.RankState(rank=first + r, node=name)
+                              for r in range(RANKS_PER_DAEMON)])
+
     async def CommitStep(self, request, context):  # noqa: N802 - gRPC method name
+        node = dict(context.invocation_metadata())[NODE_KEY]
+        if node == SINK:  # the hop measurement's children: they only answer
+            return peer_pb2.CommitStepReply(committed=True)
         record = request.record
         sr.verify(record)
-        node = dict(context.invocation_metadata())[NODE_KEY]
         own = sr.seal_of(record, self.seals[node].ranks[0])
         if own.digest != self.seals[node].digest:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "own seal differs")
@@ -345,6 +352,7 @@ async def _simulate(daemons: int, steps: int) -> dict[str, Any]:
             assert all(r[2].get(step) for r in replies), "a daemon missed a commit"
         record_bytes = received / daemons / (steps + 1)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        hop = await _hop(commits, channels[0], names)
     finally:
         for pipe in pipes:
             pipe.send(None)
@@ -355,8 +363,47 @@ async def _simulate(daemons: int, steps: int) -> dict[str, Any]:
         await server.stop(0)
     latencies.sort()
     return {"latencies": latencies, "cpu": statistics.median(cpu),
-            "daemon_cpu": statistics.median(daemon_cpu), "prepare_bytes": prepare_bytes,
+            "daemon_cpu": statistics.median(daemon_cpu), "hop": hop,
+            "prepare_bytes": prepare_bytes,
             "record_bytes": record_bytes, "rss": rss}
+
+
+async def _hop(commits: StepCommits, channel: grpc.aio.Channel, names: list[str]) -> float:
+    """Seconds one daemon of the tree spends on a commit, on an otherwise idle machine:
+    take the request, check it as a daemon does (digest, coverage, signature), find its
+    children and pass it on to `FANOUT` of them (children that only answer), waiting for
+    their answers. Only the tree's depth of these lies between the coordinator and the
+    last daemon on a cluster whose daemons work side by side."""
+    record = sr.build(job_id="bench", step=10**6, generation=1, base_step=10**6,
+                      layout=common_pb2.ParallelLayout(dp=len(names), pp=1,
+                                                       tp=RANKS_PER_DAEMON),
+                      seals=[_Daemons.seal_of(n) for n in names])
+    data = peer_pb2.CommitStepRequest(record=record, fanout=FANOUT,
+                                      signature=commits.key.sign(record)).SerializeToString()
+    sender, took = CommitSender(), []
+    for _ in range(HOPS):
+        t0 = time.perf_counter()
+        request = peer_pb2.CommitStepRequest.FromString(data)
+        sr.verify(request.record)
+        assert commit_tree.signed_by(commits.key.public, request.record, request.signature)
+        nodes = commit_tree.nodes_of(request.record)
+        targets = commit_tree.children(nodes, nodes[0], FANOUT) or [nodes[0]]
+        out = request.SerializeToString()
+        await asyncio.gather(*(sender.send(channel, out, RPC_TIMEOUT_S,
+                                           metadata=((NODE_KEY, SINK),))
+                               for _ in range(max(len(targets), min(FANOUT, len(names))))))
+        took.append(time.perf_counter() - t0)
+    return statistics.median(took)
+
+
+def depth(daemons: int, fanout: int = FANOUT) -> int:
+    """Levels of the commit tree below the coordinator (1: it sends to every daemon)."""
+    levels, reach, width = 1, fanout, fanout
+    while reach < daemons:
+        width *= fanout
+        reach += width
+        levels += 1
+    return levels
 
 
 def points(sizes: tuple[int, ...], steps: int) -> dict[str, Any]:
@@ -375,6 +422,11 @@ def points(sizes: tuple[int, ...], steps: int) -> dict[str, Any]:
             "commit_p99_s": round(lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)], 5),
             "coordinator_cpu_s_per_step": round(got["cpu"], 5),
             "daemon_cpu_s_per_step": round(got["daemon_cpu"], 6),
+            # The commit on a cluster whose daemons each have their own cores: the
+            # coordinator's CPU for the whole step (an upper bound of its share of the
+            # latency) plus one measured hop per level of the tree.
+            "hop_s": round(got["hop"], 5), "tree_depth": depth(n),
+            "commit_critical_path_s": round(got["cpu"] + depth(n) * got["hop"], 5),
             "protocol_bytes_per_daemon_per_step": int(protocol),
             "bytes_per_daemon_per_step": int(protocol + copies),
             "old_bytes_per_daemon_per_step": int(RANKS_PER_DAEMON * one * (n + 1)),
@@ -384,7 +436,7 @@ def points(sizes: tuple[int, ...], steps: int) -> dict[str, Any]:
             "growth_exponent": {key: _slope(out, key) for key in (
                 "bytes_per_daemon_per_step", "old_bytes_per_daemon_per_step",
                 "protocol_bytes_per_daemon_per_step", "coordinator_cpu_s_per_step",
-                "commit_p99_s")},
+                "commit_p99_s", "commit_critical_path_s")},
             "commit_fanout": FANOUT, "workers": WORKERS, "cpus": os.cpu_count()}
 
 

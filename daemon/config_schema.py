@@ -108,7 +108,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
                     "smallest live node name coordinates"),
         "etcd_lease_s": Key("int", 3, _at_least(2), "lease of the coordinator's etcd key: a "
                             "dead coordinator is replaced within about this (seconds)"),
-        "commit_fanout": Key("int", 32, _at_least(0), "daemons each daemon passes a step's "
+        "commit_fanout": Key("int", 16, _at_least(0), "daemons each daemon passes a step's "
                              "commit on to (a tree of the job's daemons, so the coordinator "
                              "sends a step's record to this many), 0 = the coordinator "
                              "sends it to every daemon itself"),

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from snapshot_states import state, tensors
 
 from stalwart.core import step_record as sr
+from stalwart.daemon.config_schema import default
 from stalwart.daemon.server import Daemon
 from stalwart.daemon.snapshot import commit_tree
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
@@ -58,11 +59,11 @@ def test_the_tree_is_a_few_levels_deep_at_thousands_of_daemons() -> None:
     todo = [None]
     while todo:
         above = todo.pop()
-        for kid in commit_tree.children(nodes, above, 32):
+        for kid in commit_tree.children(nodes, above, default("commit_fanout")):
             depth[kid] = depth[above] + 1
             todo.append(kid)
     assert max(depth.values()) == 3
-    assert len(commit_tree.children(nodes, None, 32)) == 32  # what the coordinator sends
+    assert len(commit_tree.children(nodes, None, 16)) == 16  # what the coordinator sends
 
 
 def test_a_daemon_outside_the_tree_has_no_place_in_it() -> None:
