@@ -27,6 +27,9 @@ from stalwart.core.placement import Node, place_chunk, repair_plan
 from stalwart.core.rank_placement import place
 from stalwart.core.shrink import ElasticConfig, ElasticPlanner
 from stalwart.core.topology import Topology
+from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.recovery.membership import Membership
+from stalwart.v1 import peer_pb2
 
 GPUS = (1024, 4096, 16384)
 PER_NODE, TP, PP, LAYERS = 8, 8, 16, 80
@@ -40,14 +43,15 @@ def run(quick: bool) -> dict[str, Any]:
     for gpus in GPUS:
         progress.say(f"{gpus} GPUs: replace, shrink, rank and shard placement")
         points.append(_point(gpus, repeats))
-    commit = scale_commit.points((8, 64, 256) if quick else (8, 64, 256, 1024, 2048),
-                                 steps=5 if quick else 10)
+    sizes = (8, 64, 256) if quick else (8, 64, 256, 1024, 2048)
+    commit = scale_commit.points(sizes, steps=5 if quick else 10)
     return {
         "model": {"layers": LAYERS, "tp": TP, "pp": PP, "gpus_per_node": PER_NODE,
                   "lost": "one node (8 GPUs)", "k": 4, "m": 2},
         "replan": points,
         "replan_s": {str(p["gpus"]): p["replan_s"] for p in points},
         **commit,
+        "gossip": [_gossip(n) for n in sizes],
         "per_step_costs": {
             "coordinator": "about commit_fanout batches of prepares in (each prepare checked "
                            "against its daemon's tag, its limits and the plan: tens of "
@@ -59,7 +63,38 @@ def run(quick: bool) -> dict[str, Any]:
                       "passes the record on to at most commit_fanout children and its "
                       "subtree's prepares up in one batch; copies its ranks' records to m "
                       "holders: O(its own ranks)."},
+        "defects": [
+            "gossip: every daemon calls every other once per heartbeat interval, so a "
+            "daemon sends and answers 2 x (N - 1) small calls per interval (see `gossip`); "
+            "the replies no longer carry the job's membership once the daemons know each "
+            "other, but the number of calls still grows with N"],
     }
+
+
+def _gossip(daemons: int) -> dict[str, Any]:
+    """One heartbeat interval of gossip for one daemon among `daemons`, measured on the
+    real membership tables' messages: it calls every peer and every peer calls it."""
+    def info(i: int) -> peer_pb2.PeerInfo:
+        return peer_pb2.PeerInfo(
+            node=f"node-{i:04d}", address=f"10.0.{i // 256}.{i % 256}:7070",
+            labels={"rack": f"rack-{i // 16}"}, generation=3, latest_committed=1234,
+            time_unix_ms=int(time.time() * 1000),
+            rank_ids=[f"node-{i:04d}/{4000 + r}" for r in range(PER_NODE)])
+
+    tables = [Membership(f"node-{i:04d}", info(i).address, 1.0, 5.0, Metrics(), lambda f: f)
+              for i in (0, 1)]
+    for i in range(daemons):
+        for j, table in enumerate(tables):
+            if i != j:
+                table.observe(info(i))
+    call = info(1)  # node-0001 calls node-0000, both knowing every daemon
+    call.view = tables[1].view()
+    converged = tables[0].to_proto(info(0), "node-0000", call.view).ByteSize()
+    full = tables[0].to_proto(info(0), "node-0000", b"").ByteSize()
+    calls = 2 * (daemons - 1)  # out and in
+    return {"daemons": daemons, "calls_per_daemon_per_interval": calls,
+            "bytes_per_daemon_per_interval": calls * (call.ByteSize() + converged),
+            "bytes_per_daemon_per_interval_full_replies": calls * (call.ByteSize() + full)}
 
 
 def _point(gpus: int, repeats: int) -> dict[str, Any]:

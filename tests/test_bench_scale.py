@@ -58,3 +58,17 @@ def test_bench_scale_commits_through_the_tree_with_few_messages_at_the_coordinat
     growth = points[256]["coordinator_cpu_s_per_step"] / points[8]["coordinator_cpu_s_per_step"]
     assert growth < 20  # 32x the daemons: a coordinator talking to each one grew ~26x here
     assert all(p["daemon_cpu_s_per_step"] > 0 for p in points.values())
+
+
+def test_bench_scale_names_gossip_calls_as_what_still_grows_with_the_job(figures):
+    # Replies between daemons that know each other carry one entry: a daemon's gossip
+    # bytes grow with N (one small call per peer), where full replies grew with N x N.
+    gossip = {g["daemons"]: g for g in figures["gossip"]}
+    assert sorted(gossip) == [8, 64, 256]
+    assert gossip[256]["calls_per_daemon_per_interval"] == 2 * 255
+    small, large = gossip[8], gossip[256]
+    assert large["bytes_per_daemon_per_interval"] < 2 * 256 / 8 * small[
+        "bytes_per_daemon_per_interval"]
+    assert large["bytes_per_daemon_per_interval_full_replies"] > 10 * large[
+        "bytes_per_daemon_per_interval"]
+    assert any("gossip" in d for d in figures["defects"])

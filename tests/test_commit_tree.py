@@ -1,5 +1,6 @@
 """The commit tree: prepares go up and commits come down a tree of the job's daemons, so
-the coordinator talks to `commit_fanout` daemons per step, not to all of them.
+the coordinator talks to `commit_fanout` daemons per step, not to all of them. And gossip
+between daemons that know each other carries one entry, not one per daemon.
 
 The shape is pure logic (every daemon derives the same tree); the trust is tested on real
 daemons over TCP: a prepare passed up is taken only with its own daemon's tag, a commit
@@ -224,3 +225,25 @@ def test_a_commit_passed_on_is_taken_only_with_the_coordinators_signature(
     assert seen["committed on c before"] is None
     assert seen["signed, via b"] == "OK"
     assert seen["committed on c after"] == 1
+
+
+def test_daemons_that_know_each_other_gossip_one_entry_not_the_whole_job(
+        tmp_path: Path) -> None:
+    async def body(a: Daemon, b: Daemon, c: Daemon) -> dict[str, list[str]]:
+        await until(lambda: a.membership.view() == b.membership.view(),
+                    "a and b to have reached the same daemons")
+        async with grpc.aio.insecure_channel(a.address) as ch:
+            stub = peer_pb2_grpc.PeerServiceStub(ch)
+            as_b = b.peer_info()
+
+            async def ask(view: bytes) -> list[str]:
+                as_b.view = view
+                reply = await stub.Gossip(as_b, metadata=as_node("b"), timeout=10)
+                return [p.node for p in reply.peers]
+
+            return {"same view": await ask(b.membership.view()),
+                    "new daemon": await ask(b"")}
+
+    seen = asyncio.run(three_daemons(tmp_path, body))
+    assert seen["same view"] == ["a"]
+    assert seen["new daemon"] == ["a", "b", "c"]

@@ -195,6 +195,20 @@ def test_a_seed_stays_a_target_and_its_responder_is_kept_under_its_own_address()
     assert table.targets() == ["peers.example:2", "127.0.0.1:2", "127.0.0.1:3"]
 
 
+def test_a_gossip_reply_leaves_the_hearsay_out_for_a_caller_with_the_same_view() -> None:
+    a = Membership("a", "h:1", 1.0, 5.0, Metrics(), lambda f: f, clock=Clock())
+    b = Membership("b", "h:2", 1.0, 5.0, Metrics(), lambda f: f, clock=Clock())
+    for table, others in ((a, [("b", "h:2"), ("c", "h:3")]), (b, [("a", "h:1"), ("c", "h:3")])):
+        for node, address in others:
+            table.observe(peer_pb2.PeerInfo(node=node, address=address))
+    me = peer_pb2.PeerInfo(node="a", address="h:1")
+    assert a.view() == b.view()  # both reached the same three daemons
+    assert [p.node for p in a.to_proto(me, "a", b.view()).peers] == ["a"]
+    assert [p.node for p in a.to_proto(me, "a", b"").peers] == ["a", "b", "c"]
+    b.observe(peer_pb2.PeerInfo(node="d", address="h:4"))  # b learns of one more
+    assert [p.node for p in a.to_proto(me, "a", b.view()).peers] == ["a", "b", "c"]
+
+
 def test_a_daemon_back_from_a_pause_gives_its_ranks_a_fresh_deadline_once() -> None:
     clock, metrics = Clock(), Metrics()
     reg = registry(clock, metrics)

@@ -38,7 +38,9 @@ async def _gossip_once(address: str, membership: Membership,
                        channel: Callable[[str], grpc.aio.Channel], timeout_s: float) -> None:
     stub = peer_pb2_grpc.PeerServiceStub(channel(address))
     try:
-        reply = await stub.Gossip(me(), timeout=timeout_s)
+        info = me()
+        info.view = membership.view()
+        reply = await stub.Gossip(info, timeout=timeout_s)
     except grpc.aio.AioRpcError as e:
         # Unreachable peers are expected while a cluster starts; loss is judged by age.
         # A refusal is not: the daemons of this job do not share a token or a CA.

@@ -9,6 +9,7 @@ Liveness uses the same rule as ranks.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -62,6 +63,7 @@ class Membership:
     _answered: set[str] = field(default_factory=set)  # seeds that have replied once
     _last_check: float | None = None
     _resumed_at: float | None = None  # set after a pause until every live peer answered
+    _view: bytes | None = None  # view(), until the daemons reached change
 
     def __post_init__(self) -> None:
         self._update_gauges()  # every state shows from the first scrape, at 0
@@ -86,6 +88,8 @@ class Membership:
         if record.state in (UNKNOWN, LOST):
             log.info("peer up", extra={"peer": info.node, "address": info.address})
         came_back = record.state == LOST
+        if record.last_seen is None:
+            self._view = None  # reached for the first time
         record.node, record.labels = info.node, dict(info.labels)
         record.generation, record.rank_ids = info.generation, tuple(info.rank_ids)
         record.latest_committed = info.latest_committed
@@ -148,10 +152,24 @@ class Membership:
         """Seconds since direct contact, -1 if never reached."""
         return -1.0 if record.last_seen is None else max(0.0, self.clock() - record.last_seen)
 
-    def to_proto(self, me: peer_pb2.PeerInfo, coordinator: str) -> peer_pb2.Membership:
-        """This daemon first, then every peer it has reached. Peers are hearsay to the
-        receiver (it keeps only their addresses), so their rank ids stay out: a reply
-        grows with the number of daemons, not daemons x ranks."""
+    def view(self) -> bytes:
+        """A digest of the daemons this one has reached, itself included: two daemons
+        that know the same daemons have the same view."""
+        if self._view is None:
+            reached = sorted([self.self_address, *(p.address for p in self._peers.values()
+                                                   if p.last_seen is not None)])
+            self._view = hashlib.sha256("\n".join(reached).encode()).digest()[:16]
+        return self._view
+
+    def to_proto(self, me: peer_pb2.PeerInfo, coordinator: str,
+                 caller_view: bytes = b"") -> peer_pb2.Membership:
+        """This daemon first, then every peer it has reached, unless the caller's view is
+        this daemon's own (then it knows them all already: the reply stays one entry).
+        Peers are hearsay to the receiver (it keeps only their addresses), so their rank
+        ids stay out: a full reply grows with the number of daemons, not daemons x ranks."""
+        if caller_view and caller_view == self.view():
+            return peer_pb2.Membership(peers=[me], coordinator=coordinator,
+                                       generation=me.generation)
         known = [peer_pb2.PeerInfo(node=p.node, address=p.address, labels=p.labels,
                                    generation=p.generation)
                  for p in self._peers.values() if p.last_seen is not None]

@@ -65,7 +65,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
                                 f"this daemon already knows {MAX_PEERS} peers; a cluster that "
                                 "large needs a seed list per rack")
         self.membership.observe(request)
-        return self.membership.to_proto(self.me(), self.leader())
+        return self.membership.to_proto(self.me(), self.leader(), request.view)
 
     async def InstallPlan(self, request: common_pb2.Plan,
                           context: grpc.aio.ServicerContext) -> common_pb2.Ack:

@@ -272,6 +272,8 @@ def _peer_info(r: peer_pb2.PeerInfo) -> None:
     in_range(r.generation, 0, MAX_GENERATION, "generation")
     in_range(r.latest_committed, 0, MAX_STEP, "latest_committed")
     count(r.rank_ids, "rank_ids", MAX_LIVE_RANKS_PER_NODE)
+    if len(r.view) > 32:
+        _fail(f"view is a digest of at most 32 bytes, not {len(r.view)}")
     for rid in r.rank_ids:
         rank_id(rid, "rank_ids")
 

@@ -2,12 +2,14 @@
 it go to its parent (or the coordinator) in one batch per step.
 
 A batch for a step leaves as soon as it holds this daemon's prepare and those of every
-daemon below it in the prepare tree, or LINGER_S after its first prepare arrived: a
-late or lost daemon delays its parent by at most that, and its prepare goes up on its
-own when it comes. A parent that cannot be reached is skipped: the batch goes to the
-coordinator directly. Each prepare is tagged by its own daemon with the key the
-coordinator gave it (see commit_tree.py); this daemon passes tags on, it cannot make
-them for others.
+daemon below it in the prepare tree, or LINGER_S after its first prepare arrived, and
+a late prepare goes up on its own when it comes. Waiting costs the commit nothing: a
+step commits only once every daemon's prepare is in, so the batch waits for what the
+step waits for anyway. LINGER_S bounds it for a prepare that took another way (its
+daemon could not reach this one and sent it to the coordinator). A parent that cannot
+be reached is skipped: the batch goes to the coordinator directly. Each prepare is
+tagged by its own daemon with the key the coordinator gave it (see commit_tree.py);
+this daemon passes tags on, it cannot make them for others.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from stalwart.v1 import common_pb2, peer_pb2
 
 log = logging.getLogger("stalwart.daemon.snapshot.prepare_relay")
 
-LINGER_S = 0.05  # longest a prepare waits here for those of the daemons below
+LINGER_S = 0.25  # longest a prepare waits here for those of the daemons below
 KEEP_STEPS = 64  # steps whose arrivals are counted (older ones are forgotten)
 
 # (the node to send to, None for the coordinator; the batch) -> done, or raises

@@ -244,6 +244,7 @@ class PeerInfo(_message.Message):
     TIME_UNIX_MS_FIELD_NUMBER: _builtins.int
     RANK_IDS_FIELD_NUMBER: _builtins.int
     LATEST_COMMITTED_FIELD_NUMBER: _builtins.int
+    VIEW_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     address: _builtins.str
     """host:port of its PeerService"""
@@ -252,6 +253,11 @@ class PeerInfo(_message.Message):
     """for clock-skew reporting only"""
     latest_committed: _builtins.int
     """newest step committed on this daemon (0: none)"""
+    view: _builtins.bytes
+    """In a Gossip call: a digest of the daemons the caller has reached. A reply to a caller
+    whose view is the responder's own leaves the hearsay out, so once the job's daemons
+    know each other a reply is one PeerInfo, not one per daemon.
+    """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """failure domains: rack, zone"""
@@ -268,10 +274,11 @@ class PeerInfo(_message.Message):
         time_unix_ms: _builtins.int = ...,
         rank_ids: _abc.Iterable[_builtins.str] | None = ...,
         latest_committed: _builtins.int = ...,
+        view: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "generation", b"generation", "labels", b"labels", "latest_committed", b"latest_committed", "node", b"node", "rank_ids", b"rank_ids", "time_unix_ms", b"time_unix_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "generation", b"generation", "labels", b"labels", "latest_committed", b"latest_committed", "node", b"node", "rank_ids", b"rank_ids", "time_unix_ms", b"time_unix_ms", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
