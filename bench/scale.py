@@ -27,6 +27,7 @@ from stalwart.core.placement import Node, place_chunk, repair_plan
 from stalwart.core.rank_placement import place
 from stalwart.core.shrink import ElasticConfig, ElasticPlanner
 from stalwart.core.topology import Topology
+from stalwart.daemon.config_schema import default
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.membership import Membership
 from stalwart.v1 import peer_pb2
@@ -64,16 +65,17 @@ def run(quick: bool) -> dict[str, Any]:
                       "subtree's prepares up in one batch; copies its ranks' records to m "
                       "holders: O(its own ranks)."},
         "defects": [
-            "gossip: every daemon calls every other once per heartbeat interval, so a "
-            "daemon sends and answers 2 x (N - 1) small calls per interval (see `gossip`); "
-            "the replies no longer carry the job's membership once the daemons know each "
-            "other, but the number of calls still grows with N"],
+            "coordinator: about 25 us of Python per daemon and step (a prepare's tag, "
+            "limits, placement and bookkeeping): O(daemons), never O(ranks), and 0.09 s "
+            "per step at 2,048 daemons against a goal of 50 ms"],
     }
 
 
 def _gossip(daemons: int) -> dict[str, Any]:
     """One heartbeat interval of gossip for one daemon among `daemons`, measured on the
-    real membership tables' messages: it calls every peer and every peer calls it."""
+    real membership tables (the daemon's default `gossip_fanout`): the calls it makes,
+    as many made to it on average, and the bytes of both with the replies of daemons that
+    see the job alike; beside them the full mesh with full replies this replaced."""
     def info(i: int) -> peer_pb2.PeerInfo:
         return peer_pb2.PeerInfo(
             node=f"node-{i:04d}", address=f"10.0.{i // 256}.{i % 256}:7070",
@@ -81,20 +83,22 @@ def _gossip(daemons: int) -> dict[str, Any]:
             time_unix_ms=int(time.time() * 1000),
             rank_ids=[f"node-{i:04d}/{4000 + r}" for r in range(PER_NODE)])
 
-    tables = [Membership(f"node-{i:04d}", info(i).address, 1.0, 5.0, Metrics(), lambda f: f)
-              for i in (0, 1)]
+    tables = [Membership(f"node-{i:04d}", info(i).address, 1.0, 5.0, Metrics(), lambda f: f,
+                         fanout=default("gossip_fanout")) for i in (0, 1)]
     for i in range(daemons):
         for j, table in enumerate(tables):
             if i != j:
                 table.observe(info(i))
-    call = info(1)  # node-0001 calls node-0000, both knowing every daemon
+    call = info(1)  # node-0001 calls node-0000, both seeing the job alike
     call.view = tables[1].view()
     converged = tables[0].to_proto(info(0), "node-0000", call.view).ByteSize()
     full = tables[0].to_proto(info(0), "node-0000", b"").ByteSize()
-    calls = 2 * (daemons - 1)  # out and in
+    calls = 2 * len(tables[0].targets())  # out, and as many in
+    mesh = 2 * (daemons - 1)
     return {"daemons": daemons, "calls_per_daemon_per_interval": calls,
             "bytes_per_daemon_per_interval": calls * (call.ByteSize() + converged),
-            "bytes_per_daemon_per_interval_full_replies": calls * (call.ByteSize() + full)}
+            "full_mesh_calls_per_daemon_per_interval": mesh,
+            "full_mesh_bytes_per_daemon_per_interval": mesh * (call.ByteSize() + full)}
 
 
 def _point(gpus: int, repeats: int) -> dict[str, Any]:

@@ -108,6 +108,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
                     "smallest live node name coordinates"),
         "etcd_lease_s": Key("int", 3, _at_least(2), "lease of the coordinator's etcd key: a "
                             "dead coordinator is replaced within about this (seconds)"),
+        "gossip_fanout": Key("int", 32, _at_least(0), "peers a daemon gossips with per "
+                             "heartbeat interval once the job has more: its ring neighbours "
+                             "(judged by age) and a random sample (their state comes second "
+                             "hand), 0 = every peer every interval"),
         "commit_fanout": Key("int", 16, _at_least(0), "daemons each daemon passes a step's "
                              "commit on to (a tree of the job's daemons, so the coordinator "
                              "sends a step's record to this many), 0 = the coordinator "

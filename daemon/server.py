@@ -84,7 +84,8 @@ class Daemon:
                                  config.heartbeat_timeout_s, self.metrics)
         self.membership = Membership(config.node, self.address, config.heartbeat_interval_s,
                                      config.heartbeat_timeout_s, self.metrics,
-                                     self.registry.report, seeds=config.peers)
+                                     self.registry.report, seeds=config.peers,
+                                     fanout=config.gossip_fanout)
         self.health = health.aio.HealthServicer()
         self.channels = PeerChannels(config.tls)
         self.job = Job(config, self.registry, self.membership, self.metrics, self.data_dir,

@@ -1,16 +1,28 @@
 """Which peer daemons this daemon knows, when it last heard from each, and who is lost.
 
-A peer is keyed by the address it advertises (HOST:PORT). Only direct contact
-(a Gossip call in either direction) refreshes a peer; addresses learnt second-hand
-are only added to the daemons to call. Configured addresses are seeds: always
-called, possibly a DNS name standing for several daemons, never a peer of their own.
-Liveness uses the same rule as ranks.
+A peer is keyed by the address it advertises (HOST:PORT). Configured addresses are
+seeds: called until they answer (always, in a small job), possibly a DNS name standing
+for several daemons, never a peer of their own. Liveness uses the same rule as ranks.
+
+Up to `fanout` peers every daemon calls every other each interval, and only direct
+contact (a Gossip call in either direction) refreshes a peer: addresses learnt second
+hand are only added to the daemons to call. Past that a daemon
+calls its RING live neighbours on each side of the ring of node names and a random
+sample, `fanout` calls in all: only the neighbours are judged by the age of their last
+contact (and only they report a peer lost), and every other peer's state comes second
+hand. A reply whose caller's view differs carries the responder's table, each entry
+with the peer's own clock at its last word (`time_unix_ms`) and whether it is lost; the
+newer word wins, and a loss wins over life at the same word. A loss spreads through
+the job in a few intervals, and a daemon makes `fanout` calls per interval however
+large the job is.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +35,8 @@ from stalwart.v1 import peer_pb2
 log = logging.getLogger("stalwart.daemon.recovery.membership")
 
 UP, SUSPECT, LOST, UNKNOWN = "up", "suspect", "lost", "unknown"
+RING = 2  # past `fanout` peers: neighbours on each side called every interval
+MAX_AHEAD_MS = 60_000  # a second-hand word dated further ahead than this is ignored
 _FROM_LIVENESS = {ALIVE: UP, LATE: SUSPECT, DEAD: LOST}
 
 
@@ -38,6 +52,7 @@ class PeerRecord:
     heard_at: float | None = None  # membership clock of the last direct contact
     skew_ms: int = 0  # their wall clock minus ours at contact (for reporting only)
     state: str = UNKNOWN
+    beat: int = 0  # its own wall clock (ms) at the newest word from it, direct or not
 
 
 @dataclass
@@ -59,19 +74,56 @@ class Membership:
     """The node that decided the installed plan ("" before the first plan)."""
     on_peer_up: Callable[[str], None] = lambda node: None
     """Called with a peer's node name when it answers again after being lost."""
+    fanout: int = 0
+    """Past this many peers, call neighbours and a sample each interval (0: all)."""
+    rng: random.Random = field(default_factory=random.Random)
     _peers: dict[str, PeerRecord] = field(default_factory=dict)
     _answered: set[str] = field(default_factory=set)  # seeds that have replied once
     _last_check: float | None = None
     _resumed_at: float | None = None  # set after a pause until every live peer answered
     _view: bytes | None = None  # view(), until the daemons reached change
+    _watched: set[str] = field(default_factory=set)  # sampled: the neighbours, by address
 
     def __post_init__(self) -> None:
         self._update_gauges()  # every state shows from the first scrape, at 0
 
-    def targets(self) -> list[str]:
-        """Addresses to call Gossip on: every seed, then every peer not reached through one."""
+    def addresses(self) -> list[str]:
+        """Every daemon to call: each seed, then each peer not reached through one."""
         seeds = [a for a in self.seeds if a != self.self_address]
         return [*seeds, *(a for a in self._peers if a not in seeds)]
+
+    def sampled(self) -> bool:
+        """Whether the job is past `fanout` peers (see the module's docstring)."""
+        return 0 < self.fanout < len(self._peers)
+
+    def targets(self) -> list[str]:
+        """Addresses to call Gossip on this interval: every daemon, or once sampled the
+        seeds that never answered, the neighbours and a random sample."""
+        if not self.sampled():
+            return self.addresses()
+        ring = self._neighbours()
+        now = self.clock()
+        for address in ring - self._watched:  # newly judged by age: a fresh grace period
+            record = self._peers[address]
+            if record.last_seen is not None:
+                record.last_seen = max(record.last_seen, now)
+        self._watched = ring
+        rest = [a for a in self._peers if a not in ring]
+        sample = self.rng.sample(rest, min(len(rest), max(0, self.fanout - len(ring))))
+        unanswered = [a for a in self.seeds if a != self.self_address
+                      and a not in self._answered and a not in self._peers]
+        return [*unanswered, *sorted(ring), *sample]
+
+    def _neighbours(self) -> set[str]:
+        """The RING live peers on each side of this daemon on the ring of node names."""
+        live = sorted((p.node, p.address) for p in self._peers.values()
+                      if p.node and p.state in (UP, SUSPECT))
+        if not live:
+            return set()
+        i = bisect.bisect_left(live, (self.self_node, ""))
+        n = len(live)
+        return ({live[(i + k) % n][1] for k in range(min(RING, n))}
+                | {live[(i - 1 - k) % n][1] for k in range(min(RING, n))})
 
     def add_address(self, address: str) -> None:
         """Remember a daemon to gossip with (learnt second-hand)."""
@@ -88,8 +140,9 @@ class Membership:
         if record.state in (UNKNOWN, LOST):
             log.info("peer up", extra={"peer": info.node, "address": info.address})
         came_back = record.state == LOST
-        if record.last_seen is None:
-            self._view = None  # reached for the first time
+        if record.last_seen is None or came_back:
+            self._view = None  # reached for the first time, or back
+        record.beat = max(record.beat, info.time_unix_ms)
         record.node, record.labels = info.node, dict(info.labels)
         record.generation, record.rank_ids = info.generation, tuple(info.rank_ids)
         record.latest_committed = info.latest_committed
@@ -106,8 +159,44 @@ class Membership:
         for i, info in enumerate(membership.peers):
             if i == 0:
                 self.observe(info)
+            elif self.sampled():
+                self._hearsay(info)
             else:
                 self.add_address(info.address)
+
+    def _hearsay(self, info: peer_pb2.PeerInfo) -> None:
+        """A peer's state as another daemon has it, taken when it is newer than ours (a
+        neighbour's is judged by this daemon's own contact only)."""
+        if not info.address or info.address == self.self_address or info.node == self.self_node:
+            return
+        self.add_address(info.address)
+        record = self._peers[info.address]
+        if info.address in self._watched:
+            return
+        lost = record.state == LOST
+        if info.time_unix_ms > int(self.wall() * 1000) + MAX_AHEAD_MS:
+            return  # dated further ahead than any clock skew: it would outrank every word
+        if not (info.time_unix_ms > record.beat
+                or (info.time_unix_ms == record.beat and info.lost and not lost)):
+            return
+        record.beat = info.time_unix_ms
+        record.node = record.node or info.node
+        record.labels = record.labels or dict(info.labels)
+        record.generation = max(record.generation, info.generation)
+        record.latest_committed = max(record.latest_committed, info.latest_committed)
+        if info.lost and not lost:
+            log.info("peer lost, as its neighbours tell", extra={"peer": record.node})
+            record.state, self._view = LOST, None
+        elif not info.lost:
+            now = self.clock()
+            if record.last_seen is None or lost:
+                self._view = None
+            record.last_seen = record.heard_at = now
+            record.state = UP
+            if lost:
+                log.info("peer up again, as its neighbours tell", extra={"peer": record.node})
+                self.on_peer_up(record.node)
+        self._update_gauges()
 
     def check(self) -> list[Failure]:
         """Move peers between up, suspect and lost; returns a failure per newly lost peer."""
@@ -124,9 +213,10 @@ class Membership:
             self._resumed_at = now
             return []
         found = []
+        sampled = self.sampled()
         for record in self._peers.values():
-            if record.last_seen is None:
-                continue
+            if record.last_seen is None or (sampled and record.address not in self._watched):
+                continue  # never reached, or (sampled) known second hand
             age = self.clock() - record.last_seen
             state = _FROM_LIVENESS[heartbeat_state(age, self.interval_s, self.timeout_s)]
             if state == record.state:
@@ -137,6 +227,12 @@ class Membership:
                     f"no contact with peer daemon {record.address} for {age:.2f} s",
                     generation=record.generation, reporter=self.self_node,
                     details={"silent_s": round(age, 3)})))
+                # The loss as the peer's own clock would date it now (our clock plus its
+                # skew): later than any word it said before it died, which a daemon that
+                # heard from it after us may still pass on, and earlier than any word
+                # it says if it comes back.
+                record.beat = max(record.beat, int(self.wall() * 1000) + record.skew_ms)
+                self._view = None
             record.state = state
         if found:
             self._update_gauges()
@@ -153,11 +249,12 @@ class Membership:
         return -1.0 if record.last_seen is None else max(0.0, self.clock() - record.last_seen)
 
     def view(self) -> bytes:
-        """A digest of the daemons this one has reached, itself included: two daemons
-        that know the same daemons have the same view."""
+        """A digest of the daemons this one has reached, itself included, and which of
+        them are lost: two daemons that see the job alike have the same view."""
         if self._view is None:
-            reached = sorted([self.self_address, *(p.address for p in self._peers.values()
-                                                   if p.last_seen is not None)])
+            reached = sorted([f"{self.self_address} up",
+                              *(f"{p.address} {'lost' if p.state == LOST else 'up'}"
+                                for p in self._peers.values() if p.last_seen is not None)])
             self._view = hashlib.sha256("\n".join(reached).encode()).digest()[:16]
         return self._view
 
@@ -171,7 +268,8 @@ class Membership:
             return peer_pb2.Membership(peers=[me], coordinator=coordinator,
                                        generation=me.generation)
         known = [peer_pb2.PeerInfo(node=p.node, address=p.address, labels=p.labels,
-                                   generation=p.generation)
+                                   generation=p.generation, time_unix_ms=p.beat,
+                                   latest_committed=p.latest_committed, lost=p.state == LOST)
                  for p in self._peers.values() if p.last_seen is not None]
         return peer_pb2.Membership(peers=[me, *known], coordinator=coordinator,
                                    generation=me.generation)

@@ -59,8 +59,8 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         if request.node != caller:
             await self._forbidden(context, Forbidden(
                 f"daemon {caller!r} gossiped as {request.node!r}; a daemon speaks for itself"))
-        targets = self.membership.targets()
-        if request.address not in targets and len(targets) >= MAX_PEERS:
+        known = self.membership.addresses()
+        if request.address not in known and len(known) >= MAX_PEERS:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"this daemon already knows {MAX_PEERS} peers; a cluster that "
                                 "large needs a seed list per rack")

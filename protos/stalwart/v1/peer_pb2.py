@@ -26,7 +26,7 @@ from stalwart.v1 import common_pb2 as stalwart_dot_v1_dot_common__pb2
 from stalwart.v1 import manifest_pb2 as stalwart_dot_v1_dot_manifest__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16stalwart/v1/peer.proto\x12\x0bstalwart.v1\x1a\x18stalwart/v1/common.proto\x1a\x1astalwart/v1/manifest.proto\"\xcf\x01\n\x10RankAnnouncement\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07rank_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12+\n\x06layout\x18\x05 \x01(\x0b\x32\x1b.stalwart.v1.ParallelLayout\x12\x12\n\ngeneration\x18\x06 \x01(\x04\x12*\n\x07profile\x18\x07 \x01(\x0b\x32\x19.stalwart.v1.LayerProfile\x12\r\n\x05store\x18\x08 \x01(\t\"o\n\x0bShardHeader\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x04 \x01(\r\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x0c\n\x04step\x18\x06 \x01(\x04\"D\n\nShardPiece\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x18.stalwart.v1.ShardHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"0\n\rPutShardReply\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"3\n\x0fGetShardRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x02 \x01(\t\"L\n\x13\x44\x65leteShardsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tshard_ids\x18\x02 \x03(\t\x12\x12\n\nbelow_step\x18\x03 \x01(\x04\"$\n\x11\x44\x65leteShardsReply\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\xef\x01\n\x08PeerInfo\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x31\n\x06labels\x18\x03 \x03(\x0b\x32!.stalwart.v1.PeerInfo.LabelsEntry\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x14\n\x0ctime_unix_ms\x18\x05 \x01(\x03\x12\x10\n\x08rank_ids\x18\x06 \x03(\t\x12\x18\n\x10latest_committed\x18\x07 \x01(\x04\x12\x0c\n\x04view\x18\x08 \x01(\x0c\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"[\n\nMembership\x12$\n\x05peers\x18\x01 \x03(\x0b\x32\x15.stalwart.v1.PeerInfo\x12\x13\n\x0b\x63oordinator\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\"\xbb\x01\n\x12PrepareStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0c\n\x04node\x18\x04 \x01(\t\x12+\n\x06layout\x18\x06 \x01(\x0b\x32\x1b.stalwart.v1.ParallelLayout\x12\r\n\x05\x66inal\x18\x07 \x01(\x08\x12#\n\x04seal\x18\x08 \x01(\x0b\x32\x15.stalwart.v1.RankSealJ\x04\x08\x05\x10\x06\"K\n\x10PrepareStepReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x11\n\trelay_key\x18\x04 \x01(\x0cJ\x04\x08\x02\x10\x03\"e\n\x11\x43ommitStepRequest\x12\'\n\x06record\x18\x02 \x01(\x0b\x32\x17.stalwart.v1.StepRecord\x12\x0e\n\x06\x66\x61nout\x18\x03 \x01(\r\x12\x11\n\tsignature\x18\x04 \x01(\x0cJ\x04\x08\x01\x10\x02\";\n\rTaggedPrepare\x12\x0f\n\x07prepare\x18\x01 \x01(\x0c\x12\x0b\n\x03tag\x18\x02 \x01(\x0c\x12\x0c\n\x04step\x18\x03 \x01(\x04\"L\n\x0cPrepareBatch\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12,\n\x08prepares\x18\x02 \x03(\x0b\x32\x1a.stalwart.v1.TaggedPrepare\"4\n\x14GetStepRecordRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\"@\n\x11GetRecordsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\r\n\x05ranks\x18\x03 \x03(\r\"$\n\x0f\x43ommitStepReply\x12\x11\n\tcommitted\x18\x01 \x01(\x08\x32\xe8\x01\n\x0cShardService\x12\x41\n\x08PutShard\x12\x17.stalwart.v1.ShardPiece\x1a\x1a.stalwart.v1.PutShardReply(\x01\x12\x43\n\x08GetShard\x12\x1c.stalwart.v1.GetShardRequest\x1a\x17.stalwart.v1.ShardPiece0\x01\x12P\n\x0c\x44\x65leteShards\x12 .stalwart.v1.DeleteShardsRequest\x1a\x1e.stalwart.v1.DeleteShardsReply2\x9e\x05\n\x0bPeerService\x12\x38\n\x06Gossip\x12\x15.stalwart.v1.PeerInfo\x1a\x17.stalwart.v1.Membership\x12M\n\x0bPrepareStep\x12\x1f.stalwart.v1.PrepareStepRequest\x1a\x1d.stalwart.v1.PrepareStepReply\x12J\n\nCommitStep\x12\x1e.stalwart.v1.CommitStepRequest\x1a\x1c.stalwart.v1.CommitStepReply\x12<\n\rRelayPrepares\x12\x19.stalwart.v1.PrepareBatch\x1a\x10.stalwart.v1.Ack\x12K\n\rGetStepRecord\x12!.stalwart.v1.GetStepRecordRequest\x1a\x17.stalwart.v1.StepRecord\x12\x38\n\nPutRecords\x12\x18.stalwart.v1.RankRecords\x1a\x10.stalwart.v1.Ack\x12\x46\n\nGetRecords\x12\x1e.stalwart.v1.GetRecordsRequest\x1a\x18.stalwart.v1.RankRecords\x12\x32\n\x0bInstallPlan\x12\x11.stalwart.v1.Plan\x1a\x10.stalwart.v1.Ack\x12<\n\rReportFailure\x12\x19.stalwart.v1.FailureEvent\x1a\x10.stalwart.v1.Ack\x12;\n\x08\x41nnounce\x12\x1d.stalwart.v1.RankAnnouncement\x1a\x10.stalwart.v1.Ackb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16stalwart/v1/peer.proto\x12\x0bstalwart.v1\x1a\x18stalwart/v1/common.proto\x1a\x1astalwart/v1/manifest.proto\"\xcf\x01\n\x10RankAnnouncement\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07rank_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12+\n\x06layout\x18\x05 \x01(\x0b\x32\x1b.stalwart.v1.ParallelLayout\x12\x12\n\ngeneration\x18\x06 \x01(\x04\x12*\n\x07profile\x18\x07 \x01(\x0b\x32\x19.stalwart.v1.LayerProfile\x12\r\n\x05store\x18\x08 \x01(\t\"o\n\x0bShardHeader\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x04 \x01(\r\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x0c\n\x04step\x18\x06 \x01(\x04\"D\n\nShardPiece\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x18.stalwart.v1.ShardHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"0\n\rPutShardReply\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"3\n\x0fGetShardRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x02 \x01(\t\"L\n\x13\x44\x65leteShardsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tshard_ids\x18\x02 \x03(\t\x12\x12\n\nbelow_step\x18\x03 \x01(\x04\"$\n\x11\x44\x65leteShardsReply\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\xfd\x01\n\x08PeerInfo\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x31\n\x06labels\x18\x03 \x03(\x0b\x32!.stalwart.v1.PeerInfo.LabelsEntry\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x14\n\x0ctime_unix_ms\x18\x05 \x01(\x03\x12\x10\n\x08rank_ids\x18\x06 \x03(\t\x12\x18\n\x10latest_committed\x18\x07 \x01(\x04\x12\x0c\n\x04view\x18\x08 \x01(\x0c\x12\x0c\n\x04lost\x18\t \x01(\x08\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"[\n\nMembership\x12$\n\x05peers\x18\x01 \x03(\x0b\x32\x15.stalwart.v1.PeerInfo\x12\x13\n\x0b\x63oordinator\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\"\xbb\x01\n\x12PrepareStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0c\n\x04node\x18\x04 \x01(\t\x12+\n\x06layout\x18\x06 \x01(\x0b\x32\x1b.stalwart.v1.ParallelLayout\x12\r\n\x05\x66inal\x18\x07 \x01(\x08\x12#\n\x04seal\x18\x08 \x01(\x0b\x32\x15.stalwart.v1.RankSealJ\x04\x08\x05\x10\x06\"K\n\x10PrepareStepReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x11\n\trelay_key\x18\x04 \x01(\x0cJ\x04\x08\x02\x10\x03\"e\n\x11\x43ommitStepRequest\x12\'\n\x06record\x18\x02 \x01(\x0b\x32\x17.stalwart.v1.StepRecord\x12\x0e\n\x06\x66\x61nout\x18\x03 \x01(\r\x12\x11\n\tsignature\x18\x04 \x01(\x0cJ\x04\x08\x01\x10\x02\";\n\rTaggedPrepare\x12\x0f\n\x07prepare\x18\x01 \x01(\x0c\x12\x0b\n\x03tag\x18\x02 \x01(\x0c\x12\x0c\n\x04step\x18\x03 \x01(\x04\"L\n\x0cPrepareBatch\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12,\n\x08prepares\x18\x02 \x03(\x0b\x32\x1a.stalwart.v1.TaggedPrepare\"4\n\x14GetStepRecordRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\"@\n\x11GetRecordsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\r\n\x05ranks\x18\x03 \x03(\r\"$\n\x0f\x43ommitStepReply\x12\x11\n\tcommitted\x18\x01 \x01(\x08\x32\xe8\x01\n\x0cShardService\x12\x41\n\x08PutShard\x12\x17.stalwart.v1.ShardPiece\x1a\x1a.stalwart.v1.PutShardReply(\x01\x12\x43\n\x08GetShard\x12\x1c.stalwart.v1.GetShardRequest\x1a\x17.stalwart.v1.ShardPiece0\x01\x12P\n\x0c\x44\x65leteShards\x12 .stalwart.v1.DeleteShardsRequest\x1a\x1e.stalwart.v1.DeleteShardsReply2\x9e\x05\n\x0bPeerService\x12\x38\n\x06Gossip\x12\x15.stalwart.v1.PeerInfo\x1a\x17.stalwart.v1.Membership\x12M\n\x0bPrepareStep\x12\x1f.stalwart.v1.PrepareStepRequest\x1a\x1d.stalwart.v1.PrepareStepReply\x12J\n\nCommitStep\x12\x1e.stalwart.v1.CommitStepRequest\x1a\x1c.stalwart.v1.CommitStepReply\x12<\n\rRelayPrepares\x12\x19.stalwart.v1.PrepareBatch\x1a\x10.stalwart.v1.Ack\x12K\n\rGetStepRecord\x12!.stalwart.v1.GetStepRecordRequest\x1a\x17.stalwart.v1.StepRecord\x12\x38\n\nPutRecords\x12\x18.stalwart.v1.RankRecords\x1a\x10.stalwart.v1.Ack\x12\x46\n\nGetRecords\x12\x1e.stalwart.v1.GetRecordsRequest\x1a\x18.stalwart.v1.RankRecords\x12\x32\n\x0bInstallPlan\x12\x11.stalwart.v1.Plan\x1a\x10.stalwart.v1.Ack\x12<\n\rReportFailure\x12\x19.stalwart.v1.FailureEvent\x1a\x10.stalwart.v1.Ack\x12;\n\x08\x41nnounce\x12\x1d.stalwart.v1.RankAnnouncement\x1a\x10.stalwart.v1.Ackb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,29 +50,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DELETESHARDSREPLY']._serialized_start=667
   _globals['_DELETESHARDSREPLY']._serialized_end=703
   _globals['_PEERINFO']._serialized_start=706
-  _globals['_PEERINFO']._serialized_end=945
-  _globals['_PEERINFO_LABELSENTRY']._serialized_start=900
-  _globals['_PEERINFO_LABELSENTRY']._serialized_end=945
-  _globals['_MEMBERSHIP']._serialized_start=947
-  _globals['_MEMBERSHIP']._serialized_end=1038
-  _globals['_PREPARESTEPREQUEST']._serialized_start=1041
-  _globals['_PREPARESTEPREQUEST']._serialized_end=1228
-  _globals['_PREPARESTEPREPLY']._serialized_start=1230
-  _globals['_PREPARESTEPREPLY']._serialized_end=1305
-  _globals['_COMMITSTEPREQUEST']._serialized_start=1307
-  _globals['_COMMITSTEPREQUEST']._serialized_end=1408
-  _globals['_TAGGEDPREPARE']._serialized_start=1410
-  _globals['_TAGGEDPREPARE']._serialized_end=1469
-  _globals['_PREPAREBATCH']._serialized_start=1471
-  _globals['_PREPAREBATCH']._serialized_end=1547
-  _globals['_GETSTEPRECORDREQUEST']._serialized_start=1549
-  _globals['_GETSTEPRECORDREQUEST']._serialized_end=1601
-  _globals['_GETRECORDSREQUEST']._serialized_start=1603
-  _globals['_GETRECORDSREQUEST']._serialized_end=1667
-  _globals['_COMMITSTEPREPLY']._serialized_start=1669
-  _globals['_COMMITSTEPREPLY']._serialized_end=1705
-  _globals['_SHARDSERVICE']._serialized_start=1708
-  _globals['_SHARDSERVICE']._serialized_end=1940
-  _globals['_PEERSERVICE']._serialized_start=1943
-  _globals['_PEERSERVICE']._serialized_end=2613
+  _globals['_PEERINFO']._serialized_end=959
+  _globals['_PEERINFO_LABELSENTRY']._serialized_start=914
+  _globals['_PEERINFO_LABELSENTRY']._serialized_end=959
+  _globals['_MEMBERSHIP']._serialized_start=961
+  _globals['_MEMBERSHIP']._serialized_end=1052
+  _globals['_PREPARESTEPREQUEST']._serialized_start=1055
+  _globals['_PREPARESTEPREQUEST']._serialized_end=1242
+  _globals['_PREPARESTEPREPLY']._serialized_start=1244
+  _globals['_PREPARESTEPREPLY']._serialized_end=1319
+  _globals['_COMMITSTEPREQUEST']._serialized_start=1321
+  _globals['_COMMITSTEPREQUEST']._serialized_end=1422
+  _globals['_TAGGEDPREPARE']._serialized_start=1424
+  _globals['_TAGGEDPREPARE']._serialized_end=1483
+  _globals['_PREPAREBATCH']._serialized_start=1485
+  _globals['_PREPAREBATCH']._serialized_end=1561
+  _globals['_GETSTEPRECORDREQUEST']._serialized_start=1563
+  _globals['_GETSTEPRECORDREQUEST']._serialized_end=1615
+  _globals['_GETRECORDSREQUEST']._serialized_start=1617
+  _globals['_GETRECORDSREQUEST']._serialized_end=1681
+  _globals['_COMMITSTEPREPLY']._serialized_start=1683
+  _globals['_COMMITSTEPREPLY']._serialized_end=1719
+  _globals['_SHARDSERVICE']._serialized_start=1722
+  _globals['_SHARDSERVICE']._serialized_end=1954
+  _globals['_PEERSERVICE']._serialized_start=1957
+  _globals['_PEERSERVICE']._serialized_end=2627
 # @@protoc_insertion_point(module_scope)

@@ -245,6 +245,7 @@ class PeerInfo(_message.Message):
     RANK_IDS_FIELD_NUMBER: _builtins.int
     LATEST_COMMITTED_FIELD_NUMBER: _builtins.int
     VIEW_FIELD_NUMBER: _builtins.int
+    LOST_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     address: _builtins.str
     """host:port of its PeerService"""
@@ -257,6 +258,10 @@ class PeerInfo(_message.Message):
     """In a Gossip call: a digest of the daemons the caller has reached. A reply to a caller
     whose view is the responder's own leaves the hearsay out, so once the job's daemons
     know each other a reply is one PeerInfo, not one per daemon.
+    """
+    lost: _builtins.bool
+    """In a Gossip reply's table: the responder holds this daemon lost (time_unix_ms is
+    then the daemon's own clock at its last word).
     """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
@@ -275,10 +280,11 @@ class PeerInfo(_message.Message):
         rank_ids: _abc.Iterable[_builtins.str] | None = ...,
         latest_committed: _builtins.int = ...,
         view: _builtins.bytes = ...,
+        lost: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "generation", b"generation", "labels", b"labels", "latest_committed", b"latest_committed", "node", b"node", "rank_ids", b"rank_ids", "time_unix_ms", b"time_unix_ms", "view", b"view"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "generation", b"generation", "labels", b"labels", "latest_committed", b"latest_committed", "lost", b"lost", "node", b"node", "rank_ids", b"rank_ids", "time_unix_ms", b"time_unix_ms", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
