@@ -265,25 +265,28 @@ class _Coordinator(peer_pb2_grpc.PeerServiceServicer):
         self.last_in: dict[int, float] = {}
         self.count: dict[int, int] = {}
 
-    async def _take(self, request: peer_pb2.PrepareStepRequest) -> None:
-        """What the coordinator's role check does with a prepare, then phase one."""
+    def _admit(self, request: peer_pb2.PrepareStepRequest) -> None:
+        """What the coordinator's role check does with a prepare (JobGate._admit)."""
         check_prepare(self.plan, request.node, request, self.commits.latest_committed(),
                       self.commits.steps, self.where)
         self.count[request.step] = self.count.get(request.step, 0) + 1
         if self.count[request.step] * RANKS_PER_DAEMON >= self.world:
             self.last_in[request.step] = time.perf_counter()
-        await self.commits.prepared(request)
 
     async def PrepareStep(self, request, context):  # noqa: N802 - gRPC method name
-        await self._take(request)
+        self._admit(request)
+        await self.commits.prepared(request)
         return peer_pb2.PrepareStepReply(
             ready=True, relay_key=self.commits.relay_keys.key_for(request.node))
 
     async def RelayPrepares(self, request, context):  # noqa: N802 - gRPC method name
+        taken = []
         for tagged in request.prepares:  # as JobGate.relay_from
             prepare = self.commits.relay_keys.open(tagged)
             validate.request(prepare)
-            await self._take(prepare)
+            self._admit(prepare)
+            taken.append(prepare)
+        await self.commits.prepared(*taken)
         return common_pb2.Ack(accepted=True)
 
 

@@ -372,10 +372,10 @@ class Coordinator:
 
     # commit -------------------------------------------------------------------
 
-    async def prepared(self, req: peer_pb2.PrepareStepRequest) -> None:
-        """Phase one from one daemon (see StepCommits); a joiner that came during a
+    async def prepared(self, *reqs: peer_pb2.PrepareStepRequest) -> None:
+        """Phase one from daemons (see StepCommits); a joiner that came during a
         recovery may widen the plan afterwards."""
-        await self.commits.prepared(req)
+        await self.commits.prepared(*reqs)
         if self.plan is not None and self._joined and self._in_flight is None:
             async with self._lock:
                 await self._maybe_grow()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from stalwart.core import step_record as sr
-from stalwart.core.generation import check_generation
+from stalwart.core.generation import StaleGeneration, check_generation
 from stalwart.core.layout import Layout
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.snapshot import commit_tree
@@ -107,22 +107,45 @@ class StepCommits:
     _retry: asyncio.TimerHandle | None = None
     _retrying: asyncio.Future[None] | None = None
 
-    async def prepared(self, req: peer_pb2.PrepareStepRequest) -> None:
-        """Phase one from one daemon: its ranks' records for a step are durable."""
+    async def prepared(self, *reqs: peer_pb2.PrepareStepRequest) -> None:
+        """Phase one from daemons (one, or a batch from the commit tree): each one's ranks'
+        records for a step are durable. StaleGeneration for a lone prepare of an older
+        generation; a batch skips such a prepare and takes the rest. The bookkeeping is
+        synchronous per prepare; the commit, if one became due, runs once per call."""
+        again: list[peer_pb2.PrepareStepRequest] = []
+        due = False
+        for req in reqs:
+            try:
+                taken = self._take(req)
+            except StaleGeneration:
+                if len(reqs) == 1:
+                    raise
+                log.warning("prepare of an older generation skipped",
+                            extra={"node": req.node, "generation": req.generation})
+                continue
+            if taken is None:
+                again.append(req)
+            due = due or taken is True
+        for req in again:
+            # Sent again after a change of coordinator, by a daemon that may have missed
+            # the commit: send it the commit.
+            await self.resend(req.step, [req.node])
+        if due:
+            await self._commit_ready()
+
+    def _take(self, req: peer_pb2.PrepareStepRequest) -> bool | None:
+        """One prepare into its step: True when the step became complete, None when it
+        is committed already."""
         if (generation := self.generation()) is not None:
             check_generation(req.generation, generation, f"prepare of step {req.step}")
         latest = self.latest_committed()
         if latest is not None and req.step <= latest:
-            # Sent again after a change of coordinator, by a daemon that may have missed
-            # the commit: send it the commit.
-            await self.resend(req.step, [req.node])
-            return
+            return None
         if (pending := self.steps.get(req.step)) is None:
             pending = self.steps[req.step] = PendingStep(req.layout, req.generation,
                                                          world_of(req.layout))
         pending.add(req)
-        if pending.complete:
-            await self._commit_ready()
+        return pending.complete
 
     @property
     def pending(self) -> dict[int, dict[int, manifest_pb2.RankSeal]]:

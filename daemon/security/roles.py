@@ -174,6 +174,11 @@ class JobGate:
             raise NotFound(str(exc)) from None
 
     async def prepare_from(self, caller: str, req: peer_pb2.PrepareStepRequest) -> None:
+        self._admit(caller, req)
+        await self.coordinator.prepared(req)
+
+    def _admit(self, caller: str, req: peer_pb2.PrepareStepRequest) -> None:
+        """Raise unless `caller` may prepare what `req` names (see check_prepare)."""
         if req.node != caller:
             raise Forbidden(f"daemon {caller} sent a prepare for node {req.node!r}")
         coordinator = self.coordinator
@@ -183,8 +188,7 @@ class JobGate:
         if plan is not None and self._placed[0] is not plan:
             self._placed = (plan, placement(plan))
         check_prepare(plan, caller, req, self.store.latest_committed(),
-                      coordinator.pending, self._placed[1])
-        await coordinator.prepared(req)
+                      coordinator.commits.steps, self._placed[1])
 
     def relay_key(self, caller: str) -> bytes:
         """The key `caller` tags its prepares with on their way up the commit tree, from
@@ -202,7 +206,7 @@ class JobGate:
         if not self.leadership.is_leader():
             self.relay.relay(list(batch.prepares))
             return
-        keys = self.coordinator.commits.relay_keys
+        keys, taken = self.coordinator.commits.relay_keys, []
         for tagged in batch.prepares:
             try:
                 req = keys.open(tagged)
@@ -210,10 +214,13 @@ class JobGate:
                 if req.job_id != batch.job_id:
                     raise Forbidden(f"a prepare of job {req.job_id!r} in a batch of job "
                                     f"{batch.job_id!r}")
-                await self.prepare_from(req.node, req)
+                self._admit(req.node, req)
             except (commit_tree.BadTag, validate.InvalidRequest, Forbidden, *TYPED) as exc:
                 log.warning("relayed prepare refused",
                             extra={"via": caller, "step": tagged.step, "error": str(exc)})
+                continue
+            taken.append(req)
+        await self.coordinator.prepared(*taken)
 
     async def announce_from(self, caller: str, a: peer_pb2.RankAnnouncement) -> None:
         if a.node != caller:
