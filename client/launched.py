@@ -58,7 +58,10 @@ def launched_agent(program: Program, *, device: str, collective_timeout_s: float
 
 
 def _print_step(step: int, loss: float) -> None:
-    print(f"[step] {step} loss {loss!r}", flush=True)  # launchers follow these lines
+    # Launchers follow these lines. One write with its newline: print() writes the end
+    # separately, and unbuffered, a warning from another thread could land in between.
+    sys.stdout.write(f"[step] {step} loss {loss!r}\n")
+    sys.stdout.flush()
 
 
 def write_result(agent: ElasticAgent, result: dict[str, Any] | None) -> None:

@@ -71,10 +71,15 @@ class StepLog:
             cut = chunk.rfind(b"\n") + 1
             self.offsets[path] = self.offsets.get(path, 0) + cut
             for line in chunk[:cut].decode("utf-8", "replace").splitlines():
-                if line.startswith("[step] "):
-                    _, step, _, loss = line.split()
-                    self.losses[int(step)] = float(loss)
-                    self.seen.setdefault(path, []).append((int(step), now))
+                fields = line.split()
+                if len(fields) != 4 or fields[0] != "[step]" or fields[2] != "loss":
+                    continue  # not a step line (or one another write broke into)
+                try:
+                    step, loss = int(fields[1]), float(fields[3])
+                except ValueError:
+                    continue
+                self.losses[step] = loss
+                self.seen.setdefault(path, []).append((step, now))
 
     def first_seen(self, step: int) -> float | None:
         """When any rank first printed `step` (unix seconds)."""
