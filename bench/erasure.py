@@ -185,30 +185,33 @@ def run(quick: bool) -> dict:
 
     say("training run: daemons store shards of real steps; then m of them are killed")
     run_ = figures["training_run"] = cluster_figures(quick, *CODES[0])
-    encoded = (run_["stored_bytes_per_step_ratio"] - run_["shards_only_ratio"])  # local copy
+    encoded, records = run_["encoded_ratio"], run_["records_ratio"]
     figures["replication3_ratio"] = 3.0
     for code in figures["codes"].values():
         code["coding_overhead"] = (code["k"] + code["m"]) / code["k"]
         # Derived for the other codes from the measured encoded/state of the run.
-        code["stored_bytes_per_step_ratio"] = round((code["coding_overhead"] + 1) * encoded, 4)
+        code["stored_bytes_per_step_ratio"] = round(code["coding_overhead"] * encoded
+                                                    + records, 4)
     first = figures["codes"]["k4_m2"]
     # Headline figures for the first code (4+2), beside the replication baseline.
     figures.update({key: first[key] for key in ("encode_gbps", "decode_gbps",
                                                 "zfec_single_thread_gbps")})
     figures.update({key: run_[key] for key in ("stored_bytes_per_step_ratio",
+                                               "stored_with_local_copy_ratio",
                                                "records_ratio", "restore_from_shards_s",
                                                "restore_local_s", "restore_nodes_lost")})
     figures["stored_vs_replication3"] = round(run_["stored_bytes_per_step_ratio"] / 3.0, 4)
     figures["storage_note"] = (
-        "stored_bytes_per_step_ratio: bytes the daemons of a real training run (LocalCluster, "
-        "k=4 m=2, deltas and AdamW prediction on, one base every base_every steps) stored per "
-        "committed step (every shard, the capturing node's own encoded copy and every copy "
-        "of the ranks' records: records_ratio of the state) / state "
-        "bytes captured, averaged over the run; per-code values for other codes are derived "
-        "from the same run's encoded/state")
+        "stored_bytes_per_step_ratio: bytes on the disks of the daemons of a real training "
+        "run (LocalCluster, the small preset, k=4 m=2, deltas and AdamW prediction on, one "
+        "base every base_every steps, every step kept) per committed step: every shard, "
+        "every whole chunk and every copy of the ranks' records (records_ratio of the "
+        "state), over the state bytes captured; stored_with_local_copy_ratio adds what "
+        "[snapshot] local_copy = true would keep (every chunk whole on its own daemon); "
+        "per-code values for other codes are derived from the same run's encoded/state")
     figures["restore_note"] = (
         "restore_local_s: Restore RPC of the newest step from the daemon that captured it "
-        "(its own copy); restore_from_shards_s: the same step from a daemon that holds no "
+        "(its RAM tier); restore_from_shards_s: the same step from a daemon that holds no "
         "copy, after SIGKILL of m other daemons (reads k shards over gRPC and decodes); "
         "restore_synthetic repeats this on 32 MiB (quick) of random bytes in-process")
     restore_bytes = (32 if quick else 128) << 20

@@ -212,6 +212,14 @@ class LocalCluster:
             node.proc.send_signal(signal.SIGKILL)
             node.proc.wait(timeout=10)
 
+    def restart_daemon(self, node: Node, timeout_s: float = 60.0) -> None:
+        """SIGKILL `node`'s daemon and start it again on its data dir and address: what
+        it held in memory (its RAM tier, its view of the job) is gone."""
+        self.kill_daemon(node)
+        self._spawn_daemon(node, [n.address for n in self.daemons if n is not node])
+        wait_until(lambda: node.status() is not None, timeout_s,
+                   f"daemon {node.name} to answer again on {node.address}")
+
     # ranks --------------------------------------------------------------------------
 
     def launch(self, spec: dict[str, Any] | None, world: int, spares: int = 0,

@@ -58,6 +58,7 @@ class SnapshotConfig:
     chunk_bytes: int = default("snapshot.chunk_bytes")
     slot_bytes: int = default("snapshot.slot_bytes")
     ram_tier_bytes: int = default("snapshot.ram_tier_bytes")
+    local_copy: bool = default("snapshot.local_copy")
     disk_quota_bytes: int = default("snapshot.disk_quota_bytes")
 
 

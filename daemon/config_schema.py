@@ -150,7 +150,12 @@ SCHEMA: dict[str, dict[str, Key]] = {
                           "of all ranks of this node, two per rank (bytes)"),
         "ram_tier_bytes": Key("int", 1 * GiB, _at_least(0), "daemon memory that caches "
                               "encoded chunks of recent steps for restores (bytes), "
-                              "0 = every restore reads the disk"),
+                              "0 = every restore reads the disk or k shards"),
+        "local_copy": Key("bool", False, doc="also keep every erasure-coded chunk whole on "
+                          "the disk of the daemon that captured it: a restore after that "
+                          "daemon restarts reads its disk instead of k shards, for 1 + "
+                          "(k+m)/k times the encoded state stored instead of (k+m)/k; "
+                          "chunks with no shards (one daemon, m = 0) are always kept whole"),
         "disk_quota_bytes": Key("int", 0, _at_least(0), "most bytes the local tier "
                                 "(snapshots and peers' shards) may hold, 0 = no limit"),
     },

@@ -82,7 +82,7 @@ def scrape(node: Node) -> dict[str, float]:
 
 def train(cluster: LocalCluster) -> dict[int, bytes]:
     """Run the rank to the end; the state of every committed step as the rank's own daemon
-    (node-0, which holds the chunks on its disk) returns it."""
+    (node-0, which holds the chunks in its RAM tier) returns it."""
     cluster.start_daemons()
     cluster.launch(SPEC, world=1)
     wait_until(lambda: all(r.proc.poll() is not None for r in cluster.ranks), 150,
@@ -150,6 +150,27 @@ def test_m_lost_restore_bitwise_and_m_plus_one_names_the_newest_recoverable(clus
     assert ("stalwart-recoverable-step", str(newest)) in err.value.trailing_metadata()
     assert restore(reader, newest) == (newest, reference[newest])
     assert restore(reader, 0) == (newest, reference[newest])
+
+
+@pytest.mark.multiprocess
+def test_the_capturing_daemon_keeps_shards_not_whole_chunks_and_restores_after_a_restart(
+        cluster) -> None:
+    # [snapshot] local_copy is off by default: node-0 keeps its ranks' chunks as shards
+    # (one of each chunk's k + m) and in its RAM tier, not whole on its disk.
+    c = cluster(4, heartbeat_timeout_s=300.0)
+    reference = train(c)
+    node0, node1 = c.daemons[0], c.daemons[1]
+    assert not list(node0.data_dir.glob("snapshots/*/steps/*/r0/*.chunk"))
+    assert list(node0.data_dir.glob("shards/*/s*-r0-c*.*"))
+    # Its memory gone (SIGKILL, started again) and m - 1 other daemons lost: every step
+    # is rebuilt bitwise from node-0's own shard and those of the survivors.
+    c.kill_daemon(node1)
+    c.restart_daemon(node0)
+    wait_until(lambda: (st := node0.status()) is not None and
+               sum(d.state == "up" for d in st.daemons) >= len(c.daemons) - 2, 60,
+               "the restarted daemon to see the survivors")
+    for step, want in reference.items():
+        assert restore(node0, step) == (step, want), f"step {step} after the restart"
 
 
 @pytest.mark.multiprocess

@@ -141,6 +141,39 @@ def test_commit_refuses_chunks_that_were_never_prepared(tmp_path: Path) -> None:
         store.commit(split(manifest))
 
 
+def _placed(step: int, store: LocalStore) -> tuple:
+    """Rank 0 of `step` encoded, and its record once two holders took shards of chunk 0."""
+    prepared = store.encode(step, 0, state(step), tensors())
+    placed = manifest_pb2.RankState()
+    placed.CopyFrom(prepared.state)
+    placed.chunks[0].shards.add(index=0, node="peer-a", location="x.0")
+    placed.chunks[0].shards.add(index=1, node="peer-b", location="x.1")
+    return prepared, placed
+
+
+@pytest.mark.parametrize("local_copy", [False, True])
+def test_a_chunk_its_shards_keep_is_written_whole_only_with_local_copy(
+        tmp_path: Path, local_copy: bool) -> None:
+    store = LocalStore(tmp_path, local_copy=local_copy, **SMALL)
+    prepared, placed = _placed(1, store)
+    record = store.prepare(1, prepared, placed)
+    assert record.chunks[0].shards  # the record that names the holders is kept
+    assert store.chunk_path(1, 0, 0).exists() == local_copy
+    assert all(store.chunk_path(1, 0, i).exists() for i in range(1, len(record.chunks)))
+    store.commit(split(build_manifest(job_id=store.job_id, step=1, generation=1,
+                                      layout=common_pb2.ParallelLayout(dp=1, pp=1, tp=1),
+                                      ranks=[record])))
+    assert store.read_rank(1, 0) == state(1)  # the RAM tier holds every chunk
+    cold = LocalStore(tmp_path, local_copy=local_copy, **SMALL)
+    if local_copy:
+        assert cold.read_rank(1, 0) == state(1)
+    else:  # with memory gone, the chunk comes from its shards
+        whole = prepared.payloads[0]
+        assert cold.read_rank(1, 0, fetch=lambda c: whole) == state(1)
+        with pytest.raises(CorruptChunkError, match="is missing"):  # and nowhere else
+            LocalStore(tmp_path, **SMALL).read_rank(1, 0)
+
+
 def test_flipped_bit_on_disk_is_detected_and_named(tmp_path: Path) -> None:
     store = LocalStore(tmp_path, **SMALL)
     manifest = commit_step(store, 1)

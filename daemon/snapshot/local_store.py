@@ -1,11 +1,15 @@
 """The daemon's local snapshot tiers: a bounded RAM cache over durable local disk.
 
-Two-phase commit: `prepare` makes one rank's encoded chunks and its record durable
-(temp file, fsync, rename), `commit` then writes the step's record (`StepRecord`: the
+Two-phase commit: `prepare` makes one rank's record durable (temp file, fsync,
+rename) with its encoded chunks, `commit` then writes the step's record (`StepRecord`: the
 seals of every prepare, not the records) atomically, so a step is either fully visible
 or not at all. The store holds the records of its own ranks and the copies peers sent
 it; the others are fetched where needed (`FetchRecords`) and checked against their
 seal. Reads follow the base/delta chain and verify every CRC32C.
+
+A chunk that has erasure shards is durable as those shards; its whole encoded bytes
+go to the RAM tier only, and to disk too with `local_copy`. A chunk without shards
+(one daemon, m = 0) is always written to disk: it is the only copy.
 """
 
 from __future__ import annotations
@@ -80,11 +84,13 @@ class LocalStore(Catalogue):
                  base_every: int = default("snapshot.base_every"),
                  max_chain: int | None = None, retain: int = default("snapshot.retain"),
                  delta_against: str = "previous", lossy: bool = False, level: int = 1,
+                 local_copy: bool = default("snapshot.local_copy"),
                  executor: Executor | None = None, metrics: Metrics | None = None) -> None:
         """`ram_tier_bytes`: encoded chunks kept in memory for reads (bytes, 0 = none);
         `base_every`: steps between full bases; `max_chain`: most deltas before a base
         (default base_every); `delta_against`: "previous" committed step or the chain's
         "base"; `lossy`: opt-in quantised deltas (restores are then NOT bitwise exact);
+        `local_copy`: keep chunks that have shards on disk as well;
         `executor`: threads to encode chunks in parallel (zstd releases the GIL)."""
         if delta_against not in ("previous", "base"):
             raise ValueError(f"delta_against={delta_against!r}: use 'previous' or 'base'")
@@ -93,7 +99,7 @@ class LocalStore(Catalogue):
         self.base_every, self.retain, self.level = base_every, retain, level
         self.max_chain = base_every if max_chain is None else max_chain
         self.delta_against, self.lossy, self.metrics = delta_against, lossy, metrics
-        self.executor = executor
+        self.executor, self.local_copy = executor, local_copy
         self.ram = RamTier(ram_tier_bytes, self._ram_protected)
         self._refs: dict[int, _Reference] = {}
         self._pending: dict[tuple[int, int], _Reference] = {}
@@ -151,20 +157,36 @@ class LocalStore(Catalogue):
             chunks=encoded.chunks, total_bytes=buf.size, extra=extra, node=node, adamw=adamw)
         return PreparedRank(step, state, encoded.payloads, encoded.decoded, nxt.root)
 
-    def prepare(self, step: int, prepared: PreparedRank) -> manifest_pb2.RankState:
-        """Phase one: make the rank's chunks and record durable on disk; returns the record."""
-        rank = prepared.state.rank
-        rank_dir = self._rank_dir(step, rank)
+    def on_disk(self, chunk: manifest_pb2.ChunkRecord) -> bool:
+        """Whether this store keeps the chunk's encoded bytes on its disk (as opposed to
+        its shards alone) when it captured it."""
+        return self.local_copy or not chunk.shards
+
+    def prepare(self, step: int, prepared: PreparedRank,
+                state: manifest_pb2.RankState | None = None) -> manifest_pb2.RankState:
+        """Phase one: make the rank's record durable on disk, with each chunk that its
+        shards do not already keep (`state`: the record naming them, once placed)."""
+        state = prepared.state if state is None else state
+        rank_dir = self._rank_dir(step, state.rank)
         rank_dir.mkdir(parents=True, exist_ok=True)
-        for index, payload in enumerate(prepared.payloads):
-            write_atomic(self.chunk_path(step, rank, index), payload)
-            self.ram.put((step, rank, index), payload)
-        write_atomic(rank_dir / "rank.pb", prepared.state.SerializeToString())
+        written = 0
+        for index, (c, payload) in enumerate(zip(state.chunks, prepared.payloads,
+                                                 strict=True)):
+            if self.on_disk(c):
+                write_atomic(self.chunk_path(step, state.rank, index), payload)
+                written += len(payload)
+            self.ram.put((step, state.rank, index), payload)
+        write_atomic(rank_dir / "rank.pb", state.SerializeToString())
         fsync_dir(rank_dir)
         fsync_dir(rank_dir.parent)
         if self.metrics:
-            self.metrics.stored_bytes.labels(tier="disk").inc(sum(map(len, prepared.payloads)))
-        return prepared.state
+            self.metrics.stored_bytes.labels(tier="disk").inc(written)
+        return state
+
+    def captured_here(self, step: int, rank: int, node: str) -> bool:
+        """Whether `node` (this daemon) captured the rank's record of `step`."""
+        held = self.held_record(step, rank)
+        return held is not None and held.node == node
 
     def commit(self, record: manifest_pb2.StepRecord, *, local_node: str | None = None) -> None:
         """Phase two: publish a step atomically once every rank's chunks are durable.
@@ -194,6 +216,8 @@ class LocalStore(Catalogue):
             for state in held:
                 for index, c in enumerate(state.chunks):
                     p = self.chunk_path(step, state.rank, index)
+                    if not self.on_disk(c):
+                        continue  # durable as its shards
                     if not p.exists() or p.stat().st_size != c.stored_size:
                         raise ValueError(f"cannot commit step {step}: rank {state.rank} chunk "
                                          f"{c.chunk_id} is not durable at {p}; prepare it "

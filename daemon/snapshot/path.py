@@ -1,11 +1,12 @@
-"""The snapshot path of one daemon, stage by stage: intake -> encode -> store -> place
+"""The snapshot path of one daemon, stage by stage: intake -> encode -> place -> store
 -> prepare -> commit, and restore.
 
 A capture is answered as soon as its slot's bytes are copied out (`intake`); the
 rest runs in the background, in step order per rank: delta-encode into chunks
-(`local_store.encode`, `chunks`, `codecs`), make them durable on this node's disk
-(`local_store.prepare`), spread them as erasure shards over peers and S3
-(`place`), copy the rank's record to its holders (`records`), and send phase one,
+(`local_store.encode`, `chunks`, `codecs`), spread them as erasure shards over this
+node, its peers and S3 (`place`), make the rank's record durable on this node's disk
+with any chunk no shards keep (`local_store.prepare`; the RAM tier caches them all),
+copy the rank's record to its holders (`records`), and send phase one,
 the record's seal, to the coordinator. Phase two and the read side live in
 `commit` and `restore`; `repair` and `scrub` keep stored steps whole.
 """
@@ -67,7 +68,8 @@ class SnapshotPath:
         self.store = LocalStore(data_dir, job_id=config.job_id, chunk_bytes=snap.chunk_bytes,
                                 base_every=snap.base_every, retain=snap.retain,
                                 ram_tier_bytes=snap.ram_tier_bytes,
-                                executor=self._encoders, metrics=metrics)
+                                local_copy=snap.local_copy, executor=self._encoders,
+                                metrics=metrics)
         # Encodes, prepares and reads run side by side (the store is thread-safe).
         self._io = ThreadPoolExecutor(2, thread_name_prefix="store")
         self.s3 = None
@@ -158,11 +160,9 @@ class SnapshotPath:
 
         async def store_and_place() -> None:
             self.quota.reserve(sum(len(p) for p in prepared.payloads))
-            local = await self._run(self.store.prepare, step, prepared)
-            state = await self.placer.place(step, generation, local, prepared.payloads)
-            if state is not local:  # the record again, now naming its shards' holders
-                await self._run(self.store.keep_records, step, [state])
-            states.append(state)
+            placed = await self.placer.place(step, generation, prepared.state,
+                                             prepared.payloads)
+            states.append(await self._run(self.store.prepare, step, prepared, placed))
 
         states: list[manifest_pb2.RankState] = []
         if not await self._retrying(store_and_place, give_up, generation, step,

@@ -1,6 +1,7 @@
 """The RAM tier of the local store: encoded chunk payloads kept in memory, bounded in bytes.
 
-Everything here is also on disk, so eviction never loses data: it drops the oldest
+Everything here is also on disk or in erasure shards, so eviction never loses data
+(a restore then reads the disk, or k shards): it drops the oldest
 payloads first, sparing those that restoring the newest steps needs until nothing else is left.
 """
 

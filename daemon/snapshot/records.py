@@ -198,7 +198,7 @@ class RecordHolders:
                 sr.check(record, [by_rank[r] for r in ranks])
         else:
             for s in states:
-                if self.store.chunk_path(step, s.rank, 0).exists():
+                if self.store.captured_here(step, s.rank, self.node):
                     raise ValueError(f"step {step} rank {s.rank} was captured on this "
                                      "daemon; its record is not replaced by a copy")
         self.store.keep_records(step, states)
