@@ -9,6 +9,7 @@ Import reads such a file (tensors only) and commits it as a (1,1,1) step of a lo
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import io
 import json
@@ -17,7 +18,7 @@ import pickle
 import socket
 import sys
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,36 +68,75 @@ def read_from_daemon(step: int, target: str | None = None
         client.close(leaving=False)
 
 
-def read_from_store(data_dir: Path, job_id: str, step: int
+def read_from_store(data_dirs: Sequence[Path], job_id: str, step: int
                     ) -> list[tuple[manifest_pb2.RankState, bytes]]:
-    """The same, offline from a store no daemon is writing: the ranks of data-parallel
-    replica 0 (the others hold identical copies), whose chunks must be on this disk."""
-    from stalwart.daemon.snapshot.local_store import CorruptChunkError, LocalStore
-
-    _refuse_live_daemon(data_dir)
-    if not (data_dir / "snapshots" / job_id / "manifests").is_dir():
-        raise InteropError(f"{data_dir} holds no snapshots of job {job_id!r} "
-                           f"(no {data_dir}/snapshots/{job_id}/manifests)")
+    """The same, offline from stores no daemon is writing: the ranks of data-parallel
+    replica 0 (the others hold identical copies). Records and chunks come from any of
+    `data_dirs`; a chunk none holds whole is rebuilt from any k of its erasure shards
+    found in them, every checksum verified."""
     from stalwart.core.step_record import MissingRecords
+    from stalwart.daemon.snapshot.local_store import CorruptChunkError, LocalStore
+    from stalwart.daemon.snapshot.records import from_disks
+    from stalwart.daemon.snapshot.shard_reader import BeyondToleranceError, ShardReader
 
-    store = LocalStore(data_dir, job_id=job_id, ram_tier_bytes=0)
+    for data_dir in data_dirs:
+        _refuse_live_daemon(data_dir)
+        if not (data_dir / "snapshots" / job_id / "manifests").is_dir():
+            raise InteropError(f"{data_dir} holds no snapshots of job {job_id!r} "
+                               f"(no {data_dir}/snapshots/{job_id}/manifests)")
+    stores = [LocalStore(d, job_id=job_id, ram_tier_bytes=0) for d in data_dirs]
+    store = stores[0]
     step = step or store.latest_committed() or 0
     try:
-        manifest = store.load_manifest(step)
+        manifest = store.load_manifest(step, from_disks(stores))
     except MissingRecords as exc:
-        raise InteropError(f"{exc}: this store is one daemon's of several; export through "
-                           "a running daemon with --socket") from None
+        raise InteropError(f"{exc}: give every data dir of the job (--data-dir, repeated), "
+                           "or export through a running daemon with --socket") from None
+    shards = _OfflineShards(data_dirs, job_id)
+    nodes = {rec.node for r in manifest.ranks for c in r.chunks for rec in c.shards}
+    reader = ShardReader(node="export", peers=dict.fromkeys(nodes, shards))
+
+    def fetch(chunk: manifest_pb2.ChunkRecord) -> bytes:
+        return asyncio.run(reader.read_chunk(chunk))
+
     out = []
     for r in manifest.ranks:
         if r.coord.dp != 0:
             continue
         try:
-            out.append((r, store.read_rank(step, r.rank)))
-        except CorruptChunkError as exc:
-            raise InteropError(f"{exc}. Rank {r.rank} was captured on node {r.node!r}; its "
-                               "chunks may live on that node's disk or as erasure shards: "
-                               "export through a running daemon with --socket") from None
+            out.append((r, store.read_rank(step, r.rank, fetch, from_disks(stores))))
+        except (CorruptChunkError, BeyondToleranceError) as exc:
+            raise InteropError(
+                f"{exc}. Rank {r.rank} was captured on node {r.node!r}; its chunks live as "
+                "erasure shards on the job's daemons: give every data dir of the job "
+                "(--data-dir, repeated), or export through a running daemon with --socket"
+            ) from None
     return out
+
+
+class _OfflineShards:
+    """Shards in any of some data dirs' shard stores, served as ShardClient.get does."""
+
+    def __init__(self, data_dirs: Sequence[Path], job_id: str) -> None:
+        from stalwart.daemon.snapshot.shard_store import ShardStore
+
+        self.stores, self.job_id = [ShardStore(d / "shards") for d in data_dirs], job_id
+        self.address = "the data dirs given"
+
+    async def get(self, shard_id: str, *, expected_crc: int | None = None,
+                  expected_size: int | None = None, deadline_s: float | None = None) -> bytes:
+        from stalwart.daemon.snapshot.checksum import crc32c
+        from stalwart.daemon.snapshot.shard_client import ShardTransferError
+
+        for store in self.stores:
+            try:
+                data, meta = store.read(self.job_id, shard_id)
+            except (OSError, ValueError):
+                continue
+            want = meta["crc32c"] if expected_crc is None else expected_crc
+            if crc32c(data) == want and expected_size in (None, len(data)):
+                return data
+        raise ShardTransferError(self.address, shard_id, "get", "no good copy in them")
 
 
 def _refuse_live_daemon(data_dir: Path) -> None:
@@ -482,8 +522,10 @@ def configure(parser: argparse.ArgumentParser, name: str = "export") -> None:
         source = parser.add_mutually_exclusive_group()
         source.add_argument("--socket", type=Path,
                             help=f"Unix socket of a running daemon (default: {SOCKET_LOOKUP})")
-        source.add_argument("--data-dir", type=Path,
-                            help="read the store offline (no daemon running on it)")
+        source.add_argument("--data-dir", type=Path, action="append",
+                            help="read the store offline (no daemon running on it); repeat "
+                                 "it with every data dir of the job, whose chunks are kept "
+                                 "as erasure shards across them")
     else:
         parser.add_argument("--data-dir", type=Path, required=True,
                             help="daemon data directory to write the step into (offline)")

@@ -85,7 +85,10 @@ def test_an_export_of_the_jobs_store_holds_the_trained_model(tmp_path: Path,
     from stalwart.client.digest import tensor_sha256
 
     path = tmp_path / "classifier.pt"
-    assert main(["export", "--data-dir", str(uninterrupted.workdir / "node-0"),
+    # Offline, from the job's data dirs: chunks are kept as erasure shards across them.
+    dirs = sorted(uninterrupted.workdir.glob("node-*"))
+    assert len(dirs) == 2
+    assert main(["export", *(a for d in dirs for a in ("--data-dir", str(d))),
                  str(path)]) == 0
     state = torch.load(path, weights_only=True)
     params = {k: tensor_sha256(v) for k, v in state.items() if k.startswith("model/")

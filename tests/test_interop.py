@@ -133,7 +133,7 @@ def test_dcp_metadata_with_python_objects_is_refused(tmp_path: Path) -> None:
 def test_export_refuses_to_read_the_store_of_a_running_daemon(
         trained: dict[str, Any], tmp_path: Path) -> None:
     with pytest.raises(interop.InteropError, match="--socket"):
-        interop.read_from_store(trained["data_dir"], "default", STEPS)
+        interop.read_from_store([trained["data_dir"]], "default", STEPS)
 
 
 def test_an_imported_export_resumes_training_with_identical_losses(tmp_path: Path) -> None:
@@ -173,7 +173,7 @@ def test_offline_export_names_the_rank_whose_chunks_are_not_on_this_disk(tmp_pat
                               tmp_path, step=5)
     LocalStore(tmp_path).chunk_path(5, 0, 0).unlink()
     with pytest.raises(interop.InteropError, match="Rank 0 .* --socket"):
-        interop.read_from_store(tmp_path, "default", 5)
+        interop.read_from_store([tmp_path], "default", 5)
 
 
 @pytest.mark.multiprocess
