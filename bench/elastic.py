@@ -99,7 +99,8 @@ def run(quick: bool) -> dict:
     say(f"cluster: re-plan {seconds(cluster.get('replan_s'))}, "
         f"pause {seconds(cluster.get('pause_s'))}")
     keys = ("replan_s", "layers_moved", "layers_moved_naive", "bytes_moved",
-            "bytes_moved_naive", "pause_s", "throughput_ratio", "throughput_ratio_core_share")
+            "bytes_moved_naive", "pause_s", "throughput_ratio", "throughput_ratio_core_share",
+            "relayout_bytes_fetched", "relayout_bytes_needed", "relayout_bytes_whole_ranks")
     return {**{k: cluster.get(k) for k in keys}, "cluster": cluster,
             "planner_cases": cases}
 
@@ -166,11 +167,43 @@ def _cluster_run(quick: bool) -> dict[str, Any]:
         # Keep the logs of a last step that did not commit.
         keep = final.latest_committed_step < steps
         out = _figures(spec, clock, first_plan, final, faults[0], installed, results, scraped)
+        out.update(_relayout_bytes(cluster))
         return {**out, "logs": str(cluster.workdir)} if keep else out
     except ClusterError as exc:
         return {"error": f"{exc}; logs in {cluster.workdir}"}
     finally:
         cluster.close(keep_workdir=keep)
+
+
+RELAYOUT = re.compile(r"relayout restore: layers \d+-\d+ from old ranks \[([\d, ]*)\] of "
+                      r"the step-(\d+) .*: fetched (\d+) bytes for (\d+) needed in ([\d.]+) s")
+
+
+def _relayout_bytes(cluster: Any) -> dict[str, Any]:
+    """What the ranks that took new roles fetched from their daemons (their log lines),
+    the bytes their roles hold, and what fetching the old ranks whole would have moved
+    (those ranks' records of the step, on the daemons' disks)."""
+    from stalwart.daemon.snapshot.local_store import LocalStore
+    from stalwart.daemon.snapshot.records import from_disks
+
+    found = [m for r in cluster.ranks if r.log_path.exists()
+             for m in RELAYOUT.finditer(r.log_path.read_text(errors="replace"))]
+    if not found:
+        return {"relayout_ranks": 0}
+    stores = [LocalStore(n.data_dir, ram_tier_bytes=0) for n in cluster.daemons]
+    fetch = from_disks(stores)
+    whole = 0
+    for m in found:
+        step = int(m.group(2))
+        for old in (int(x) for x in m.group(1).split(",") if x.strip()):
+            whole += stores[0].rank_record(step, old, fetch).total_bytes
+    return {
+        "relayout_ranks": len(found),
+        "relayout_bytes_fetched": sum(int(m.group(3)) for m in found),
+        "relayout_bytes_needed": sum(int(m.group(4)) for m in found),
+        "relayout_bytes_whole_ranks": whole,
+        "relayout_restore_s": max(float(m.group(5)) for m in found),
+    }
 
 
 def _plan_installed_unix(log_path: Path | None) -> float | None:

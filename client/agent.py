@@ -181,10 +181,11 @@ class Generation:
                     self.abandoned = True
                     raise PlanChanged() from None
 
-    def restore_rank(self, step: int, rank: int) -> tuple[list[common_pb2.TensorMeta],
-                                                          dict[str, Any], dict[str, Any]]:
-        """Committed `step` as old rank `rank` captured it: metas, tensors by name, extra."""
-        record, data = self.daemon.restore(step, rank)
+    def restore_rank(self, step: int, rank: int, layers: tuple[int, int] | None = None
+                     ) -> tuple[list[common_pb2.TensorMeta], dict[str, Any], dict[str, Any]]:
+        """Committed `step` as old rank `rank` captured it: metas, tensors by name, extra
+        (with `layers`, of those layers alone: `DaemonClient.restore`)."""
+        record, data = self.daemon.restore(step, rank, layers=layers)
         metas = list(record.tensors)
         return metas, unpack(data, metas), json.loads(record.extra.decode())
 

@@ -333,14 +333,19 @@ class DaemonClient:
         return self._call(what, getattr(self._rank_stub(), method), request, **kwargs)
 
     def restore(self, step: int, rank: int, timeout_s: float = 300.0, *,
-                into_slot: bool = True) -> tuple[manifest_pb2.RankState, RestoredBytes]:
+                into_slot: bool = True, layers: tuple[int, int] | None = None
+                ) -> tuple[manifest_pb2.RankState, RestoredBytes]:
         """A committed step's record and state bytes for `rank` (in that step's layout),
         in a buffer of the caller's own (`state_layout.unpack` copies each tensor out): a
         shared-memory slot the daemon filled, mapped here, or (`into_slot=False`, or
         where the daemon has no room for a slot or this process cannot map it) the bytes
-        streamed over the socket."""
+        streamed over the socket. With `layers` (first, last), only the tensors of those
+        layers and of no layer: the record lists just them, and only the chunks that
+        hold them are read."""
         request = rank_pb2.RestoreRequest(rank_id=self.rank_id, step=step, rank=rank,
                                           into_slot=into_slot)
+        if layers is not None:
+            request.layers.first, request.layers.last = layers
         state: manifest_pb2.RankState | None = None
         data = bytearray()
         slot, restored = ("", ""), step
@@ -366,7 +371,7 @@ class DaemonClient:
         except (OSError, SlotRefused) as exc:
             log.warning("restore slot %s could not be mapped (%s); streaming the state",
                         slot[0], exc)
-            return self.restore(restored, rank, timeout_s, into_slot=False)
+            return self.restore(restored, rank, timeout_s, into_slot=False, layers=layers)
         return state, mapped.view  # the tensors viewing it keep the mapping alive
 
     def watch_plan(self, known_generation: int | None = None) -> Iterator[rank_pb2.PlanEvent]:

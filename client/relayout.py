@@ -139,17 +139,22 @@ def _rng_source(role: Role, states: Mapping[int, Any], old: Layout) -> int:
 def fetch_and_assemble(daemon: Any, step: int, old: Layout | None, role: Role, *,
                        local: Mapping[int, tuple[Sequence[common_pb2.TensorMeta],
                                                  Mapping[str, torch.Tensor], dict[str, Any]]]
-                       | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+                       | None = None, fetched: dict[int, int] | None = None
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Restore the old ranks `role` needs for committed `step` through `daemon`
     (a DaemonClient) unless held in `local`, then assemble the role's state.
 
-    Without `old` (a rank that was a spare does not know it), old rank 0 is fetched
-    first and its recorded layout is used.
+    Only the role's layers of each old rank are fetched (and what belongs to no layer):
+    the daemon reads only the chunks that hold them. Without `old` (a rank that was a
+    spare does not know it), old rank 0 is fetched first and its recorded layout is used.
+    `fetched`, when given, gets the bytes received per old rank fetched here.
     """
     states = dict(local or {})
 
     def fetch(rank: int) -> None:
-        record, data = daemon.restore(step, rank)
+        record, data = daemon.restore(step, rank, layers=(role.first, role.last))
+        if fetched is not None:
+            fetched[rank] = len(data)
         metas = list(record.tensors)
         states[rank] = (metas, unpack(data, metas), json.loads(record.extra.decode()))
 

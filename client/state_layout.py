@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from stalwart.core.manifest import TENSOR_ALIGN as ALIGN
 from stalwart.v1 import common_pb2
-
-ALIGN = 64  # bytes
 
 _DTYPES: dict[torch.dtype, int] = {
     torch.float32: common_pb2.FLOAT32,

@@ -127,13 +127,15 @@ def _restore(gen: Generation, trainer: Trainer, step: int) -> None:
     """
     coord = gen.role.coord
     first = coord.rank
+    # The role's layers only: under the same layout they are all the old rank holds.
+    layers = trainer.bounds[coord.pp]
     try:
-        metas, tensors, extra = gen.restore_rank(step, first)
+        metas, tensors, extra = gen.restore_rank(step, first, layers)
     except DaemonUnavailable:
         if first == 0:
             raise
         first = 0  # a grown plan has more ranks than the step had
-        metas, tensors, extra = gen.restore_rank(step, first)
+        metas, tensors, extra = gen.restore_rank(step, first, layers)
     old = extra.get("layout", {})
     same = (first == coord.rank and
             (old.get("dp"), old.get("pp"), old.get("tp")) == (
@@ -143,11 +145,15 @@ def _restore(gen: Generation, trainer: Trainer, step: int) -> None:
         lo, hi = trainer.bounds[coord.pp]
         role = Role(lo, hi, tp=coord.tp, tp_size=trainer.dims.layout.tp, dp=coord.dp)
         t0 = time.monotonic()
+        fetched = {first: sum(m.nbytes for m in metas)}
         tensors, extra = fetch_and_assemble(gen.daemon, step, captured_layout(extra),
-                                            role, local={first: (metas, tensors, extra)})
-        log.warning("relayout restore: layers %d-%d from the step's %sx%sx%s layout in "
-                    "%.2f s", lo, hi, old.get("dp"), old.get("pp"), old.get("tp"),
-                    time.monotonic() - t0)
+                                            role, local={first: (metas, tensors, extra)},
+                                            fetched=fetched)
+        needed = sum(t.numel() * t.element_size() for t in tensors.values())
+        log.warning("relayout restore: layers %d-%d from old ranks %s of the step-%d "
+                    "%sx%sx%s layout: fetched %d bytes for %d needed in %.2f s", lo, hi,
+                    sorted(fetched), step, old.get("dp"), old.get("pp"), old.get("tp"),
+                    sum(fetched.values()), needed, time.monotonic() - t0)
     load_state(trainer, tensors, extra)
     if trainer.step_count != step:
         raise RuntimeError(f"restored state is of step {trainer.step_count}, not {step}")

@@ -14,6 +14,7 @@ from collections.abc import Callable, Container, Iterable, Mapping
 from stalwart.v1 import common_pb2, manifest_pb2
 
 FORMAT_VERSION = 1
+TENSOR_ALIGN = 64  # bytes: where each tensor of a state buffer starts
 
 # Bytes per element of each wire dtype; the byte-plane shuffle uses it too.
 DTYPE_SIZE: dict[int, int] = {

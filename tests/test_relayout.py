@@ -21,6 +21,7 @@ from stalwart.client.trainer import TrainConfig, Trainer
 from stalwart.client.trainer_state import load_state, state_tensors
 from stalwart.core.layout import Layout
 from stalwart.core.partition import uniform
+from stalwart.daemon.snapshot.selection import Layers, packed, wanted
 from stalwart.v1 import manifest_pb2
 from stalwart_examples.gpt import job
 
@@ -213,11 +214,16 @@ class FakeDaemon:
     """Serves old ranks' states as DaemonClient.restore does: (RankState, bytes)."""
 
     def __init__(self, states: dict[int, tuple]) -> None:
-        self.states, self.calls = states, []
+        self.states, self.calls, self.layers = states, [], []
 
-    def restore(self, step: int, rank: int) -> tuple[manifest_pb2.RankState, bytearray]:
+    def restore(self, step: int, rank: int, layers: tuple[int, int] | None = None
+                ) -> tuple[manifest_pb2.RankState, bytearray]:
         self.calls.append((step, rank))
+        self.layers.append(layers)
         metas, tensors, extra = self.states[rank]
+        if layers is not None:  # what the daemon's selection keeps (test_partial_restore)
+            whole = manifest_pb2.RankState(tensors=metas)
+            metas = list(packed(whole, wanted(whole, Layers(*layers))).tensors)
         parts = [StateTensor(m.name, tensors[m.name]) for m in metas]
         _, total = describe(parts)
         buf = torch.zeros(total, dtype=torch.uint8)
@@ -233,6 +239,7 @@ def test_a_former_spare_learns_the_old_layout_from_rank_zero_and_fetches_the_res
     role = Role(0, LAYERS - 1, dp=0)
     tensors, extra = fetch_and_assemble(daemon, 7, None, role)
     assert daemon.calls == [(7, 0), (7, 2)]
+    assert daemon.layers == [(0, LAYERS - 1)] * 2  # only the role's layers are asked for
     b = _trainer(102)
     load_state(b, tensors, extra)
     assert b.step() == trained.next_loss

@@ -55,7 +55,9 @@ class _Files:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
 
-    def restore(self, step: int, rank: int) -> tuple[manifest_pb2.RankState, bytearray]:
+    def restore(self, step: int, rank: int, layers: tuple[int, int] | None = None
+                ) -> tuple[manifest_pb2.RankState, bytearray]:
+        """The whole record whatever `layers` says: relayout takes the layers it needs."""
         record = manifest_pb2.RankState.FromString(
             (self.folder / f"{step}-{rank}.meta").read_bytes())
         return record, bytearray((self.folder / f"{step}-{rank}.bin").read_bytes())

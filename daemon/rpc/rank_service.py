@@ -29,6 +29,7 @@ from stalwart.daemon.rpc.validate import (
 from stalwart.daemon.security.admission import RankAdmission
 from stalwart.daemon.security.auth import Authenticator
 from stalwart.daemon.snapshot.path import SnapshotPath
+from stalwart.daemon.snapshot.selection import Layers
 from stalwart.v1 import common_pb2, rank_pb2, rank_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon.rpc.rank_service")
@@ -173,8 +174,10 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         try:
             into = partial(self.snapshots.intake.restore_slot, request.rank_id) \
                 if request.into_slot else None
+            layers = (Layers(request.layers.first, request.layers.last)
+                      if request.HasField("layers") else None)
             async for piece in self.snapshots.restorer.restore(request.step, request.rank,
-                                                               into):
+                                                               into, layers):
                 if not await send_within(context, piece, RESTORE_IDLE_S):
                     if piece.slot_id:
                         self.snapshots.intake.forget_slot(piece.slot_id)

@@ -252,6 +252,9 @@ def _restore(r: rank_pb2.RestoreRequest) -> None:
     rank_id(r.rank_id)
     in_range(r.step, 0, MAX_STEP, "step")
     in_range(r.rank, 0, MAX_WORLD, "rank")
+    if r.HasField("layers") and r.layers.first > r.layers.last:
+        raise InvalidRequest(f"layers {r.layers.first}-{r.layers.last}: the first layer is "
+                             "after the last")
 
 
 def _watch_plan(r: rank_pb2.WatchPlanRequest) -> None:

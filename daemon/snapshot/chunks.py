@@ -65,9 +65,18 @@ def plan_chunks(tensors: Sequence[common_pb2.TensorMeta], total_bytes: int,
     if chunk_bytes < 8:
         raise ValueError(f"chunk_bytes={chunk_bytes} is below one 8-byte element")
     regions = codecs.tile(_tensor_regions(tensors), total_bytes)
+    # A chunk holds one layer's tensors only: a restore of some layers then reads no
+    # chunk of another (selection.closure), at the cost of a short chunk per layer.
+    layer_at = {t.offset: t.layer for t in tensors if t.nbytes > 0}
     cuts = [0]
     fill = 0  # bytes in the open chunk
+    layer = None
     for r in regions:
+        starts = layer_at.get(r.start, layer)  # padding between tensors joins the last
+        if starts != layer and fill > 0:
+            cuts.append(r.start)
+            fill = 0
+        layer = starts
         if fill + r.size <= chunk_bytes:
             fill += r.size
             continue
@@ -173,16 +182,21 @@ def encode_rank(step: int, rank: int, data: Buffer, tensors: Sequence[common_pb2
 
 
 def decode_rank(state: manifest_pb2.RankState, payloads: Sequence[Buffer],
-                references: Mapping[int, np.ndarray]) -> np.ndarray:
+                references: Mapping[int, np.ndarray], positions: Sequence[int] | None = None,
+                adamw: Sequence[manifest_pb2.AdamWHint] | None = None) -> np.ndarray:
     """A rank's decoded buffer from its chunk payloads (record order).
 
     `references` maps each base_step named by a delta chunk to that step's decoded
     buffer. Checksums are the caller's: it knows which tier each payload came from.
+    With `positions`, only those chunks (payloads in that order) are decoded, applying
+    the `adamw` hints given (those of the tensors they hold, `selection.closure`); the
+    rest of the buffer is left undefined.
     """
     out = np.empty(state.total_bytes, dtype=np.uint8)
     index = RegionIndex(state.tensors)
     predicted_from = None
-    for c, payload in zip(state.chunks, payloads, strict=True):
+    chunks = state.chunks if positions is None else [state.chunks[i] for i in positions]
+    for c, payload in zip(chunks, payloads, strict=True):
         ref = None
         if c.codec not in BASE_CODECS:
             if c.base_step not in references:
@@ -195,5 +209,6 @@ def decode_rank(state: manifest_pb2.RankState, payloads: Sequence[Buffer],
         regions = index.regions(c.offset, c.size)
         out[c.offset:c.offset + c.size] = codecs.decode(codec, payload, regions, c.size, ref)
     if predicted_from is not None:
-        predict.correct(out, references[predicted_from], state.tensors, state.adamw)
+        predict.correct(out, references[predicted_from], state.tensors,
+                        state.adamw if adamw is None else adamw)
     return out

@@ -31,6 +31,14 @@ from stalwart.daemon.snapshot.catalogue import Catalogue, FetchRecords
 from stalwart.daemon.snapshot.checksum import Buffer, crc32c
 from stalwart.daemon.snapshot.chunks import DEFAULT_CHUNK_BYTES, decode_rank, encode_rank
 from stalwart.daemon.snapshot.ram_tier import RamTier
+from stalwart.daemon.snapshot.selection import (
+    Layers,
+    chunk_positions,
+    closure,
+    pack,
+    packed,
+    wanted,
+)
 from stalwart.v1 import common_pb2, manifest_pb2
 
 Fetch = Callable[[manifest_pb2.ChunkRecord], bytes]
@@ -273,6 +281,22 @@ class LocalStore(Catalogue):
         `fetch(chunk)` returns a chunk's stored bytes from elsewhere (erasure shards)
         when this disk lacks it or holds a corrupt copy; `fetch_records` the records of
         a rank captured elsewhere."""
+        return self._read(step, rank, fetch, fetch_records, None)[0].tobytes()
+
+    def read_layers(self, step: int, rank: int, layers: Layers, fetch: Fetch | None = None,
+                    fetch_records: FetchRecords | None = None
+                    ) -> tuple[manifest_pb2.RankState, bytearray]:
+        """Part of the rank's state at a committed step: the tensors of `layers` and those
+        of no layer, as a record of just them and their bytes (`selection.packed`). Only
+        the chunks that hold them are read, along the whole chain."""
+        out, state, names = self._read(step, rank, fetch, fetch_records, layers)
+        assert names is not None
+        keep = wanted(state, layers)
+        return packed(state, keep), pack(out.data, state, keep)
+
+    def _read(self, step: int, rank: int, fetch: Fetch | None,
+              fetch_records: FetchRecords | None, layers: Layers | None
+              ) -> tuple[np.ndarray, manifest_pb2.RankState, set[str] | None]:
         records = self.committed_records()
         if step not in records:
             raise FileNotFoundError(f"step {step} is not committed; latest committed is "
@@ -280,20 +304,28 @@ class LocalStore(Catalogue):
         chain = sr.plan_chain(records, step, rank)
         users = {s: {t for t in chain if s in sr.seal_of(records[t], rank).bases}
                  for s in chain}
+        states = {s: self.rank_record(s, rank, fetch_records) for s in chain}
+        names = None if layers is None else closure(states.values(),
+                                                    wanted(states[step], layers))
         decoded: dict[int, np.ndarray] = {}
         for s in chain:
-            state = self.rank_record(s, rank, fetch_records)
-            decoded[s] = self._decode_rank(s, state, decoded, fetch)
+            decoded[s] = self._decode_rank(s, states[s], decoded, fetch, names)
             for done in [d for d in decoded if d != step and max(users[d], default=-1) <= s]:
                 del decoded[done]  # no later step in the chain applies to it
-        return decoded[step].tobytes()
+        return decoded[step], states[step], names
 
     def _decode_rank(self, step: int, state: manifest_pb2.RankState,
-                     decoded: dict[int, np.ndarray], fetch: Fetch | None = None) -> np.ndarray:
-        payloads = [self._read_or_fetch(step, state.rank, index, c, fetch)
-                    for index, c in enumerate(state.chunks)]
-        out = decode_rank(state, payloads, decoded)
-        for c in state.chunks:
+                     decoded: dict[int, np.ndarray], fetch: Fetch | None = None,
+                     names: set[str] | None = None) -> np.ndarray:
+        """The rank's buffer at `step`; with `names`, only the chunks that hold them."""
+        positions = (range(len(state.chunks)) if names is None
+                     else chunk_positions(state, names))
+        payloads = [self._read_or_fetch(step, state.rank, i, state.chunks[i], fetch)
+                    for i in positions]
+        out = decode_rank(state, payloads, decoded, positions=positions,
+                          adamw=None if names is None else
+                          [h for h in state.adamw if h.param in names])
+        for c in (state.chunks[i] for i in positions):
             if crc32c(out[c.offset:c.offset + c.size]) != c.crc32c:
                 raise CorruptChunkError(step, state.rank, c.chunk_id, "decoded",
                                         f"decoded bytes fail CRC32C (base step {c.base_step})")

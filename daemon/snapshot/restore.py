@@ -24,6 +24,7 @@ from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.snapshot import repair
 from stalwart.daemon.snapshot.catalogue import FetchRecords
 from stalwart.daemon.snapshot.local_store import LocalStore
+from stalwart.daemon.snapshot.selection import Layers
 from stalwart.daemon.snapshot.shard_reader import BeyondToleranceError, ShardReader
 from stalwart.v1 import manifest_pb2, rank_pb2
 
@@ -75,12 +76,14 @@ class Restorer:
         gone = {h for h in repair.holders(views.values()) if h != S3 and h not in names}
         return gone if self.s3_available else gone | {S3}
 
-    async def restore(self, step: int, rank: int, into: Slotter | None = None
-                      ) -> AsyncIterator[rank_pb2.RestorePiece]:
+    async def restore(self, step: int, rank: int, into: Slotter | None = None,
+                      layers: Layers | None = None) -> AsyncIterator[rank_pb2.RestorePiece]:
         """The rank's record, then its bytes; `step` 0 is the newest step whose chain of
         this rank's records and chunks is still readable. With `into`, the bytes go into
-        the slot it makes where it can, and the record names that slot. Raises NotFound,
-        NotRecoverable (naming the newest recoverable step) or CorruptChunkError."""
+        the slot it makes where it can, and the record names that slot. With `layers`,
+        only their tensors and those of no layer (`LocalStore.read_layers`), and only
+        the chunks holding them are read. Raises NotFound, NotRecoverable (naming the
+        newest recoverable step) or CorruptChunkError."""
         self.loop = asyncio.get_running_loop()
         records = await self._run(self.store.committed_records)
         if not records:
@@ -112,9 +115,14 @@ class Restorer:
                     raise mf.ManifestError(why.get(candidate, f"step {candidate}: no record "
                                                    f"of rank {rank}"))
                 state = views[candidate].ranks[0]
-                data = await self._run(self.store.read_rank, candidate, rank,
-                                       fetch=self._fetch_chunk,
-                                       fetch_records=self.fetch_records)
+                if layers is None:
+                    data = await self._run(self.store.read_rank, candidate, rank,
+                                           fetch=self._fetch_chunk,
+                                           fetch_records=self.fetch_records)
+                else:
+                    state, data = await self._run(self.store.read_layers, candidate, rank,
+                                                  layers, fetch=self._fetch_chunk,
+                                                  fetch_records=self.fetch_records)
             except (BeyondToleranceError, sr.MissingRecords, mf.ManifestError) as exc:
                 if isinstance(exc, BeyondToleranceError):
                     lost |= repair.failed_holders(views, exc.chunk_id, exc.unavailable)

@@ -426,6 +426,7 @@ class RestoreRequest(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     INTO_SLOT_FIELD_NUMBER: _builtins.int
+    LAYERS_FIELD_NUMBER: _builtins.int
     rank_id: _builtins.str
     step: _builtins.int
     """0 = newest committed step that is still recoverable"""
@@ -435,6 +436,13 @@ class RestoreRequest(_message.Message):
     """Put the state in a shared-memory slot for the caller to map instead of streaming
     it; the daemon streams it when it cannot (no room in the slot budget).
     """
+    @_builtins.property
+    def layers(self) -> Global___LayerRange:
+        """Only the tensors of these layers, and those of no layer (a rank taking a new role
+        after a re-plan); the reply's record then lists just them, packed from offset 0.
+        Absent: the whole state.
+        """
+
     def __init__(
         self,
         *,
@@ -442,14 +450,38 @@ class RestoreRequest(_message.Message):
         step: _builtins.int = ...,
         rank: _builtins.int = ...,
         into_slot: _builtins.bool = ...,
+        layers: Global___LayerRange | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["layers", b"layers"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["into_slot", b"into_slot", "rank", b"rank", "rank_id", b"rank_id", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["into_slot", b"into_slot", "layers", b"layers", "rank", b"rank", "rank_id", b"rank_id", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RestoreRequest: _TypeAlias = RestoreRequest  # noqa: Y015
+
+@_typing.final
+class LayerRange(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FIRST_FIELD_NUMBER: _builtins.int
+    LAST_FIELD_NUMBER: _builtins.int
+    first: _builtins.int
+    last: _builtins.int
+    """inclusive"""
+    def __init__(
+        self,
+        *,
+        first: _builtins.int = ...,
+        last: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first", b"first", "last", b"last"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LayerRange: _TypeAlias = LayerRange  # noqa: Y015
 
 @_typing.final
 class RestorePiece(_message.Message):
