@@ -61,6 +61,11 @@ DEFINITIONS = {
     "baseline_lost_steps": f"steps since that checkpoint (saved every {CKPT_EVERY} steps, "
                            f"killed {CKPT_EVERY // 2} steps after a save: the expected loss)",
     "baseline_save_s": "one synchronous DCP save (slowest rank): the stall every interval",
+    "torchft_survivor_stall_s": "TorchFT, the same model data parallel over two replica "
+                                "groups of one process: the surviving replica's last "
+                                "committed step before the kill -> its first after (median)",
+    "torchft_replacement_first_step_s": "TorchFT: kill -> the replacement replica (started "
+                                        "at once) committed its first step (median)",
 }
 
 
@@ -78,6 +83,13 @@ def run(quick: bool) -> dict[str, Any]:
     base = _baseline(trials, root / "baseline")
     say("baseline: fault to first step " + ", ".join(seconds(t.get("mttr_s")) for t in base))
     figures = _figures(ours, base, root)
+    from stalwart.bench.recovery_torchft import run_torchft
+
+    say(f"TorchFT: the same model data-parallel over 2 replica groups, {trials} kills")
+    peer = figures["torchft"] = run_torchft(
+        {"model": MODEL, "train": TRAIN, "kill_step": KILL_STEP}, trials, root)
+    figures["torchft_survivor_stall_s"] = peer.get("survivor_stall_s")
+    figures["torchft_replacement_first_step_s"] = peer.get("replacement_first_step_s")
     shutil.rmtree(root, ignore_errors=True)  # snapshots and checkpoints: ~1 GB; kept on errors
     # Other work on the machine stretches process start-up most: say how busy it was.
     figures["load_average_1m"] = [round(load_before, 1), round(os.getloadavg()[0], 1)]

@@ -41,3 +41,18 @@ def test_commit_lag_and_survivor_stall_read_the_step_lines_as_the_bench_saw_them
     w.committed = [(10.6, 1), (11.1, 1), (11.5, 3), (14.5, 3)]
     assert _commit_lag(w, fault_t=12.0) == 1  # lags 1, 2, 0 before the kill
     assert _survivor_stall(w, tmp_path, victim=1, fault_t=12.0) == 3.0  # rank0: 11 -> 14
+
+
+@pytest.mark.multiprocess
+def test_torchft_beside_us_loses_a_replica_and_its_replacement_heals_and_joins(tmp_path):
+    # The peer the benchmark compares against, as a user would run it: a lighthouse, two
+    # replica groups, one SIGKILLed after step 3 and a replacement started at once.
+    from stalwart.bench.recovery_torchft import run_torchft
+
+    spec = {"model": MODEL, "train": TRAIN, "kill_step": 3}
+    out = run_torchft(spec, 1, tmp_path)
+    [trial] = out["trials"]
+    assert "error" not in trial, trial
+    assert trial["healed"]  # it took the survivor's state over TorchFT's own transport
+    assert 0 < trial["survivor_stall_s"] < trial["replacement_first_step_s"]
+    assert out["replacement_first_step_s"] == trial["replacement_first_step_s"]
