@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import grpc
 
 from stalwart.core import manifest as mf
 from stalwart.core import step_record as sr
 from stalwart.core.failures import Failure, FailureKind
+from stalwart.daemon.background import Background
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.links import Links
 from stalwart.daemon.metrics import Metrics
@@ -60,7 +60,7 @@ class Job:
         membership.incumbent = lambda: registry.current_plan().coordinator
         self.outbox = PrepareOutbox(self._deliver_prepare, self._latest_committed,
                                     lambda: registry.generation)
-        self._spawned: set[asyncio.Task] = set()
+        self._spawned = Background()
         self.relay = PrepareRelay(self.node, config.job_id, registry.current_plan,
                                   self._send_batch, metrics)
         self.snapshots = SnapshotPath(config, registry, metrics, data_dir, self.peers,
@@ -161,16 +161,11 @@ class Job:
             self.relay.own(req)  # up the commit tree, batched with the daemons below
             # A daemon on the way may drop it: uncommitted by then, it goes directly.
             asyncio.get_running_loop().call_later(
-                DIRECT_AFTER_S, lambda: self._background(self._direct_if_uncommitted(req)))
+                DIRECT_AFTER_S, lambda: self._spawned.start(self._direct_if_uncommitted(req)))
             return
         reply = await self.links.coordinator().PrepareStep(req, timeout=RPC_TIMEOUT_S)
         if reply.relay_key:
             self.relay.key = (leader, reply.relay_key)
-
-    def _background(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(work)
-        self._spawned.add(task)
-        task.add_done_callback(self._spawned.discard)
 
     async def _direct_if_uncommitted(self, req: peer_pb2.PrepareStepRequest) -> None:
         if ((self._latest_committed() or 0) >= req.step

@@ -8,12 +8,12 @@ daemon is handed to the local object instead of looping through gRPC.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
 import grpc
 
+from stalwart.daemon.background import Background
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.peers import Peer, PeerChannels
 from stalwart.daemon.recovery.election import Leadership
@@ -59,7 +59,7 @@ class Links:
         self.commits = CommitSender()
         self.metrics = metrics
         self._told = -1  # the generation whose commit tree was last logged
-        self._passing: set[asyncio.Task] = set()
+        self._passing = Background()
 
     def nodes(self) -> list[str]:
         """Live daemons of the job, by node name (this one included)."""
@@ -118,7 +118,4 @@ class Links:
                 self._told = request.record.generation
                 log.info("commits go on down the commit tree",
                          extra={"generation": self._told, "children": targets})
-            task = asyncio.get_running_loop().create_task(
-                commit_tree.pass_on(request, targets, self.commit_step, nodes))
-            self._passing.add(task)
-            task.add_done_callback(self._passing.discard)
+            self._passing.start(commit_tree.pass_on(request, targets, self.commit_step, nodes))

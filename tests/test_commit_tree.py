@@ -165,7 +165,7 @@ def test_a_prepare_passed_up_is_taken_only_with_its_own_daemons_tag(tmp_path: Pa
             out: dict[str, object] = {
                 "forged and altered, via b": await code_of(stub.RelayPrepares(
                     batch, metadata=as_node("b"), timeout=10))}
-            out["pending after them"] = sorted(a.job.coordinator.pending)
+            out["pending after them"] = sorted(a.job.coordinator.commits.steps)
             out["stranger"] = await code_of(stub.RelayPrepares(
                 batch, metadata=as_node("z"), timeout=10))
             good = peer_pb2.PrepareBatch(job_id="default", prepares=[peer_pb2.TaggedPrepare(
@@ -230,8 +230,11 @@ def test_a_commit_passed_on_is_taken_only_with_the_coordinators_signature(
 def test_daemons_that_know_each_other_gossip_one_entry_not_the_whole_job(
         tmp_path: Path) -> None:
     async def body(a: Daemon, b: Daemon, c: Daemon) -> dict[str, list[str]]:
-        await until(lambda: a.membership.view() == b.membership.view(),
-                    "a and b to have reached the same daemons")
+        # Reached, not only heard of: a view changes when a daemon is first reached.
+        await until(lambda: a.membership.view() == b.membership.view() and all(
+            len(d.membership.peers()) == 2 and all(p.last_seen is not None
+                                                   for p in d.membership.peers())
+            for d in (a, b)), "a and b to have reached the same daemons")
         async with grpc.aio.insecure_channel(a.address) as ch:
             stub = peer_pb2_grpc.PeerServiceStub(ch)
             as_b = b.peer_info()

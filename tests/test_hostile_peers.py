@@ -129,7 +129,7 @@ def test_a_daemon_prepares_only_its_own_ranks_for_steps_near_the_last_commit(
                 "a million ranks": await code_of(stub.PrepareStep(
                     flood, metadata=as_node("n9"), timeout=30)),
             }
-        out["pending"] = str(sorted(daemon.job.coordinator.pending))
+        out["pending"] = str(sorted(daemon.job.coordinator.commits.steps))
         return out
 
     seen = run(config(tmp_path), body)

@@ -84,11 +84,6 @@ class Coordinator:
             self.load_record, generation=lambda: self.plan.generation if self.plan else None,
             committed=self.recovery_done, finished=self._complete, fanout=self.commit_fanout)
 
-    @property
-    def pending(self) -> dict[int, dict[int, manifest_pb2.RankSeal]]:
-        """Steps awaiting their commit: step -> rank -> the seal of its record."""
-        return self.commits.pending
-
     # membership ---------------------------------------------------------------
 
     def take_over(self, installed: common_pb2.Plan) -> bool:

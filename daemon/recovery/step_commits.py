@@ -147,11 +147,6 @@ class StepCommits:
         pending.add(req)
         return pending.complete
 
-    @property
-    def pending(self) -> dict[int, dict[int, manifest_pb2.RankSeal]]:
-        """Steps awaiting their commit: step -> first rank of a seal -> the seal."""
-        return {step: p.seals for step, p in self.steps.items()}
-
     def abandon_after(self, step: int) -> None:
         """Steps prepared by an old generation after the resume point will not commit."""
         self.steps = {s: p for s, p in self.steps.items() if s <= step}

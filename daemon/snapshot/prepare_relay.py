@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from stalwart.daemon.background import Background
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.snapshot import commit_tree
 from stalwart.v1 import common_pb2, peer_pb2
@@ -52,7 +53,7 @@ class PrepareRelay:
         self.key: tuple[str, bytes] | None = None
         self._steps: dict[int, _Step] = {}
         self._tree: tuple[tuple[int, str], list[str]] = ((-1, ""), [])
-        self._sending: set[asyncio.Task] = set()
+        self._sending = Background()
         self._told: tuple[int, str] = (-1, "")  # the tree last logged
 
     def _nodes(self, plan: common_pb2.Plan) -> list[str]:
@@ -122,9 +123,7 @@ class PrepareRelay:
             return
         batch = peer_pb2.PrepareBatch(job_id=self.job_id, prepares=step.waiting)
         step.waiting = []
-        task = asyncio.get_running_loop().create_task(self._up(number, batch))
-        self._sending.add(task)
-        task.add_done_callback(self._sending.discard)
+        self._sending.start(self._up(number, batch))
 
     async def _up(self, number: int, batch: peer_pb2.PrepareBatch) -> None:
         plan = self.plan()

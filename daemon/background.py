@@ -1,0 +1,26 @@
+"""Work a daemon starts and does not wait for (a commit passed down the tree, a batch of
+prepares sent up it): the event loop keeps only weak references to its tasks, so each
+one is held here until it ends."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+
+class Background:
+    """Tasks in flight, each held until it is done."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def start(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run `work` on the running loop without awaiting it."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def __len__(self) -> int:
+        return len(self._tasks)
