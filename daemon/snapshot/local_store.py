@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +42,7 @@ from stalwart.daemon.snapshot.selection import (
 from stalwart.v1 import common_pb2, manifest_pb2
 
 Fetch = Callable[[manifest_pb2.ChunkRecord], bytes]
+PREFETCH_THREADS = 8  # chunks fetched from shards at once for one read
 
 
 class CorruptChunkError(DataLoss):
@@ -307,20 +308,41 @@ class LocalStore(Catalogue):
         states = {s: self.rank_record(s, rank, fetch_records) for s in chain}
         names = None if layers is None else closure(states.values(),
                                                     wanted(states[step], layers))
+        positions = {s: range(len(st.chunks)) if names is None else chunk_positions(st, names)
+                     for s, st in states.items()}
+        fetched = self._prefetch(rank, states, positions, fetch)
         decoded: dict[int, np.ndarray] = {}
         for s in chain:
-            decoded[s] = self._decode_rank(s, states[s], decoded, fetch, names)
+            decoded[s] = self._decode_rank(s, states[s], decoded, positions[s], fetched,
+                                           fetch, names)
             for done in [d for d in decoded if d != step and max(users[d], default=-1) <= s]:
                 del decoded[done]  # no later step in the chain applies to it
         return decoded[step], states[step], names
 
+    def _prefetch(self, rank: int, states: dict[int, manifest_pb2.RankState],
+                  positions: dict[int, Sequence[int]], fetch: Fetch | None
+                  ) -> dict[str, bytes]:
+        """The chunks to read that neither tier here holds, fetched side by side: each is
+        k shard reads from peers, and one at a time a chain of deltas took seconds."""
+        missing = [((s, rank, i), st.chunks[i]) for s, st in states.items() for i in positions[s]
+                   if st.chunks[i].shards and self.ram.get((s, rank, i)) is None
+                   and not self.chunk_path(s, rank, i).exists()]
+        if fetch is None or len(missing) < 2:
+            return {}
+        with ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="prefetch") as pool:
+            payloads = list(pool.map(fetch, (c for _, c in missing)))
+        for (key, _), payload in zip(missing, payloads, strict=True):
+            self.ram.put(key, payload)  # as a chunk fetched alone is: the next read is local
+        return {c.chunk_id: p for (_, c), p in zip(missing, payloads, strict=True)}
+
     def _decode_rank(self, step: int, state: manifest_pb2.RankState,
-                     decoded: dict[int, np.ndarray], fetch: Fetch | None = None,
+                     decoded: dict[int, np.ndarray], positions: Sequence[int],
+                     fetched: dict[str, bytes], fetch: Fetch | None = None,
                      names: set[str] | None = None) -> np.ndarray:
-        """The rank's buffer at `step`; with `names`, only the chunks that hold them."""
-        positions = (range(len(state.chunks)) if names is None
-                     else chunk_positions(state, names))
-        payloads = [self._read_or_fetch(step, state.rank, i, state.chunks[i], fetch)
+        """The rank's buffer at `step` from the chunks at `positions` (with `names`, those
+        that hold them), taking `fetched` payloads before fetching any other."""
+        payloads = [fetched.pop(state.chunks[i].chunk_id, None)
+                    or self._read_or_fetch(step, state.rank, i, state.chunks[i], fetch)
                     for i in positions]
         out = decode_rank(state, payloads, decoded, positions=positions,
                           adamw=None if names is None else
