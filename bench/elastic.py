@@ -183,6 +183,8 @@ def _relayout_bytes(cluster: Any) -> dict[str, Any]:
     """What the ranks that took new roles fetched from their daemons (their log lines),
     the bytes their roles hold, and what fetching the old ranks whole would have moved
     (those ranks' records of the step, on the daemons' disks)."""
+    from stalwart.core.manifest import ManifestError
+    from stalwart.core.step_record import MissingRecords
     from stalwart.daemon.snapshot.local_store import LocalStore
     from stalwart.daemon.snapshot.records import from_disks
 
@@ -192,11 +194,14 @@ def _relayout_bytes(cluster: Any) -> dict[str, Any]:
         return {"relayout_ranks": 0}
     stores = [LocalStore(n.data_dir, ram_tier_bytes=0) for n in cluster.daemons]
     fetch = from_disks(stores)
-    whole = 0
-    for m in found:
-        step = int(m.group(2))
-        for old in (int(x) for x in m.group(1).split(",") if x.strip()):
-            whole += stores[0].rank_record(step, old, fetch).total_bytes
+    whole: int | None = 0
+    try:
+        for m in found:
+            step = int(m.group(2))
+            for old in (int(x) for x in m.group(1).split(",") if x.strip()):
+                whole += stores[0].rank_record(step, old, fetch).total_bytes
+    except (OSError, MissingRecords, ManifestError):
+        whole = None  # the step was retired by the end of the run (retention)
     return {
         "relayout_ranks": len(found),
         "relayout_bytes_fetched": sum(int(m.group(3)) for m in found),

@@ -90,7 +90,10 @@ def run(quick: bool) -> dict[str, Any]:
         {"model": MODEL, "train": TRAIN, "kill_step": KILL_STEP}, trials, root)
     figures["torchft_survivor_stall_s"] = peer.get("survivor_stall_s")
     figures["torchft_replacement_first_step_s"] = peer.get("replacement_first_step_s")
-    shutil.rmtree(root, ignore_errors=True)  # snapshots and checkpoints: ~1 GB; kept on errors
+    if "error" in peer or any("error" in t for t in peer["trials"]):
+        say(f"TorchFT had errors; its logs are kept in {root}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)  # snapshots and checkpoints: ~1 GB; kept on errors
     # Other work on the machine stretches process start-up most: say how busy it was.
     figures["load_average_1m"] = [round(load_before, 1), round(os.getloadavg()[0], 1)]
     figures["definitions"] = DEFINITIONS

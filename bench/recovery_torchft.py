@@ -54,8 +54,8 @@ def run_torchft(spec: dict[str, Any], trials: int, workdir: Path,
             f"{spec['kill_step']}, replacement started at once")
         try:
             rows.append(_trial(spec, binary, workdir / f"torchft-{i}", timeout_s))
-        except RuntimeError as exc:
-            rows.append({"error": str(exc)})
+        except Exception as exc:  # a failed peer run must not lose our own figures
+            rows.append({"error": f"{type(exc).__name__}: {exc}"})
         row = rows[-1]
         say(f"TorchFT trial {i + 1}/{trials}: survivor stall "
             f"{seconds(row.get('survivor_stall_s'))}, replacement's first step "
@@ -130,12 +130,13 @@ def _trial(spec: dict[str, Any], binary: str, workdir: Path, timeout_s: float
                 proc.wait(10)
         for log in logs:
             log.close()
-    t_kill = fault["time_unix"]
+    t_kill, killed_at = fault["time_unix"], fault["step"]
     stalls = []
     for name in survivors:
+        # By step number: the survivor's step of the kill may land just after the kill.
         steps = [e for e in _events(events, name) if e["event"] == "step" and e["committed"]]
-        before = max((e["time_unix"] for e in steps if e["time_unix"] <= t_kill), default=None)
-        after = min((e["time_unix"] for e in steps if e["time_unix"] > t_kill), default=None)
+        before = max((e["time_unix"] for e in steps if e["step"] <= killed_at), default=None)
+        after = min((e["time_unix"] for e in steps if e["step"] > killed_at), default=None)
         if before is None or after is None:
             raise RuntimeError(f"survivor {name} has no committed step on both sides of "
                                f"the kill; logs in {workdir}")

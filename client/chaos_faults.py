@@ -178,9 +178,10 @@ class Injector:
 
 
 def flip_chunks(data_dirs: list[Path], rank: int) -> list[Path]:
-    """Flip one bit in the middle of every stored chunk of `rank` on its own daemon, and
-    of the first data shard of each on every daemon (the one a shard reader asks for
-    first; a parity shard would never be read), so a restore must read around both."""
+    """Flip one bit in the middle of the first data shard of every chunk of `rank` on
+    every daemon (the one a shard reader asks for first; a parity shard would never be
+    read), and of every chunk kept whole on its own daemon's disk (chunks without shards,
+    or [snapshot] local_copy), so a restore must read around them."""
     paths = [p for d in data_dirs for p in d.glob(f"shards/*/s*-r{rank}-c*.0")]
     paths += data_dirs[0].glob(f"snapshots/*/steps/*/r{rank}/c*.chunk")
     flipped = []

@@ -77,7 +77,11 @@ def read_from_store(data_dirs: Sequence[Path], job_id: str, step: int
     from stalwart.core.step_record import MissingRecords
     from stalwart.daemon.snapshot.local_store import CorruptChunkError, LocalStore
     from stalwart.daemon.snapshot.records import from_disks
-    from stalwart.daemon.snapshot.shard_reader import BeyondToleranceError, ShardReader
+    from stalwart.daemon.snapshot.shard_reader import (
+        BeyondToleranceError,
+        ChunkChecksumError,
+        ShardReader,
+    )
 
     for data_dir in data_dirs:
         _refuse_live_daemon(data_dir)
@@ -99,18 +103,24 @@ def read_from_store(data_dirs: Sequence[Path], job_id: str, step: int
     def fetch(chunk: manifest_pb2.ChunkRecord) -> bytes:
         return asyncio.run(reader.read_chunk(chunk))
 
+    def holding(rank: int) -> LocalStore:
+        """The store whose disk keeps the rank's chunks whole, if one does (always the
+        capturing daemon's for chunks without shards)."""
+        return next((st for st in stores if st.chunk_path(step, rank, 0).exists()), store)
+
     out = []
     for r in manifest.ranks:
         if r.coord.dp != 0:
             continue
         try:
-            out.append((r, store.read_rank(step, r.rank, fetch, from_disks(stores))))
-        except (CorruptChunkError, BeyondToleranceError) as exc:
+            out.append((r, holding(r.rank).read_rank(step, r.rank, fetch,
+                                                     from_disks(stores))))
+        except (CorruptChunkError, BeyondToleranceError, ChunkChecksumError) as exc:
             raise InteropError(
-                f"{exc}. Rank {r.rank} was captured on node {r.node!r}; its chunks live as "
-                "erasure shards on the job's daemons: give every data dir of the job "
-                "(--data-dir, repeated), or export through a running daemon with --socket"
-            ) from None
+                f"{exc}. Rank {r.rank} was captured on node {r.node!r}; its chunks are whole "
+                "on that node's disk or erasure shards on the job's daemons: give every "
+                "data dir of the job (--data-dir, repeated), or export through a running "
+                "daemon with --socket") from None
     return out
 
 

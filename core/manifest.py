@@ -38,6 +38,12 @@ class ManifestError(ValueError):
     """A manifest is malformed, inconsistent or fails its digest."""
 
 
+
+def whole_on_node(chunk: manifest_pb2.ChunkRecord) -> bool:
+    """Whether the disk of the daemon that captured `chunk` keeps it whole: a chunk
+    without shards always, one with shards when that daemon kept a local copy."""
+    return chunk.whole_on_node or not chunk.shards
+
 def element_size(dtype: int) -> int:
     """Bytes per element of a stalwart.v1 DType value."""
     try:

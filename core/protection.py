@@ -2,8 +2,8 @@
 
 Pure: from manifests and the set of live nodes, count shard records on live and
 lost holders, and find how many more node losses every chunk survives. A chunk
-is readable while its capturing node's disk copy is, or while any k distinct
-shard indexes are on live nodes or S3.
+is readable while its capturing node's disk copy is (where it kept one), or while
+any k distinct shard indexes are on live nodes or S3.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import combinations
 
+from stalwart.core.manifest import whole_on_node
 from stalwart.core.placement import S3
 from stalwart.v1 import manifest_pb2
 
@@ -31,9 +32,9 @@ class Census:
     the number of live nodes when no node loss at all can make a chunk unreadable."""
 
 
-def _readable(home: str, k: int, holders: dict[str, set[int]], s3: set[int],
+def _readable(home: str | None, k: int, holders: dict[str, set[int]], s3: set[int],
               up: set[str]) -> bool:
-    if home in up:
+    if home is not None and home in up:
         return True
     indexes = set(s3)
     for node, held in holders.items():
@@ -44,6 +45,7 @@ def _readable(home: str, k: int, holders: dict[str, set[int]], s3: set[int],
 
 def chunk_margin(home: str, chunk: manifest_pb2.ChunkRecord, live: set[str]) -> int:
     """More node losses (of `live` nodes) that `chunk`, captured on `home`, survives."""
+    home = home if whole_on_node(chunk) else None
     holders: dict[str, set[int]] = {}
     s3: set[int] = set()
     for rec in chunk.shards:
@@ -54,7 +56,8 @@ def chunk_margin(home: str, chunk: manifest_pb2.ChunkRecord, live: set[str]) -> 
     if not _readable(home, chunk.k, holders, s3, live):
         return -1
     # Only the nodes holding a copy or a shard matter; the others can all be lost.
-    relevant = sorted(({home} | set(holders)) & live)[:MAX_EXACT_NODES]
+    copies = ({home} if home else set()) | set(holders)
+    relevant = sorted(copies & live)[:MAX_EXACT_NODES]
     for size in range(1, len(relevant) + 1):
         for lost in combinations(relevant, size):
             if not _readable(home, chunk.k, holders, s3, live - set(lost)):

@@ -297,12 +297,13 @@ def test_lost_daemon_is_repaired_so_m_more_losses_are_survived(cluster) -> None:
 
 # In-process: recoverability, repaired records ---------------------------------------------
 
-def _step(step: int, base: int, holders: list[str], node: str = "node-0"
-          ) -> manifest_pb2.Manifest:
-    """A one-rank manifest whose single chunk has shards 0..3 on `holders` (k=2, m=2)."""
+def _step(step: int, base: int, holders: list[str], node: str = "node-0",
+          whole: bool = False) -> manifest_pb2.Manifest:
+    """A one-rank manifest whose single chunk has shards 0..3 on `holders` (k=2, m=2),
+    kept `whole` on its capturing node's disk too ([snapshot] local_copy)."""
     codec = manifest_pb2.ZSTD if base == step else manifest_pb2.XOR_DELTA_ZSTD
     chunk = manifest_pb2.ChunkRecord(chunk_id=f"s{step}", size=4, stored_size=4, codec=codec,
-                                     base_step=base, k=K, m=M)
+                                     base_step=base, k=K, m=M, whole_on_node=whole)
     for i, h in enumerate(holders):
         chunk.shards.add(index=i, node=h, location=f"s{step}.{i}", size=2, crc32c=i)
     rank = manifest_pb2.RankState(rank=0, node=node, chunks=[chunk], total_bytes=4,
@@ -318,8 +319,13 @@ def test_a_delta_is_recoverable_only_while_its_base_is() -> None:
     assert repair.recoverable(found, {"a", "b", "c"}, "elsewhere") == [3]
     assert repair.recoverable(found, {"a", "e", "f"}, "elsewhere") == [2, 1]
     assert repair.recoverable(found, {"e", "f"}, "elsewhere") == [3, 2, 1]
-    # The capturing node reads its own disk copy whatever happened to the shards.
-    assert repair.recoverable(found, {"a", "b", "c"}, "node-0") == [3, 2, 1]
+    # The capturing node keeps shards only, so it fares as any other node; with a whole
+    # copy on its disk (local_copy) it reads that whatever happened to the shards.
+    assert repair.recoverable(found, {"a", "b", "c"}, "node-0") == [3]
+    whole = {s: _step(s, b, h, whole=True) for s, b, h in
+             ((1, 1, ["a", "b", "c", "d"]), (2, 1, ["c", "d", "e", "f"]),
+              (3, 3, ["a", "b", "e", "f"]))}
+    assert repair.recoverable(whole, {"a", "b", "c"}, "node-0") == [3, 2, 1]
 
 
 def test_beyond_tolerance_names_the_newest_older_recoverable_step() -> None:

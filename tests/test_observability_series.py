@@ -90,6 +90,13 @@ def test_a_chunk_without_shards_lives_only_on_its_home_disk() -> None:
     assert chunk_margin("a", manifest_pb2.ChunkRecord(chunk_id="c"), {"a", "b"}) == 0
 
 
+def test_the_home_disk_counts_only_where_it_kept_the_chunk_whole() -> None:
+    c = chunk(2, [(0, "b"), (1, "c")])  # no shard on its home, a
+    assert chunk_margin("a", c, {"a", "b", "c"}) == 0  # shards only: losing b loses it
+    c.whole_on_node = True  # [snapshot] local_copy: a keeps it whole as well
+    assert chunk_margin("a", c, {"a", "b", "c"}) == 1
+
+
 def test_census_counts_shards_on_lost_nodes_as_missing_and_takes_the_worst_chunk() -> None:
     manifest = manifest_pb2.Manifest(step=3, ranks=[
         manifest_pb2.RankState(rank=0, node="a", chunks=[chunk(2, [(0, "a"), (1, "b"),

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from stalwart.core import step_record as sr
+from stalwart.core.manifest import whole_on_node
 from stalwart.daemon.config_schema import default
 from stalwart.daemon.errors import DataLoss
 from stalwart.daemon.metrics import Metrics
@@ -181,7 +182,8 @@ class LocalStore(Catalogue):
         written = 0
         for index, (c, payload) in enumerate(zip(state.chunks, prepared.payloads,
                                                  strict=True)):
-            if self.on_disk(c):
+            c.whole_on_node = self.on_disk(c)
+            if c.whole_on_node:
                 write_atomic(self.chunk_path(step, state.rank, index), payload)
                 written += len(payload)
             self.ram.put((step, state.rank, index), payload)
@@ -191,6 +193,11 @@ class LocalStore(Catalogue):
         if self.metrics:
             self.metrics.stored_bytes.labels(tier="disk").inc(written)
         return state
+
+    def disk_bytes(self, chunks: Sequence[manifest_pb2.ChunkRecord],
+                   payloads: Sequence[bytes]) -> int:
+        """What `prepare` will write whole of these placed chunks (for the disk quota)."""
+        return sum(len(p) for c, p in zip(chunks, payloads, strict=True) if self.on_disk(c))
 
     def captured_here(self, step: int, rank: int, node: str) -> bool:
         """Whether `node` (this daemon) captured the rank's record of `step`."""
@@ -225,8 +232,8 @@ class LocalStore(Catalogue):
             for state in held:
                 for index, c in enumerate(state.chunks):
                     p = self.chunk_path(step, state.rank, index)
-                    if not self.on_disk(c):
-                        continue  # durable as its shards
+                    if not whole_on_node(c):
+                        continue  # durable as its shards (whatever local_copy says now)
                     if not p.exists() or p.stat().st_size != c.stored_size:
                         raise ValueError(f"cannot commit step {step}: rank {state.rank} chunk "
                                          f"{c.chunk_id} is not durable at {p}; prepare it "

@@ -159,9 +159,10 @@ class SnapshotPath:
         give_up = time.monotonic() + (FINAL_RETRY_S if request.final else 0.0)
 
         async def store_and_place() -> None:
-            self.quota.reserve(sum(len(p) for p in prepared.payloads))
             placed = await self.placer.place(step, generation, prepared.state,
                                              prepared.payloads)
+            # Shards put here reserved their own room; this is what is written whole.
+            self.quota.reserve(self.store.disk_bytes(placed.chunks, prepared.payloads))
             states.append(await self._run(self.store.prepare, step, prepared, placed))
 
         states: list[manifest_pb2.RankState] = []

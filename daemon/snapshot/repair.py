@@ -44,7 +44,7 @@ def holders(manifests: Iterable[manifest_pb2.Manifest]) -> set[str]:
 def chunk_readable(rank: manifest_pb2.RankState, chunk: manifest_pb2.ChunkRecord,
                    lost: set[str], local_node: str) -> bool:
     """A chunk can be read here: from this node's own disk copy, or from k live shards."""
-    if rank.node == local_node:
+    if rank.node == local_node and mf.whole_on_node(chunk):
         return True
     return bool(chunk.shards) and decodable(placement_of(chunk), lost)
 

@@ -161,6 +161,7 @@ class ChunkRecord(_message.Message):
     K_FIELD_NUMBER: _builtins.int
     M_FIELD_NUMBER: _builtins.int
     SHARDS_FIELD_NUMBER: _builtins.int
+    WHOLE_ON_NODE_FIELD_NUMBER: _builtins.int
     chunk_id: _builtins.str
     offset: _builtins.int
     """in the rank's logical (decoded) state buffer"""
@@ -177,6 +178,11 @@ class ChunkRecord(_message.Message):
     """for deltas: the base it applies to"""
     k: _builtins.int
     m: _builtins.int
+    whole_on_node: _builtins.bool
+    """Kept whole on the disk of the daemon that captured it (always when it has no
+    shards; with [snapshot] local_copy also when it has). Records written before this
+    field: a chunk without shards is whole there, one with shards may not be.
+    """
     @_builtins.property
     def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardRecord]: ...
     def __init__(
@@ -193,10 +199,11 @@ class ChunkRecord(_message.Message):
         k: _builtins.int = ...,
         m: _builtins.int = ...,
         shards: _abc.Iterable[Global___ShardRecord] | None = ...,
+        whole_on_node: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_step", b"base_step", "chunk_id", b"chunk_id", "codec", b"codec", "crc32c", b"crc32c", "k", b"k", "m", b"m", "offset", b"offset", "shards", b"shards", "size", b"size", "stored_crc32c", b"stored_crc32c", "stored_size", b"stored_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_step", b"base_step", "chunk_id", b"chunk_id", "codec", b"codec", "crc32c", b"crc32c", "k", b"k", "m", b"m", "offset", b"offset", "shards", b"shards", "size", b"size", "stored_crc32c", b"stored_crc32c", "stored_size", b"stored_size", "whole_on_node", b"whole_on_node"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
