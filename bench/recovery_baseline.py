@@ -20,14 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stalwart.bench.events import emitter, read_events
+
 STARTED_UNIX = time.time()  # before torch is imported: process start as the launcher sees it
-
-
-def _events(path: Path):
-    def emit(kind: str, **fields: Any) -> None:
-        with open(path, "a") as f:
-            f.write(json.dumps({"event": kind, "time_unix": time.time(), **fields}) + "\n")
-    return emit
 
 
 def _dcp_state(trainer: Any) -> dict[str, Any]:
@@ -59,8 +54,8 @@ def worker(spec_path: Path) -> int:
     spec = json.loads(spec_path.read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    emit = _events(Path(spec["events_dir"]) / f"rank{rank}-round{restart}.jsonl")
-    emit("process_start", time_unix_override=STARTED_UNIX)
+    emit = emitter(Path(spec["events_dir"]) / f"rank{rank}-round{restart}.jsonl")
+    emit("process_start", at=STARTED_UNIX)
 
     import torch
     import torch.distributed as dist
@@ -147,11 +142,7 @@ def run_baseline(spec: dict[str, Any], workdir: Path, timeout_s: float) -> list[
     events = []
     for path in sorted(Path(spec["events_dir"]).glob("*.jsonl")):
         rank, rnd = path.stem.removeprefix("rank").split("-round")
-        for line in path.read_text().splitlines():
-            e = json.loads(line)
-            if "time_unix_override" in e:
-                e["time_unix"] = e.pop("time_unix_override")
-            events.append({**e, "rank": int(rank), "round": int(rnd)})
+        events += [{**e, "rank": int(rank), "round": int(rnd)} for e in read_events(path)]
     return events
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from stalwart.bench.events import read_events
 from stalwart.bench.progress import say, seconds
 from stalwart.client.local_cluster import ClusterError, free_port, wait_until
 
@@ -154,16 +155,7 @@ def _trial(spec: dict[str, Any], binary: str, workdir: Path, timeout_s: float
 
 
 def _events(folder: Path, name: str) -> list[dict[str, Any]]:
-    path = folder / f"{name}.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        e = json.loads(line)
-        if "time_unix_override" in e:
-            e["time_unix"] = e.pop("time_unix_override")
-        out.append(e)
-    return out
+    return read_events(folder / f"{name}.jsonl")
 
 
 def _joined_steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

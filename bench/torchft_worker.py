@@ -24,21 +24,16 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from stalwart.bench.events import emitter
+
 STARTED_UNIX = time.time()
-
-
-def _emit(path: Path):
-    def emit(kind: str, **fields: Any) -> None:
-        with open(path, "a") as f:
-            f.write(json.dumps({"event": kind, "time_unix": time.time(), **fields}) + "\n")
-    return emit
 
 
 def worker(spec_path: Path, group: int) -> int:
     spec = json.loads(spec_path.read_text())
     incarnation = int(os.environ.get("STALWART_TORCHFT_INCARNATION", "0"))
-    emit = _emit(Path(spec["events_dir"]) / f"group{group}-{incarnation}.jsonl")
-    emit("process_start", time_unix_override=STARTED_UNIX)
+    emit = emitter(Path(spec["events_dir"]) / f"group{group}-{incarnation}.jsonl")
+    emit("process_start", at=STARTED_UNIX)
 
     import torch
     from torch import nn

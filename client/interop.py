@@ -386,8 +386,10 @@ class _MetadataUnpickler(pickle.Unpickler):
 
         if module in ("torch.distributed.checkpoint.metadata", "torch"):
             found = super().find_class(module, name)
-            # Metadata's dataclasses and enums only build plain records.
-            safe = (isinstance(found, type) and module != "torch") or isinstance(
+            # The dataclasses and enums metadata defines build plain records; what it only
+            # imports (Enum, whose call makes classes, typing's Any) is not among them.
+            defined = isinstance(found, type) and getattr(found, "__module__", "") == module
+            safe = (defined and module != "torch") or isinstance(
                 found, torch.dtype | torch.layout | torch.memory_format) or found is torch.Size
             if safe:
                 return found

@@ -23,6 +23,7 @@ class Links:
         self.full = True
         self.committed: dict[str, dict[int, manifest_pb2.StepRecord]] = {"n0": {}, "n1": {}}
         self.refused = 0
+        self.full_refusals = 0  # commits n0's full disk failed
 
     def nodes(self) -> list[str]:
         return ["n0", "n1"]
@@ -33,6 +34,7 @@ class Links:
             request = peer_pb2.CommitStepRequest.FromString(request)
         record = request.record
         if node == "n0" and self.full:
+            self.full_refusals += 1
             raise OSError(errno.ENOSPC, "No space left on device")
         old = self.committed[node].get(record.step)
         if old is not None and old != record:
@@ -53,9 +55,11 @@ def test_a_commit_that_failed_on_the_coordinators_full_disk_is_retried_unprompte
             seal=seal("n0", [manifest_pb2.RankState(rank=0, node="n0")]),
             layout=common_pb2.ParallelLayout(dp=1, pp=1, tp=1)))
         assert 12 in links.committed["n1"] and not links.committed["n0"]
-        await asyncio.sleep(0)  # lets the first retry, still on a full disk, fail too
-        links.full = False  # space freed; no further prepare will come
         deadline = time.monotonic() + 30.0
+        while links.full_refusals < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert links.full_refusals >= 2, "the commit was not retried while the disk was full"
+        links.full = False  # space freed; no further prepare will come
         while 12 not in links.committed["n0"] and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         return links

@@ -129,6 +129,19 @@ def test_dcp_metadata_with_python_objects_is_refused(tmp_path: Path) -> None:
         interop.load(tmp_path / "dcp")
 
 
+@pytest.mark.parametrize("name", ["Enum", "Any"])
+def test_dcp_metadata_naming_what_the_metadata_module_only_imports_is_refused(
+        tmp_path: Path, name: str) -> None:
+    """A pickle may name any attribute of an allowed module: only the classes that
+    module defines are let through, not those it imports (Enum's call makes classes)."""
+    (tmp_path / "dcp").mkdir()
+    # GLOBAL opcode, then STOP: the unpickler resolves the name and returns it.
+    (tmp_path / "dcp" / ".metadata").write_bytes(
+        f"ctorch.distributed.checkpoint.metadata\n{name}\n.".encode())
+    with pytest.raises(interop.InteropError, match="not allowed in DCP metadata"):
+        interop.load(tmp_path / "dcp")
+
+
 @pytest.mark.multiprocess
 def test_export_refuses_to_read_the_store_of_a_running_daemon(
         trained: dict[str, Any], tmp_path: Path) -> None:

@@ -84,14 +84,15 @@ def trained(tmp_path: Path) -> tuple[Path, dict[int, bytes]]:
     return tmp_path, states
 
 
-@pytest.mark.parametrize(("first", "last"), [(0, 0), (2, 3), (5, 5), (0, 5), (4, 2)])
+def test_a_layer_range_whose_first_is_after_its_last_is_refused() -> None:
+    with pytest.raises(ValueError, match="the first is after the last"):
+        Layers(4, 2)
+
+
+@pytest.mark.parametrize(("first", "last"), [(0, 0), (2, 3), (5, 5), (0, 5)])
 def test_a_layer_range_restores_its_tensors_bitwise_from_fewer_chunks(
         trained, first: int, last: int) -> None:
     folder, states = trained
-    if first > last:
-        with pytest.raises(ValueError, match="the first is after the last"):
-            Layers(first, last)
-        return
     for step in (5, 7):  # a base, and the end of a chain of deltas
         whole_reads = _reads(folder, lambda store, s=step: store.read_rank(s, 0))
         part_reads = _reads(folder, lambda store, s=step: store.read_layers(

@@ -37,7 +37,6 @@ from stalwart.daemon.snapshot.selection import (
     chunk_positions,
     closure,
     pack,
-    packed,
     wanted,
 )
 from stalwart.v1 import common_pb2, manifest_pb2
@@ -297,14 +296,16 @@ class LocalStore(Catalogue):
         """Part of the rank's state at a committed step: the tensors of `layers` and those
         of no layer, as a record of just them and their bytes (`selection.packed`). Only
         the chunks that hold them are read, along the whole chain."""
-        out, state, names = self._read(step, rank, fetch, fetch_records, layers)
-        assert names is not None
-        keep = wanted(state, layers)
-        return packed(state, keep), pack(out.data, state, keep)
+        out, state, keep = self._read(step, rank, fetch, fetch_records, layers)
+        assert keep is not None  # given layers, _read names the tensors they want
+        return pack(out.data, state, keep)
 
     def _read(self, step: int, rank: int, fetch: Fetch | None,
               fetch_records: FetchRecords | None, layers: Layers | None
               ) -> tuple[np.ndarray, manifest_pb2.RankState, set[str] | None]:
+        """The rank's buffer at `step`, its record, and with `layers` the tensors they
+        want (`selection.wanted`): then only the chunks holding those (and what decoding
+        them drags in, `selection.closure`) are read and checked."""
         records = self.committed_records()
         if step not in records:
             raise FileNotFoundError(f"step {step} is not committed; latest committed is "
@@ -313,8 +314,8 @@ class LocalStore(Catalogue):
         users = {s: {t for t in chain if s in sr.seal_of(records[t], rank).bases}
                  for s in chain}
         states = {s: self.rank_record(s, rank, fetch_records) for s in chain}
-        names = None if layers is None else closure(states.values(),
-                                                    wanted(states[step], layers))
+        keep = None if layers is None else wanted(states[step], layers)
+        names = None if keep is None else closure(states.values(), keep)
         positions = {s: range(len(st.chunks)) if names is None else chunk_positions(st, names)
                      for s, st in states.items()}
         fetched = self._prefetch(rank, states, positions, fetch)
@@ -324,7 +325,7 @@ class LocalStore(Catalogue):
                                            fetch, names)
             for done in [d for d in decoded if d != step and max(users[d], default=-1) <= s]:
                 del decoded[done]  # no later step in the chain applies to it
-        return decoded[step], states[step], names
+        return decoded[step], states[step], keep
 
     def _prefetch(self, rank: int, states: dict[int, manifest_pb2.RankState],
                   positions: dict[int, Sequence[int]], fetch: Fetch | None
@@ -348,8 +349,8 @@ class LocalStore(Catalogue):
                      names: set[str] | None = None) -> np.ndarray:
         """The rank's buffer at `step` from the chunks at `positions` (with `names`, those
         that hold them), taking `fetched` payloads before fetching any other."""
-        payloads = [fetched.pop(state.chunks[i].chunk_id, None)
-                    or self._read_or_fetch(step, state.rank, i, state.chunks[i], fetch)
+        payloads = [self._read_or_fetch(step, state.rank, i, state.chunks[i], fetch)
+                    if (got := fetched.pop(state.chunks[i].chunk_id, None)) is None else got
                     for i in positions]
         out = decode_rank(state, payloads, decoded, positions=positions,
                           adamw=None if names is None else

@@ -106,12 +106,14 @@ class _Index:
 
 def packed(state: manifest_pb2.RankState, names: set[str]) -> manifest_pb2.RankState:
     """The record a partial restore hands back: only the tensors `names`, in record order,
-    at aligned offsets into a buffer of just them (`total_bytes`); no chunks, which describe the
-    whole buffer. Everything else of the record (coordinates, extra) is kept."""
+    at aligned offsets into a buffer of just them (`total_bytes`); no chunks, which
+    describe the whole buffer. Everything else of the record (coordinates, extra) is kept."""
     out = manifest_pb2.RankState()
     out.CopyFrom(state)
     del out.tensors[:]
     del out.chunks[:]
+    del out.adamw[:]
+    out.adamw.extend(h for h in state.adamw if h.param in names)
     offset = 0
     for t in state.tensors:
         if t.name in names:
@@ -120,19 +122,16 @@ def packed(state: manifest_pb2.RankState, names: set[str]) -> manifest_pb2.RankS
             meta.offset = offset
             offset += -(-t.nbytes // TENSOR_ALIGN) * TENSOR_ALIGN
     out.total_bytes = offset
-    del out.adamw[:]
-    out.adamw.extend(h for h in state.adamw if h.param in names)
     return out
 
 
-def pack(whole: memoryview | bytes, state: manifest_pb2.RankState,
-         names: set[str]) -> bytearray:
-    """The bytes of the tensors `names` out of the rank's whole buffer, as `packed` lays
-    them out (regions not decoded are never read)."""
-    view = memoryview(whole)
-    layout = packed(state, names)
+def pack(whole: memoryview | bytes, state: manifest_pb2.RankState, names: set[str]
+         ) -> tuple[manifest_pb2.RankState, bytearray]:
+    """`packed(state, names)` and its buffer, cut out of the rank's `whole` buffer
+    (regions not decoded are never read)."""
+    view, layout = memoryview(whole), packed(state, names)
     out = bytearray(layout.total_bytes)
     for t, meta in zip((t for t in state.tensors if t.name in names), layout.tensors,
                        strict=True):
         out[meta.offset:meta.offset + t.nbytes] = view[t.offset:t.offset + t.nbytes]
-    return out
+    return layout, out
