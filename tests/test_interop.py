@@ -268,7 +268,7 @@ def test_a_dcp_export_refuses_tensors_inside_a_tuple(tmp_path: Path) -> None:
         "custom": {"pair": {"__stalwart_tuple__": [{"__stalwart_tensor__": "custom/pair/0"},
                                                    {"__stalwart_tensor__": "custom/pair/1"}]}}}}
     tensors = {"model/w": w, "custom/pair/0": a, "custom/pair/1": b,
-               interop.EXTRA_KEY: interop._json_tensor(extra)}
+               interop.EXTRA_KEY: interop.json_tensor(extra)}
     with pytest.raises(interop.InteropError, match="'custom.pair' holds tensors in a tuple"):
         interop.save(tensors, tmp_path / "dcp", "dcp")
     interop.save(tensors, tmp_path / "ckpt.pt", "state_dict")  # the flat format keeps them

@@ -34,7 +34,6 @@ from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.step_commits import PeerLinks, StepCommits
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
 
-COMMIT_RETRY_S = 1.0  # seconds before a commit that failed on the coordinator is retried
 log = logging.getLogger("stalwart.daemon.recovery.coordinator")
 
 
