@@ -114,9 +114,9 @@ class _DaemonRank:
 
     def __init__(self, workdir: Path, daemon_settings: dict[str, Any] | None = None
                  ) -> None:
-        from stalwart.client.agent import GrpcCaptureTransport
         from stalwart.client.capture import Capturer
         from stalwart.client.daemon_client import DaemonClient
+        from stalwart.client.generation import GrpcCaptureTransport
         from stalwart.client.local_cluster import LocalCluster, wait_until
         from stalwart.v1 import common_pb2
 

@@ -6,41 +6,34 @@ take the new role, hand the next generation to the program. Survivors never rest
 their process; a spare waits, registered, until a plan gives it a role.
 
 A program is what the rank trains: Stalwart's 3D loop over a model's layers
-(`client/trainer_program.py`) or the user's own loop (`client/user_loop.py`).
+(`client/trainer_program.py`) or the user's own loop (`client/user_loop.py`). What a
+generation offers it (restore, capture, commit waits, leaving for a newer plan) is
+`client/generation.py`.
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
-import grpc
-
-from stalwart.client.capture import Capturer
 from stalwart.client.daemon_client import DaemonClient, DaemonUnavailable
+from stalwart.client.generation import Generation, PlanChanged
 from stalwart.client.link_bytes import LinkBytes
 from stalwart.client.parallel_dims import ParallelDims
-from stalwart.client.state_layout import unpack
 from stalwart.client.watchdog import GroupFailure, Watchdog
 from stalwart.core.failures import Failure
 from stalwart.core.layout import Layout
-from stalwart.v1 import common_pb2, rank_pb2
+from stalwart.v1 import common_pb2
 
 log = logging.getLogger("stalwart.client.agent")
 
-T = TypeVar("T")
-# How often a rank waiting for its final step to commit looks for a newer plan (seconds).
-COMMIT_WAIT_SLICE_S = 0.5
 # One attempt to reach a generation's store; between attempts a newer plan is looked for.
 STORE_ATTEMPT_S = 1.0
 
@@ -48,10 +41,6 @@ STORE_ATTEMPT_S = 1.0
 class JobStopped(RuntimeError):
     """The coordinator found no viable plan and no spare came while this rank waited
     (resume_wait_s); training stopped at the last committed step."""
-
-
-class PlanChanged(Exception):
-    """A newer plan arrived while this generation ran: leave it and take the new one."""
 
 
 @dataclass(kw_only=True)
@@ -94,137 +83,6 @@ class Program(Protocol):
 
     def train(self, gen: Generation) -> None:
         """Run generation `gen` to the end of training; raise on a broken group."""
-
-
-class GrpcCaptureTransport:
-    """The capturer's view of the daemon: OpenSlot and Capture over the Unix socket."""
-
-    def __init__(self, daemon: DaemonClient, coord: common_pb2.RankCoord,
-                 layout: common_pb2.ParallelLayout, generation: int) -> None:
-        self.daemon, self.coord, self.layout, self.generation = daemon, coord, layout, generation
-
-    def open_slots(self, nbytes: int) -> list[tuple[str, str]]:
-        reply = self.daemon.call("open_slot", "OpenSlot", rank_pb2.OpenSlotRequest(
-            rank_id=self.daemon.rank_id, nbytes=nbytes))
-        return [(sid, reply.fd_socket) for sid in (reply.slot_ids or [reply.slot_id])]
-
-    def send_capture(self, step: int, slot_id: str, metas: list[common_pb2.TensorMeta],
-                     extra: bytes, hints: Sequence[Any] = (), stall_s: float = 0.0,
-                     final: bool = False) -> None:
-        try:
-            self.daemon.call("capture", "Capture", rank_pb2.CaptureRequest(
-                rank_id=self.daemon.rank_id, generation=self.generation, step=step,
-                slot_id=slot_id, tensors=metas, extra=extra, coord=self.coord,
-                layout=self.layout, adamw=hints, stall_s=stall_s, final=final), timeout=120)
-        except DaemonUnavailable as exc:
-            # The daemon refuses a capture of an older generation with this code (its one
-            # status for a stale generation, daemon/rpc/errors.py).
-            if exc.code is grpc.StatusCode.ABORTED:
-                raise PlanChanged() from exc
-            raise
-
-
-@dataclass
-class Generation:
-    """One generation as a program sees it: the plan, this rank's role, its process
-    groups, and the daemon services it needs (capture, restore, commit)."""
-
-    plan: common_pb2.Plan
-    role: common_pb2.RankAssignment
-    dims: ParallelDims
-    agent: ElasticAgent
-    record: dict[str, Any]
-    store: Any = None
-    """The store this generation's groups started from (the job's, for programs)."""
-    abandoned: bool = False
-    """A step of this generation is stuck in a collective: its groups are left alone."""
-
-    @property
-    def daemon(self) -> DaemonClient:
-        return self.agent.daemon
-
-    @property
-    def result(self) -> AgentResult:
-        return self.agent.result
-
-    def newer_plan_waiting(self) -> bool:
-        return self.agent._newest > self.plan.generation
-
-    def check_plan(self) -> None:
-        """Raise PlanChanged when a newer plan is waiting (call at step boundaries)."""
-        if self.newer_plan_waiting():
-            raise PlanChanged()
-
-    def capturer(self) -> Capturer:
-        return Capturer(GrpcCaptureTransport(self.daemon, self.role.coord, self.plan.layout,
-                                             self.plan.generation), token=self.daemon.token)
-
-    def run_or_abandon(self, fn: Callable[[], T], what: str) -> T:
-        """Run `fn` (a step, a collective) on a helper thread; give up on it when a newer
-        plan arrives, raising PlanChanged: a collective with a dead or hung peer cannot
-        be aborted on gloo, and the new generation must not wait for its timeout."""
-        done: Future[T] = Future()
-
-        def body() -> None:
-            try:
-                done.set_result(fn())
-            except BaseException as exc:  # noqa: B036 - handed to the waiting thread
-                done.set_exception(exc)
-
-        threading.Thread(target=body, name=f"stalwart-{what}-g{self.plan.generation}",
-                         daemon=True).start()
-        while True:
-            try:
-                return done.result(timeout=0.05)
-            except FutureTimeout:
-                if self.newer_plan_waiting():
-                    self.abandoned = True
-                    raise PlanChanged() from None
-
-    def restore_rank(self, step: int, rank: int, layers: tuple[int, int] | None = None
-                     ) -> tuple[list[common_pb2.TensorMeta], dict[str, Any], dict[str, Any]]:
-        """Committed `step` as old rank `rank` captured it: metas, tensors by name, extra
-        (with `layers`, of those layers alone: `DaemonClient.restore`)."""
-        record, data = self.daemon.restore(step, rank, layers=layers)
-        metas = list(record.tensors)
-        return metas, unpack(data, metas), json.loads(record.extra.decode())
-
-    def report_rebuilt(self, rebuild_s: float, restore_s: float) -> None:
-        if self.plan.generation > 1:
-            self.daemon.report_phases({"rebuild": rebuild_s, "restore": restore_s})
-        self.record.update(rebuild_s=round(rebuild_s, 4), restore_s=round(restore_s, 4))
-        self.record["t_trained_from"] = time.monotonic()
-
-    def step_done(self, step: int, loss: float | None, step_time_s: float) -> None:
-        """Bookkeeping after step `step` was taken and scheduled for capture."""
-        if self.record["first_step_s"] is None:
-            self.record["first_step_s"] = round(
-                time.monotonic() - self.record.pop("t_trained_from", time.monotonic()), 4)
-            self.record["first_step_unix"] = time.time()
-        if loss is not None:
-            self.result.losses[step] = loss
-        self.daemon.report_step(step, step_time_s)
-        self.daemon.add_link_bytes(self.agent.links.drain())
-        if self.agent.on_step is not None:
-            self.agent.on_step(step, loss if loss is not None else float("nan"))
-
-    def wait_committed(self, step: int, timeout_s: float = 120.0) -> None:
-        """The last step is durable before this rank reports success. A newer plan ends
-        the wait with PlanChanged: a peer was lost before `step` committed, and the rank
-        must redo the steps after that plan's resume step (waiting on would time out)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self.check_plan()
-            left = deadline - time.monotonic()
-            wait_s = max(0.01, min(left, COMMIT_WAIT_SLICE_S))
-            reply = self.daemon.call("wait_committed", "WaitCommitted",
-                                     rank_pb2.WaitCommittedRequest(step=step, timeout_s=wait_s),
-                                     timeout=wait_s + 5)
-            if reply.committed:
-                return
-            if left <= COMMIT_WAIT_SLICE_S:
-                raise RuntimeError(f"final step {step} was not committed within "
-                                   f"{timeout_s:g} s: {reply.message}")
 
 
 class ElasticAgent:

@@ -64,7 +64,8 @@ def read_from_store(data_dirs: Sequence[Path], job_id: str, step: int
     `data_dirs`; a chunk none holds whole is rebuilt from any k of its erasure shards
     found in them, every checksum verified."""
     from stalwart.core.step_record import MissingRecords
-    from stalwart.daemon.snapshot.local_store import CorruptChunkError, LocalStore
+    from stalwart.daemon.snapshot.chain_reader import CorruptChunkError
+    from stalwart.daemon.snapshot.local_store import LocalStore
     from stalwart.daemon.snapshot.records import from_disks
     from stalwart.daemon.snapshot.shard_reader import (
         BeyondToleranceError,

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stalwart.client.agent import Generation, PlanChanged
 from stalwart.client.daemon_client import DaemonUnavailable
 from stalwart.client.digest import param_digest
+from stalwart.client.generation import Generation, PlanChanged
 from stalwart.client.layers import BlockProbe, Layers, probe
 from stalwart.client.relayout import Role, captured_layout, fetch_and_assemble
 from stalwart.client.trainer import TrainConfig, Trainer

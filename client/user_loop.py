@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from stalwart.client.agent import Generation
 from stalwart.client.daemon_client import DaemonUnavailable
 from stalwart.client.digest import param_digest, tensor_sha256
+from stalwart.client.generation import Generation
 from stalwart.client.launched import launched_agent, write_result
 from stalwart.client.user_data import Data
 from stalwart.client.user_state import StateError, StateRegistry

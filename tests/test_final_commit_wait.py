@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from stalwart.client.agent import Generation, PlanChanged
+from stalwart.client.generation import Generation, PlanChanged
 from stalwart.v1 import common_pb2, rank_pb2
 
 

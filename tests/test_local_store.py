@@ -19,7 +19,8 @@ from snapshot_states import commit_step, state, tensors
 from stalwart.core.manifest import ManifestError, build_manifest
 from stalwart.core.step_record import plan_chain, split
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.snapshot.local_store import CorruptChunkError, LocalStore
+from stalwart.daemon.snapshot.chain_reader import CorruptChunkError
+from stalwart.daemon.snapshot.local_store import LocalStore
 from stalwart.daemon.snapshot.predict import predict_param
 from stalwart.v1 import common_pb2, manifest_pb2
 

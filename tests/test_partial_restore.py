@@ -118,13 +118,13 @@ def _reads(folder: Path, read) -> set[str]:
     """Chunks `read(store)` reads on a cold store (every one from disk)."""
     store = LocalStore(folder, chunk_bytes=1024)
     seen: set[str] = set()
-    original = store._read_or_fetch
+    original = store.reader._read_or_fetch
 
     def counted(step, rank, index, chunk, fetch):
         seen.add(chunk.chunk_id)
         return original(step, rank, index, chunk, fetch)
 
-    store._read_or_fetch = counted
+    store.reader._read_or_fetch = counted
     read(store)
     return seen
 

@@ -1,0 +1,159 @@
+"""Reading a rank's state back out of a store: the base/delta chain of a committed
+step, each chunk from the RAM tier, the disk or (through `fetch`) its erasure shards,
+every CRC32C verified; with a layer range, only the chunks that hold those layers
+(`selection`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from stalwart.core import step_record as sr
+from stalwart.daemon.errors import DataLoss
+from stalwart.daemon.snapshot.catalogue import FetchRecords
+from stalwart.daemon.snapshot.checksum import crc32c
+from stalwart.daemon.snapshot.chunks import decode_rank
+from stalwart.daemon.snapshot.selection import Layers, chunk_positions, closure, pack, wanted
+from stalwart.v1 import manifest_pb2
+
+if TYPE_CHECKING:
+    from stalwart.daemon.snapshot.local_store import LocalStore
+
+Fetch = Callable[[manifest_pb2.ChunkRecord], bytes]
+PREFETCH_THREADS = 8  # chunks fetched from shards at once for one read
+
+
+class CorruptChunkError(DataLoss):
+    """A stored chunk is missing or fails its checksum in every tier that holds it."""
+
+    def __init__(self, step: int, rank: int, chunk_id: str, tier: str, detail: str) -> None:
+        self.step, self.rank, self.chunk_id, self.tier = step, rank, chunk_id, tier
+        super().__init__(
+            f"step {step} rank {rank} chunk {chunk_id} in tier {tier!r}: {detail}; restore "
+            "another committed step, or read this one from a tier that still holds it")
+
+
+class ChainReader:
+    """Reads of one store's committed steps: its records, RAM tier and chunk files."""
+
+    def __init__(self, store: LocalStore) -> None:
+        self.store = store
+
+    def read_rank(self, step: int, rank: int, fetch: Fetch | None = None,
+                  fetch_records: FetchRecords | None = None) -> bytes:
+        """The rank's logical state buffer at a committed step, every CRC verified.
+
+        `fetch(chunk)` returns a chunk's stored bytes from elsewhere (erasure shards)
+        when this disk lacks it or holds a corrupt copy; `fetch_records` the records of
+        a rank captured elsewhere."""
+        return self._read(step, rank, fetch, fetch_records, None)[0].tobytes()
+
+    def read_layers(self, step: int, rank: int, layers: Layers, fetch: Fetch | None = None,
+                    fetch_records: FetchRecords | None = None
+                    ) -> tuple[manifest_pb2.RankState, bytearray]:
+        """Part of the rank's state at a committed step: the tensors of `layers` and those
+        of no layer, as a record of just them and their bytes (`selection.packed`). Only
+        the chunks that hold them are read, along the whole chain."""
+        out, state, keep = self._read(step, rank, fetch, fetch_records, layers)
+        assert keep is not None  # given layers, _read names the tensors they want
+        return pack(out.data, state, keep)
+
+    def _read(self, step: int, rank: int, fetch: Fetch | None,
+              fetch_records: FetchRecords | None, layers: Layers | None
+              ) -> tuple[np.ndarray, manifest_pb2.RankState, set[str] | None]:
+        """The rank's buffer at `step`, its record, and with `layers` the tensors they
+        want (`selection.wanted`): then only the chunks holding those (and what decoding
+        them drags in, `selection.closure`) are read and checked."""
+        records = self.store.committed_records()
+        if step not in records:
+            raise FileNotFoundError(f"step {step} is not committed; latest committed is "
+                                    f"{self.store.latest_committed()}")
+        chain = sr.plan_chain(records, step, rank)
+        users = {s: {t for t in chain if s in sr.seal_of(records[t], rank).bases}
+                 for s in chain}
+        states = {s: self.store.rank_record(s, rank, fetch_records) for s in chain}
+        keep = None if layers is None else wanted(states[step], layers)
+        names = None if keep is None else closure(states.values(), keep)
+        positions = {s: range(len(st.chunks)) if names is None else chunk_positions(st, names)
+                     for s, st in states.items()}
+        fetched = self._prefetch(rank, states, positions, fetch)
+        decoded: dict[int, np.ndarray] = {}
+        for s in chain:
+            decoded[s] = self._decode_rank(s, states[s], decoded, positions[s], fetched,
+                                           fetch, names)
+            for done in [d for d in decoded if d != step and max(users[d], default=-1) <= s]:
+                del decoded[done]  # no later step in the chain applies to it
+        return decoded[step], states[step], keep
+
+    def _prefetch(self, rank: int, states: dict[int, manifest_pb2.RankState],
+                  positions: dict[int, Sequence[int]], fetch: Fetch | None
+                  ) -> dict[str, bytes]:
+        """The chunks to read that neither tier here holds, fetched side by side: each is
+        k shard reads from peers, and one at a time a chain of deltas took seconds."""
+        missing = [((s, rank, i), st.chunks[i]) for s, st in states.items() for i in positions[s]
+                   if st.chunks[i].shards and self.store.ram.get((s, rank, i)) is None
+                   and not self.store.chunk_path(s, rank, i).exists()]
+        if fetch is None or len(missing) < 2:
+            return {}
+        with ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="prefetch") as pool:
+            payloads = list(pool.map(fetch, (c for _, c in missing)))
+        for (key, _), payload in zip(missing, payloads, strict=True):
+            self.store.ram.put(key, payload)  # as a chunk fetched alone is: the next read is local
+        return {c.chunk_id: p for (_, c), p in zip(missing, payloads, strict=True)}
+
+    def _decode_rank(self, step: int, state: manifest_pb2.RankState,
+                     decoded: dict[int, np.ndarray], positions: Sequence[int],
+                     fetched: dict[str, bytes], fetch: Fetch | None = None,
+                     names: set[str] | None = None) -> np.ndarray:
+        """The rank's buffer at `step` from the chunks at `positions` (with `names`, those
+        that hold them), taking `fetched` payloads before fetching any other."""
+        payloads = [self._read_or_fetch(step, state.rank, i, state.chunks[i], fetch)
+                    if (got := fetched.pop(state.chunks[i].chunk_id, None)) is None else got
+                    for i in positions]
+        out = decode_rank(state, payloads, decoded, positions=positions,
+                          adamw=None if names is None else
+                          [h for h in state.adamw if h.param in names])
+        for c in (state.chunks[i] for i in positions):
+            if crc32c(out[c.offset:c.offset + c.size]) != c.crc32c:
+                raise CorruptChunkError(step, state.rank, c.chunk_id, "decoded",
+                                        f"decoded bytes fail CRC32C (base step {c.base_step})")
+        return out
+
+    def _read_or_fetch(self, step: int, rank: int, index: int, c: manifest_pb2.ChunkRecord,
+                       fetch: Fetch | None) -> bytes:
+        try:
+            return self._read_payload(step, rank, index, c)
+        except CorruptChunkError:
+            if fetch is None or not c.shards:
+                raise
+        payload = fetch(c)  # verified against the manifest by the shard reader
+        self.store.ram.put((step, rank, index), payload)
+        return payload
+
+    def _read_payload(self, step: int, rank: int, index: int,
+                      c: manifest_pb2.ChunkRecord) -> bytes:
+        key = (step, rank, index)
+        cached = self.store.ram.get(key)
+        if cached is not None:
+            if crc32c(cached) == c.stored_crc32c:
+                return cached
+            self.store.ram.drop(key)  # a bad RAM copy: fall through to disk
+            if self.store.metrics:
+                self.store.metrics.scrub_errors.labels(tier="ram").inc()
+        path = self.store.chunk_path(step, rank, index)
+        try:
+            payload = path.read_bytes()
+        except FileNotFoundError:
+            raise CorruptChunkError(step, rank, c.chunk_id, "disk",
+                                    f"file {path} is missing") from None
+        if len(payload) != c.stored_size or crc32c(payload) != c.stored_crc32c:
+            if self.store.metrics:
+                self.store.metrics.scrub_errors.labels(tier="disk").inc()
+            raise CorruptChunkError(step, rank, c.chunk_id, "disk",
+                                    f"file {path} fails CRC32C ({len(payload)} bytes, "
+                                    f"expected {c.stored_size})")
+        self.store.ram.put(key, payload)
+        return payload
