@@ -22,5 +22,10 @@ class Background:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    async def drain(self) -> None:
+        """Wait until no task is in flight, those the waited ones start included."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks))
+
     def __len__(self) -> int:
         return len(self._tasks)

@@ -141,12 +141,12 @@ class Job:
     def _on_failure(self, failure: Failure) -> None:
         self.reports.put(failure)
         if failure.kind is FailureKind.PEER_LOST:
-            asyncio.get_running_loop().create_task(self.snapshots.on_peer_lost(failure.subject))
+            self._spawned.start(self.snapshots.on_peer_lost(failure.subject))
 
     def _won_seat(self) -> None:
         # Lost and won back between two looks of the announcer, the seat shows no change
         # there: what went undelivered meanwhile is sent to ourselves here.
-        asyncio.get_running_loop().create_task(self._redeliver())
+        self._spawned.start(self._redeliver())
 
     async def _redeliver(self) -> None:
         self.reports.redeliver()
