@@ -175,6 +175,85 @@ def test_a_chunk_its_shards_keep_is_written_whole_only_with_local_copy(
             LocalStore(tmp_path, **SMALL).read_rank(1, 0)
 
 
+def _sharded_everywhere(tmp_path: Path) -> tuple[dict[str, bytes], int]:
+    """Step 1 of rank 0 committed with every chunk kept as shards alone; its encoded
+    payloads by chunk id, and the chunk count."""
+    store = LocalStore(tmp_path, **SMALL)
+    prepared = store.encode(1, 0, state(1), tensors())
+    placed = manifest_pb2.RankState()
+    placed.CopyFrom(prepared.state)
+    for c in placed.chunks:
+        c.shards.add(index=0, node="peer-a", location=f"{c.chunk_id}.0")
+    record = store.prepare(1, prepared, placed)
+    store.commit(split(build_manifest(job_id=store.job_id, step=1, generation=1,
+                                      layout=common_pb2.ParallelLayout(dp=1, pp=1, tp=1),
+                                      ranks=[record])))
+    assert not list(tmp_path.rglob("*.chunk"))
+    return ({c.chunk_id: p for c, p in zip(record.chunks, prepared.payloads, strict=True)},
+            len(record.chunks))
+
+
+def test_a_read_from_shards_fetches_ahead_only_up_to_its_byte_bound(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stalwart.daemon.snapshot import chain_reader
+
+    payloads, count = _sharded_everywhere(tmp_path)
+    assert count >= 4
+    smallest_two = sum(sorted(map(len, payloads.values()))[:2])
+    biggest = max(map(len, payloads.values()))
+    monkeypatch.setattr(chain_reader, "PREFETCH_BYTES", smallest_two + biggest)
+    ahead, at_decode = [], []
+    reader = LocalStore(tmp_path, **SMALL)  # cold: no RAM tier, no chunk on disk
+    original = reader.reader._decode_rank
+
+    def decode(*args, **kwargs):
+        at_decode.append(len(ahead))  # what had been fetched when decoding began
+        return original(*args, **kwargs)
+
+    reader.reader._decode_rank = decode
+
+    def fetch(c: manifest_pb2.ChunkRecord) -> bytes:
+        ahead.append(c.chunk_id)
+        return payloads[c.chunk_id]
+
+    assert reader.read_rank(1, 0, fetch=fetch) == state(1)
+    assert 2 <= at_decode[0] < count  # some fetched ahead, not the whole rank
+    assert sorted(ahead) == sorted(payloads)  # the rest as it was decoded, each once
+
+
+def test_a_failed_fetch_ahead_cancels_the_fetches_not_started(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from stalwart.daemon.snapshot import chain_reader
+
+    payloads, count = _sharded_everywhere(tmp_path)
+    threads = 2
+    monkeypatch.setattr(chain_reader, "PREFETCH_THREADS", threads)
+    release = threading.Event()  # the slow fetches end once the pool was shut down
+
+    class Pool(chain_reader.ThreadPoolExecutor):
+        def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+            super().shutdown(wait=False, cancel_futures=cancel_futures)
+            release.set()
+            super().shutdown(wait=wait)
+
+    monkeypatch.setattr(chain_reader, "ThreadPoolExecutor", Pool)
+    first, calls = next(iter(payloads)), []
+
+    def fetch(c: manifest_pb2.ChunkRecord) -> bytes:
+        calls.append(c.chunk_id)
+        if c.chunk_id != first:
+            assert release.wait(60), "the pool was never shut down"
+        raise OSError("peer gone")
+
+    with pytest.raises(OSError, match="peer gone"):
+        LocalStore(tmp_path, **SMALL).read_rank(1, 0, fetch=fetch)
+    # Every fetch but the first waits for the shutdown, so each thread took at most one
+    # more after it: none of the others ran.
+    assert len(calls) <= threads + 1 < count
+
+
 def test_flipped_bit_on_disk_is_detected_and_named(tmp_path: Path) -> None:
     store = LocalStore(tmp_path, **SMALL)
     manifest = commit_step(store, 1)

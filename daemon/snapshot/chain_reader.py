@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 Fetch = Callable[[manifest_pb2.ChunkRecord], bytes]
 PREFETCH_THREADS = 8  # chunks fetched from shards at once for one read
+PREFETCH_BYTES = 1 << 30  # encoded bytes one read fetches ahead of its decoding, at most
 
 
 class CorruptChunkError(DataLoss):
@@ -92,13 +93,23 @@ class ChainReader:
                   positions: dict[int, Sequence[int]], fetch: Fetch | None
                   ) -> dict[str, bytes]:
         """The chunks to read that neither tier here holds, fetched side by side: each is
-        k shard reads from peers, and one at a time a chain of deltas took seconds."""
-        missing = [((s, rank, i), st.chunks[i]) for s, st in states.items() for i in positions[s]
-                   if st.chunks[i].shards and self.store.ram.get((s, rank, i)) is None
-                   and not self.store.chunk_path(s, rank, i).exists()]
+        k shard reads from peers, and one at a time a chain of deltas took seconds. In
+        chain order up to PREFETCH_BYTES, so a long chain of a large rank is not held in
+        memory at once (the rest is fetched as it is decoded); one failed fetch cancels
+        those not started, and the restore goes on to its next candidate."""
+        missing, budget = [], PREFETCH_BYTES
+        for s, st in states.items():
+            for i in positions[s]:
+                c = st.chunks[i]
+                if (c.shards and self.store.ram.get((s, rank, i)) is None
+                        and not self.store.chunk_path(s, rank, i).exists()
+                        and budget >= c.stored_size):
+                    missing.append(((s, rank, i), c))
+                    budget -= c.stored_size
         if fetch is None or len(missing) < 2:
             return {}
         with ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="prefetch") as pool:
+            # A failed fetch ends the map, which cancels the fetches not yet started.
             payloads = list(pool.map(fetch, (c for _, c in missing)))
         for (key, _), payload in zip(missing, payloads, strict=True):
             self.store.ram.put(key, payload)  # as a chunk fetched alone is: the next read is local
