@@ -14,14 +14,14 @@ import socket
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from stalwart.client.daemon_env import DaemonUnavailable, RankEnv, default_target, tls_credentials
 from stalwart.client.job_token import find_token
 from stalwart.client.shm import MappedSlot, SlotRefused
-from stalwart.daemon.config_schema import daemon_socket, default
+from stalwart.daemon.config_schema import default
 from stalwart.v1 import (
     common_pb2,
     manifest_pb2,
@@ -40,82 +40,8 @@ _FENCED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
 FORK_PAUSE_S = 1.0  # longest a fork waits for an in-flight heartbeat (seconds)
 
 
-def default_target(env: Mapping[str, str] | None = None) -> str:
-    """gRPC target of the local daemon: $STALWART_ADDRESS (HOST:PORT), else its Unix socket
-    as the daemon's own defaults place it (stalwart.daemon.config.daemon_socket)."""
-    env = os.environ if env is None else env
-    if env.get("STALWART_ADDRESS"):
-        return env["STALWART_ADDRESS"]
-    return f"unix:{daemon_socket(env)}"
-
-
-def tls_credentials(env: Mapping[str, str] | None = None) -> grpc.ChannelCredentials | None:
-    """Mutual-TLS credentials for a daemon's TCP port from $STALWART_TLS_CERT, _KEY and _CA
-    (PEM files, as made by scripts/make-certs.sh), or None when they are unset."""
-    env = os.environ if env is None else env
-    names = ("STALWART_TLS_CERT", "STALWART_TLS_KEY", "STALWART_TLS_CA")
-    if not any(env.get(n) for n in names):
-        return None
-    missing = [n for n in names if not env.get(n)]
-    if missing:
-        raise DaemonUnavailable(f"TLS needs all of {', '.join(names)}; {', '.join(missing)} "
-                                "not set")
-    files = []
-    for name in names:
-        try:
-            with open(env[name], "rb") as f:
-                files.append(f.read())
-        except OSError as e:
-            raise DaemonUnavailable(f"${name}: cannot read {env[name]} ({e.strerror})") from None
-    from stalwart.daemon.security.tls import TlsError, check_pair
-
-    try:  # before gRPC sees them: it would only log a raw error at every connection
-        check_pair(env["STALWART_TLS_CERT"], env["STALWART_TLS_KEY"], "STALWART_TLS_KEY")
-    except TlsError as e:
-        raise DaemonUnavailable(str(e)) from None
-    cert, key, ca = files
-    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
-                                        certificate_chain=cert)
-
-
 # Every live client, so fork hooks can pause their heartbeats (see _before_fork).
 _clients: weakref.WeakSet[DaemonClient] = weakref.WeakSet()
-
-
-class DaemonUnavailable(RuntimeError):
-    """The local daemon could not be reached or refused the call; the message says why."""
-
-    @property
-    def code(self) -> grpc.StatusCode | None:
-        """The gRPC status of the call (None when no call was made)."""
-        return getattr(self.__cause__, "code", lambda: None)()
-
-
-@dataclass(frozen=True)
-class RankEnv:
-    """The torchrun-compatible environment of this process."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    master_addr: str = ""
-    master_port: int = 0
-
-    @classmethod
-    def from_environ(cls, env: Mapping[str, str] | None = None) -> RankEnv:
-        """Read RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (a single process
-        when they are unset, as torch.distributed assumes)."""
-        env = os.environ if env is None else env
-
-        def number(name: str, default: int) -> int:
-            raw = env.get(name, "")
-            try:
-                return int(raw) if raw else default
-            except ValueError:
-                raise ValueError(f"${name} must be an integer, got {raw!r}") from None
-
-        return cls(number("RANK", 0), number("WORLD_SIZE", 1), number("LOCAL_RANK", 0),
-                   env.get("MASTER_ADDR", ""), number("MASTER_PORT", 0))
 
 
 class DaemonClient:

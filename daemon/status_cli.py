@@ -39,7 +39,7 @@ def _target(args: argparse.Namespace) -> str:
 def _ask(target: str, timeout_s: float) -> Any:
     import grpc
 
-    from stalwart.client.daemon_client import tls_credentials
+    from stalwart.client.daemon_env import tls_credentials
     from stalwart.v1 import operator_pb2, operator_pb2_grpc
 
     creds = None if target.startswith("unix:") else tls_credentials()

@@ -13,12 +13,8 @@ import pytest
 from fixtures_daemon import DaemonFactory, daemon_env, wait_for
 
 from stalwart.client import daemon_client
-from stalwart.client.daemon_client import (
-    DaemonClient,
-    DaemonUnavailable,
-    RankEnv,
-    default_target,
-)
+from stalwart.client.daemon_client import DaemonClient
+from stalwart.client.daemon_env import DaemonUnavailable, RankEnv, default_target
 from stalwart.v1 import common_pb2, peer_pb2_grpc
 
 TORCHRUN_ENV = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
