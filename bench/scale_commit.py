@@ -50,8 +50,7 @@ from stalwart.core import step_record as sr
 from stalwart.daemon.links import CommitSender
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.step_commits import StepCommits
-from stalwart.daemon.rpc import validate
-from stalwart.daemon.security.roles import check_prepare
+from stalwart.daemon.security.prepare_rule import PrepareRule
 from stalwart.daemon.snapshot import commit_tree
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
 
@@ -118,34 +117,38 @@ class _Links:
 class _Coordinator(peer_pb2_grpc.PeerServiceServicer):
     def __init__(self, commits: StepCommits, world: int) -> None:
         self.commits, self.world = commits, world
-        # The plan as check_prepare reads it, and where it places every rank.
+        # The plan as the prepare rule reads it, and the ranks it places on each daemon.
         self.plan = SimpleNamespace(generation=1, resume_step=0, layout=common_pb2.ParallelLayout(
             dp=world // RANKS_PER_DAEMON, pp=1, tp=RANKS_PER_DAEMON))
-        self.where = {r: f"node-{r // RANKS_PER_DAEMON:04d}" for r in range(world)}
+        self.ranks_of = {f"node-{d:04d}": frozenset(range(d * RANKS_PER_DAEMON,
+                                                          (d + 1) * RANKS_PER_DAEMON))
+                         for d in range(world // RANKS_PER_DAEMON)}
         self.last_in: dict[int, float] = {}
         self.count: dict[int, int] = {}
 
-    def _admit(self, request: peer_pb2.PrepareStepRequest) -> None:
-        """What the coordinator's role check does with a prepare (JobGate._admit)."""
-        check_prepare(self.plan, request.node, request, self.commits.latest_committed(),
-                      self.commits.steps, self.where)
-        self.count[request.step] = self.count.get(request.step, 0) + 1
-        if self.count[request.step] * RANKS_PER_DAEMON >= self.world:
-            self.last_in[request.step] = time.perf_counter()
+    def _rule(self) -> PrepareRule:
+        """The coordinator's prepare rule, as JobGate makes it for each call."""
+        return PrepareRule(self.plan, self.commits.latest_committed(),  # type: ignore[arg-type]
+                           self.commits.steps, self.ranks_of)
+
+    def _arrived(self, step: int, prepares: int) -> None:
+        self.count[step] = self.count.get(step, 0) + prepares
+        if self.count[step] * RANKS_PER_DAEMON >= self.world:
+            self.last_in[step] = time.perf_counter()
 
     async def PrepareStep(self, request, context):  # noqa: N802 - gRPC method name
-        self._admit(request)
+        self._rule().check(request.node, request)
+        self._arrived(request.step, 1)
         await self.commits.prepared(request)
         return peer_pb2.PrepareStepReply(
             ready=True, relay_key=self.commits.relay_keys.key_for(request.node))
 
     async def RelayPrepares(self, request, context):  # noqa: N802 - gRPC method name
-        taken = []
-        for tagged in request.prepares:  # as JobGate.relay_from
-            prepare = self.commits.relay_keys.open(tagged)
-            validate.request(prepare)
-            self._admit(prepare)
-            taken.append(prepare)
+        # as JobGate.relay_from, whose loop this is; every prepare of a batch is of one
+        # step here
+        taken = self._rule().relayed(request, self.commits.relay_keys, "bench")
+        if taken:
+            self._arrived(taken[0].step, len(taken))
         await self.commits.prepared(*taken)
         return common_pb2.Ack(accepted=True)
 

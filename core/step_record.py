@@ -75,7 +75,8 @@ def build(*, job_id: str, step: int, generation: int, layout: common_pb2.Paralle
         base_step=base_step,
         created_unix_ms=int(time.time() * 1000) if created_unix_ms is None
         else created_unix_ms)
-    record.digest = digest(record)
+    # digest(record) without its copy: the field it leaves out is not set yet
+    record.digest = hashlib.sha256(record.SerializeToString(deterministic=True)).digest()
     return record
 
 

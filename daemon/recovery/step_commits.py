@@ -66,16 +66,19 @@ class PendingStep:
     finals: dict[int, int] = field(default_factory=dict)  # first rank -> ranks ending here
 
     def add(self, req: peer_pb2.PrepareStepRequest) -> None:
-        first = req.seal.ranks[0]
+        seal = req.seal
+        ranks = seal.ranks
+        first, size = ranks[0], len(ranks)
         if (old := self.seals.get(first)) is not None:
             self.covered -= len(old.ranks)
-        self.seals[first] = req.seal
-        self.covered += len(req.seal.ranks)
-        if req.layout != self.layout:
-            self.layout, self.world = req.layout, world_of(req.layout)
+        self.seals[first] = seal
+        self.covered += size
+        layout = req.layout
+        if layout != self.layout:
+            self.layout, self.world = layout, world_of(layout)
         self.generation = req.generation
         if req.final:
-            self.finals[first] = len(req.seal.ranks)
+            self.finals[first] = size
 
     @property
     def complete(self) -> bool:
@@ -114,9 +117,10 @@ class StepCommits:
         synchronous per prepare; the commit, if one became due, runs once per call."""
         again: list[peer_pb2.PrepareStepRequest] = []
         due = False
+        generation, latest = self.generation(), self.latest_committed()
         for req in reqs:
             try:
-                taken = self._take(req)
+                taken = self._take(req, generation, latest)
             except StaleGeneration:
                 if len(reqs) == 1:
                     raise
@@ -133,17 +137,19 @@ class StepCommits:
         if due:
             await self._commit_ready()
 
-    def _take(self, req: peer_pb2.PrepareStepRequest) -> bool | None:
-        """One prepare into its step: True when the step became complete, None when it
-        is committed already."""
-        if (generation := self.generation()) is not None:
-            check_generation(req.generation, generation, f"prepare of step {req.step}")
-        latest = self.latest_committed()
-        if latest is not None and req.step <= latest:
+    def _take(self, req: peer_pb2.PrepareStepRequest, generation: int | None,
+              latest: int | None) -> bool | None:
+        """One prepare into its step, under the plan's `generation` with `latest` the
+        last committed step: True when the step became complete, None when it is
+        committed already."""
+        step = req.step
+        if generation is not None:
+            check_generation(req.generation, generation, f"prepare of step {step}")
+        if latest is not None and step <= latest:
             return None
-        if (pending := self.steps.get(req.step)) is None:
-            pending = self.steps[req.step] = PendingStep(req.layout, req.generation,
-                                                         world_of(req.layout))
+        if (pending := self.steps.get(step)) is None:
+            pending = self.steps[step] = PendingStep(req.layout, req.generation,
+                                                     world_of(req.layout))
         pending.add(req)
         return pending.complete
 

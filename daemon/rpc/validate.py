@@ -76,13 +76,22 @@ def rank_id(value: str, what: str = "rank_id") -> None:
     text(value, what, MAX_NAME)
 
 
+_LAYOUT_SIZES = ("dp", "pp", "tp", "microbatches", "grad_accum")
+
+
 def _layout(layout: common_pb2.ParallelLayout, what: str = "layout") -> None:
-    for name in ("dp", "pp", "tp", "microbatches", "grad_accum"):
-        in_range(getattr(layout, name), 0, MAX_WORLD, f"{what}.{name}")
-    if layout.dp * layout.pp * layout.tp > MAX_WORLD:
-        _fail(f"{what} {layout.dp}x{layout.pp}x{layout.tp} has more than {MAX_WORLD} ranks")
-    count(layout.stages, f"{what}.stages")
-    text(layout.schedule, f"{what}.schedule", MAX_NAME)
+    # Every prepare carries one: the common case is a few comparisons, and only a
+    # layout out of bounds pays for naming its field.
+    dp, pp, tp = layout.dp, layout.pp, layout.tp
+    sizes = (dp, pp, tp, layout.microbatches, layout.grad_accum)
+    if min(sizes) < 0 or max(sizes) > MAX_WORLD:
+        for name, value in zip(_LAYOUT_SIZES, sizes, strict=True):
+            in_range(value, 0, MAX_WORLD, f"{what}.{name}")
+    if dp * pp * tp > MAX_WORLD:
+        _fail(f"{what} {dp}x{pp}x{tp} has more than {MAX_WORLD} ranks")
+    if len(layout.stages) > MAX_LIST or len(layout.schedule) > MAX_NAME:
+        count(layout.stages, f"{what}.stages")
+        text(layout.schedule, f"{what}.schedule", MAX_NAME)
 
 
 def _plan(plan: common_pb2.Plan) -> None:
@@ -129,9 +138,10 @@ def manifest_ids(state: manifest_pb2.RankState, what: str) -> None:
 
 
 def _seal(seal: manifest_pb2.RankSeal, what: str) -> None:
-    text(seal.node, f"{what}.node", MAX_NAME)
-    count(seal.ranks, f"{what}.ranks", MAX_WORLD)
-    count(seal.bases, f"{what}.bases", MAX_TENSORS)
+    if len(seal.node) > MAX_NAME or len(seal.ranks) > MAX_WORLD or len(seal.bases) > MAX_TENSORS:
+        text(seal.node, f"{what}.node", MAX_NAME)
+        count(seal.ranks, f"{what}.ranks", MAX_WORLD)
+        count(seal.bases, f"{what}.bases", MAX_TENSORS)
     if len(seal.digest) != 32:
         _fail(f"{what}.digest has {len(seal.digest)} bytes; a seal is one sha256 (32 bytes)")
 
@@ -296,17 +306,21 @@ def _announce(r: peer_pb2.RankAnnouncement) -> None:
 
 
 def _prepare(r: peer_pb2.PrepareStepRequest) -> None:
+    # The coordinator checks one per daemon per step: fields read once each.
     text(r.job_id, "job_id", MAX_NAME)
     in_range(r.step, 0, MAX_STEP, "step")
     in_range(r.generation, 0, MAX_GENERATION, "generation")
-    text(r.node, "node", MAX_NAME)
-    _seal(r.seal, "seal")
-    if r.seal.node != r.node:
-        _fail(f"the seal is of node {r.seal.node!r}, but the prepare is from node "
-              f"{r.node!r}; a daemon prepares only its own ranks")
-    count(r.seal.ranks, "seal.ranks", MAX_LIVE_RANKS_PER_NODE)
-    if not r.seal.ranks:
+    node, seal = r.node, r.seal
+    text(node, "node", MAX_NAME)
+    _seal(seal, "seal")
+    if seal.node != node:
+        _fail(f"the seal is of node {seal.node!r}, but the prepare is from node "
+              f"{node!r}; a daemon prepares only its own ranks")
+    ranks = len(seal.ranks)
+    if not ranks:
         _fail(f"the prepare of step {r.step} seals no rank")
+    if ranks > MAX_LIVE_RANKS_PER_NODE:
+        count(seal.ranks, "seal.ranks", MAX_LIVE_RANKS_PER_NODE)
     _layout(r.layout)
 
 
@@ -317,7 +331,7 @@ def _batch(r: peer_pb2.PrepareBatch) -> None:
         if len(t.prepare) > MAX_PREPARE_BYTES:
             _fail(f"a relayed prepare is {len(t.prepare)} bytes; at most {MAX_PREPARE_BYTES}")
         if len(t.tag) != 32:
-            _fail(f"a relayed prepare's tag is 32 bytes (HMAC-SHA256), not {len(t.tag)}")
+            _fail(f"a relayed prepare's tag is 32 bytes (keyed BLAKE2b-256), not {len(t.tag)}")
         in_range(t.step, 0, MAX_STEP, "prepares.step")
 
 

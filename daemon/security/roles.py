@@ -11,21 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable
 
 import grpc
 
 from stalwart.core.decide import PlanState
 from stalwart.core.failures import Failure, FailureKind
-from stalwart.daemon.errors import NotFound, NotReady
+from stalwart.daemon.errors import NotFound
 from stalwart.daemon.recovery.coordinator import Coordinator
 from stalwart.daemon.recovery.election import Leadership
 from stalwart.daemon.recovery.membership import LOST, Membership
 from stalwart.daemon.recovery.registry import Registry
-from stalwart.daemon.rpc import validate
-from stalwart.daemon.rpc.errors import TYPED
 from stalwart.daemon.rpc.validate import MAX_LIVE_RANKS_PER_NODE
 from stalwart.daemon.security.auth import Forbidden
+from stalwart.daemon.security.prepare_rule import MAX_STEPS_AHEAD, PrepareRule, ranks_by_node
 from stalwart.daemon.snapshot import commit_tree
 from stalwart.daemon.snapshot.local_store import LocalStore
 from stalwart.daemon.snapshot.prepare_relay import PrepareRelay
@@ -35,8 +34,6 @@ from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
 log = logging.getLogger("stalwart.daemon.security.roles")
 
 MAX_GENERATION_JUMP = 64   # a plan or commit may be at most this many generations ahead
-MAX_STEPS_AHEAD = 10_000   # a prepare may be at most this many steps past the last commit
-MAX_PENDING_STEPS = 256    # steps prepared but not yet committed, at most
 CONFIRM_TIMEOUT_S = 2.0    # how long the subject's daemon gets to vouch for its rank
 _CONFIRMED_BY_LIVENESS = (FailureKind.PROCESS_EXIT, FailureKind.HEARTBEAT_MISSED)
 
@@ -45,45 +42,6 @@ def node_of(name: str) -> str:
     """The node of a rank id "<node>/<pid>", or the name itself (a node)."""
     node, sep, pid = name.rpartition("/")
     return node if sep and pid.isdigit() else name
-
-
-def placement(plan: PlanState) -> dict[int, str]:
-    """Global rank -> the node the plan puts it on."""
-    return {m.coord.rank: m.node for m in plan.members if m.coord is not None}
-
-
-def check_prepare(plan: PlanState | None, caller: str, req: peer_pb2.PrepareStepRequest,
-                  latest: int | None, pending: Collection[int] = (),
-                  where: dict[int, str] | None = None) -> None:
-    """Raise unless `req` prepares only ranks that `plan` places on `caller`'s node, in the
-    plan's layout, for a step within MAX_STEPS_AHEAD of the last commit, without taking
-    the steps awaiting commit (`pending`) past MAX_PENDING_STEPS. `where` is the plan's
-    placement when the caller keeps it (the coordinator's work per prepare then grows
-    with the caller's ranks, not the world)."""
-    if plan is None:
-        raise NotReady(f"step {req.step} prepared before this daemon coordinates a plan")
-    if req.generation > plan.generation:
-        raise Forbidden(f"prepare of generation {req.generation} is ahead of the plan "
-                        f"(generation {plan.generation})")
-    if req.generation < plan.generation:
-        return  # the coordinator answers StaleGeneration
-    floor = max(latest or 0, plan.resume_step)
-    if req.step > floor + MAX_STEPS_AHEAD:
-        raise Forbidden(f"step {req.step} is more than {MAX_STEPS_AHEAD} steps past the last "
-                        f"committed step {floor}")
-    if req.step not in pending and len(pending) >= MAX_PENDING_STEPS:
-        raise Forbidden(f"{len(pending)} steps already await their commit; step {req.step} "
-                        "is refused until older ones commit or are skipped")
-    lay = req.layout
-    if (lay.dp, lay.pp, lay.tp) != (plan.layout.dp, plan.layout.pp, plan.layout.tp):
-        raise Forbidden(f"step {req.step} was captured in layout {lay.dp}x{lay.pp}x{lay.tp}, "
-                        f"the plan's is {plan.layout.dp}x{plan.layout.pp}x{plan.layout.tp}")
-    where = placement(plan) if where is None else where
-    for r in req.seal.ranks:
-        if where.get(r) != caller:
-            raise Forbidden(f"daemon {caller} prepared rank {r}, which the plan of "
-                            f"generation {plan.generation} places on "
-                            f"{where.get(r, 'no node')}; a daemon prepares its own ranks")
 
 
 class JobGate:
@@ -104,7 +62,7 @@ class JobGate:
         self.adopt_plan, self.commit, self.nodes = adopt_plan, commit, nodes
         self.records = records
         self.stub, self.me, self.pass_on, self.relay = stub, me, pass_on, relay
-        self._placed: tuple[PlanState | None, dict[int, str]] = (None, {})
+        self._placed: tuple[PlanState | None, dict[str, frozenset[int]]] = (None, {})
 
     async def _coordinator(self, caller: str, what: str) -> None:
         if not await self.leadership.confirm(caller):
@@ -178,17 +136,21 @@ class JobGate:
         await self.coordinator.prepared(req)
 
     def _admit(self, caller: str, req: peer_pb2.PrepareStepRequest) -> None:
-        """Raise unless `caller` may prepare what `req` names (see check_prepare)."""
+        """Raise unless `caller` may prepare what `req` names (see PrepareRule)."""
         if req.node != caller:
             raise Forbidden(f"daemon {caller} sent a prepare for node {req.node!r}")
+        self._rule().check(caller, req)
+
+    def _rule(self) -> PrepareRule:
+        """The prepare rule now, on this daemon as coordinator (its plan derived once)."""
         coordinator = self.coordinator
         if self.leadership.is_leader():
             coordinator.take_over(self.registry.current_plan())
         plan = coordinator.plan
         if plan is not None and self._placed[0] is not plan:
-            self._placed = (plan, placement(plan))
-        check_prepare(plan, caller, req, self.store.latest_committed(),
-                      coordinator.commits.steps, self._placed[1])
+            self._placed = (plan, ranks_by_node(plan))
+        return PrepareRule(plan, self.store.latest_committed(), coordinator.commits.steps,
+                           self._placed[1])
 
     def relay_key(self, caller: str) -> bytes:
         """The key `caller` tags its prepares with on their way up the commit tree, from
@@ -206,20 +168,7 @@ class JobGate:
         if not self.leadership.is_leader():
             self.relay.relay(list(batch.prepares))
             return
-        keys, taken = self.coordinator.commits.relay_keys, []
-        for tagged in batch.prepares:
-            try:
-                req = keys.open(tagged)
-                validate.request(req)
-                if req.job_id != batch.job_id:
-                    raise Forbidden(f"a prepare of job {req.job_id!r} in a batch of job "
-                                    f"{batch.job_id!r}")
-                self._admit(req.node, req)
-            except (commit_tree.BadTag, validate.InvalidRequest, Forbidden, *TYPED) as exc:
-                log.warning("relayed prepare refused",
-                            extra={"via": caller, "step": tagged.step, "error": str(exc)})
-                continue
-            taken.append(req)
+        taken = self._rule().relayed(batch, self.coordinator.commits.relay_keys, caller)
         await self.coordinator.prepared(*taken)
 
     async def announce_from(self, caller: str, a: peer_pb2.RankAnnouncement) -> None:

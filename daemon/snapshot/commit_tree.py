@@ -16,12 +16,13 @@ daemon other than the coordinator only with the coordinator's Ed25519 signature 
 the step's identity and digest, checked against the key in the plan that coordinator
 installed: a daemon on the way passes on bytes it cannot forge.
 
-Up: each prepare travels as its exact bytes with an HMAC-SHA256 tag under a key only
-its daemon and the coordinator know (`RelayKeys`; the coordinator hands a daemon its
-key in the reply to a direct prepare). The coordinator checks every tag before it
-reads the prepare, so a daemon on the way can drop a prepare but never forge or alter
-one, and a dropped one costs only that step (its daemon's outbox sends it again to a
-new coordinator).
+Up: each prepare travels as its exact bytes with a tag, keyed BLAKE2b-256 (RFC 7693's
+MAC, a third of HMAC-SHA256's cost on the coordinator, which checks one per daemon per
+step), under a key only its daemon and the coordinator know (`RelayKeys`; the
+coordinator hands a daemon its key in the reply to a direct prepare). The coordinator
+checks every tag before it takes the prepare, so a daemon on the way can drop a
+prepare but never forge or alter one, and a dropped one costs only that step (its
+daemon's outbox sends it again to a new coordinator).
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ class BadTag(ValueError):
 
 
 def tag(key: bytes, prepare: bytes) -> bytes:
-    return hmac.digest(key, prepare, hashlib.sha256)
+    """The MAC of a prepare's bytes under its daemon's relay key (32 bytes)."""
+    return hashlib.blake2b(prepare, key=key, digest_size=32, person=b"stalwart relay").digest()
 
 
 class RelayKeys:
@@ -117,8 +119,8 @@ class RelayKeys:
     def key_for(self, node: str) -> bytes:
         key = self._known.get(node)
         if key is None:
-            key = hmac.digest(self._secret, b"stalwart relay key\0" + node.encode(),
-                              hashlib.sha256)
+            key = hashlib.blake2b(node.encode(), key=self._secret, digest_size=32,
+                                  person=b"stalwart key").digest()
         return key
 
     def open(self, tagged: peer_pb2.TaggedPrepare) -> peer_pb2.PrepareStepRequest:

@@ -372,7 +372,7 @@ class PrepareStepReply(_message.Message):
     message: _builtins.str
     relay_key: _builtins.bytes
     """The key this daemon tags its prepares with when they go through the commit tree
-    (HMAC-SHA256; only the coordinator and this daemon know it). Empty: send directly.
+    (keyed BLAKE2b; only the coordinator and this daemon know it). Empty: send directly.
     """
     def __init__(
         self,
@@ -425,7 +425,7 @@ Global___CommitStepRequest: _TypeAlias = CommitStepRequest  # noqa: Y015
 @_typing.final
 class TaggedPrepare(_message.Message):
     """One daemon's prepare as it travels the commit tree: the exact bytes of its
-    PrepareStepRequest and their HMAC-SHA256 under that daemon's relay key.
+    PrepareStepRequest and their keyed BLAKE2b-256 under that daemon's relay key.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
