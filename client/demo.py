@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 STOP_WAIT_S = 20.0  # after a stop, the longest wait for the job's processes to end
-FAULT = re.compile(r"^(?:(rank|node):(\d+)|(coordinator))@step:(\d+)$")
+# @step:S fires once step S is trained; @commit:S once it is also committed everywhere
+FAULT = re.compile(r"^(?:(rank|node):(\d+)|(coordinator))@(step|commit):(\d+)$")
 
 
 def _fault(kind: str):
@@ -25,10 +26,14 @@ def _fault(kind: str):
         if not m or (m[3] and kind != "kill"):
             raise argparse.ArgumentTypeError(
                 f"{text!r}: write rank:R@step:S or node:N@step:S (kill also takes "
-                "coordinator@step:S), e.g. rank:1@step:10")
-        if m[3]:  # resolved to a node once the daemons have chosen their coordinator
-            return {"kind": kind, "target": "coordinator", "index": -1, "step": int(m[4])}
-        return {"kind": kind, "target": m[1], "index": int(m[2]), "step": int(m[4])}
+                "coordinator@step:S; @commit:S waits for step S to be committed), "
+                "e.g. rank:1@step:10")
+        fault = {"kind": kind, "target": m[1], "index": int(m[2]), "step": int(m[5])} \
+            if not m[3] else {"kind": kind, "target": "coordinator", "index": -1,
+                              "step": int(m[5])}  # a node once the coordinator is known
+        if m[4] == "commit":
+            fault["committed"] = True
+        return fault
     return parse
 
 
@@ -50,7 +55,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
       help='JSON of GPTConfig fields to change, e.g. \'{"d_model": 32, "n_layer": 2}\'')
     a("--kill", type=_fault("kill"), action="append", default=[],
       help="SIGKILL rank R (or node N: its daemon and ranks; or the node whose daemon "
-           "coordinates) after step S; repeatable")
+           "coordinates) after step S (@commit:S: once step S is committed); repeatable")
     a("--hang", type=_fault("hang"), action="append", default=[],
       help="make rank R stop answering after step S; repeatable")
     a("--gpu-fault", type=_fault("gpu"), action="append", default=[],
@@ -132,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
           f"{args.steps} steps, snapshot every step")
     for f in faults:
         who = f["target"] if f["index"] < 0 else f"{f['target']} {f['index']}"
-        print(f"  will {f['kind']} {who} after step {f['step']}")
+        print(f"  will {f['kind']} {who} after step {f['step']}"
+              + (" is committed" if f.get("committed") else ""))
     print(f"  logs and snapshots: {cluster.workdir}"
           + ("" if args.workdir is not None else " (removed at exit; --workdir DIR keeps them)"))
     previous = {sig: signal.signal(sig, _interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}

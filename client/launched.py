@@ -3,8 +3,9 @@ agent wired to the node's daemon and the job's store from the launcher's environ
 the step lines launchers follow, the result file they read, and injected faults.
 
 Faults (STALWART_FAULTS, a JSON list set by `stalwart demo` and the chaos tests) are
-real: at the given step the process SIGKILLs itself (or its node's daemon first), stops
-answering while it heartbeats, or reports an NVML Xid on its GPU and stops.
+real: at the given step (and, for one marked "committed", once that step is committed)
+the process SIGKILLs itself (or its node's daemon first), stops answering while it
+heartbeats, or reports an NVML Xid on its GPU and stops.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 from stalwart.client.agent import AgentConfig, ElasticAgent, Program
 from stalwart.client.daemon_client import DaemonClient
+from stalwart.v1 import rank_pb2
 
 __all__ = ["launched_agent", "write_result"]
 
@@ -44,7 +46,7 @@ def launched_agent(program: Program, *, device: str, collective_timeout_s: float
                       device=device, backend="nccl" if device == "cuda" else "gloo")
     daemon = DaemonClient()  # $STALWART_UNIX_SOCKET names this node's daemon
     hooks = [h for h in (_print_step if env.get("STALWART_STEP_LOG") else None,
-                         _fault_hook(rank)) if h is not None]
+                         _fault_hook(rank, daemon)) if h is not None]
 
     def on_step(step: int, loss: float) -> None:
         for hook in hooks:
@@ -77,7 +79,7 @@ def write_result(agent: ElasticAgent, result: dict[str, Any] | None) -> None:
     tmp.replace(path)
 
 
-def _fault_hook(rank: int) -> Callable[[int, float], None] | None:
+def _fault_hook(rank: int, daemon: DaemonClient) -> Callable[[int, float], None] | None:
     """on_step callback that injects this process's faults at their step."""
     spec = os.environ.get("STALWART_FAULTS")
     if not spec:
@@ -97,6 +99,8 @@ def _fault_hook(rank: int) -> Callable[[int, float], None] | None:
             if f["step"] != step or f.get("fired"):
                 continue  # a step redone after a recovery does not fire its fault again
             f["fired"] = True
+            if f.get("committed"):
+                _until_committed(daemon, step)
             if f["kind"] == "hold":
                 if fault_log:
                     _hold(Path(fault_log) / f"release-{step}")
@@ -128,6 +132,22 @@ def _fault_hook(rank: int) -> Callable[[int, float], None] | None:
 
 
 HOLD_S = 60.0  # a hold's longest wait: a launcher that never releases it is gone
+COMMIT_WAIT_S = 60.0  # a "committed" fault's longest wait for its step's commit
+
+
+def _until_committed(daemon: DaemonClient, step: int) -> None:
+    """Wait until `step` is committed (this rank's capture of it is already on its way);
+    past COMMIT_WAIT_S the fault fires anyway, and says so."""
+    deadline = time.monotonic() + COMMIT_WAIT_S
+    while (left := deadline - time.monotonic()) > 0:
+        wait_s = min(left, 5.0)
+        reply = daemon.call("wait for a commit", "WaitCommitted",
+                            rank_pb2.WaitCommittedRequest(step=step, timeout_s=wait_s),
+                            timeout=wait_s + 5)
+        if reply.committed:
+            return
+    print(f"[fault] step {step} was not committed within {COMMIT_WAIT_S:g} s; firing anyway",
+          file=sys.stderr, flush=True)
 
 
 def _hold(release: Path) -> None:

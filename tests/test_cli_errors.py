@@ -90,6 +90,7 @@ def test_an_unforeseen_error_is_one_line_and_debug_shows_the_traceback(
     ("rank:9@step:3", ["--kill rank:9@step:3: the job has ranks 0..3", "rank:3@step:3"]),
     ("node:5@step:3", ["--kill node:5@step:3: the demo has nodes 0..1"]),
     ("rank:1@step:40", ["a fault fires after a step the run takes", "1..9 (--steps 10)"]),
+    ("rank:1@commit:40", ["a fault fires after a step the run takes", "1..9 (--steps 10)"]),
 ])
 def test_demo_refuses_a_fault_that_could_never_fire(fault, words) -> None:
     done = stalwart("demo", "--steps", "10", "--kill", fault)
@@ -97,6 +98,12 @@ def test_demo_refuses_a_fault_that_could_never_fire(fault, words) -> None:
     line = one_line(done)
     for w in words:
         assert w in line, (w, line)
+
+
+def test_demo_says_how_a_fault_is_written() -> None:
+    done = stalwart("demo", "--kill", "rank:1@commited:4")
+    assert done.returncode == 2 and done.stdout == ""
+    assert "@commit:S waits for step S to be committed" in done.stderr, done.stderr
 
 
 MICRO = '{"d_model": 32, "n_layer": 2, "n_head": 2, "d_ff": 64, "seq_len": 16}'

@@ -73,13 +73,14 @@ def test_a_relay_of_the_commit_tree_killed_with_its_node_is_routed_around(
         tmp_path: Path) -> None:
     """With commit_fanout 1 the daemons form a chain under the coordinator (node-0):
     node-3's prepares go up through node-2 and node-1, node-0's commits down the same way.
-    node-2 dies with its rank after step 4: its neighbours route around it, the spare on
+    node-2 dies with its rank once step 4 is committed (so the chain has carried
+    commits both ways): its neighbours route around it, the spare on
     node-4 takes its role, the chain re-forms without it, and the run is bitwise the one
     whose daemons all talk to the coordinator directly."""
     layout = ("--nodes", "5", "--ranks-per-node", "1", "--dp", "4", "--pp", "1")
     work = tmp_path / "chain"
     code, summary = demo(tmp_path, *layout, "--commit-fanout", "1", "--spares", "1",
-                         "--kill", "node:2@step:4", "--workdir", str(work))
+                         "--kill", "node:2@commit:4", "--workdir", str(work))
     assert code == 0
     assert_recovered(summary, uninterrupted(tmp_path, *layout), 1)
 
