@@ -28,9 +28,9 @@ def _fault(kind: str):
                 f"{text!r}: write rank:R@step:S or node:N@step:S (kill also takes "
                 "coordinator@step:S; @commit:S waits for step S to be committed), "
                 "e.g. rank:1@step:10")
-        fault = {"kind": kind, "target": m[1], "index": int(m[2]), "step": int(m[5])} \
-            if not m[3] else {"kind": kind, "target": "coordinator", "index": -1,
-                              "step": int(m[5])}  # a node once the coordinator is known
+        # coordinator: resolved to a node once the daemons have chosen their coordinator
+        fault = {"kind": kind, "target": m[1] or "coordinator",
+                 "index": -1 if m[3] else int(m[2]), "step": int(m[5])}
         if m[4] == "commit":
             fault["committed"] = True
         return fault

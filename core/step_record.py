@@ -59,9 +59,13 @@ def seal(node: str, states: Sequence[manifest_pb2.RankState]) -> manifest_pb2.Ra
 
 
 def digest(record: manifest_pb2.StepRecord) -> bytes:
-    bare = manifest_pb2.StepRecord()
-    bare.CopyFrom(record)
-    bare.ClearField("digest")
+    """sha256 over the record without its digest field (a record not yet sealed is
+    hashed as it is, without a copy)."""
+    bare = record
+    if record.digest:
+        bare = manifest_pb2.StepRecord()
+        bare.CopyFrom(record)
+        bare.ClearField("digest")
     return hashlib.sha256(bare.SerializeToString(deterministic=True)).digest()
 
 
@@ -75,8 +79,7 @@ def build(*, job_id: str, step: int, generation: int, layout: common_pb2.Paralle
         base_step=base_step,
         created_unix_ms=int(time.time() * 1000) if created_unix_ms is None
         else created_unix_ms)
-    # digest(record) without its copy: the field it leaves out is not set yet
-    record.digest = hashlib.sha256(record.SerializeToString(deterministic=True)).digest()
+    record.digest = digest(record)
     return record
 
 
