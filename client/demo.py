@@ -228,8 +228,11 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
     roles = args.dp * args.pp * args.tp
     stopped_at: float | None = None
     final_layout = Layout(args.dp, args.pp, args.tp)
-    while cluster.running() and time.monotonic() < deadline:
-        if _finished(cluster, args.steps) >= roles:
+    while True:
+        # Once every rank has ended (or time is up), one last look at the daemons: the
+        # ranks of a stopped job leave within a poll interval of the stop.
+        last_look = not cluster.running() or time.monotonic() >= deadline
+        if not last_look and _finished(cluster, args.steps) >= roles:
             break  # every role is done; what still runs is a rank or spare without one
         if stopped_at is not None and time.monotonic() - stopped_at > STOP_WAIT_S:
             break  # the daemons end what the stop left running; the demo does not wait
@@ -277,6 +280,8 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
                 shown_step = step
                 _say(t0, f"step {step:4d}  loss {follow.losses[step]:.4f}  "
                          f"committed {committed}  generation {generation}")
+        if last_look:
+            break
         time.sleep(0.25)
     follow.poll([r.log_path for r in cluster.ranks])
     if (last := cluster.coordinator()) is not None:  # a hand-over in the last interval

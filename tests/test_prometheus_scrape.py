@@ -29,6 +29,10 @@ from fixtures_s3 import ACCESS_KEY, BUCKET, REGION, SECRET_KEY
 from stalwart.client.local_cluster import LocalCluster, free_port
 from stalwart.v1 import rank_pb2, rank_pb2_grpc
 
+# The module's run trains five processes beside two daemons and Prometheus: it runs
+# with the multiprocess tests, one at a time, never beside another test.
+pytestmark = pytest.mark.multiprocess
+
 sys.path.insert(0, str(ROOT / "scripts"))
 from demo_dashboard import SMALLEST, roles_done, start_prometheus, stop, tiny_spec  # noqa: E402
 
