@@ -24,19 +24,16 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(VENV)/bin/stalwart demo
 
-# The single-process tests run two at a time (one file per worker); the multiprocess ones
-# run one at a time after them, as each already uses every core of a 2-core machine.
 test: venv
 	bash scripts/install-system-deps.sh
 	$(PY) scripts/gen_protos.py --check
 	$(PY) scripts/gen_config_docs.py --check
 	$(PY) scripts/readme_demo.py --check
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -m "not multiprocess" -n 2 --dist loadfile
-	$(PY) -m pytest -q -m multiprocess
+	$(PY) -m pytest -q
 
 test-fast: venv
-	$(PY) -m pytest -q -m "not multiprocess" -n 2 --dist loadfile
+	$(PY) -m pytest -q -m "not multiprocess"
 
 bench: venv
 	mkdir -p out
