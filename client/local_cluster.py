@@ -146,8 +146,10 @@ class LocalCluster:
     ranks: list[RankProc] = field(default_factory=list)
     argv: list[str] | None = None
     # Fork ranks from a template process that has imported torch (see rank_template):
-    # each starts in milliseconds instead of seconds. False starts each one cold.
-    warm_ranks: bool = True
+    # each starts in milliseconds instead of seconds. False starts each one cold; None
+    # (the default) forks only where no NVIDIA driver is loaded, as CUDA cannot be
+    # used in a fork of a process that may have initialised it.
+    warm_ranks: bool | None = None
     _own_workdir: bool = False
     _template: RankTemplate | None = None
 
@@ -157,6 +159,8 @@ class LocalCluster:
             self.workdir = Path(tempfile.mkdtemp(prefix="stalwart-"))
             self._own_workdir = True
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.warm_ranks is None:
+            self.warm_ranks = not Path("/proc/driver/nvidia").exists()
         # One job token for every daemon and rank (peers authenticate each other with it).
         self.env.setdefault("STALWART_TOKEN", secrets.token_urlsafe(24))
 
