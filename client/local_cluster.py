@@ -324,16 +324,22 @@ class LocalCluster:
         if self._own_workdir and not keep_workdir and self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-
-    def _print_log_tails(self, lines: int = 25) -> None:
+    def _print_log_tails(self) -> None:
         logs = [r.log_path for r in self.ranks] + [n.log_path for n in self.daemons
                                                     if n.log_path is not None]
-        for path in logs:
-            try:
-                tail = path.read_text(errors="replace").splitlines()[-lines:]
-            except OSError as e:
-                tail = [f"(unreadable: {e})"]
-            print(f"----- last {len(tail)} lines of {path}", *tail, sep="\n", file=sys.stderr)
+        print(*log_tails(logs), sep="\n", file=sys.stderr)
+
+
+def log_tails(logs: list[Path], lines: int = 25) -> list[str]:
+    """A header line and the last `lines` lines of each log, for a failure's report."""
+    out = []
+    for path in logs:
+        try:
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError as e:
+            tail = [f"(unreadable: {e})"]
+        out += [f"--- {path}", *tail]
+    return out
 
 
 def gpt_command(spec: dict[str, Any]) -> tuple[list[str], dict[str, str]]:

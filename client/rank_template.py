@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import select
 import signal
 import subprocess
@@ -68,9 +69,6 @@ class TemplateProc:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
 
 class RankTemplate:
     """The warm template process; `spawn` forks a rank from it."""
@@ -80,7 +78,7 @@ class RankTemplate:
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                       text=True, bufsize=1)
         self._codes: dict[int, int] = {}
-        self._pids: list[int] = []
+        self._forked: queue.Queue[int] = queue.Queue()  # each fork's pid; -1: template gone
         self.ended = threading.Condition()
         self._lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="stalwart-rank-template",
@@ -91,15 +89,13 @@ class RankTemplate:
         assert self._proc.stdout is not None
         for line in self._proc.stdout:
             msg = json.loads(line)
+            if "pid" in msg:
+                self._forked.put(msg["pid"])
+                continue
             with self.ended:
-                if "pid" in msg:
-                    self._pids.append(msg["pid"])
-                else:
-                    self._codes[msg["exited"]] = msg["code"]
+                self._codes[msg["exited"]] = msg["code"]
                 self.ended.notify_all()
-        with self.ended:  # the template is gone: so is every rank it would have reported
-            self._pids.append(-1)
-            self.ended.notify_all()
+        self._forked.put(-1)  # the template is gone: no fork will be answered
 
     def exit_code(self, pid: int) -> int | None:
         with self.ended:
@@ -108,9 +104,7 @@ class RankTemplate:
     def spawn(self, argv: list[str], env: dict[str, str], log: str, timeout_s: float = 60.0
               ) -> TemplateProc:
         """Fork a rank running `python *argv` with `env`, its output appended to `log`."""
-        with self._lock:
-            with self.ended:
-                before = len(self._pids)
+        with self._lock:  # one request in flight: the next pid answers it
             assert self._proc.stdin is not None
             request = {"argv": argv, "env": env, "log": log, "cwd": os.getcwd()}
             try:
@@ -118,10 +112,11 @@ class RankTemplate:
                 self._proc.stdin.flush()
             except BrokenPipeError as e:
                 raise RuntimeError("the rank template process has exited") from e
-            with self.ended:
-                if not self.ended.wait_for(lambda: len(self._pids) > before, timeout_s):
-                    raise RuntimeError(f"the rank template forked no rank in {timeout_s:g} s")
-                pid = self._pids[before]
+            try:
+                pid = self._forked.get(timeout=timeout_s)
+            except queue.Empty:
+                raise RuntimeError(f"the rank template forked no rank in {timeout_s:g} s"
+                                   ) from None
         if pid < 0:
             raise RuntimeError("the rank template process has exited")
         return TemplateProc(self, pid)
@@ -254,7 +249,6 @@ def _serve() -> None:
             live.add(pid)
             out.write(json.dumps({"pid": pid}) + "\n")
             out.flush()
-            reap()
 
 
 if __name__ == "__main__":

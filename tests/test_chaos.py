@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from stalwart.client.local_cluster import log_tails
+
 pytestmark = pytest.mark.multiprocess
 
 # (seed, runs, kinds): each small enough for a 2-core machine, together the kinds that
@@ -50,11 +52,8 @@ def _restored_from_ram(row: dict) -> bool:
 def _story(row: dict) -> str:
     """A run's row in full and, for a run that failed (its folder is kept), the last
     lines of each of its logs: what a failure in CI leaves to go on."""
-    lines = [json.dumps(row, indent=1)]
-    for log in sorted(Path(row.get("workdir") or "/nonexistent").glob("**/*.log")):
-        tail = log.read_text(errors="replace").splitlines()[-25:]
-        lines += [f"--- {log}", *(line[:400] for line in tail)]
-    return "\n".join(lines)
+    logs = sorted(Path(row.get("workdir") or "/nonexistent").glob("**/*.log"))
+    return "\n".join([json.dumps(row, indent=1), *(line[:400] for line in log_tails(logs))])
 
 
 @pytest.mark.parametrize(("seed", "runs", "kinds"), SEEDS)
