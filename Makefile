@@ -30,10 +30,12 @@ test: venv
 	$(PY) scripts/gen_config_docs.py --check
 	$(PY) scripts/readme_demo.py --check
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	# Unit tests share the cores; the multiprocess tests each need both, so run one at a time.
+	$(PY) -m pytest -q -m "not multiprocess" -n 2
+	$(PY) -m pytest -q -m multiprocess
 
 test-fast: venv
-	$(PY) -m pytest -q -m "not multiprocess"
+	$(PY) -m pytest -q -m "not multiprocess" -n 2
 
 bench: venv
 	mkdir -p out

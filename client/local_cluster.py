@@ -147,9 +147,9 @@ class LocalCluster:
     argv: list[str] | None = None
     # True: fork ranks from a template process that has imported torch (see
     # rank_template), each starting in milliseconds instead of seconds, where no NVIDIA
-    # driver is loaded (CUDA cannot be used in such a fork). Off by default until a
-    # recovered run that differed from its baseline with it is explained (see README).
-    warm_ranks: bool = False
+    # driver is loaded (CUDA cannot be used in such a fork). False: each rank is a fresh
+    # `python` process, as the launcher starts it.
+    warm_ranks: bool = True
     _own_workdir: bool = False
     _template: RankTemplate | None = None
 
