@@ -276,6 +276,25 @@ def test_a_rank_alone_in_its_job_that_heartbeats_without_steps_is_stalled() -> N
     assert "no step for 11.0 s after step 2" in failure.evidence
 
 
+def test_a_rank_alone_whose_heartbeats_stop_is_left_to_the_heartbeat_timeout() -> None:
+    # A paused rank (SIGSTOP) makes no step and sends no beat: it is not "heartbeating
+    # without steps", and the heartbeat timeout (5 s here) is what judges it.
+    clock = Clock()
+    reg = registry(clock)
+    rank_id = add_rank(reg)
+    reg.install_plan(_plan(1, rank_id))
+    reg.heartbeat(rank_id, 2, step=2, step_time_s=0.1)
+    for _ in range(9):  # beats on, stuck at step 2, within the 10 s stall limit
+        clock.now += 1.0
+        reg.heartbeat(rank_id, 2, step=2, step_time_s=0.1)
+        assert reg.check() == []
+    clock.now += 4.5  # then silent, within the timeout, 13.5 s after its last step
+    assert reg.check() == []
+    clock.now += 1.0
+    [failure] = reg.check()
+    assert failure.kind is not FailureKind.STALLED and failure.subject == rank_id
+
+
 def test_with_peers_a_slow_step_is_left_to_their_collective_timeouts() -> None:
     clock = Clock()
     reg = registry(clock)

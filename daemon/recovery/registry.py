@@ -210,6 +210,9 @@ class Registry:
             return None
         if not any(a.rank_id == record.rank_id and not a.spare for a in self.plan.assignments):
             return None  # a spare, or a rank the plan left out
+        if heartbeat_state(self.heartbeat_age_s(record), self.heartbeat_interval_s,
+                           self.heartbeat_timeout_s) != ALIVE:
+            return None  # not heartbeating (paused, say): the heartbeat timeout judges it
         alone = Layout.from_proto(self.plan.layout).world_size == 1
         limit = max(STALL_ALONE_S if alone else STALL_BACKSTOP_S,
                     STALL_STEPS * record.step_time_s)
