@@ -29,7 +29,7 @@ run() {  # NAME HOG(0|1)
   t1=$(date +%s)
   if [ -n "$hog_pid" ]; then kill "$hog_pid"; fi
   echo "$name commit=${commit:0:7} busy=$hog rc=$rc seconds=$((t1 - t0))" \
-       "$(grep -E '[0-9]+ (passed|failed)' "$out/$name.log" | paste -sd ';')" >> "$out/summary.txt"
+       "$(grep -E '^[0-9]+ (passed|failed).* in [0-9.]+s' "$out/$name.log" | paste -sd ';')" >> "$out/summary.txt"
   git -C "$repo" worktree remove --force "$dir"
 }
 
