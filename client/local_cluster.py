@@ -33,10 +33,48 @@ class ClusterError(RuntimeError):
     """The local cluster could not start or a wait ran out; the message says which."""
 
 
+_handed_out: set[int] = set()  # ports free_ports gave out in this process
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free loopback ports, none of them given out before by this process.
+
+    They are chosen with their sockets held open together, so the kernel cannot give one
+    twice in a call, and a port given out earlier is never given again: its listener may
+    not have bound it yet (a daemon still starting), and a free port then looks free. A
+    process elsewhere may still take one before its listener binds it: `start_daemons`
+    sees that and starts again on other ports."""
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < n:
+            if len(held) >= 4096:
+                raise ClusterError(f"found only {len(ports)} of {n} free loopback ports")
+            s = socket.socket()
+            held.append(s)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            if port not in _handed_out:
+                ports.append(port)
+    finally:
+        for s in held:
+            s.close()
+    _handed_out.update(ports)
+    return ports
+
+
 def free_port() -> int:
+    return free_ports(1)[0]
+
+
+def port_taken(port: int) -> bool:
+    """Whether something on this host listens on (or holds) loopback `port`."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
 
 
 def wait_until(check: Callable[[], T], timeout_s: float, what: str, every_s: float = 0.05) -> T:
@@ -164,24 +202,53 @@ class LocalCluster:
 
     # daemons ------------------------------------------------------------------------
 
-    def start_daemons(self, timeout_s: float = 60.0) -> None:
+    def start_daemons(self, timeout_s: float = 60.0, attempts: int = 3) -> None:
+        """Start one daemon per node and wait until they see each other and one of them
+        coordinates. A port that another process took between its choice and the daemon's
+        bind makes every daemon start again on new ports (up to `attempts` times); a
+        daemon that exits for any other reason raises ClusterError with its last lines."""
         assert self.workdir is not None
-        addresses = [f"127.0.0.1:{free_port()}" for _ in range(self.nodes)]
-        for i, address in enumerate(addresses):
-            node = Node(f"node-{i}", i, address, self.workdir / f"node-{i}")
-            node.data_dir.mkdir(parents=True, exist_ok=True)
-            self.daemons.append(node)
-            self._spawn_daemon(node, [a for a in addresses if a != address])
-        for node in self.daemons:
-            wait_until(lambda n=node: n.status() is not None, timeout_s,
-                       f"daemon {node.name} to answer on {node.address}")
+        for attempt in range(1, attempts + 1):
+            ports = free_ports(2 * self.nodes)  # listen addresses, then metrics ports
+            addresses = [f"127.0.0.1:{p}" for p in ports[:self.nodes]]
+            for i, address in enumerate(addresses):
+                node = Node(f"node-{i}", i, address, self.workdir / f"node-{i}")
+                node.data_dir.mkdir(parents=True, exist_ok=True)
+                self.daemons.append(node)
+                self._spawn_daemon(node, [a for a in addresses if a != address],
+                                   ports[self.nodes + i] if self.metrics else 0)
+            lost = [n for n in self.daemons
+                    if wait_until(lambda n=n: self._answers(n), timeout_s,
+                                  f"daemon {n.name} to answer on {n.address}") == "lost"]
+            if not lost:
+                break
+            for node in self.daemons:
+                self.kill_daemon(node)
+            self.daemons = []
+            if attempt == attempts:
+                raise ClusterError(f"daemons could not start in {attempts} attempts: another "
+                                   f"process took their ports ({lost[0].name} last)")
         if self.nodes > 1:
             wait_until(self._membership_agreed, timeout_s, "the daemons to see each other")
         wait_until(lambda: self.coordinator() is not None, timeout_s,
                    "a daemon to take the coordinator role")
 
-    def _spawn_daemon(self, node: Node, peers: list[str]) -> None:
-        node.metrics_port = free_port() if self.metrics else 0
+    def _answers(self, node: Node) -> bool | str:
+        """True once `node`'s own daemon answers; "lost" when it exited because another
+        process holds its port; ClusterError when it exited for another reason."""
+        if node.proc is not None and node.proc.poll() is not None:
+            port = int(node.address.rpartition(":")[2])
+            if port_taken(port) or (node.metrics_port and port_taken(node.metrics_port)):
+                return "lost"
+            tail = "\n".join(log_tails([node.log_path], 10)) if node.log_path else ""
+            raise ClusterError(f"daemon {node.name} exited with code {node.proc.returncode} "
+                               f"while starting:\n{tail}")
+        st = node.status()
+        # Another process's daemon may answer on a port taken from under this one.
+        return st is not None and st.node == node.name
+
+    def _spawn_daemon(self, node: Node, peers: list[str], metrics_port: int) -> None:
+        node.metrics_port = metrics_port
         # No unix_socket: the daemon's default in data_dir is node.socket.
         cfg = {"node": node.name, "listen": node.address, "data_dir": str(node.data_dir),
                "metrics_port": node.metrics_port, "log_format": "json",
@@ -223,7 +290,8 @@ class LocalCluster:
         """SIGKILL `node`'s daemon and start it again on its data dir and address: what
         it held in memory (its RAM tier, its view of the job) is gone."""
         self.kill_daemon(node)
-        self._spawn_daemon(node, [n.address for n in self.daemons if n is not node])
+        self._spawn_daemon(node, [n.address for n in self.daemons if n is not node],
+                           free_port() if self.metrics else 0)
         wait_until(lambda: node.status() is not None, timeout_s,
                    f"daemon {node.name} to answer again on {node.address}")
 

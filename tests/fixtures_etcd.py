@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -12,11 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from stalwart.client.local_cluster import free_port
 
 
 def start_etcd(data) -> tuple[str, subprocess.Popen]:

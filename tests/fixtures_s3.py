@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ import boto3
 import pytest
 from botocore.config import Config
 
+from stalwart.client.local_cluster import free_ports
+
 ACCESS_KEY = "stalwart-test"
 SECRET_KEY = "stalwart-test-secret"
 BUCKET = "stalwart-test"
@@ -31,19 +32,6 @@ READY_TIMEOUT_S = 30.0
 _PORT_FLAGS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
                "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc", "s3.port.iceberg",
                "s3.port.lance", "admin.port", "admin.port.grpc")
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def weed_binary() -> str | None:
@@ -72,7 +60,7 @@ class SeaweedServer:
 
     def start(self) -> None:
         if not self.ports:
-            self.ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
+            self.ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS)), strict=True))
         args = [self.binary, "mini", f"-dir={self.data_dir}", "-ip=127.0.0.1",
                 "-ip.bind=127.0.0.1", "-admin.ui=false", "-webdav=false",
                 *(f"-{flag}={port}" for flag, port in self.ports.items())]

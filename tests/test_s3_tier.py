@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 
 import boto3
 import pytest
 from botocore.config import Config
 from botocore.stub import ANY, Stubber
 
+from stalwart.client.local_cluster import free_port
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.snapshot.checksum import crc32c
 from stalwart.daemon.snapshot.s3_tier import (
@@ -134,9 +134,7 @@ def test_permanent_errors_are_not_retried():
 
 
 def test_unreachable_endpoint_gives_up_after_the_attempts_with_a_clear_error():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
+    port = free_port()  # given to nothing: nothing listens there
     client = boto3.client("s3", region_name="us-east-1", aws_access_key_id="a",
                           aws_secret_access_key="b", endpoint_url=f"http://127.0.0.1:{port}",
                           config=Config(retries={"total_max_attempts": 1}, connect_timeout=1))

@@ -10,6 +10,7 @@ import socket
 import grpc
 import pytest
 
+from stalwart.client.local_cluster import free_port
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.rpc.shard_service import ShardServicer
 from stalwart.daemon.snapshot.checksum import crc32c
@@ -68,9 +69,7 @@ async def store_chunk(chunk_id: str, data: bytes, k: int, m: int, holders: list[
 
 
 def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()  # given to nothing: nothing listens there
 
 
 def run(coro):
