@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.bench.progress import say, seconds
-from stalwart.client.local_cluster import StepLog
+from stalwart.client.step_log import StepLog
 from stalwart.core.decide import Member, PlanState
 from stalwart.core.layout import Layout
 from stalwart.core.partition import partition

@@ -21,7 +21,7 @@ from statistics import median
 from typing import Any
 
 from stalwart.bench.progress import say, seconds
-from stalwart.client.local_cluster import StepLog
+from stalwart.client.step_log import StepLog
 
 MODEL = "tiny"
 TRAIN = {"global_batch": 8, "seed": 0}

@@ -22,7 +22,8 @@ from typing import Any
 
 from stalwart.bench.events import read_events
 from stalwart.bench.progress import say, seconds
-from stalwart.client.local_cluster import ClusterError, free_port, wait_until
+from stalwart.client.local_cluster import ClusterError, wait_until
+from stalwart.client.ports import free_port
 
 HEARTBEAT_TIMEOUT_MS = 300
 QUORUM_TICK_MS = 50

@@ -16,7 +16,8 @@ from typing import Any
 
 from stalwart.client.chaos_faults import IN_RANK, Injector, job_state, mount_tmpfs, unmount
 from stalwart.client.chaos_schedule import Schedule, Setup
-from stalwart.client.local_cluster import ClusterError, LocalCluster, Node, StepLog
+from stalwart.client.local_cluster import ClusterError, LocalCluster, Node
+from stalwart.client.step_log import StepLog
 from stalwart.core.layout import Layout
 
 __all__ = ["TOLERANCE", "Outcome", "judge", "run_job"]

@@ -214,7 +214,7 @@ def _interrupted(signum: int, _frame: Any) -> None:
 
 def _watch(cluster: Any, args: argparse.Namespace, t0: float,
            faults: list[dict[str, Any]]) -> dict[str, Any]:
-    from stalwart.client.local_cluster import StepLog
+    from stalwart.client.step_log import StepLog
     from stalwart.core.layout import Layout
 
     follow = StepLog()

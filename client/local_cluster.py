@@ -10,7 +10,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,9 @@ from typing import Any, TypeVar
 
 import grpc
 
+from stalwart.client.ports import free_port, free_ports, port_taken
 from stalwart.client.rank_template import RankTemplate, TemplateProc
+from stalwart.client.step_log import log_tails
 from stalwart.daemon.config_schema import socket_in
 from stalwart.v1 import operator_pb2, operator_pb2_grpc
 
@@ -31,50 +32,6 @@ T = TypeVar("T")
 
 class ClusterError(RuntimeError):
     """The local cluster could not start or a wait ran out; the message says which."""
-
-
-_handed_out: set[int] = set()  # ports free_ports gave out in this process
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct free loopback ports, none of them given out before by this process.
-
-    They are chosen with their sockets held open together, so the kernel cannot give one
-    twice in a call, and a port given out earlier is never given again: its listener may
-    not have bound it yet (a daemon still starting), and a free port then looks free. A
-    process elsewhere may still take one before its listener binds it: `start_daemons`
-    sees that and starts again on other ports."""
-    held: list[socket.socket] = []
-    ports: list[int] = []
-    try:
-        while len(ports) < n:
-            if len(held) >= 4096:
-                raise ClusterError(f"found only {len(ports)} of {n} free loopback ports")
-            s = socket.socket()
-            held.append(s)
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            if port not in _handed_out:
-                ports.append(port)
-    finally:
-        for s in held:
-            s.close()
-    _handed_out.update(ports)
-    return ports
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
-
-
-def port_taken(port: int) -> bool:
-    """Whether something on this host listens on (or holds) loopback `port`."""
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False
 
 
 def wait_until(check: Callable[[], T], timeout_s: float, what: str, every_s: float = 0.05) -> T:
@@ -86,48 +43,6 @@ def wait_until(check: Callable[[], T], timeout_s: float, what: str, every_s: flo
         if time.monotonic() > deadline:
             raise ClusterError(f"timed out after {timeout_s:g} s waiting for {what}")
         time.sleep(every_s)
-
-
-class StepLog:
-    """Follows the `[step] N loss L` lines rank processes print, as they are printed.
-
-    `losses`: step -> global loss; `seen`: log -> [(step, unix time first read)].
-    """
-
-    def __init__(self) -> None:
-        self.offsets: dict[Path, int] = {}
-        self.losses: dict[int, float] = {}
-        self.seen: dict[Path, list[tuple[int, float]]] = {}
-
-    def poll(self, paths: list[Path]) -> None:
-        now = time.time()
-        for path in paths:
-            if not path.exists():
-                continue
-            with open(path, "rb") as f:
-                f.seek(self.offsets.get(path, 0))
-                chunk = f.read()
-            cut = chunk.rfind(b"\n") + 1
-            self.offsets[path] = self.offsets.get(path, 0) + cut
-            for line in chunk[:cut].decode("utf-8", "replace").splitlines():
-                fields = line.split()
-                if len(fields) != 4 or fields[0] != "[step]" or fields[2] != "loss":
-                    continue  # not a step line (or one another write broke into)
-                try:
-                    step, loss = int(fields[1]), float(fields[3])
-                except ValueError:
-                    continue
-                self.losses[step] = loss
-                self.seen.setdefault(path, []).append((step, now))
-
-    def first_seen(self, step: int) -> float | None:
-        """When any rank first printed `step` (unix seconds)."""
-        times = [t for seen in self.seen.values() for s, t in seen if s == step]
-        return min(times) if times else None
-
-    def finished(self, steps: int) -> int:
-        """Logs that printed the last step."""
-        return sum(any(s == steps for s, _ in seen) for seen in self.seen.values())
 
 
 @dataclass
@@ -396,18 +311,6 @@ class LocalCluster:
         logs = [r.log_path for r in self.ranks] + [n.log_path for n in self.daemons
                                                     if n.log_path is not None]
         print(*log_tails(logs), sep="\n", file=sys.stderr)
-
-
-def log_tails(logs: list[Path], lines: int = 25) -> list[str]:
-    """A header line and the last `lines` lines of each log, for a failure's report."""
-    out = []
-    for path in logs:
-        try:
-            tail = path.read_text(errors="replace").splitlines()[-lines:]
-        except OSError as e:
-            tail = [f"(unreadable: {e})"]
-        out += [f"--- {path}", *tail]
-    return out
 
 
 def gpt_command(spec: dict[str, Any]) -> tuple[list[str], dict[str, str]]:

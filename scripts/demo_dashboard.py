@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(SCRIPTS))
     import render_dashboard
 
-    from stalwart.client.local_cluster import LocalCluster, free_port
+    from stalwart.client.local_cluster import LocalCluster
+    from stalwart.client.ports import free_port
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="stw-dash-"))
     cluster = LocalCluster(nodes=2, workdir=workdir / "cluster", metrics=True)

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stalwart.client.local_cluster import LocalCluster, StepLog, wait_until
+from stalwart.client.local_cluster import LocalCluster, wait_until
+from stalwart.client.step_log import StepLog
 from stalwart.v1 import common_pb2
 
 REPO = Path(__file__).resolve().parent.parent

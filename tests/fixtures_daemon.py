@@ -23,7 +23,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stalwart.client.local_cluster import ClusterError, free_port, to_toml, wait_until
+from stalwart.client.local_cluster import ClusterError, to_toml, wait_until
+from stalwart.client.ports import free_port
 from stalwart.daemon.config_schema import socket_in
 from stalwart.v1 import operator_pb2, operator_pb2_grpc
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from stalwart.client.local_cluster import free_port
+from stalwart.client.ports import free_port
 
 
 def start_etcd(data) -> tuple[str, subprocess.Popen]:

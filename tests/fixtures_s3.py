@@ -20,7 +20,7 @@ import boto3
 import pytest
 from botocore.config import Config
 
-from stalwart.client.local_cluster import free_ports
+from stalwart.client.ports import free_ports
 
 ACCESS_KEY = "stalwart-test"
 SECRET_KEY = "stalwart-test-secret"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.client.local_cluster import log_tails
+from stalwart.client.step_log import log_tails
 
 pytestmark = pytest.mark.multiprocess
 

@@ -13,7 +13,7 @@ from fixtures_daemon import wait_for
 from fixtures_etcd import start_etcd, stop_etcd
 
 from stalwart.client.daemon_client import DaemonClient, DaemonUnavailable
-from stalwart.client.local_cluster import free_port
+from stalwart.client.ports import free_port
 from stalwart.daemon.recovery.election import EtcdElection
 
 TTL_S = 2

@@ -9,7 +9,8 @@ import socket
 import pytest
 
 from stalwart.client import local_cluster
-from stalwart.client.local_cluster import ClusterError, LocalCluster, free_ports
+from stalwart.client.local_cluster import ClusterError, LocalCluster
+from stalwart.client.ports import free_ports
 
 
 def test_free_ports_never_gives_a_port_twice_in_a_process() -> None:

@@ -27,7 +27,8 @@ import pytest
 from processes import processes_naming
 
 from bench.netns_cluster import emulated_cluster, netns_unavailable
-from stalwart.client.local_cluster import ClusterError, free_port, wait_until
+from stalwart.client.local_cluster import ClusterError, wait_until
+from stalwart.client.ports import free_port
 from stalwart.v1 import operator_pb2, operator_pb2_grpc
 
 pytestmark = pytest.mark.multiprocess

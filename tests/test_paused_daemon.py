@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.client.local_cluster import LocalCluster, StepLog, wait_until
+from stalwart.client.local_cluster import LocalCluster, wait_until
+from stalwart.client.step_log import StepLog
 
 pytestmark = pytest.mark.multiprocess
 

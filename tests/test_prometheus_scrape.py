@@ -26,7 +26,8 @@ import pytest
 from dashboard_queries import DASHBOARDS, ROOT, PanelQuery, concrete, panel_queries
 from fixtures_s3 import ACCESS_KEY, BUCKET, REGION, SECRET_KEY
 
-from stalwart.client.local_cluster import LocalCluster, free_port
+from stalwart.client.local_cluster import LocalCluster
+from stalwart.client.ports import free_port
 from stalwart.v1 import rank_pb2, rank_pb2_grpc
 
 # The module's run trains five processes beside two daemons and Prometheus: it runs

@@ -10,7 +10,7 @@ import pytest
 from botocore.config import Config
 from botocore.stub import ANY, Stubber
 
-from stalwart.client.local_cluster import free_port
+from stalwart.client.ports import free_port
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.snapshot.checksum import crc32c
 from stalwart.daemon.snapshot.s3_tier import (

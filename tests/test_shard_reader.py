@@ -10,7 +10,7 @@ import socket
 import grpc
 import pytest
 
-from stalwart.client.local_cluster import free_port
+from stalwart.client.ports import free_port
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.rpc.shard_service import ShardServicer
 from stalwart.daemon.snapshot.checksum import crc32c
