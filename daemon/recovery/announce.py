@@ -1,9 +1,12 @@
 """This node's ranks and spares, made known to the coordinator, and again to each new one.
 
 A rank that registers here is announced to the coordinator (so it can be placed,
-or kept as a spare). When the coordinator changes, the new one is told about
-every live local rank, gets the prepares and failure reports the old one may
-have died with, and, if it is this daemon, takes over from the installed plan.
+or kept as a spare). An announcement the coordinator cannot take (it died, or is not
+reachable yet) leaves the rank registered here and is sent again every interval until
+one is taken: a spare that starts while its coordinator fails over waits for the next
+one instead of dying. When the coordinator changes, the new one is told about every
+live local rank, gets the prepares and failure reports the old one may have died
+with, and, if it is this daemon, takes over from the installed plan.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ from stalwart.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 log = logging.getLogger("stalwart.daemon.recovery.announce")
 
 RPC_TIMEOUT_S = 10.0
+# One try of an announcement the coordinator may not answer: inside a rank's Register
+# call (well within the rank's own 5 s deadline, so a paused coordinator delays the
+# registration, never fails it) and each retry (which must not hold up `follow`).
+TRY_S = 2.0
 Registration = tuple[common_pb2.ParallelLayout, common_pb2.LayerProfile | None,
                      tuple[str, int] | None]
 
@@ -41,26 +48,63 @@ class Announcer:
         self._registered: dict[str, Registration] = {}
         self._seen = ""
         self._had_coordinator = False
+        self._undelivered: set[str] = set()  # live local ranks no coordinator has taken yet
 
     async def on_register(self, record: RankRecord, layout: common_pb2.ParallelLayout,
                           profile: common_pb2.LayerProfile | None = None,
                           store: tuple[str, int] | None = None) -> None:
+        """Keep a local rank's registration and announce it. A coordinator that does not
+        answer (it died, is paused, or cannot be reached yet) is not the rank's problem:
+        `follow` sends the announcement again. LookupError when no coordinator is elected
+        at all (etcd down or misconfigured), which the rank is told."""
         self._registered[record.rank_id] = (layout, profile, store)
+        await self._deliver(record, TRY_S, tell=True)
+
+    async def _deliver(self, record: RankRecord, timeout_s: float = RPC_TIMEOUT_S,
+                       tell: bool = False) -> None:
+        """Announce `record`, or keep it to send again (and with `tell`, raise LookupError
+        when no coordinator is elected)."""
+        try:
+            await self._announce(record, timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            self._keep(record.rank_id, exc.details() or exc.code().name)
+        except LookupError as exc:
+            self._keep(record.rank_id, str(exc))
+            if tell:
+                raise
+
+    def _keep(self, rank_id: str, error: str) -> None:
+        if rank_id not in self._undelivered:
+            log.warning("rank registered here but not yet announced to the coordinator; "
+                        "sending it again every interval",
+                        extra={"rank_id": rank_id, "error": error})
+        self._undelivered.add(rank_id)
+
+    async def _announce(self, record: RankRecord, timeout_s: float) -> None:
+        layout, profile, store = self._registered.get(
+            record.rank_id, (common_pb2.ParallelLayout(), None, None))
         endpoint = ""
         if store is not None:  # the rank's own host, else this daemon's (the same node)
             endpoint = f"{store[0] or self.address().rpartition(':')[0]}:{store[1]}"
         await self.announce(peer_pb2.RankAnnouncement(
             node=self.node, rank_id=record.rank_id, rank=-1 if record.spare else record.rank,
             world_size=record.world_size, layout=layout, generation=self.registry.generation,
-            profile=profile, store=endpoint))
+            profile=profile, store=endpoint), timeout_s)
+        if record.rank_id in self._undelivered:
+            self._undelivered.discard(record.rank_id)
+            log.info("rank announced to the coordinator", extra={"rank_id": record.rank_id})
 
-    async def announce(self, a: peer_pb2.RankAnnouncement) -> None:
+    def _live(self) -> list[RankRecord]:
+        return [r for r in self.registry.ranks() if r.state in ("alive", "late")]
+
+    async def announce(self, a: peer_pb2.RankAnnouncement,
+                       timeout_s: float = RPC_TIMEOUT_S) -> None:
         coordinator = await self.leadership.known()
         if coordinator == self.node:
             self.coordinator.take_over(self.registry.current_plan())
             await self.coordinator.announce(a)
             return
-        await self.stub(coordinator).Announce(a, timeout=RPC_TIMEOUT_S)
+        await self.stub(coordinator).Announce(a, timeout=timeout_s)
 
     async def follow(self) -> None:
         """When the coordinator changes, tell the new one about this node's ranks."""
@@ -68,12 +112,14 @@ class Announcer:
             await asyncio.sleep(self.interval_s)
             current = self.leadership.leader()
             if current == self._seen:
+                await self._retry_undelivered()
                 continue
             self._seen = current
             if not current:
                 continue  # the etcd seat is empty: wait for its next holder
             if not self._had_coordinator:
                 self._had_coordinator = True
+                await self._retry_undelivered()
                 continue  # the first coordinator this daemon sees: nothing to hand over
             log.warning("coordinator changed", extra={"coordinator": current})
             if current == self.node:
@@ -86,10 +132,13 @@ class Announcer:
                         (p for _, p, _ in self._registered.values() if p is not None
                          and p.costs), None)
             await self.redeliver()
-            for record in self.registry.ranks():
-                if record.state in ("alive", "late"):
-                    try:
-                        await self.on_register(record, *self._registered.get(
-                            record.rank_id, (common_pb2.ParallelLayout(), None, None)))
-                    except (grpc.aio.AioRpcError, LookupError) as exc:
-                        log.warning("re-announce failed: %s", exc)
+            for record in self._live():
+                await self._deliver(record)
+
+    async def _retry_undelivered(self) -> None:
+        """Announce again the live local ranks no coordinator has taken yet."""
+        if not self._undelivered:
+            return
+        live = {r.rank_id: r for r in self._live()}
+        self._undelivered &= live.keys()  # a rank that ended needs no announcing
+        await asyncio.gather(*(self._deliver(live[r], TRY_S) for r in sorted(self._undelivered)))

@@ -70,16 +70,16 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             # Only a pid proven to be the caller's is watched (exit detection, fencing).
             watch_pid=watch)
         if self.on_register is not None:
+            # Announced to the coordinator now, or, while a coordinator does not answer,
+            # again every interval; only a job with no coordinator at all is refused.
+            store = (request.store_host, request.store_port) if request.store_port else None
             try:
-                store = (request.store_host, request.store_port) if request.store_port \
-                    else None
                 await self.on_register(record, request.layout, request.profile, store)
-            except (grpc.aio.AioRpcError, LookupError) as e:
-                detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            except LookupError as e:
                 await context.abort(
                     grpc.StatusCode.UNAVAILABLE,
-                    f"registered with {self.config.node}, but the coordinator could not be told "
-                    f"({detail}); retry when the job's daemons see each other")
+                    f"registered with {self.config.node}, but no coordinator can be told "
+                    f"({e}); retry when the job's daemons see each other")
         return rank_pb2.RegisterReply(
             rank_id=record.rank_id, node=self.config.node, generation=self.registry.generation,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
