@@ -1,10 +1,11 @@
 """This node's ranks and spares, made known to the coordinator, and again to each new one.
 
 A rank that registers here is announced to the coordinator (so it can be placed,
-or kept as a spare). An announcement the coordinator cannot take (it died, or is not
-reachable yet) leaves the rank registered here and is sent again every interval until
-one is taken: a spare that starts while its coordinator fails over waits for the next
-one instead of dying. When the coordinator changes, the new one is told about every
+or kept as a spare). An announcement the coordinator cannot take (it died, is paused,
+or does not count this daemon a member yet) leaves the rank registered here and is
+sent again, backing off from one heartbeat interval to RETRY_MAX_S, until one is
+taken: a spare that starts while its coordinator fails over waits for the next one
+instead of dying. When the coordinator changes, the new one is told about every
 live local rank, gets the prepares and failure reports the old one may have died
 with, and, if it is this daemon, takes over from the installed plan.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -24,11 +27,20 @@ from stalwart.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon.recovery.announce")
 
-RPC_TIMEOUT_S = 10.0
-# One try of an announcement the coordinator may not answer: inside a rank's Register
-# call (well within the rank's own 5 s deadline, so a paused coordinator delays the
-# registration, never fails it) and each retry (which must not hold up `follow`).
-TRY_S = 2.0
+# One try of an announcement the coordinator may not answer, the election wait included:
+# inside a rank's Register call within the rank's own 5 s deadline (a paused coordinator
+# delays a registration, never fails it), and on each retry (so `follow` is never held
+# up for long).
+TRY_S = 4.0
+MIN_RPC_S = 0.5  # the least time the coordinator's answer is given
+RETRY_MAX_S = 30.0  # retries back off from one interval up to this, with jitter
+# Refusals a later try can get past: a coordinator that is dead, paused or overloaded,
+# or that does not count this daemon a live member of the job yet. Any other refusal
+# (a token the coordinator does not share, a malformed announcement) goes to the rank.
+TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                       grpc.StatusCode.CANCELLED, grpc.StatusCode.PERMISSION_DENIED,
+                       grpc.StatusCode.FAILED_PRECONDITION,
+                       grpc.StatusCode.RESOURCE_EXHAUSTED})
 Registration = tuple[common_pb2.ParallelLayout, common_pb2.LayerProfile | None,
                      tuple[str, int] | None]
 
@@ -49,38 +61,48 @@ class Announcer:
         self._seen = ""
         self._had_coordinator = False
         self._undelivered: set[str] = set()  # live local ranks no coordinator has taken yet
+        self._retry_gap_s = interval_s
+        self._retry_at = 0.0  # monotonic time of the next retry
 
     async def on_register(self, record: RankRecord, layout: common_pb2.ParallelLayout,
                           profile: common_pb2.LayerProfile | None = None,
                           store: tuple[str, int] | None = None) -> None:
         """Keep a local rank's registration and announce it. A coordinator that does not
         answer (it died, is paused, or cannot be reached yet) is not the rank's problem:
-        `follow` sends the announcement again. LookupError when no coordinator is elected
-        at all (etcd down or misconfigured), which the rank is told."""
+        `follow` sends the announcement again. Raises for what the rank must be told:
+        LookupError when no coordinator is elected at all (etcd down or misconfigured),
+        the RPC error when the coordinator refuses it for good."""
         self._registered[record.rank_id] = (layout, profile, store)
-        await self._deliver(record, TRY_S, tell=True)
+        await self._deliver(record, tell=True)
 
-    async def _deliver(self, record: RankRecord, timeout_s: float = RPC_TIMEOUT_S,
-                       tell: bool = False) -> None:
-        """Announce `record`, or keep it to send again (and with `tell`, raise LookupError
-        when no coordinator is elected)."""
+    async def _deliver(self, record: RankRecord, tell: bool = False) -> bool:
+        """Announce `record`; False when it is kept to send again. With `tell`, a refusal
+        no retry can get past is raised instead of logged."""
         try:
-            await self._announce(record, timeout_s)
+            await self._announce(record)
+            return True
         except grpc.aio.AioRpcError as exc:
+            if exc.code() not in TRANSIENT:
+                self._undelivered.discard(record.rank_id)
+                if tell:
+                    raise
+                log.error("the coordinator refused a rank's announcement",
+                          extra={"rank_id": record.rank_id, "error": exc.details()})
+                return True  # nothing more to send: a retry would be refused the same way
             self._keep(record.rank_id, exc.details() or exc.code().name)
         except LookupError as exc:
-            self._keep(record.rank_id, str(exc))
-            if tell:
+            if tell:  # the rank is refused and ends: nothing to announce later
                 raise
+            self._keep(record.rank_id, str(exc))
+        return False
 
     def _keep(self, rank_id: str, error: str) -> None:
         if rank_id not in self._undelivered:
             log.warning("rank registered here but not yet announced to the coordinator; "
-                        "sending it again every interval",
-                        extra={"rank_id": rank_id, "error": error})
+                        "sending it again", extra={"rank_id": rank_id, "error": error})
         self._undelivered.add(rank_id)
 
-    async def _announce(self, record: RankRecord, timeout_s: float) -> None:
+    async def _announce(self, record: RankRecord) -> None:
         layout, profile, store = self._registered.get(
             record.rank_id, (common_pb2.ParallelLayout(), None, None))
         endpoint = ""
@@ -89,7 +111,7 @@ class Announcer:
         await self.announce(peer_pb2.RankAnnouncement(
             node=self.node, rank_id=record.rank_id, rank=-1 if record.spare else record.rank,
             world_size=record.world_size, layout=layout, generation=self.registry.generation,
-            profile=profile, store=endpoint), timeout_s)
+            profile=profile, store=endpoint))
         if record.rank_id in self._undelivered:
             self._undelivered.discard(record.rank_id)
             log.info("rank announced to the coordinator", extra={"rank_id": record.rank_id})
@@ -97,14 +119,18 @@ class Announcer:
     def _live(self) -> list[RankRecord]:
         return [r for r in self.registry.ranks() if r.state in ("alive", "late")]
 
-    async def announce(self, a: peer_pb2.RankAnnouncement,
-                       timeout_s: float = RPC_TIMEOUT_S) -> None:
+    async def announce(self, a: peer_pb2.RankAnnouncement, timeout_s: float = TRY_S) -> None:
+        """Tell the coordinator, waiting `timeout_s` at most for the election and its answer
+        together. This daemon's own coordinator is told in-process and never cut short:
+        a decision stopped halfway would install a plan on some daemons only."""
+        deadline = time.monotonic() + timeout_s
         coordinator = await self.leadership.known()
         if coordinator == self.node:
             self.coordinator.take_over(self.registry.current_plan())
             await self.coordinator.announce(a)
             return
-        await self.stub(coordinator).Announce(a, timeout=timeout_s)
+        await self.stub(coordinator).Announce(
+            a, timeout=max(MIN_RPC_S, deadline - time.monotonic()))
 
     async def follow(self) -> None:
         """When the coordinator changes, tell the new one about this node's ranks."""
@@ -132,13 +158,24 @@ class Announcer:
                         (p for _, p, _ in self._registered.values() if p is not None
                          and p.costs), None)
             await self.redeliver()
-            for record in self._live():
-                await self._deliver(record)
+            self._retry_gap_s, self._retry_at = self.interval_s, 0.0
+            live = self._live()
+            for i, record in enumerate(live):
+                if not await self._deliver(record):
+                    # It does not answer: the rest wait for the retries, not in line here.
+                    self._undelivered.update(r.rank_id for r in live[i + 1:])
+                    break
 
     async def _retry_undelivered(self) -> None:
-        """Announce again the live local ranks no coordinator has taken yet."""
-        if not self._undelivered:
+        """Announce again the live local ranks no coordinator has taken yet, backing off
+        while none is taken (so a slow new coordinator is not flooded)."""
+        if not self._undelivered or time.monotonic() < self._retry_at:
             return
         live = {r.rank_id: r for r in self._live()}
         self._undelivered &= live.keys()  # a rank that ended needs no announcing
-        await asyncio.gather(*(self._deliver(live[r], TRY_S) for r in sorted(self._undelivered)))
+        taken = await asyncio.gather(*(self._deliver(live[r]) for r in sorted(self._undelivered)))
+        if all(taken):
+            self._retry_gap_s = self.interval_s
+        else:
+            self._retry_gap_s = min(2 * self._retry_gap_s, RETRY_MAX_S)
+            self._retry_at = time.monotonic() + self._retry_gap_s * random.uniform(0.5, 1.0)

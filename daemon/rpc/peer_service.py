@@ -7,6 +7,7 @@ prepares and announcements go to the job, which checks the caller's role.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -15,6 +16,7 @@ from typing import Any, NoReturn
 import grpc
 
 from stalwart.core.failures import Failure
+from stalwart.daemon.background import Background
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.membership import Membership
 from stalwart.daemon.recovery.registry import Registry
@@ -42,6 +44,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         self.job_id = job_id  # when set, step messages of other jobs are refused
         # Role checks, then plans, commits, announcements (security.roles.JobGate).
         self.steps, self.leader = steps, leader
+        self._decisions = Background()  # announcements decided past their caller's deadline
 
     async def _caller(self, context: grpc.aio.ServicerContext, request: Any) -> str:
         node = await self.auth.daemon(context)
@@ -94,7 +97,10 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
                        context: grpc.aio.ServicerContext) -> common_pb2.Ack:
         caller = await self._caller(context, request)
         try:
-            await self.steps.announce_from(caller, request)
+            # Decided to the end even when the caller stops waiting (its deadline, its
+            # death): a plan cut off while it is sent would reach some daemons only.
+            await asyncio.shield(self._decisions.start(self.steps.announce_from(caller,
+                                                                                request)))
         except Forbidden as exc:
             await self._forbidden(context, exc)
         return common_pb2.Ack(accepted=True)

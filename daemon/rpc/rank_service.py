@@ -71,15 +71,17 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             watch_pid=watch)
         if self.on_register is not None:
             # Announced to the coordinator now, or, while a coordinator does not answer,
-            # again every interval; only a job with no coordinator at all is refused.
+            # again later; only a job with no coordinator at all, or a refusal for good,
+            # is the rank's to hear.
             store = (request.store_host, request.store_port) if request.store_port else None
             try:
                 await self.on_register(record, request.layout, request.profile, store)
-            except LookupError as e:
+            except (grpc.aio.AioRpcError, LookupError) as e:
+                detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                 await context.abort(
                     grpc.StatusCode.UNAVAILABLE,
-                    f"registered with {self.config.node}, but no coordinator can be told "
-                    f"({e}); retry when the job's daemons see each other")
+                    f"registered with {self.config.node}, but the coordinator could not be "
+                    f"told ({detail}); retry when the job's daemons see each other")
         return rank_pb2.RegisterReply(
             rank_id=record.rank_id, node=self.config.node, generation=self.registry.generation,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
