@@ -1,7 +1,7 @@
 """A rank that registers with its daemon is announced to the coordinator. One that
 registers while the coordinator does not answer stays registered, and its daemon
-announces it again until a coordinator takes it; a refusal no retry can get past, or a
-job with no coordinator at all, is the rank's to hear."""
+announces it again, backing off, until a coordinator takes it; a refusal no retry can get
+past, or a job with no coordinator at all, is the rank's to hear."""
 
 from __future__ import annotations
 
@@ -10,33 +10,36 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
-from fixtures_daemon import DaemonFactory, free_port, wait_for
+from fixtures_daemon import DaemonFactory, DaemonHandle, free_port, wait_for
 
 from stalwart.client.daemon_client import DaemonClient
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.announce import Announcer
-from stalwart.daemon.recovery.registry import Registry
+from stalwart.daemon.recovery.registry import RankRecord, Registry
 from stalwart.v1 import common_pb2, peer_pb2
 
 INTERVAL_S = 0.01
+LAYOUT = common_pb2.ParallelLayout()
 
 
-class Coordinator:
+class Peer:
     """The coordinator's Announce as another daemon serves it: refuses with each of
-    `refusals` in turn, then takes every announcement."""
+    `refusals` in turn (or with `always`), then takes every announcement."""
 
-    def __init__(self, *refusals: grpc.StatusCode) -> None:
-        self.refusals = list(refusals)
+    def __init__(self, *refusals: grpc.StatusCode, always: grpc.StatusCode | None = None
+                 ) -> None:
+        self.refusals, self.always = list(refusals), always
         self.calls: list[str] = []
         self.taken: list[str] = []
 
     async def Announce(self, a: peer_pb2.RankAnnouncement, timeout: float) -> common_pb2.Ack:
         self.calls.append(a.rank_id)
-        if self.refusals:
-            code = self.refusals.pop(0)
+        code = self.refusals.pop(0) if self.refusals else self.always
+        if code is not None:
             raise grpc.aio.AioRpcError(code, details=f"refused: {code.name}")
         self.taken.append(a.rank_id)
         return common_pb2.Ack(accepted=True)
@@ -55,12 +58,28 @@ class Leadership:
         return self.name
 
 
-def announcer(coordinator: Coordinator, leader: str = "n0") -> tuple[Announcer, Registry]:
+class OwnCoordinator:
+    """This daemon's own coordinator, whose decision takes until `release` is set."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.decided: list[str] = []
+
+    def take_over(self, installed: common_pb2.Plan) -> bool:
+        return False
+
+    async def announce(self, a: peer_pb2.RankAnnouncement) -> None:
+        await self.release.wait()
+        self.decided.append(a.rank_id)
+
+
+def announcer(peer: Peer, leader: str = "n0", coordinator: object = None
+              ) -> tuple[Announcer, Registry]:
     registry = Registry(node="n1", heartbeat_interval_s=1.0, heartbeat_timeout_s=60.0,
                         metrics=Metrics())
-    a = Announcer("n1", registry, Leadership(leader), None,  # type: ignore[arg-type]
-                  lambda: "127.0.0.1:1", lambda node: coordinator,
-                  redeliver=_nothing, interval_s=INTERVAL_S)
+    a = Announcer("n1", registry, Leadership(leader), coordinator,  # type: ignore[arg-type]
+                  lambda: "127.0.0.1:1", lambda node: peer, redeliver=_nothing,
+                  interval_s=INTERVAL_S)
     return a, registry
 
 
@@ -68,12 +87,12 @@ async def _nothing() -> None:
     return None
 
 
-def register(registry: Registry, pid: int, spare: bool = True):
-    return registry.register(pid=pid, rank=-1 if spare else 0, world_size=1, local_rank=0,
-                             hostname="h", spare=spare, device="cpu", watch_pid=False)
+def spare(registry: Registry, pid: int) -> RankRecord:
+    return registry.register(pid=pid, rank=-1, world_size=1, local_rank=0, hostname="h",
+                             spare=True, device="cpu", watch_pid=False)
 
 
-async def until(check, timeout_s: float, what: str) -> None:
+async def until(check: Callable[[], object], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
         if time.monotonic() > deadline:
@@ -81,69 +100,108 @@ async def until(check, timeout_s: float, what: str) -> None:
         await asyncio.sleep(INTERVAL_S)
 
 
+async def following(a: Announcer, seconds: float) -> None:
+    """Let `a` follow the coordinator for `seconds`."""
+    task = asyncio.create_task(a.follow())
+    await asyncio.sleep(seconds)
+    task.cancel()
+
+
 def test_an_announcement_the_coordinator_cannot_take_yet_is_sent_again_until_taken() -> None:
-    async def main() -> Coordinator:
-        coordinator = Coordinator(grpc.StatusCode.UNAVAILABLE,
-                                  grpc.StatusCode.DEADLINE_EXCEEDED,
-                                  grpc.StatusCode.PERMISSION_DENIED)  # not a member yet
-        a, registry = announcer(coordinator)
-        record = register(registry, 101)
-        await a.on_register(record, common_pb2.ParallelLayout())  # no error for the rank
+    async def main() -> Peer:
+        peer = Peer(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                    grpc.StatusCode.PERMISSION_DENIED)  # the last: not a member yet
+        a, registry = announcer(peer)
+        await a.on_register(spare(registry, 101), LAYOUT)  # no error for the rank
         follow = asyncio.create_task(a.follow())
         try:
-            await until(lambda: coordinator.taken, 30, "the announcement to be taken")
-            await asyncio.sleep(20 * INTERVAL_S)  # ticks after the take send nothing more
+            await until(lambda: peer.taken, 30, "the announcement to be taken")
+            await asyncio.sleep(20 * INTERVAL_S)  # once taken, nothing more is sent
         finally:
             follow.cancel()
-        return coordinator
+        return peer
 
-    coordinator = asyncio.run(main())
-    assert coordinator.taken == [coordinator.calls[-1]] and len(coordinator.calls) == 4
+    peer = asyncio.run(main())
+    assert peer.taken == ["n1/101"] and peer.calls == ["n1/101"] * 4
+
+
+def test_retries_back_off_while_the_coordinator_does_not_answer() -> None:
+    async def main() -> Peer:
+        peer = Peer(always=grpc.StatusCode.UNAVAILABLE)
+        a, registry = announcer(peer)
+        await a.on_register(spare(registry, 101), LAYOUT)
+        await following(a, 100 * INTERVAL_S)
+        return peer
+
+    peer = asyncio.run(main())
+    # A try every interval would be ~100; doubling gaps from one interval allow ~8.
+    assert 2 <= len(peer.calls) <= 12 and peer.taken == []
 
 
 def test_a_refusal_for_good_is_the_ranks_to_hear_and_not_sent_again() -> None:
-    async def main() -> tuple[Coordinator, grpc.aio.AioRpcError]:
-        coordinator = Coordinator(grpc.StatusCode.UNAUTHENTICATED)
-        a, registry = announcer(coordinator)
+    async def main() -> tuple[Peer, grpc.aio.AioRpcError]:
+        peer = Peer(grpc.StatusCode.UNAUTHENTICATED)
+        a, registry = announcer(peer)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await a.on_register(register(registry, 101), common_pb2.ParallelLayout())
-        follow = asyncio.create_task(a.follow())
-        await asyncio.sleep(20 * INTERVAL_S)
-        follow.cancel()
-        return coordinator, refused.value
+            await a.on_register(spare(registry, 101), LAYOUT)
+        await following(a, 20 * INTERVAL_S)
+        return peer, refused.value
 
-    coordinator, refused = asyncio.run(main())
+    peer, refused = asyncio.run(main())
     assert refused.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert len(coordinator.calls) == 1 and coordinator.taken == []
+    assert peer.calls == ["n1/101"] and peer.taken == []
 
 
-def test_a_job_with_no_coordinator_elected_is_the_ranks_to_hear() -> None:
-    async def main() -> None:
-        a, registry = announcer(Coordinator(), leader="")
-        await a.on_register(register(registry, 101), common_pb2.ParallelLayout())
+def test_a_job_with_no_coordinator_elected_is_the_ranks_to_hear_and_not_announced_later(
+        ) -> None:
+    async def main() -> Peer:
+        peer = Peer()
+        a, registry = announcer(peer, leader="")
+        with pytest.raises(LookupError, match="no coordinator is elected"):
+            await a.on_register(spare(registry, 101), LAYOUT)
+        # One is elected later: the refused rank has ended, and nobody announces it.
+        a.leadership.name = "n0"  # type: ignore[attr-defined]
+        await following(a, 20 * INTERVAL_S)
+        return peer
 
-    with pytest.raises(LookupError, match="no coordinator is elected"):
-        asyncio.run(main())
+    assert asyncio.run(main()).calls == []
 
 
 def test_a_rank_that_ends_before_any_coordinator_took_it_is_not_announced() -> None:
-    async def main() -> Coordinator:
-        coordinator = Coordinator(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE)
-        a, registry = announcer(coordinator)
-        gone, staying = register(registry, 101), register(registry, 102)
-        await a.on_register(gone, common_pb2.ParallelLayout())
-        await a.on_register(staying, common_pb2.ParallelLayout())
+    async def main() -> Peer:
+        peer = Peer(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE)
+        a, registry = announcer(peer)
+        gone, staying = spare(registry, 101), spare(registry, 102)
+        await a.on_register(gone, LAYOUT)
+        await a.on_register(staying, LAYOUT)
         registry.heartbeat(gone.rank_id, registry.generation, 0, 0.0, leaving=True)
         follow = asyncio.create_task(a.follow())
         try:
-            await until(lambda: coordinator.taken, 30, "the staying rank to be announced")
+            await until(lambda: peer.taken, 30, "the staying rank to be announced")
             await asyncio.sleep(20 * INTERVAL_S)
         finally:
             follow.cancel()
-        return coordinator
+        return peer
 
-    coordinator = asyncio.run(main())
-    assert coordinator.taken == ["n1/102"]
+    assert asyncio.run(main()).taken == ["n1/102"]
+
+
+def test_this_daemons_own_coordinator_decides_to_the_end_when_the_rank_stops_waiting(
+        ) -> None:
+    async def main() -> OwnCoordinator:
+        own = OwnCoordinator()
+        a, registry = announcer(Peer(), leader="n1", coordinator=own)
+        # The decision outlasts a try: the Register call returns, the rank is registered.
+        await a.on_register(spare(registry, 101), LAYOUT)
+        # A caller that gives up (its deadline) does not cut the decision short either.
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(a.on_register(spare(registry, 102), LAYOUT), 0.01)
+        own.release.set()
+        await until(lambda: len(own.decided) == 2, 30, "both decisions to end")
+        return own
+
+    assert sorted(asyncio.run(main()).decided) == ["n1/101", "n1/102"]
+
 
 # Gossip every 0.2 s; a silent daemon is lost after 10 s, so the registration below
 # surely lands while the dead coordinator is still the one its peers know.
@@ -160,7 +218,7 @@ sys.stdin.read()
 """
 
 
-def coordinators(d) -> list[str]:
+def coordinators(d: DaemonHandle) -> list[str]:
     return [x.node for x in d.status().daemons if x.coordinator]
 
 

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from stalwart.daemon.background import Background
 from stalwart.daemon.recovery.coordinator import Coordinator
 from stalwart.daemon.recovery.election import Leadership
 from stalwart.daemon.recovery.registry import RankRecord, Registry
@@ -63,6 +64,7 @@ class Announcer:
         self._undelivered: set[str] = set()  # live local ranks no coordinator has taken yet
         self._retry_gap_s = interval_s
         self._retry_at = 0.0  # monotonic time of the next retry
+        self._decisions = Background()  # this daemon's own coordinator deciding
 
     async def on_register(self, record: RankRecord, layout: common_pb2.ParallelLayout,
                           profile: common_pb2.LayerProfile | None = None,
@@ -80,7 +82,14 @@ class Announcer:
         no retry can get past is raised instead of logged."""
         try:
             await self._announce(record)
+            if self._undelivered:  # the coordinator answers: the others need not wait
+                self._retry_at = 0.0
             return True
+        except TimeoutError:
+            self._keep(record.rank_id, f"no answer within {TRY_S:g} s")
+        except asyncio.CancelledError:  # the rank stopped waiting: it is still registered
+            self._keep(record.rank_id, "the rank's call was cancelled")
+            raise
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in TRANSIENT:
                 self._undelivered.discard(record.rank_id)
@@ -121,16 +130,20 @@ class Announcer:
 
     async def announce(self, a: peer_pb2.RankAnnouncement, timeout_s: float = TRY_S) -> None:
         """Tell the coordinator, waiting `timeout_s` at most for the election and its answer
-        together. This daemon's own coordinator is told in-process and never cut short:
-        a decision stopped halfway would install a plan on some daemons only."""
+        together: TimeoutError past that. This daemon's own coordinator decides to the end
+        however long that takes (a decision stopped halfway would install a plan on some
+        daemons only); waiting past `timeout_s` for it is not needed, it has the rank."""
         deadline = time.monotonic() + timeout_s
-        coordinator = await self.leadership.known()
+        coordinator = await asyncio.wait_for(self.leadership.known(), timeout_s)
+        left = max(MIN_RPC_S, deadline - time.monotonic())
         if coordinator == self.node:
             self.coordinator.take_over(self.registry.current_plan())
-            await self.coordinator.announce(a)
+            decision = self._decisions.start(self.coordinator.announce(a))
+            done, _ = await asyncio.wait({decision}, timeout=left)  # never cancels it
+            if done:
+                decision.result()
             return
-        await self.stub(coordinator).Announce(
-            a, timeout=max(MIN_RPC_S, deadline - time.monotonic()))
+        await self.stub(coordinator).Announce(a, timeout=left)
 
     async def follow(self) -> None:
         """When the coordinator changes, tell the new one about this node's ranks."""
@@ -145,6 +158,7 @@ class Announcer:
                 continue  # the etcd seat is empty: wait for its next holder
             if not self._had_coordinator:
                 self._had_coordinator = True
+                self._retry_gap_s, self._retry_at = self.interval_s, 0.0
                 await self._retry_undelivered()
                 continue  # the first coordinator this daemon sees: nothing to hand over
             log.warning("coordinator changed", extra={"coordinator": current})

@@ -29,6 +29,13 @@ from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
 log = logging.getLogger("stalwart.daemon.rpc.peer_service")
 
 
+def _unheard(decision: asyncio.Task[None]) -> None:
+    """Log what an announcement's decision raised: a caller that stopped waiting (its
+    deadline passed, it died) would never hear it."""
+    if not decision.cancelled() and (exc := decision.exception()) is not None:
+        log.warning("announcement refused or failed", extra={"error": str(exc)})
+
+
 class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     """Handlers of PeerService: every call authenticated as a daemon (auth.Authenticator),
     then handed to the job's role checks (`steps`), whose Forbidden becomes
@@ -99,8 +106,9 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         try:
             # Decided to the end even when the caller stops waiting (its deadline, its
             # death): a plan cut off while it is sent would reach some daemons only.
-            await asyncio.shield(self._decisions.start(self.steps.announce_from(caller,
-                                                                                request)))
+            decision = self._decisions.start(self.steps.announce_from(caller, request))
+            decision.add_done_callback(_unheard)
+            await asyncio.shield(decision)
         except Forbidden as exc:
             await self._forbidden(context, exc)
         return common_pb2.Ack(accepted=True)

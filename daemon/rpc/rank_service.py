@@ -78,8 +78,10 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
                 await self.on_register(record, request.layout, request.profile, store)
             except (grpc.aio.AioRpcError, LookupError) as e:
                 detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                # Not UNAVAILABLE: this daemon answers, and the rank's client reads that
+                # code as "no daemon here".
                 await context.abort(
-                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.FAILED_PRECONDITION,
                     f"registered with {self.config.node}, but the coordinator could not be "
                     f"told ({detail}); retry when the job's daemons see each other")
         return rank_pb2.RegisterReply(
