@@ -213,10 +213,18 @@ class Membership:
             self._resumed_at = now
             return []
         found = []
-        sampled = self.sampled()
+        sampled, changed = self.sampled(), False
         for record in self._peers.values():
-            if record.last_seen is None or (sampled and record.address not in self._watched):
-                continue  # never reached, or (sampled) known second hand
+            if record.last_seen is None:
+                continue  # never reached
+            if sampled and record.address not in self._watched:
+                # Known second hand: up or lost as its neighbours tell. A suspicion from
+                # when this daemon judged it by age (before the job grew past `fanout`,
+                # or while it was a neighbour) would never clear: nothing here judges it
+                # again, and the neighbours' word says only up or lost.
+                if record.state == SUSPECT:
+                    record.state, changed = UP, True
+                continue
             age = self.clock() - record.last_seen
             state = _FROM_LIVENESS[heartbeat_state(age, self.interval_s, self.timeout_s)]
             if state == record.state:
@@ -233,8 +241,8 @@ class Membership:
                 # it says if it comes back.
                 record.beat = max(record.beat, int(self.wall() * 1000) + record.skew_ms)
                 self._view = None
-            record.state = state
-        if found:
+            record.state, changed = state, True
+        if changed:
             self._update_gauges()
         return found
 
