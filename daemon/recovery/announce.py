@@ -23,6 +23,7 @@ import grpc
 from stalwart.daemon.background import Background
 from stalwart.daemon.recovery.coordinator import Coordinator
 from stalwart.daemon.recovery.election import Leadership
+from stalwart.daemon.recovery.liveness import ALIVE, LATE
 from stalwart.daemon.recovery.registry import RankRecord, Registry
 from stalwart.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
@@ -126,15 +127,15 @@ class Announcer:
             log.info("rank announced to the coordinator", extra={"rank_id": record.rank_id})
 
     def _live(self) -> list[RankRecord]:
-        return [r for r in self.registry.ranks() if r.state in ("alive", "late")]
+        return [r for r in self.registry.ranks() if r.state in (ALIVE, LATE)]
 
-    async def announce(self, a: peer_pb2.RankAnnouncement, timeout_s: float = TRY_S) -> None:
-        """Tell the coordinator, waiting `timeout_s` at most for the election and its answer
+    async def announce(self, a: peer_pb2.RankAnnouncement) -> None:
+        """Tell the coordinator, waiting TRY_S at most for the election and its answer
         together: TimeoutError past that. This daemon's own coordinator decides to the end
         however long that takes (a decision stopped halfway would install a plan on some
-        daemons only); waiting past `timeout_s` for it is not needed, it has the rank."""
-        deadline = time.monotonic() + timeout_s
-        coordinator = await asyncio.wait_for(self.leadership.known(), timeout_s)
+        daemons only); waiting past TRY_S for it is not needed, it has the rank."""
+        deadline = time.monotonic() + TRY_S
+        coordinator = await asyncio.wait_for(self.leadership.known(), TRY_S)
         left = max(MIN_RPC_S, deadline - time.monotonic())
         if coordinator == self.node:
             self.coordinator.take_over(self.registry.current_plan())
