@@ -284,7 +284,7 @@ class ElasticAgent:
         dims = ParallelDims(Layout.from_proto(lay)).build(
             store, role.coord.rank, plan.generation, backend=cfg.backend,
             timeout_s=cfg.collective_timeout_s, node_of=node_of, links=self.links,
-            watchdog=watchdog)
+            watchdog=watchdog, superseded=lambda: self._newest > plan.generation)
         self.result.coord = {"rank": role.coord.rank, "dp": role.coord.dp,
                              "pp": role.coord.pp, "tp": role.coord.tp}
         record = {"generation": plan.generation, "resume_step": plan.resume_step,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from stalwart.client.link_bytes import LinkBytes, link_between
-from stalwart.client.watchdog import Watchdog
+from stalwart.client.watchdog import GroupFailure, Watchdog
 from stalwart.core.layout import Coord, Layout
 
 __all__ = ["Group", "ParallelDims", "Sending"]
@@ -25,6 +26,8 @@ __all__ = ["Group", "ParallelDims", "Sending"]
 log = logging.getLogger("stalwart.client.parallel_dims")
 
 T = TypeVar("T")
+# How often a group build on its own thread checks whether a newer plan superseded it.
+SUPERSEDED_POLL_S = 0.05
 
 
 @dataclass
@@ -153,7 +156,8 @@ class ParallelDims:
 
     def build(self, store: Any, rank: int, generation: int, *, backend: str = "gloo",
               timeout_s: float = 60.0, node_of: Mapping[int, str] | None = None,
-              links: LinkBytes | None = None, watchdog: Watchdog | None = None) -> ParallelDims:
+              links: LinkBytes | None = None, watchdog: Watchdog | None = None,
+              superseded: Callable[[], bool] | None = None) -> ParallelDims:
         """Create this rank's dp, pp, tp and world groups for `generation`.
 
         Every member of a group must call this with the same generation; groups live under
@@ -162,6 +166,10 @@ class ParallelDims:
         through the groups counts its bytes by link (see client/link_bytes.py). With a
         `watchdog` (its deadline at most `timeout_s`), building the groups and every wait
         on them raise GroupFailure when a peer is lost, CollectiveHangError when it hung.
+        With `superseded` (true once a newer plan exists), building a group is left as soon
+        as it is true, with GroupFailure: a peer that died part-way through this build can
+        hold a group's rendezvous past its timeout, and the members of the newer
+        generation must not time out waiting for this rank meanwhile.
         """
         if self.groups:
             raise RuntimeError(f"generation {self.generation} is still built; destroy() first")
@@ -173,6 +181,9 @@ class ParallelDims:
             key = f"{axis}/{'-'.join(map(str, ranks))}/"
             make = partial(_make_pg, backend, dist.PrefixStore(key, gen_store),
                            ranks.index(rank), len(ranks), timeout)
+            if superseded is not None:
+                make = partial(_unless_superseded, make, superseded,
+                               f"building the {axis} group of generation {generation}")
             pg = make() if watchdog is None else watchdog.run(make, f"building the {axis} group")
             nodes = tuple(node_of[r] for r in ranks) if node_of and all(
                 r in node_of for r in ranks) else ()
@@ -233,6 +244,29 @@ class ParallelDims:
                 end()
             except Exception as exc:  # torn down already (a watchdog, a lost peer)
                 log.warning("%s of the %s group failed: %s", how, g.axis, exc)
+
+def _unless_superseded(make: Callable[[], Any], superseded: Callable[[], bool], what: str) -> Any:
+    """`make()` on a thread of its own, left (GroupFailure) once `superseded()`: the build
+    cannot be cancelled, so it ends on that thread by its own timeout and is dropped."""
+    done = threading.Event()
+    out: dict[str, Any] = {}
+
+    def build() -> None:
+        try:
+            out["pg"] = make()
+        except BaseException as exc:  # handed to the caller below
+            out["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=build, name="stalwart-group-build", daemon=True).start()
+    while not done.wait(SUPERSEDED_POLL_S):
+        if superseded():
+            raise GroupFailure(f"{what} was left: a newer plan superseded it")
+    if "error" in out:
+        raise out["error"]
+    return out["pg"]
+
 
 def _make_pg(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
     if backend == "gloo":

@@ -109,6 +109,38 @@ def test_building_a_group_whose_peer_never_comes_is_a_reported_hang():
     assert [(f.kind, f.generation) for f in reports] == [(FailureKind.COLLECTIVE_HANG, 2)]
 
 
+
+def test_a_build_that_a_newer_plan_supersedes_is_left_without_waiting_out_its_timeout():
+    # The peer never comes and the groups' timeout is a minute; the rank learns of a newer
+    # plan on the third check and must leave the build then, not a minute later, so it
+    # can join the newer generation before that generation's members time out on it.
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    reports: list[Failure] = []
+    dog = Watchdog(reports.append, deadline_s=60.0, subject="r0", generation=2)
+    checks: list[float] = []
+
+    def superseded() -> bool:
+        checks.append(time.monotonic())
+        return len(checks) >= 3
+
+    start = time.monotonic()
+    with pytest.raises(GroupFailure, match="building the tp group of generation 2 was left"):
+        ParallelDims(Layout(tp=2)).build(store, 0, 2, timeout_s=60.0, watchdog=dog,
+                                         superseded=superseded)
+    assert len(checks) == 3
+    assert time.monotonic() - start < 30.0  # left at the check, not at the 60 s timeout
+    assert reports == []  # leaving a superseded build is no hang
+
+
+def test_a_build_that_nothing_supersedes_returns_its_groups():
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    dims = ParallelDims(Layout()).build(store, 0, 1, timeout_s=10.0, superseded=lambda: False)
+    assert dims.world.pg.size() == 1
+    dims.destroy()
+
+
 def hung_then_lost_peer(ctx) -> dict:
     """Rank 0 all-reduces; rank 1 first stays away (a hang), then leaves (a lost peer)."""
     wait = datetime.timedelta(seconds=60)
