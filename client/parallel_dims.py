@@ -245,6 +245,7 @@ class ParallelDims:
             except Exception as exc:  # torn down already (a watchdog, a lost peer)
                 log.warning("%s of the %s group failed: %s", how, g.axis, exc)
 
+
 def _unless_superseded(make: Callable[[], Any], superseded: Callable[[], bool], what: str) -> Any:
     """`make()` on a thread of its own, left (GroupFailure) once `superseded()`: the build
     cannot be cancelled, so it ends on that thread by its own timeout and is dropped."""
