@@ -57,8 +57,12 @@ def wait(what: str, check: Callable[[], object], timeout_s: float) -> object:
 
 def start_prometheus(targets: list[str], root: Path, port: int,
                      scrape_s: float = SCRAPE_S) -> subprocess.Popen[bytes]:
-    """Debian `prometheus` scraping `targets` (HOST:PORT) every `scrape_s` seconds, ready
-    on return."""
+    """Debian `prometheus` scraping `targets` (HOST:PORT) every `scrape_s` seconds; on
+    return it has scraped every target, so what happens next is on record.
+
+    Prometheus applies its scrape targets only some seconds after it reports ready
+    (about 5 s), so a job launched at "ready" can run its first steps, or lose a
+    rank, before the first scrape."""
     binary = shutil.which("prometheus")
     if binary is None:
         raise RuntimeError("prometheus is not installed; run scripts/install-system-deps.sh")
@@ -75,9 +79,25 @@ def start_prometheus(targets: list[str], root: Path, port: int,
              f"--storage.tsdb.path={root / 'tsdb'}",
              f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
             stdout=subprocess.DEVNULL, stderr=log)
-    wait("Prometheus to become ready", lambda: urllib.request.urlopen(
-        f"http://127.0.0.1:{port}/-/ready", timeout=2).status == 200, 30)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait("Prometheus to become ready",
+             lambda: urllib.request.urlopen(f"{url}/-/ready", timeout=2).status == 200, 30)
+        wait(f"Prometheus to scrape {', '.join(targets)} (its log: {root / 'prometheus.log'})",
+             lambda: scraped_all(url, targets), 30)
+    except BaseException:
+        stop(proc)
+        raise
     return proc
+
+
+def scraped_all(url: str, targets: list[str]) -> bool:
+    """Prometheus at `url` has scraped every one of `targets`, and the last scrape
+    of each succeeded."""
+    with urllib.request.urlopen(f"{url}/api/v1/targets?state=active", timeout=2) as response:
+        active = json.loads(response.read())["data"]["activeTargets"]
+    up = {t["labels"].get("instance") for t in active if t.get("health") == "up"}
+    return set(targets) <= up
 
 
 def any_rank_registered(cluster: Any) -> float | None:

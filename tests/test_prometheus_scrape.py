@@ -101,8 +101,10 @@ def run(s3_server, tmp_path_factory) -> Iterator[Run]:
 
 
 def range_query(url: str, expr: str, start: float, end: float) -> list[dict]:
-    """Series of a range query that carry at least one number (NaN is no data)."""
-    params = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": "1"}
+    """Series of a range query that carry at least one number (NaN is no data), asked
+    at every scrape: a series that lived through one scrape shows."""
+    params = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}",
+              "step": f"{SCRAPE_S:g}"}
     with urllib.request.urlopen(f"{url}/api/v1/query_range?" + urllib.parse.urlencode(params),
                                 timeout=10) as response:
         body = json.loads(response.read())
@@ -152,8 +154,12 @@ def test_render_script_draws_every_overview_panel_from_the_run(run: Run, tmp_pat
 def test_step_time_panel_shows_every_rank_that_trained(run: Run) -> None:
     (step_time,) = [q for q in panel_queries(("overview",)) if q.panel == "Step time per rank"]
     series = poll(run, concrete(step_time.expr))
-    # Four ranks of the first generation, then the spare in place of the killed rank.
-    assert len(series) == WORLD + 1
+    # Four ranks of the first generation, then the spare in place of the killed rank:
+    # Prometheus scraped before the launch, so even the killed rank's short life shows.
+    launched = {f"{r.node.name}/{r.proc.pid}" for r in run.cluster.ranks}
+    assert len(launched) == WORLD + 1
+    shown = {s["metric"]["rank"] for s in series}
+    assert shown == launched, f"launched {sorted(launched)}, the panel shows {sorted(shown)}"
     # A spare reports 0 until it gets a role; the killed rank may die between two scrapes.
     finished = {f"{r.node.name}/{r.proc.pid}" for r in run.cluster.ranks if r.proc.poll() == 0}
     timed = {s["metric"]["rank"] for s in series
