@@ -219,7 +219,7 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
 
     follow = StepLog()
     seen_failures: set[tuple[str, int]] = set()
-    detected: list[dict[str, str]] = []  # every failure a daemon reported, in order
+    detected: list[dict[str, Any]] = []  # every failure a daemon reported, in order
     generation, committed, shown_step = 0, 0, 0
     committed_at: list[tuple[float, int]] = []  # (unix time, latest committed step)
     plans: list[dict[str, Any]] = []
@@ -246,7 +246,7 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
                 if key not in seen_failures:
                     seen_failures.add(key)
                     detected.append({"subject": f.subject, "kind": _kind(f.kind),
-                                     "by": st.node})
+                                     "by": st.node, "captured_step": f.captured_step})
                     _say(t0, f"DETECTED {_kind(f.kind)} of {f.subject} by {st.node}: "
                              f"{f.evidence}")
         if coord is not None:
@@ -287,7 +287,7 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
     if (last := cluster.coordinator()) is not None:  # a hand-over in the last interval
         _note_coordinator(coordinators, last.name)
     _add_missed_plans(cluster, plans)
-    summary = _summarise(cluster, args, faults, follow, plans, committed_at,
+    summary = _summarise(cluster, args, faults, follow, plans, committed_at, detected,
                          time.monotonic() - t0)
     summary["layout"] = {"dp": final_layout.dp, "pp": final_layout.pp, "tp": final_layout.tp}
     summary["coordinators"] = coordinators
@@ -341,7 +341,8 @@ def _kind(code: int) -> str:
 
 def _summarise(cluster: Any, args: argparse.Namespace, faults: list[dict[str, Any]],
                follow: Any, plans: list[dict[str, Any]],
-               committed_at: list[tuple[float, int]], elapsed: float) -> dict[str, Any]:
+               committed_at: list[tuple[float, int]], detected: list[dict[str, Any]],
+               elapsed: float) -> dict[str, Any]:
     results = [(r, r.result()) for r in cluster.ranks]
     finished = [res for _, res in results if res and res.get("losses")]
     # Killed ranks leave no result file, but their printed losses count for their steps.
@@ -352,6 +353,9 @@ def _summarise(cluster: Any, args: argparse.Namespace, faults: list[dict[str, An
     digests = {res["result"]["param_digest"] for res in finished if res.get("result")}
     fired = sorted((json.loads(p.read_text()) for p in cluster.workdir.glob("fault-*.json")),
                    key=lambda f: f["time_unix"])
+    # A rank's newest step its daemon took a capture of, from its failure (by pid)
+    captured = {d["subject"].rpartition("/")[2]: d["captured_step"] for d in detected
+                if d["kind"] != "peer_lost"}
     recoveries = []
     for fault, plan in zip(fired, [p for p in plans if not p["stop"]], strict=False):
         gens = [g for res in finished for g in res.get("generations", [])
@@ -364,6 +368,7 @@ def _summarise(cluster: Any, args: argparse.Namespace, faults: list[dict[str, An
             "fault_step": fault["step"], "resume_step": plan["resume_step"],
             "lost_steps": max(0, committed_before - plan["resume_step"]),
             "redone_steps": max(0, fault["step"] - plan["resume_step"]),
+            "captured_step": captured.get(str(fault["pid"])),
             "detect_plan_s": round(plan["time_unix"] - fault["time_unix"], 3),
             "rebuild_s": max((g["rebuild_s"] for g in gens), default=None),
             "restore_s": max((g["restore_s"] for g in gens), default=None),

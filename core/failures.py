@@ -50,6 +50,8 @@ class Failure:
     generation: int = 0
     reporter: str = ""
     time_unix_ms: int = field(default_factory=lambda: int(time.time() * 1000))
+    # A rank's newest step its daemon took a capture of before the failure (0: unknown)
+    captured_step: int = 0
     details: Mapping[str, str | int | float | bool] = field(default_factory=dict, hash=False)
 
     @property
@@ -70,6 +72,7 @@ class Failure:
             time_unix_ms=self.time_unix_ms,
             generation=self.generation,
             reporter=self.reporter,
+            captured_step=self.captured_step,
         )
 
     @classmethod
@@ -86,4 +89,5 @@ class Failure:
             generation=msg.generation,
             reporter=msg.reporter,
             time_unix_ms=msg.time_unix_ms,
+            captured_step=msg.captured_step,
         )

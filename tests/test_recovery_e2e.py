@@ -59,6 +59,11 @@ def test_a_killed_rank_in_each_pipeline_stage_is_replaced(tmp_path: Path) -> Non
                          "--kill", "rank:1@step:5", "--kill", "rank:2@step:7")
     assert code == 0
     assert_recovered(summary, uninterrupted(tmp_path, *layout), 3)
+    for r in summary["recoveries"]:
+        # The killed rank's daemon had taken in its capture of step N - 1 (the copy of
+        # step N runs during step N + 1) or of step N: that step is not trained again.
+        assert r["captured_step"] is not None and 1 <= r["captured_step"] <= r["fault_step"], r
+        assert r["resume_step"] >= r["captured_step"], r
 
 
 def test_a_killed_node_is_replaced_from_its_peers_shards(tmp_path: Path) -> None:

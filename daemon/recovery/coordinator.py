@@ -36,6 +36,10 @@ from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
 
 log = logging.getLogger("stalwart.daemon.recovery.coordinator")
 
+# The longest a re-plan waits for a step the failed ranks captured to commit (it waits at
+# most as long as training that step took, measured, and never longer than this).
+LAND_WAIT_MAX_S = 5.0
+
 
 @dataclass
 class RecoveryRecord:
@@ -74,6 +78,7 @@ class Coordinator:
     _stopped: StopDecision | None = None  # the job waits at a stop for spares to arrive
     _joined: set[str] = field(default_factory=set)  # ranks that came after the last plan
     took_over_at: float = float("-inf")  # monotonic time this daemon became coordinator
+    _installed_at: float = field(default_factory=time.monotonic)  # of the newest plan
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     commits: StepCommits = field(init=False)
 
@@ -215,6 +220,7 @@ class Coordinator:
                       extra={"generation": plan.generation})
             return
         plan.coordinator, plan.commit_key = self.node, self.commits.key.public
+        self._installed_at = time.monotonic()
         plan.commit_fanout = self.commit_fanout
         if not plan.stop:
             self._name_store(plan)
@@ -246,6 +252,7 @@ class Coordinator:
     async def on_failures(self, failures: list[Failure]) -> None:
         """Decide and install the next plan (or the stop) after `failures`."""
         t0 = time.monotonic()
+        await self._let_captured_land(failures)
         async with self._lock:
             if self.completed:
                 log.info("failure after the job completed; nothing to re-plan",
@@ -274,6 +281,29 @@ class Coordinator:
                     f"{stopped.message} Lost since the stop: {since}; {len(lost)} role(s) "
                     "now wait for a spare."))
             await self._carry_out(decision, [f.describe() for f in failures], t0, planner)
+
+    async def _let_captured_land(self, failures: list[Failure]) -> None:
+        """A step every failed rank's daemon took a capture of before the failure commits
+        once the survivors' captures of it are durable too: wait for it, so the plan
+        resumes from it instead of redoing it, but never longer than the training that
+        waiting saves took (measured: the job's pace between commits, or since the plan
+        began). Nothing is awaited for a lost node (its captures went with it) or a
+        failure that says nothing of captures."""
+        if not failures or any(f.names_node or f.captured_step <= 0 for f in failures):
+            return
+        plan, latest = self.plan, self.latest_committed()
+        if plan is None or self.completed or self._stopped is not None:
+            return
+        step, since = min(f.captured_step for f in failures), latest or plan.resume_step
+        if step <= since:
+            return
+        pace = self.commits.seconds_per_step()
+        if pace is None:  # no two commits yet: the plan's steps so far set the pace
+            pace = (time.monotonic() - self._installed_at) / max(1, step - plan.resume_step)
+        t0 = time.monotonic()
+        landed = await self.commits.landed(step, min((step - since) * pace, LAND_WAIT_MAX_S))
+        log.info("captured step %s before re-planning", "committed" if landed else
+                 "did not commit", extra={"step": step, "waited_s": time.monotonic() - t0})
 
     async def _decide(self, failures: list[Failure], committed: int,
                       planner: ElasticPlanner | None, stopped: StopDecision | None

@@ -70,6 +70,7 @@ class RankRecord:
     process: ProcessIdentity | None = None
     step: int = 0
     step_time_s: float = 0.0
+    captured: int = 0  # newest step of its captures this daemon took in
     progress_at: float = 0.0  # registry clock of its last step change (or plan change)
     state: str = ALIVE
     cause: str = ""  # evidence of the death, once dead
@@ -289,7 +290,8 @@ class Registry:
         record.state, record.cause = DEAD, f"{kind.name.lower()}: {evidence}"
         self._forget_series(record.rank_id)
         return self.report(Failure(kind, record.rank_id, evidence, generation=self.generation,
-                                   reporter=self.node, details={"pid": record.pid}))
+                                   reporter=self.node, captured_step=record.captured,
+                                   details={"pid": record.pid}))
 
     def _forget_series(self, rank_id: str) -> None:
         self.stragglers.forget(rank_id)

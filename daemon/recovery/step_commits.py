@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -27,6 +29,7 @@ from stalwart.daemon.snapshot.commit_tree import CommitKey, RelayKeys
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
 
 COMMIT_RETRY_S = 1.0  # seconds before a commit that failed on the coordinator is retried
+INTERVALS_KEPT = 8  # recent commits whose spacing gives the job's pace
 log = logging.getLogger("stalwart.daemon.recovery.step_commits")
 
 
@@ -109,6 +112,31 @@ class StepCommits:
     _built: dict[int, manifest_pb2.StepRecord] = field(default_factory=dict)
     _retry: asyncio.TimerHandle | None = None
     _retrying: asyncio.Future[None] | None = None
+    # (monotonic time, step) of the recent commits: their spacing is the pace of the job
+    _commit_times: deque[tuple[float, int]] = field(
+        default_factory=lambda: deque(maxlen=INTERVALS_KEPT + 1))
+    _landed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    def seconds_per_step(self) -> float | None:
+        """Median seconds of training per step between the recent commits (None before
+        two): what redoing a step costs the job."""
+        times = list(self._commit_times)
+        paces = [(t1 - t0) / (s1 - s0) for (t0, s0), (t1, s1) in
+                 zip(times, times[1:], strict=False) if s1 > s0]
+        return statistics.median(paces) if paces else None
+
+    async def landed(self, step: int, timeout_s: float) -> bool:
+        """Wait until `step` (or a later one) is committed, at most `timeout_s`; True
+        when it is."""
+        def done() -> bool:
+            latest = self.latest_committed()
+            return latest is not None and latest >= step
+        async with self._landed:
+            try:
+                await asyncio.wait_for(self._landed.wait_for(done), timeout_s)
+            except TimeoutError:
+                return done()
+        return True
 
     async def prepared(self, *reqs: peer_pb2.PrepareStepRequest) -> None:
         """Phase one from daemons (one, or a batch from the commit tree): each one's ranks'
@@ -224,6 +252,9 @@ class StepCommits:
             log.warning("commit not acknowledged by every daemon",
                         extra={"step": step, "missed": missed})
         self.metrics.commit_seconds.observe(time.monotonic() - t0)
+        self._commit_times.append((time.monotonic(), step))
+        async with self._landed:
+            self._landed.notify_all()
         generation = self.generation()
         if generation is not None and pending.generation >= generation:
             self.committed(pending.generation)

@@ -93,6 +93,10 @@ class Intake:
             self._backlog[rank] = self._backlog.get(rank, 0) + 1
         owned = await asyncio.to_thread(bytes, memoryview(slot.view)[:total])
         self.metrics.captured_bytes.inc(total)
+        if (record := self.registry.get(rank)) is not None:
+            # Once taken in, the step commits even if the rank dies now: a failure
+            # report says so, and the coordinator lets the step land before re-planning.
+            record.captured = request.step
         self._tail[rank] = asyncio.create_task(
             self._after(self._tail.get(rank), request, owned))
 

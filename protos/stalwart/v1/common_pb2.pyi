@@ -353,6 +353,7 @@ class FailureEvent(_message.Message):
     TIME_UNIX_MS_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     REPORTER_FIELD_NUMBER: _builtins.int
+    CAPTURED_STEP_FIELD_NUMBER: _builtins.int
     kind: Global___FailureEvent.Kind.ValueType
     subject: _builtins.str
     """rank_id or node name"""
@@ -362,6 +363,11 @@ class FailureEvent(_message.Message):
     generation: _builtins.int
     reporter: _builtins.str
     """node that saw it"""
+    captured_step: _builtins.int
+    """A rank's failure, from its own daemon: the newest step of the rank's captures that
+    daemon took in (0: none). Captured steps commit once every rank's is in, so the
+    coordinator lets a step up to this one land before it picks the resume step.
+    """
     def __init__(
         self,
         *,
@@ -371,10 +377,11 @@ class FailureEvent(_message.Message):
         time_unix_ms: _builtins.int = ...,
         generation: _builtins.int = ...,
         reporter: _builtins.str = ...,
+        captured_step: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["evidence", b"evidence", "generation", b"generation", "kind", b"kind", "reporter", b"reporter", "subject", b"subject", "time_unix_ms", b"time_unix_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["captured_step", b"captured_step", "evidence", b"evidence", "generation", b"generation", "kind", b"kind", "reporter", b"reporter", "subject", b"subject", "time_unix_ms", b"time_unix_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

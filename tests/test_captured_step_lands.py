@@ -1,0 +1,141 @@
+"""A rank that dies after its daemon took in its capture of a step does not make the job
+redo that step: the coordinator lets the step commit (the survivors' prepares of it are
+on their way) before it picks the resume step, waiting no longer than training the
+steps it saves took. In-process coordinator; the daemons are a record of installed plans
+and commits, and the prepares are the ones daemons send."""
+
+from __future__ import annotations
+
+import asyncio
+
+from stalwart.core.failures import Failure, FailureKind
+from stalwart.core.step_record import seal
+from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.recovery.coordinator import Coordinator
+from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
+
+LAYOUT = common_pb2.ParallelLayout(dp=2, pp=1, tp=1, schedule="1f1b", microbatches=1,
+                                   grad_accum=1)
+STEP_S = 0.2  # the job's pace: one step (and one commit) every STEP_S
+JOB_STEPS = 4  # committed before the failure
+
+
+class Daemons:
+    """n0 (the coordinator) and n1: the plans they were given and the steps committed."""
+
+    def __init__(self) -> None:
+        self.plans: list[common_pb2.Plan] = []
+        self.committed: list[int] = []
+
+    def nodes(self) -> list[str]:
+        return ["n0", "n1"]
+
+    def holds_seat(self) -> bool:
+        return True
+
+    async def install_plan(self, node: str, plan: common_pb2.Plan) -> None:
+        if node == "n0":
+            self.plans.append(plan)
+
+    async def commit_step(self, node: str, request: peer_pb2.CommitStepRequest | bytes
+                          ) -> None:
+        if isinstance(request, bytes):
+            request = peer_pb2.CommitStepRequest.FromString(request)
+        if node == "n0":
+            self.committed.append(request.record.step)
+
+
+def prepare(node: str, rank: int, step: int) -> peer_pb2.PrepareStepRequest:
+    return peer_pb2.PrepareStepRequest(
+        job_id="job", step=step, generation=1, node=node, layout=LAYOUT,
+        seal=seal(node, [manifest_pb2.RankState(rank=rank, node=node)]))
+
+
+def killed(rank_id: str, captured: int) -> Failure:
+    return Failure(FailureKind.PROCESS_EXIT, rank_id, "killed by SIGKILL", generation=1,
+                   reporter="n0", captured_step=captured)
+
+
+async def running_job() -> tuple[Coordinator, Daemons]:
+    """Ranks n0/1 (rank 0) and n1/2 (rank 1), a spare on n1, steps 1..JOB_STEPS committed
+    one every STEP_S (the training between commits)."""
+    daemons = Daemons()
+    c = Coordinator(node="n0", job_id="job", metrics=Metrics(), links=daemons,
+                    latest_committed=lambda: max(daemons.committed, default=None))
+    for rank_id, node, rank in (("n0/1", "n0", 0), ("n1/2", "n1", 1), ("n1/3", "n1", 2)):
+        await c.announce(peer_pb2.RankAnnouncement(node=node, rank_id=rank_id, rank=rank,
+                                                   world_size=2, layout=LAYOUT, generation=1))
+    assert len(daemons.plans) == 1
+    for step in range(1, JOB_STEPS + 1):
+        await asyncio.sleep(STEP_S)  # a step of training
+        await c.prepared(prepare("n0", 0, step), prepare("n1", 1, step))
+    assert daemons.committed == list(range(1, JOB_STEPS + 1))
+    return c, daemons
+
+
+async def waiting(c: Coordinator) -> None:
+    """Until the coordinator waits for a commit (it does so without any real wait)."""
+    for _ in range(100):
+        if c.commits._landed._waiters:  # noqa: SLF001 - the test's only window on it
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the coordinator re-planned without waiting for the captured step")
+
+
+def test_a_step_the_dead_rank_captured_commits_before_the_plan_resumes_from_it() -> None:
+    async def main() -> tuple[list[int], common_pb2.Plan]:
+        c, daemons = await running_job()
+        step = JOB_STEPS + 1
+        # n1 made its rank's capture of step 5 durable; n0 took rank 0's capture of it in
+        # before the rank died and is still storing it.
+        await c.prepared(prepare("n1", 1, step))
+        replan = asyncio.create_task(c.on_failures([killed("n0/1", captured=step)]))
+        await waiting(c)
+        assert len(daemons.plans) == 1  # nothing decided while the step may still land
+        await c.prepared(prepare("n0", 0, step))  # n0's store finished
+        await asyncio.wait_for(replan, 10.0)
+        return daemons.committed, daemons.plans[-1]
+
+    committed, plan = asyncio.run(main())
+    assert committed[-1] == JOB_STEPS + 1
+    assert plan.generation == 2 and plan.resume_step == JOB_STEPS + 1  # nothing redone
+
+
+def test_a_captured_step_that_does_not_land_in_the_jobs_pace_is_given_up() -> None:
+    # n1's prepare of step 5 never comes (its store failed): the plan waits about one
+    # step's training, then resumes from the last committed step.
+    async def main() -> common_pb2.Plan:
+        c, daemons = await running_job()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await asyncio.wait_for(c.on_failures([killed("n0/1", captured=JOB_STEPS + 1)]), 10.0)
+        assert loop.time() - t0 >= STEP_S / 2  # it did wait for the step
+        return daemons.plans[-1]
+
+    plan = asyncio.run(main())
+    assert plan.generation == 2 and plan.resume_step == JOB_STEPS
+
+
+def test_no_wait_when_the_failure_says_nothing_of_captures_or_a_node_is_lost() -> None:
+    # A lost node took its ranks' captures with it; a failure without a captured step
+    # (another detector's) gives nothing to wait for: the plan is decided at once.
+    async def main(failure: Failure) -> int:
+        c, daemons = await running_job()
+        await c.prepared(prepare("n1", 1, JOB_STEPS + 1))
+        replan = asyncio.create_task(c.on_failures([failure]))
+        for _ in range(100):  # let it run to its end without any real wait
+            if replan.done():
+                break
+            await asyncio.sleep(0)
+        assert replan.done(), "the coordinator waited with nothing to wait for"
+        return daemons.plans[-1].resume_step
+
+    assert asyncio.run(main(killed("n0/1", captured=0))) == JOB_STEPS
+    lost = Failure(FailureKind.PEER_LOST, "n0", "no heartbeat for 3 s", generation=1,
+                   reporter="n1", captured_step=JOB_STEPS + 1)
+    assert asyncio.run(main(lost)) == JOB_STEPS
+
+
+def test_the_captured_step_travels_with_the_failure_report() -> None:
+    f = killed("n0/1", captured=17)
+    assert Failure.from_proto(f.to_proto()).captured_step == 17
