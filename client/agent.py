@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 from stalwart.client.daemon_client import DaemonClient, DaemonUnavailable
@@ -116,6 +117,10 @@ class ElasticAgent:
                 log.debug("plan watch ended: %s", exc)
                 self._plans.put(None)  # a waiter learns its daemon is gone
                 return
+
+    def superseded(self, generation: int) -> bool:
+        """Whether a plan newer than `generation` has been announced."""
+        return self._newest > generation
 
     def _next_plan(self, after: int, timeout_s: float | None) -> common_pb2.Plan:
         """The first plan newer than generation `after`; waits `timeout_s` (None: as long
@@ -255,14 +260,14 @@ class ElasticAgent:
                                      wait_for_workers=False,
                                      timeout=datetime.timedelta(seconds=STORE_ATTEMPT_S))
             except (dist.DistError, RuntimeError):
-                if self._newest > plan.generation:
+                if self.superseded(plan.generation):
                     raise PlanChanged() from None
                 if time.monotonic() >= give_up:
                     raise
 
     def _report_hang(self, failure: Failure) -> None:
         """The watchdog's hang, told to the daemon unless the job already moved on."""
-        if self._newest > failure.generation:
+        if self.superseded(failure.generation):
             return  # the coordinator already re-planned; the hang was a consequence
         try:
             self.daemon.report_failure(failure.kind.value, failure.subject, failure.evidence,
@@ -271,7 +276,7 @@ class ElasticAgent:
             log.warning("could not report the hang: %s", exc)
 
     def _generation(self, plan: common_pb2.Plan, role: common_pb2.RankAssignment) -> None:
-        if self._newest > plan.generation:
+        if self.superseded(plan.generation):
             raise PlanChanged()  # superseded before its groups were built: skip it
         lay, cfg = plan.layout, self.cfg
         received_unix = time.time()
@@ -284,7 +289,7 @@ class ElasticAgent:
         dims = ParallelDims(Layout.from_proto(lay)).build(
             store, role.coord.rank, plan.generation, backend=cfg.backend,
             timeout_s=cfg.collective_timeout_s, node_of=node_of, links=self.links,
-            watchdog=watchdog, superseded=lambda: self._newest > plan.generation)
+            watchdog=watchdog, superseded=partial(self.superseded, plan.generation))
         self.result.coord = {"rank": role.coord.rank, "dp": role.coord.dp,
                              "pp": role.coord.pp, "tp": role.coord.tp}
         record = {"generation": plan.generation, "resume_step": plan.resume_step,

@@ -5,11 +5,8 @@ the way out when a newer plan arrives (`PlanChanged`)."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -19,6 +16,7 @@ from stalwart.client.capture import Capturer
 from stalwart.client.daemon_client import DaemonClient, DaemonUnavailable
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.state_layout import unpack
+from stalwart.client.watchdog import Abandoned, run_unless
 from stalwart.v1 import common_pb2, rank_pb2
 
 if TYPE_CHECKING:
@@ -85,7 +83,7 @@ class Generation:
         return self.agent.result
 
     def newer_plan_waiting(self) -> bool:
-        return self.agent._newest > self.plan.generation
+        return self.agent.superseded(self.plan.generation)
 
     def check_plan(self) -> None:
         """Raise PlanChanged when a newer plan is waiting (call at step boundaries)."""
@@ -100,23 +98,12 @@ class Generation:
         """Run `fn` (a step, a collective) on a helper thread; give up on it when a newer
         plan arrives, raising PlanChanged: a collective with a dead or hung peer cannot
         be aborted on gloo, and the new generation must not wait for its timeout."""
-        done: Future[T] = Future()
-
-        def body() -> None:
-            try:
-                done.set_result(fn())
-            except BaseException as exc:  # noqa: B036 - handed to the waiting thread
-                done.set_exception(exc)
-
-        threading.Thread(target=body, name=f"stalwart-{what}-g{self.plan.generation}",
-                         daemon=True).start()
-        while True:
-            try:
-                return done.result(timeout=0.05)
-            except FutureTimeout:
-                if self.newer_plan_waiting():
-                    self.abandoned = True
-                    raise PlanChanged() from None
+        try:
+            return run_unless(fn, self.newer_plan_waiting,
+                              f"stalwart-{what}-g{self.plan.generation}")
+        except Abandoned:
+            self.abandoned = True
+            raise PlanChanged() from None
 
     def restore_rank(self, step: int, rank: int, layers: tuple[int, int] | None = None
                      ) -> tuple[list[common_pb2.TensorMeta], dict[str, Any], dict[str, Any]]:

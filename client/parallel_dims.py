@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from stalwart.client.link_bytes import LinkBytes, link_between
-from stalwart.client.watchdog import GroupFailure, Watchdog
+from stalwart.client.watchdog import Abandoned, GroupFailure, Watchdog, run_unless
 from stalwart.core.layout import Coord, Layout
 
 __all__ = ["Group", "ParallelDims", "Sending"]
@@ -26,8 +25,6 @@ __all__ = ["Group", "ParallelDims", "Sending"]
 log = logging.getLogger("stalwart.client.parallel_dims")
 
 T = TypeVar("T")
-# How often a group build on its own thread checks whether a newer plan superseded it.
-SUPERSEDED_POLL_S = 0.05
 
 
 @dataclass
@@ -247,26 +244,11 @@ class ParallelDims:
 
 
 def _unless_superseded(make: Callable[[], Any], superseded: Callable[[], bool], what: str) -> Any:
-    """`make()` on a thread of its own, left (GroupFailure) once `superseded()`: the build
-    cannot be cancelled, so it ends on that thread by its own timeout and is dropped."""
-    done = threading.Event()
-    out: dict[str, Any] = {}
-
-    def build() -> None:
-        try:
-            out["pg"] = make()
-        except BaseException as exc:  # handed to the caller below
-            out["error"] = exc
-        finally:
-            done.set()
-
-    threading.Thread(target=build, name="stalwart-group-build", daemon=True).start()
-    while not done.wait(SUPERSEDED_POLL_S):
-        if superseded():
-            raise GroupFailure(f"{what} was left: a newer plan superseded it")
-    if "error" in out:
-        raise out["error"]
-    return out["pg"]
+    """`make()`, left with GroupFailure once `superseded()` (`run_unless`)."""
+    try:
+        return run_unless(make, superseded, "stalwart-group-build")
+    except Abandoned:
+        raise GroupFailure(f"{what} was left: a newer plan superseded it") from None
 
 
 def _make_pg(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:

@@ -10,17 +10,22 @@ earlier one is a lost peer. Either way the caller gets a typed GroupFailure.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
 from stalwart.core.failures import Failure, FailureKind
 
-__all__ = ["CollectiveHangError", "GroupFailure", "Watchdog"]
+__all__ = ["Abandoned", "CollectiveHangError", "GroupFailure", "Watchdog", "run_unless"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# How often a call left running on its own thread is checked against its give-up condition.
+GIVE_UP_POLL_S = 0.05
 
 
 class GroupFailure(RuntimeError):
@@ -30,6 +35,31 @@ class GroupFailure(RuntimeError):
 
 class CollectiveHangError(GroupFailure):
     """A collective did not finish within its deadline; the hang was reported to the daemon."""
+
+
+class Abandoned(Exception):
+    """`run_unless` gave up on its call: the give-up condition became true first."""
+
+
+def run_unless(fn: Callable[[], T], give_up: Callable[[], bool], name: str) -> T:
+    """`fn()` on a thread of its own (named `name`): its result or its error, or Abandoned
+    as soon as `give_up()` is true. A collective or a group build on gloo cannot be
+    cancelled, so a left call ends on its thread by its own timeout and is dropped."""
+    done: Future[T] = Future()
+
+    def body() -> None:
+        try:
+            done.set_result(fn())
+        except BaseException as exc:  # noqa: B036 - handed to the waiting thread
+            done.set_exception(exc)
+
+    threading.Thread(target=body, name=name, daemon=True).start()
+    while True:
+        try:
+            return done.result(timeout=GIVE_UP_POLL_S)
+        except FutureTimeout:
+            if give_up():
+                raise Abandoned(name) from None
 
 
 class Watchdog:

@@ -29,6 +29,7 @@ class NeverCommits:
 
 def generation(plan_after: int) -> tuple[Generation, NeverCommits]:
     agent = SimpleNamespace(_newest=1)
+    agent.superseded = lambda generation: agent._newest > generation
     agent.daemon = daemon = NeverCommits(agent, plan_after)
     gen = Generation(common_pb2.Plan(generation=1), common_pb2.RankAssignment(), None,
                      agent, {})  # type: ignore[arg-type]

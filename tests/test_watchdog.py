@@ -5,6 +5,7 @@ stand-in work handles and a real store, then real gloo groups in two processes."
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -14,7 +15,13 @@ import torch
 import torch.distributed as dist
 
 from stalwart.client.parallel_dims import Group, ParallelDims
-from stalwart.client.watchdog import CollectiveHangError, GroupFailure, Watchdog
+from stalwart.client.watchdog import (
+    Abandoned,
+    CollectiveHangError,
+    GroupFailure,
+    Watchdog,
+    run_unless,
+)
 from stalwart.core.failures import Failure, FailureKind
 from stalwart.core.layout import Layout
 
@@ -139,6 +146,16 @@ def test_a_build_that_nothing_supersedes_returns_its_groups():
     dims = ParallelDims(Layout()).build(store, 0, 1, timeout_s=10.0, superseded=lambda: False)
     assert dims.world.pg.size() == 1
     dims.destroy()
+
+
+def test_a_call_on_its_own_thread_gives_back_its_value_or_its_error_or_is_abandoned():
+    assert run_unless(lambda: 7, lambda: False, "t-value") == 7
+    with pytest.raises(ValueError, match="its own"):
+        run_unless(fail(ValueError("its own")), lambda: False, "t-error")
+    release = threading.Event()
+    with pytest.raises(Abandoned):
+        run_unless(lambda: release.wait(60), lambda: True, "t-left")  # never returns by itself
+    release.set()
 
 
 def hung_then_lost_peer(ctx) -> dict:
