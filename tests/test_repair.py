@@ -107,6 +107,21 @@ def test_status_storage_reports_shards_protection_repair_and_scrub(tmp_path: Pat
                                     "(records held here)")
         assert status["protection"] == "step 5 survives 0 more daemon losses"
         assert status["repair"].endswith("lost holders: c, d")
+        # A repair re-creates the lost holders' shards on a and b and publishes the records
+        # with their new holders: the next look counts them, though no step committed.
+        repaired = []
+        for state in step.ranks:
+            moved = manifest_pb2.RankState()
+            moved.CopyFrom(state)
+            for chunk in moved.chunks:
+                for shard in chunk.shards:
+                    shard.node = {"c": "a", "d": "b"}.get(shard.node, shard.node)
+            repaired.append(moved)
+        path.store.keep_records(5, repaired)
+        status = path.status_storage()
+        assert status["shards"] == ("step 5 and its bases: 4 healthy, 0 missing, 0 repairing "
+                                    "(records held here)")
+        assert "lost holders" not in status["repair"]
         # A stored shard that fails its checksum and belongs to no kept step: deleted.
         shard = path.scrubber.shard_dir / "default" / "old.0"
         shard.parent.mkdir(parents=True)

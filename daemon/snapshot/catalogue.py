@@ -31,6 +31,10 @@ class Catalogue:
         self.root = root
         self._records: dict[int, manifest_pb2.StepRecord] = {}
         self._checked: dict[tuple[int, int], manifest_pb2.RankState] = {}  # vs their seal
+        # held_manifest per committed step (status and the protection census ask for
+        # every retained step often); `_changes` counts what may change one
+        self._held: dict[int, manifest_pb2.Manifest] = {}
+        self._changes = 0
         self._lock = threading.RLock()
         (self.root / "manifests").mkdir(parents=True, exist_ok=True)
         (self.root / "steps").mkdir(parents=True, exist_ok=True)
@@ -50,6 +54,7 @@ class Catalogue:
                 rank_dir.mkdir(parents=True, exist_ok=True)
                 write_atomic(rank_dir / "rank.pb", state.SerializeToString(deterministic=True))
                 self._checked.pop((step, state.rank), None)
+            self._forget_held([step])
             if states:
                 fsync_dir(self._rank_dir(step, states[0].rank).parent)
 
@@ -123,9 +128,31 @@ class Catalogue:
         states = [s for seal in record.seals for s in self.records(step, seal, fetch)]
         return sr.assemble(record, states)
 
+    @property
+    def changes(self) -> int:
+        """Grows whenever records are written or removed: what is counted from them is
+        current while it stays the same."""
+        return self._changes
+
+    def _forget_held(self, steps: Sequence[int]) -> None:
+        """Records of `steps` were written or removed: their held manifests are redone."""
+        self._changes += 1
+        for step in steps:
+            self._held.pop(step, None)
+
     def held_manifest(self, step: int) -> manifest_pb2.Manifest:
         """Committed `step` with the records this disk holds (its own ranks' and the
-        copies it keeps for peers), each checked: what this daemon can vouch for."""
+        copies it keeps for peers), each checked: what this daemon can vouch for. Kept
+        until that step's records change; callers share it and must not modify it."""
+        if (held := self._held.get(step)) is not None:
+            return held
+        changes = self._changes
+        held = self._held_manifest(step)
+        if changes == self._changes:  # no record written or removed meanwhile
+            self._held[step] = held
+        return held
+
+    def _held_manifest(self, step: int) -> manifest_pb2.Manifest:
         record = self.load_record(step)
         states = []
         for seal in record.seals:

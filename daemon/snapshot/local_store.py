@@ -252,6 +252,7 @@ class LocalStore(Catalogue):
                 self._record_path(s).unlink()
                 self._records.pop(s, None)
             self._checked = {k: v for k, v in self._checked.items() if k[0] <= step}
+            self._forget_held(newer)
             fsync_dir(self.root / "manifests")
             for step_dir in (self.root / "steps").iterdir():
                 if int(step_dir.name) > step:
@@ -318,6 +319,7 @@ class LocalStore(Catalogue):
             self._record_path(s).unlink()
             self._records.pop(s, None)
         self._checked = {k: v for k, v in self._checked.items() if k[0] not in dropped}
+        self._forget_held(dropped)
         if dropped:
             fsync_dir(self.root / "manifests")
         for step_dir in (self.root / "steps").iterdir():

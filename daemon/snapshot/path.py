@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from stalwart.core import step_record as sr
 from stalwart.core.placement import S3, Node
-from stalwart.core.protection import census
+from stalwart.core.protection import Census, census
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.peers import Peer, PeerChannels
@@ -102,6 +102,8 @@ class SnapshotPath:
         self._background: list[asyncio.Task[None]] = []
         # (step, generation) -> records of this node's ranks made durable, until all are
         self._gathering: dict[tuple[int, int], list[manifest_pb2.RankState]] = {}
+        # status_storage's counts and the key they were counted under
+        self._storage_seen: tuple[tuple[Any, ...], Census | None, set[str]] | None = None
 
     async def start(self) -> None:
         self.records.loop = asyncio.get_running_loop()
@@ -235,20 +237,26 @@ class SnapshotPath:
         """Entries for StatusReply.storage: shards and protection of the newest committed
         step (with the bases it needs) for the records held here, repair and scrub."""
         records = self.store.committed_records()
-        live = {p.node for p in self.peers()}
+        live = frozenset(p.node for p in self.peers())
         state = self.repairer.state
         out = {}
         latest = max(records, default=None)
-        if latest is not None:
-            c = census((self.store.held_manifest(s) for s in sr.plan_chain(records, latest)),
-                       live)
+        # Counted again only when records change (a commit, a retirement, a repair) or
+        # the live daemons do: operators and dashboards poll far more often than that.
+        key = (tuple(records), live, self.store.changes)
+        if self._storage_seen is None or self._storage_seen[0] != key:
+            c = None if latest is None else census(
+                (self.store.held_manifest(s) for s in sr.plan_chain(records, latest)), live)
+            gone = self.repairer.lost([self.store.held_manifest(s) for s in records]) - {S3}
+            self._storage_seen = (key, c, gone)
+        _, c, gone = self._storage_seen
+        if latest is not None and c is not None:
             out["shards"] = (f"step {latest} and its bases: {c.healthy} healthy, {c.missing} "
                              f"missing, {state.pending} repairing (records held here)")
             out["protection"] = (f"step {latest} survives {c.margin} more daemon losses"
                                  if c.margin >= 0 else f"step {latest} is not recoverable now")
         out["repair"] = (f"running, {state.pending} shards pending" if state.running
                          else state.last) + f"; {state.repaired} shards re-created since start"
-        gone = self.repairer.lost([self.store.held_manifest(s) for s in records]) - {S3}
         if gone:
             out["repair"] += f"; lost holders: {', '.join(sorted(gone))}"
         out["scrub"] = self.scrubber.state.last

@@ -26,17 +26,19 @@ class ProtectionWatch:
     def __init__(self, store: LocalStore, live_nodes: Callable[[], list[str]],
                  metrics: Metrics) -> None:
         self.store, self.live_nodes, self.metrics = store, live_nodes, metrics
-        self._seen: tuple[int | None, frozenset[str]] | None = None
+        self._seen: tuple[int | None, frozenset[str], int] | None = None
         self.last: Census | None = None
 
     def update(self) -> Census | None:
-        """Recount if the newest committed step or the live daemons changed."""
+        """Recount if the newest committed step, the records held (a repair gives them
+        new holders) or the live daemons changed."""
         latest = self.store.latest_committed()
         live = frozenset(self.live_nodes())
-        if (latest, live) == self._seen:
+        seen = (latest, live, self.store.changes)
+        if seen == self._seen:
             return self.last
         if latest is None:
-            self._seen = (latest, live)
+            self._seen = seen
             return None
         try:
             chain = sr.plan_chain(self.store.committed_records(), latest)
@@ -44,7 +46,7 @@ class ProtectionWatch:
         except (FileNotFoundError, KeyError, mf.ManifestError):
             return self.last  # a step was discarded or retired meanwhile: next tick
         self.last = census(held, set(live))
-        self._seen = (latest, live)
+        self._seen = seen
         self.metrics.shards.labels("healthy").set(self.last.healthy)
         self.metrics.shards.labels("missing").set(self.last.missing)
         self.metrics.protection_margin.set(self.last.margin)
