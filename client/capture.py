@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from stalwart.client.shm import MappedSlot
-from stalwart.client.state_layout import StateTensor, describe, pack_into
+from stalwart.client.state_layout import StateTensor, byte_view, describe
 from stalwart.v1 import common_pb2
 
 
@@ -54,6 +54,16 @@ class _SlotState:
         self.free = threading.Event()
         self.free.set()
         self.pinned = False
+        self._views: list[torch.Tensor] = []
+        self._views_of: list[common_pb2.TensorMeta] | None = None
+
+    def views(self, metas: list[common_pb2.TensorMeta]) -> list[torch.Tensor]:
+        """Each tensor's region of this slot, viewed with its dtype and shape; made once
+        per layout (captures of one job keep theirs)."""
+        if self._views_of is not metas:
+            self._views = [byte_view(self.buffer, m) for m in metas]
+            self._views_of = metas
+        return self._views
 
 
 class Capturer:
@@ -71,6 +81,10 @@ class Capturer:
         self._sent: list[Future[None]] = []
         self._stream = None  # CUDA side stream, created on first CUDA capture
         self._next_slot = 0
+        # The last layout described: (what it was described from, metas, bytes). A step's
+        # state keeps its names, dtypes and shapes, so its metas (and each slot's views
+        # of them) are made once, not every step.
+        self._described: tuple[tuple[Any, ...], list[common_pb2.TensorMeta], int] | None = None
 
     def _ensure_slots(self, nbytes: int) -> None:
         if self._slots and self._size >= nbytes:
@@ -94,7 +108,7 @@ class Capturer:
         for f in [f for f in self._sent if f.done()]:
             self._sent.remove(f)
             f.result()  # surface a failed hand-over at the next capture
-        metas, nbytes = describe(tensors)
+        metas, nbytes = self._describe(tensors)
         self._ensure_slots(nbytes)
         self.stats.bytes_per_capture = nbytes
         # Round robin, not step parity: captures every k steps must not share one slot.
@@ -108,6 +122,14 @@ class Capturer:
         self._copied = self._copier.submit(self._copy_then_send, step, slot, snapshot, metas,
                                            payload, on_cuda, list(hints), final)
         self.stats.stalls_s.append(time.perf_counter() - started)
+
+    def _describe(self, tensors: Sequence[StateTensor]
+                  ) -> tuple[list[common_pb2.TensorMeta], int]:
+        key = tuple((st.name, st.tensor.dtype, st.tensor.shape, st.layer, st.global_shape,
+                     st.offsets) for st in tensors)
+        if self._described is None or self._described[0] != key:
+            self._described = (key, *describe(tensors))
+        return self._described[1], self._described[2]
 
     def _prepare_cuda(self, slot: _SlotState) -> None:
         if self._stream is None:
@@ -126,12 +148,16 @@ class Capturer:
             raise TimeoutError(f"daemon did not consume slot {slot.mapped.slot_id} in 600 s")
         slot.free.clear()
         t0 = time.perf_counter()
-        if on_cuda:
-            with torch.cuda.stream(self._stream):
-                pack_into(slot.buffer, tensors, metas, non_blocking=True)
-            self._stream.synchronize()
-        else:
-            pack_into(slot.buffer, tensors, metas)
+        views = slot.views(metas)
+        with torch.no_grad():
+            if on_cuda:
+                with torch.cuda.stream(self._stream):
+                    for view, st in zip(views, tensors, strict=True):
+                        view.copy_(st.tensor, non_blocking=True)
+                self._stream.synchronize()
+            else:
+                for view, st in zip(views, tensors, strict=True):
+                    view.copy_(st.tensor)
         self.stats.copies_s.append(time.perf_counter() - t0)
         self._sent.append(self._sender.submit(self._send, step, slot, metas, extra, hints,
                                               final))

@@ -65,6 +65,27 @@ def test_captured_bytes_restore_every_tensor_bitwise(transport):
         assert extra == {"data_position": step * 10}
 
 
+def test_a_state_whose_tensors_change_between_captures_is_laid_out_anew(transport):
+    # The layout of one capture is reused by the next while names, dtypes and shapes
+    # stay; an optimizer state that appears, or a tensor that changes shape, gets its own.
+    g = torch.Generator().manual_seed(3)
+    states = {0: _state(0),
+              1: [*_state(1), StateTensor("exp_avg", torch.randn(64, 33, generator=g))],
+              2: [StateTensor("w", torch.randn(64, 34, generator=g), layer=0), *_state(2)[1:]],
+              3: _state(3)}
+    cap = Capturer(transport)
+    for step, state in states.items():
+        cap.capture(step, state, {})
+    cap.close()
+    for step, state in states.items():
+        data, metas, _ = transport.received[step]
+        assert [m.name for m in metas] == [st.name for st in state]
+        restored = unpack(data, metas)
+        for st in state:
+            assert restored[st.name].shape == st.tensor.shape
+            assert torch.equal(restored[st.name].view(torch.uint8), st.tensor.view(torch.uint8))
+
+
 def test_update_after_before_update_does_not_leak_into_the_snapshot(transport):
     cap = Capturer(transport)
     params = torch.ones(1000)
