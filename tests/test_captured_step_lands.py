@@ -118,7 +118,8 @@ def test_a_captured_step_that_does_not_land_in_the_jobs_pace_is_given_up() -> No
 
 def test_no_wait_when_the_failure_says_nothing_of_captures_or_a_node_is_lost() -> None:
     # A lost node took its ranks' captures with it; a failure without a captured step
-    # (another detector's) gives nothing to wait for: the plan is decided at once.
+    # (another detector's), or one reported in an older generation, gives nothing to
+    # wait for: the plan is decided at once.
     async def main(failure: Failure) -> int:
         c, daemons = await running_job()
         await c.prepared(prepare("n1", 1, JOB_STEPS + 1))
@@ -131,6 +132,9 @@ def test_no_wait_when_the_failure_says_nothing_of_captures_or_a_node_is_lost() -
         return daemons.plans[-1].resume_step
 
     assert asyncio.run(main(killed("n0/1", captured=0))) == JOB_STEPS
+    older = Failure(FailureKind.PROCESS_EXIT, "n0/1", "killed by SIGKILL", generation=0,
+                    reporter="n0", captured_step=JOB_STEPS + 1)
+    assert asyncio.run(main(older)) == JOB_STEPS
     lost = Failure(FailureKind.PEER_LOST, "n0", "no heartbeat for 3 s", generation=1,
                    reporter="n1", captured_step=JOB_STEPS + 1)
     assert asyncio.run(main(lost)) == JOB_STEPS

@@ -292,8 +292,9 @@ class Coordinator:
         if not failures or any(f.names_node or f.captured_step <= 0 for f in failures):
             return
         plan, latest = self.plan, self.latest_committed()
-        if plan is None or self.completed or self._stopped is not None:
-            return
+        if plan is None or self.completed or self._stopped is not None or \
+                any(f.generation < plan.generation for f in failures):
+            return  # a report from an older generation: its steps were left behind
         step, since = min(f.captured_step for f in failures), latest or plan.resume_step
         if step <= since:
             return
