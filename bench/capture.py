@@ -263,13 +263,13 @@ def run(quick: bool) -> dict:
         say("step overhead on the tiny model")
         tiny_model, tiny_opt, tiny_step = _model("tiny", 4, 64, seed=1)
         plain, captured, tiny_stalls = [], [], []
-        for _ in range(2 if quick else 4):  # interleaved blocks: drift hits both sides
+        for _ in range(2 if quick else 8):  # interleaved blocks: drift hits both sides
             plain += rank.train(tiny_model, tiny_opt, tiny_step, 5, capture=False)
             before = len(rank.capturer.stats.stalls_s)
             captured += rank.train(tiny_model, tiny_opt, tiny_step, 5, capture=True)[1:]
             tiny_stalls += rank.capturer.stats.stalls_s[before + 1:]
         tiny_bytes = rank.capturer.stats.bytes_per_capture
-        own = _own_cores_overhead(rank, tiny_model, tiny_opt, tiny_step, 2 if quick else 4)
+        own = _own_cores_overhead(rank, tiny_model, tiny_opt, tiny_step, 2 if quick else 8)
     finally:
         rank.close()
         shutil.rmtree(folder, ignore_errors=True)
