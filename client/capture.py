@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from stalwart.client.shm import MappedSlot
-from stalwart.client.state_layout import StateTensor, byte_view, describe
+from stalwart.client.state_layout import StateTensor, byte_view, copy_into, describe
 from stalwart.v1 import common_pb2
 
 
@@ -148,16 +148,12 @@ class Capturer:
             raise TimeoutError(f"daemon did not consume slot {slot.mapped.slot_id} in 600 s")
         slot.free.clear()
         t0 = time.perf_counter()
-        views = slot.views(metas)
-        with torch.no_grad():
-            if on_cuda:
-                with torch.cuda.stream(self._stream):
-                    for view, st in zip(views, tensors, strict=True):
-                        view.copy_(st.tensor, non_blocking=True)
-                self._stream.synchronize()
-            else:
-                for view, st in zip(views, tensors, strict=True):
-                    view.copy_(st.tensor)
+        if on_cuda:
+            with torch.cuda.stream(self._stream):
+                copy_into(slot.views(metas), tensors, non_blocking=True)
+            self._stream.synchronize()
+        else:
+            copy_into(slot.views(metas), tensors)
         self.stats.copies_s.append(time.perf_counter() - t0)
         self._sent.append(self._sender.submit(self._send, step, slot, metas, extra, hints,
                                               final))

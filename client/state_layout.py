@@ -81,11 +81,18 @@ def byte_view(buffer: torch.Tensor, meta: common_pb2.TensorMeta) -> torch.Tensor
     return region.view(proto_to_dtype(meta.dtype)).view(tuple(meta.shape))
 
 
+def copy_into(views: Sequence[torch.Tensor], tensors: Iterable[StateTensor],
+              non_blocking: bool = False) -> None:
+    """Copy every tensor into its view of a state buffer (`byte_view`s, in order)."""
+    with torch.no_grad():
+        for view, st in zip(views, tensors, strict=True):
+            view.copy_(st.tensor, non_blocking=non_blocking)
+
+
 def pack_into(buffer: torch.Tensor, tensors: Iterable[StateTensor],
               metas: Sequence[common_pb2.TensorMeta], non_blocking: bool = False) -> None:
     """Copy every tensor into its region of `buffer` (a uint8 CPU tensor)."""
-    for st, meta in zip(tensors, metas, strict=True):
-        byte_view(buffer, meta).copy_(st.tensor.detach(), non_blocking=non_blocking)
+    copy_into([byte_view(buffer, m) for m in metas], tensors, non_blocking)
 
 
 def unpack(data: bytes | bytearray | memoryview | mmap.mmap,
