@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
+from coordinator_links import Daemons
+
 from stalwart.core.failures import Failure, FailureKind
 from stalwart.core.step_record import seal
 from stalwart.daemon.metrics import Metrics
@@ -18,31 +20,6 @@ LAYOUT = common_pb2.ParallelLayout(dp=2, pp=1, tp=1, schedule="1f1b", microbatch
                                    grad_accum=1)
 STEP_S = 0.2  # the job's pace: one step (and one commit) every STEP_S
 JOB_STEPS = 4  # committed before the failure
-
-
-class Daemons:
-    """n0 (the coordinator) and n1: the plans they were given and the steps committed."""
-
-    def __init__(self) -> None:
-        self.plans: list[common_pb2.Plan] = []
-        self.committed: list[int] = []
-
-    def nodes(self) -> list[str]:
-        return ["n0", "n1"]
-
-    def holds_seat(self) -> bool:
-        return True
-
-    async def install_plan(self, node: str, plan: common_pb2.Plan) -> None:
-        if node == "n0":
-            self.plans.append(plan)
-
-    async def commit_step(self, node: str, request: peer_pb2.CommitStepRequest | bytes
-                          ) -> None:
-        if isinstance(request, bytes):
-            request = peer_pb2.CommitStepRequest.FromString(request)
-        if node == "n0":
-            self.committed.append(request.record.step)
 
 
 def prepare(node: str, rank: int, step: int) -> peer_pb2.PrepareStepRequest:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+from coordinator_links import Daemons
+
 from stalwart.core.failures import Failure, FailureKind
 from stalwart.daemon.config import ElasticSettings
 from stalwart.daemon.metrics import Metrics
@@ -16,24 +18,6 @@ LAYOUT = common_pb2.ParallelLayout(dp=2, pp=1, tp=1, schedule="1f1b", microbatch
                                    grad_accum=1,
                                    stages=[common_pb2.StageBounds(first_layer=0, last_layer=3)])
 PROFILE = common_pb2.LayerProfile(costs=[1.0, 2.0, 2.0, 1.0])
-
-
-class Daemons:
-    def __init__(self) -> None:
-        self.plans: list[common_pb2.Plan] = []
-
-    def nodes(self) -> list[str]:
-        return ["n0", "n1"]
-
-    def holds_seat(self) -> bool:
-        return True
-
-    async def install_plan(self, node: str, plan: common_pb2.Plan) -> None:
-        if node == "n0":
-            self.plans.append(plan)
-
-    async def commit_step(self, node: str, manifest) -> None:
-        pass
 
 
 def rank(rank_id: str, node: str, r: int, profile: common_pb2.LayerProfile | None = None

@@ -1,0 +1,29 @@
+"""Two daemons, n0 (the coordinator) and n1, as an in-process coordinator sees them: the
+plans n0 was given and the steps n0 committed."""
+
+from __future__ import annotations
+
+from stalwart.v1 import common_pb2, peer_pb2
+
+
+class Daemons:
+    def __init__(self) -> None:
+        self.plans: list[common_pb2.Plan] = []
+        self.committed: list[int] = []
+
+    def nodes(self) -> list[str]:
+        return ["n0", "n1"]
+
+    def holds_seat(self) -> bool:
+        return True
+
+    async def install_plan(self, node: str, plan: common_pb2.Plan) -> None:
+        if node == "n0":
+            self.plans.append(plan)
+
+    async def commit_step(self, node: str, request: peer_pb2.CommitStepRequest | bytes
+                          ) -> None:
+        if isinstance(request, bytes):
+            request = peer_pb2.CommitStepRequest.FromString(request)
+        if node == "n0":
+            self.committed.append(request.record.step)
