@@ -50,7 +50,7 @@ from stalwart.core import step_record as sr
 from stalwart.daemon.links import CommitSender
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.step_commits import StepCommits
-from stalwart.daemon.security.prepare_rule import PrepareRule
+from stalwart.daemon.security.prepare_rule import PrepareRule, seats_of
 from stalwart.daemon.snapshot import commit_tree
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
 
@@ -123,13 +123,14 @@ class _Coordinator(peer_pb2_grpc.PeerServiceServicer):
         self.ranks_of = {f"node-{d:04d}": frozenset(range(d * RANKS_PER_DAEMON,
                                                           (d + 1) * RANKS_PER_DAEMON))
                          for d in range(world // RANKS_PER_DAEMON)}
+        self.seats = seats_of(self.ranks_of)
         self.last_in: dict[int, float] = {}
         self.count: dict[int, int] = {}
 
     def _rule(self) -> PrepareRule:
         """The coordinator's prepare rule, as JobGate makes it for each call."""
         return PrepareRule(self.plan, self.commits.latest_committed(),  # type: ignore[arg-type]
-                           self.commits.steps, self.ranks_of)
+                           self.commits.steps, self.ranks_of, self.seats)
 
     def _arrived(self, step: int, prepares: int) -> None:
         self.count[step] = self.count.get(step, 0) + prepares
@@ -144,11 +145,10 @@ class _Coordinator(peer_pb2_grpc.PeerServiceServicer):
             ready=True, relay_key=self.commits.relay_keys.key_for(request.node))
 
     async def RelayPrepares(self, request, context):  # noqa: N802 - gRPC method name
-        # as JobGate.relay_from, whose loop this is; every prepare of a batch is of one
-        # step here
+        # as JobGate.relay_from, whose loop this is
         taken = self._rule().relayed(request, self.commits.relay_keys, "bench")
-        if taken:
-            self._arrived(taken[0].step, len(taken))
+        for p in taken:
+            self._arrived(p.step, len(p.seals))
         await self.commits.prepared(*taken)
         return common_pb2.Ack(accepted=True)
 

@@ -83,7 +83,7 @@ class Daemons(peer_pb2_grpc.PeerServiceServicer):
 
     async def RelayPrepares(self, request, context):  # noqa: N802 - gRPC method name
         node = dict(context.invocation_metadata())[NODE_KEY]
-        self.relays[node].add(list(request.prepares))
+        self.relays[node].add(list(request.columns))
         return common_pb2.Ack(accepted=True)
 
     async def _up(self, node: str, target: str | None, batch: peer_pb2.PrepareBatch) -> None:

@@ -85,20 +85,26 @@ def test_the_prepare_tree_is_the_plans_nodes_with_ranks_less_its_coordinator() -
 
 # --- the trust -----------------------------------------------------------------------
 
-def test_a_tag_opens_only_under_its_own_daemons_key() -> None:
+def test_a_tag_binds_a_seal_to_its_daemons_key_and_its_column() -> None:
     keys = commit_tree.RelayKeys()
-    req = peer_pb2.PrepareStepRequest(job_id="j", step=4, generation=1, node="n1")
-    data = req.SerializeToString()
-    good = peer_pb2.TaggedPrepare(prepare=data, tag=commit_tree.tag(keys.key_for("n1"), data))
-    assert keys.open(good) == req
-    for bad in (commit_tree.tag(keys.key_for("n2"), data),  # another daemon's key
-                commit_tree.tag(commit_tree.RelayKeys().key_for("n1"), data)):  # old coordinator
-        try:
-            keys.open(peer_pb2.TaggedPrepare(prepare=data, tag=bad))
-        except commit_tree.BadTag as exc:
-            assert "does not carry that daemon's tag" in str(exc)
-        else:
-            raise AssertionError("a tag under the wrong key opened")
+    req = peer_pb2.PrepareStepRequest(job_id="j", step=4, generation=1, node="n1",
+                                      layout=LAYOUT)
+    req.seal.node, req.seal.digest = "n1", bytes(32)
+    req.seal.ranks.append(0)
+    one = commit_tree.column("j", keys.key_for("n1"), req)
+    assert len(one.tags) == commit_tree.TAG_BYTES and len(one.seals) == 1
+
+    def identity(step: int = 4, generation: int = 1, final: bool = False, job: str = "j"
+                 ) -> bytes:
+        return commit_tree.column_identity(job, step, generation, LAYOUT, final)
+
+    assert commit_tree.tag(keys.key_for("n1"), identity(), one.seals[0]) == one.tags
+    others = [commit_tree.tag(keys.key_for("n2"), identity(), one.seals[0]),  # another key
+              commit_tree.tag(commit_tree.RelayKeys().key_for("n1"), identity(),  # old coordinator
+                              one.seals[0])]
+    others += [commit_tree.tag(keys.key_for("n1"), i, one.seals[0]) for i in (
+        identity(step=5), identity(generation=2), identity(final=True), identity(job="k"))]
+    assert one.tags not in others and len(set(others)) == len(others)
 
 
 def test_a_signature_covers_the_steps_identity_and_digest() -> None:
@@ -153,25 +159,21 @@ def test_a_prepare_passed_up_is_taken_only_with_its_own_daemons_tag(tmp_path: Pa
                                           timeout=10)).relay_key
             await until(lambda: a.job.snapshots.store.latest_committed() == 1, "step 1")
             two = prepared(a, 2)
-            data = two.SerializeToString()
-            altered = peer_pb2.PrepareStepRequest()
-            altered.CopyFrom(two)
-            altered.final = True
-            batch = peer_pb2.PrepareBatch(job_id="default", prepares=[
-                peer_pb2.TaggedPrepare(prepare=data, tag=commit_tree.tag(os.urandom(32), data),
-                                       step=2),
-                peer_pb2.TaggedPrepare(prepare=altered.SerializeToString(),
-                                       tag=commit_tree.tag(key, data), step=2)])
+            good = commit_tree.column("default", key, two)
+            forged = commit_tree.column("default", os.urandom(32), two)
+            altered = peer_pb2.SealColumn()
+            altered.CopyFrom(good)
+            altered.final = True  # the tag was made for a step that is not the last
+            batch = peer_pb2.PrepareBatch(job_id="default", columns=[forged, altered])
             out: dict[str, object] = {
                 "forged and altered, via b": await code_of(stub.RelayPrepares(
                     batch, metadata=as_node("b"), timeout=10))}
             out["pending after them"] = sorted(a.job.coordinator.commits.steps)
             out["stranger"] = await code_of(stub.RelayPrepares(
                 batch, metadata=as_node("z"), timeout=10))
-            good = peer_pb2.PrepareBatch(job_id="default", prepares=[peer_pb2.TaggedPrepare(
-                prepare=data, tag=commit_tree.tag(key, data), step=2)])
             out["tagged, via b"] = await code_of(stub.RelayPrepares(
-                good, metadata=as_node("b"), timeout=10))
+                peer_pb2.PrepareBatch(job_id="default", columns=[good]),
+                metadata=as_node("b"), timeout=10))
             await until(lambda: a.job.snapshots.store.latest_committed() == 2, "step 2")
         out["key length"] = len(key)
         return out

@@ -69,26 +69,75 @@ def test_the_node_of_a_rank_id_or_of_a_node_name() -> None:
         "node-1", "node-1", "rack/a", "x/y"]
 
 
-def test_a_relayed_batch_keeps_the_good_prepares_and_leaves_each_bad_one() -> None:
+def sealed(req: peer_pb2.PrepareStepRequest) -> peer_pb2.PrepareStepRequest:
+    req.job_id, req.seal.digest = "job", bytes(32)
+    return req
+
+
+def column(keys: RelayKeys, *reqs: peer_pb2.PrepareStepRequest, job: str = "job",
+           key_of: str | None = None) -> peer_pb2.SealColumn:
+    """The column the daemons on the way make of `reqs` (all of one step), each tagged
+    by its own daemon (or by `key_of`'s key)."""
+    out = peer_pb2.SealColumn()
+    for req in reqs:
+        one = commit_tree.column(job, keys.key_for(key_of or req.node), req)
+        if out.seals:
+            out.seals.extend(one.seals)
+            out.tags += one.tags
+        else:
+            out.CopyFrom(one)
+    return out
+
+
+@pytest.mark.parametrize("kept", [None, ranks_by_node(PLAN)], ids=["derived", "kept"])
+def test_a_relayed_column_keeps_the_good_seals_and_leaves_each_bad_one(kept) -> None:
     keys = RelayKeys()
-
-    def tagged(req: peer_pb2.PrepareStepRequest, node: str | None = None
-               ) -> peer_pb2.TaggedPrepare:
-        data = req.SerializeToString()
-        return peer_pb2.TaggedPrepare(prepare=data, step=req.step,
-                                      tag=commit_tree.tag(keys.key_for(node or req.node), data))
-
-    def sealed(req: peer_pb2.PrepareStepRequest, job: str = "job") -> peer_pb2.PrepareStepRequest:
-        req.job_id, req.seal.digest = job, bytes(32)
-        return req
-
     good = sealed(prepare())
-    batch = peer_pb2.PrepareBatch(job_id="job", prepares=[
-        tagged(good),
-        tagged(sealed(prepare(node="a", rank=0)), node="b"),  # tagged with another's key
-        tagged(sealed(prepare(), job="other")),               # of another job
-        tagged(sealed(prepare(rank=0))),                       # a rank of node a
-        tagged(prepare()),                                     # no seal digest
-    ])
-    taken = PrepareRule(PLAN, 10, (), ranks_by_node(PLAN)).relayed(batch, keys, "a")
-    assert [t.SerializeToString() for t in taken] == [good.SerializeToString()]
+    rank_of_a = column(keys, sealed(prepare(rank=0)))          # a rank of node a
+    other_job = column(keys, sealed(prepare()), job="other")     # tagged for another job
+    borrowed = column(keys, sealed(prepare(node="a", rank=0)), key_of="b")  # b's key, a's seal
+    no_digest = column(keys, prepare())                          # no sha256 in the seal
+    batch = peer_pb2.PrepareBatch(job_id="job", columns=[column(keys, good)])
+    for bad in (rank_of_a, other_job, borrowed, no_digest):
+        batch.columns[0].seals.extend(bad.seals)
+        batch.columns[0].tags += bad.tags
+    taken = PrepareRule(PLAN, 10, (), kept).relayed(batch, keys, "a")
+    assert [(p.step, p.nodes, p.firsts, p.sizes) for p in taken] == [(11, ["b"], [1], [1])]
+    assert taken[0].seals == [good.seal]
+
+
+def test_a_seal_moved_to_another_step_or_altered_on_the_way_is_refused() -> None:
+    keys = RelayKeys()
+    first = column(keys, sealed(prepare(step=11)))
+    moved = peer_pb2.SealColumn()
+    moved.CopyFrom(first)
+    moved.step = 12                                   # its tag binds it to step 11
+    altered = peer_pb2.SealColumn()
+    altered.CopyFrom(first)
+    altered.seals[0] = altered.seals[0][:-1] + b"\x01"  # another digest, same tag
+    rule = PrepareRule(PLAN, 10)
+    assert rule.relayed(peer_pb2.PrepareBatch(job_id="job", columns=[first]), keys, "a")
+    for bad in (moved, altered):
+        assert rule.relayed(peer_pb2.PrepareBatch(job_id="job", columns=[bad]), keys, "a") == []
+
+
+def test_a_column_outside_the_rule_is_left_whole_and_a_subset_of_a_nodes_ranks_is_taken(
+        ) -> None:
+    keys = RelayKeys()
+    plan = PlanState(generation=3, layout=Layout(dp=3, pp=1, tp=1), resume_step=10,
+                     members=(Member("a/1", "a", Coord(0, 0, 0, 0)),
+                              Member("b/7", "b", Coord(1, 1, 0, 0)),
+                              Member("b/8", "b", Coord(2, 2, 0, 0))))
+    three = common_pb2.ParallelLayout(dp=3, pp=1, tp=1)
+    part = sealed(prepare(rank=2))        # one of b's two ranks: parsed, not matched
+    part.layout.CopyFrom(three)
+    rule = PrepareRule(plan, 10)
+    taken = rule.relayed(peer_pb2.PrepareBatch(job_id="job", columns=[column(keys, part)]),
+                         keys, "a")
+    assert [(p.nodes, p.firsts, p.sizes) for p in taken] == [(["b"], [2], [1])]
+    ahead = sealed(prepare(step=10 + MAX_STEPS_AHEAD + 1))
+    ahead.layout.CopyFrom(three)
+    older = sealed(prepare(generation=2))
+    assert rule.relayed(peer_pb2.PrepareBatch(job_id="job", columns=[
+        column(keys, ahead), column(keys, older), column(keys, sealed(prepare()))]),
+        keys, "a") == []  # too far ahead; an older generation; the plan's layout is 3

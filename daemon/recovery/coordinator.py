@@ -31,7 +31,7 @@ from stalwart.core.layout import Layout
 from stalwart.core.shrink import ElasticConfig, ElasticPlanner
 from stalwart.daemon.config import ElasticSettings
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.recovery.step_commits import PeerLinks, StepCommits
+from stalwart.daemon.recovery.step_commits import PeerLinks, Prepared, StepCommits
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
 
 log = logging.getLogger("stalwart.daemon.recovery.coordinator")
@@ -397,7 +397,7 @@ class Coordinator:
 
     # commit -------------------------------------------------------------------
 
-    async def prepared(self, *reqs: peer_pb2.PrepareStepRequest) -> None:
+    async def prepared(self, *reqs: peer_pb2.PrepareStepRequest | Prepared) -> None:
         """Phase one from daemons (see StepCommits); a joiner that came during a
         recovery may widen the plan afterwards."""
         await self.commits.prepared(*reqs)

@@ -55,33 +55,53 @@ def world_of(lay: common_pb2.ParallelLayout) -> int:
     return Layout.from_proto(lay).world_size
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """Prepares of one step that the coordinator has checked: the seal of each daemon's
+    ranks, with its node and the first rank and number of ranks it covers. One daemon's
+    direct prepare, or a column of many that came up the commit tree."""
+    step: int
+    generation: int
+    layout: common_pb2.ParallelLayout
+    final: bool
+    nodes: list[str]
+    firsts: list[int]
+    sizes: list[int]
+    seals: list[manifest_pb2.RankSeal]
+
+    @classmethod
+    def of(cls, req: peer_pb2.PrepareStepRequest) -> Prepared:
+        seal = req.seal
+        return cls(req.step, req.generation, req.layout, req.final, [req.node],
+                   [seal.ranks[0]], [len(seal.ranks)], [seal])
+
+
 @dataclass
 class PendingStep:
     """The prepares of one step so far. `covered` (the ranks they seal) is kept as they
-    arrive: each prepare costs O(its own ranks), never O(the prepares already in)."""
+    arrive: each seal costs O(1), never O(the seals already in)."""
     layout: common_pb2.ParallelLayout
     generation: int
     world: int
-    # first rank of a prepare's seal -> that seal (a prepare sent again replaces its
-    # first copy); the seals cover the step's ranks once each
+    # first rank of a seal -> that seal (a prepare sent again replaces its first copy);
+    # the seals cover the step's ranks once each
     seals: dict[int, manifest_pb2.RankSeal] = field(default_factory=dict)
     covered: int = 0
     finals: dict[int, int] = field(default_factory=dict)  # first rank -> ranks ending here
 
-    def add(self, req: peer_pb2.PrepareStepRequest) -> None:
-        seal = req.seal
-        ranks = seal.ranks
-        first, size = ranks[0], len(ranks)
-        if (old := self.seals.get(first)) is not None:
-            self.covered -= len(old.ranks)
-        self.seals[first] = seal
-        self.covered += size
-        layout = req.layout
+    def add(self, p: Prepared) -> None:
+        seals = self.seals
+        for first, size, seal in zip(p.firsts, p.sizes, p.seals, strict=True):
+            if (old := seals.get(first)) is not None:
+                self.covered -= len(old.ranks)
+            seals[first] = seal
+            self.covered += size
+        layout = p.layout
         if layout != self.layout:
             self.layout, self.world = layout, world_of(layout)
-        self.generation = req.generation
-        if req.final:
-            self.finals[first] = size
+        self.generation = p.generation
+        if p.final:
+            self.finals.update(zip(p.firsts, p.sizes, strict=True))
 
     @property
     def complete(self) -> bool:
@@ -138,47 +158,47 @@ class StepCommits:
                 return done()
         return True
 
-    async def prepared(self, *reqs: peer_pb2.PrepareStepRequest) -> None:
-        """Phase one from daemons (one, or a batch from the commit tree): each one's ranks'
-        records for a step are durable. StaleGeneration for a lone prepare of an older
-        generation; a batch skips such a prepare and takes the rest. The bookkeeping is
-        synchronous per prepare; the commit, if one became due, runs once per call."""
-        again: list[peer_pb2.PrepareStepRequest] = []
+    async def prepared(self, *reqs: peer_pb2.PrepareStepRequest | Prepared) -> None:
+        """Phase one from daemons (one, or columns from the commit tree): each one's
+        ranks' records for a step are durable. StaleGeneration for a lone prepare of an
+        older generation; among several, such a one is skipped and the rest taken. The
+        bookkeeping is synchronous; the commit, if one became due, runs once per call."""
+        again: list[Prepared] = []
         due = False
         generation, latest = self.generation(), self.latest_committed()
         for req in reqs:
+            p = req if isinstance(req, Prepared) else Prepared.of(req)
             try:
-                taken = self._take(req, generation, latest)
+                taken = self._take(p, generation, latest)
             except StaleGeneration:
                 if len(reqs) == 1:
                     raise
                 log.warning("prepare of an older generation skipped",
-                            extra={"node": req.node, "generation": req.generation})
+                            extra={"nodes": p.nodes[:8], "generation": p.generation})
                 continue
             if taken is None:
-                again.append(req)
+                again.append(p)
             due = due or taken is True
-        for req in again:
-            # Sent again after a change of coordinator, by a daemon that may have missed
-            # the commit: send it the commit.
-            await self.resend(req.step, [req.node])
+        for p in again:
+            # Sent again after a change of coordinator, by daemons that may have missed
+            # the commit: send them the commit.
+            await self.resend(p.step, p.nodes)
         if due:
             await self._commit_ready()
 
-    def _take(self, req: peer_pb2.PrepareStepRequest, generation: int | None,
-              latest: int | None) -> bool | None:
-        """One prepare into its step, under the plan's `generation` with `latest` the
-        last committed step: True when the step became complete, None when it is
-        committed already."""
-        step = req.step
+    def _take(self, p: Prepared, generation: int | None, latest: int | None) -> bool | None:
+        """Prepares into their step, under the plan's `generation` with `latest` the last
+        committed step: True when the step became complete, None when it is committed
+        already."""
+        step = p.step
         if generation is not None:
-            check_generation(req.generation, generation, f"prepare of step {step}")
+            check_generation(p.generation, generation, f"prepare of step {step}")
         if latest is not None and step <= latest:
             return None
         if (pending := self.steps.get(step)) is None:
-            pending = self.steps[step] = PendingStep(req.layout, req.generation,
-                                                     world_of(req.layout))
-        pending.add(req)
+            pending = self.steps[step] = PendingStep(p.layout, p.generation,
+                                                     world_of(p.layout))
+        pending.add(p)
         return pending.complete
 
     def abandon_after(self, step: int) -> None:

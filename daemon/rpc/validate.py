@@ -15,6 +15,7 @@ import grpc
 
 from stalwart.core import manifest as mf
 from stalwart.core import step_record as sr
+from stalwart.daemon.snapshot import commit_tree
 from stalwart.daemon.snapshot.shard_store import validate_id
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, rank_pb2
 
@@ -33,7 +34,7 @@ MAX_LIVE_RANKS_PER_NODE = 1024 # live ranks and spares of one node (gossip, prep
 MAX_PEERS = 4096               # daemons one daemon gossips with
 MAX_COLLECTIVES = 64           # distinct collective names counted by link (metric labels)
 MAX_FANOUT = MAX_PEERS         # daemons one daemon passes a commit on to
-MAX_PREPARE_BYTES = 64 << 10   # one prepare in a relayed batch (a seal of 1024 ranks: ~4 KiB)
+MAX_PREPARE_BYTES = 64 << 10   # one seal in a relayed batch (a seal of 1024 ranks: ~4 KiB)
 COLLECTIVE_NAME = re.compile(r"[a-z0-9_]{1,48}")
 
 
@@ -312,27 +313,40 @@ def _prepare(r: peer_pb2.PrepareStepRequest) -> None:
     in_range(r.generation, 0, MAX_GENERATION, "generation")
     node, seal = r.node, r.seal
     text(node, "node", MAX_NAME)
-    _seal(seal, "seal")
+    relayed_seal(seal)
     if seal.node != node:
         _fail(f"the seal is of node {seal.node!r}, but the prepare is from node "
               f"{node!r}; a daemon prepares only its own ranks")
+    _layout(r.layout)
+
+
+def relayed_seal(seal: manifest_pb2.RankSeal) -> None:
+    """A prepare's seal, direct or from the commit tree: some ranks of one node."""
+    _seal(seal, "seal")
     ranks = len(seal.ranks)
     if not ranks:
-        _fail(f"the prepare of step {r.step} seals no rank")
+        _fail(f"the seal of node {seal.node!r} covers no rank")
     if ranks > MAX_LIVE_RANKS_PER_NODE:
         count(seal.ranks, "seal.ranks", MAX_LIVE_RANKS_PER_NODE)
-    _layout(r.layout)
 
 
 def _batch(r: peer_pb2.PrepareBatch) -> None:
     text(r.job_id, "job_id", MAX_NAME)
-    count(r.prepares, "prepares", MAX_PEERS)
-    for t in r.prepares:
-        if len(t.prepare) > MAX_PREPARE_BYTES:
-            _fail(f"a relayed prepare is {len(t.prepare)} bytes; at most {MAX_PREPARE_BYTES}")
-        if len(t.tag) != 32:
-            _fail(f"a relayed prepare's tag is 32 bytes (keyed BLAKE2b-256), not {len(t.tag)}")
-        in_range(t.step, 0, MAX_STEP, "prepares.step")
+    count(r.columns, "columns", MAX_PEERS)
+    seals = 0
+    for c in r.columns:
+        in_range(c.step, 0, MAX_STEP, "columns.step")
+        in_range(c.generation, 0, MAX_GENERATION, "columns.generation")
+        _layout(c.layout, "columns.layout")
+        n = len(c.seals)
+        seals += n
+        if len(c.tags) != commit_tree.TAG_BYTES * n:
+            _fail(f"a column of {n} seals has {len(c.tags)} bytes of tags, not "
+                  f"{commit_tree.TAG_BYTES} per seal")
+        if n and (largest := max(map(len, c.seals))) > MAX_PREPARE_BYTES:
+            _fail(f"a relayed seal is {largest} bytes; at most {MAX_PREPARE_BYTES}")
+    if seals > MAX_PEERS:
+        _fail(f"a batch of {seals} relayed seals; at most {MAX_PEERS}")
 
 
 def _get_record(r: peer_pb2.GetStepRecordRequest) -> None:

@@ -4,29 +4,37 @@ bound.
 
 The coordinator checks it for every prepare of every step (2,048 of them a step at
 2,048 nodes), so what depends only on the plan is derived once per plan
-(`ranks_by_node`), what depends only on the moment once per batch (a `PrepareRule`),
-and a prepare then costs O(its own ranks).
+(`ranks_by_node`, `seats_of`), what depends only on the moment once per batch (a
+`PrepareRule`), and what a column of the commit tree shares (step, generation, layout)
+once per column. A relayed seal of exactly its node's ranks then costs a lookup, a
+comparison of bytes and its tag; any other seal is parsed and checked field by field.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import Collection, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
+from google.protobuf.message import DecodeError
+
 from stalwart.core.decide import PlanState
 from stalwart.daemon.errors import NotReady
+from stalwart.daemon.recovery.step_commits import Prepared
 from stalwart.daemon.rpc import validate
 from stalwart.daemon.rpc.errors import TYPED
 from stalwart.daemon.security.auth import Forbidden
-from stalwart.daemon.snapshot.commit_tree import BadTag, RelayKeys
-from stalwart.v1 import peer_pb2
+from stalwart.daemon.snapshot import commit_tree
+from stalwart.daemon.snapshot.commit_tree import RelayKeys
+from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
 
 log = logging.getLogger("stalwart.daemon.security.prepare_rule")
 
 MAX_STEPS_AHEAD = 10_000   # a prepare may be at most this many steps past the last commit
 MAX_PENDING_STEPS = 256    # steps prepared but not yet committed, at most
+SEALS_FIELD = b"\x32"      # StepRecord.seals (field 6, length-delimited) on the wire
 
 
 def ranks_by_node(plan: PlanState) -> dict[str, frozenset[int]]:
@@ -38,29 +46,79 @@ def ranks_by_node(plan: PlanState) -> dict[str, frozenset[int]]:
     return {node: frozenset(ranks) for node, ranks in placed.items()}
 
 
+@dataclass(frozen=True, slots=True)
+class Seat:
+    """A node's place in the plan as its relayed seals are checked: the bytes a seal of
+    exactly its ranks starts with (its node and ranks fields, as a daemon serialises
+    them), and the first rank and number of ranks such a seal covers."""
+    node: str
+    prefix: bytes
+    first: int
+    size: int
+
+
+def seats_of(ranks_of: Mapping[str, AbstractSet[int]]) -> dict[bytes, Seat]:
+    """The node's name (UTF-8) -> its seat, for every node with ranks in the plan."""
+    seats = {}
+    for node, ranks in ranks_of.items():
+        ordered = sorted(ranks)
+        prefix = manifest_pb2.RankSeal(node=node, ranks=ordered).SerializeToString(
+            deterministic=True)
+        seats[node.encode()] = Seat(node, prefix, ordered[0], len(ordered))
+    return seats
+
+
+def _named(seal: bytes) -> bytes:
+    """The node name a seal's bytes start with (field 1, under 128 bytes); b"" when they
+    do not start so, and the seal is then parsed."""
+    return seal[2:2 + seal[1]] if len(seal) > 1 and seal[0] == 0x0A and seal[1] < 0x80 else b""
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _parse(seals: list[bytes]) -> list[manifest_pb2.RankSeal]:
+    """Many seals' bytes as messages, in one parse (the seals field of a record)."""
+    wire = b"".join([SEALS_FIELD + _varint(len(s)) + s for s in seals])
+    return list(manifest_pb2.StepRecord.FromString(wire).seals)
+
+
 @dataclass(frozen=True)
 class PrepareRule:
     """The rule at one moment: the coordinator's plan (None before it has one), the last
     committed step, and the steps awaiting commit. `ranks_of` is `ranks_by_node(plan)`
-    when the caller keeps it across batches."""
+    and `seats` `seats_of(ranks_of)` when the caller keeps them across batches."""
     plan: PlanState | None
     latest: int | None
     pending: Collection[int] = ()
     ranks_of: Mapping[str, AbstractSet[int]] | None = None
+    seats: Mapping[bytes, Seat] | None = None
 
     def check(self, caller: str, req: peer_pb2.PrepareStepRequest) -> None:
         """Raise unless `caller` may prepare what `req` names: NotReady before a plan,
         Forbidden outside the caller's role. An older generation passes: the
         coordinator answers it with StaleGeneration."""
+        if self._step_allowed(req.step, req.generation, req.layout):
+            self._own_ranks(caller, req.seal.ranks)
+
+    def _step_allowed(self, step: int, generation: int,
+                      lay: common_pb2.ParallelLayout) -> bool:
+        """Raise unless a prepare of `step` may be taken now; False for an older
+        generation (whose ranks the plan no longer says)."""
         plan = self.plan
         if plan is None:
-            raise NotReady(f"step {req.step} prepared before this daemon coordinates a plan")
-        generation, step = req.generation, req.step
+            raise NotReady(f"step {step} prepared before this daemon coordinates a plan")
         if generation > plan.generation:
             raise Forbidden(f"prepare of generation {generation} is ahead of the plan "
                             f"(generation {plan.generation})")
         if generation < plan.generation:
-            return
+            return False
         floor = max(self.latest or 0, plan.resume_step)
         if step > floor + MAX_STEPS_AHEAD:
             raise Forbidden(f"step {step} is more than {MAX_STEPS_AHEAD} steps past the last "
@@ -68,13 +126,18 @@ class PrepareRule:
         if len(self.pending) >= MAX_PENDING_STEPS and step not in self.pending:
             raise Forbidden(f"{len(self.pending)} steps already await their commit; step "
                             f"{step} is refused until older ones commit or are skipped")
-        lay, want = req.layout, plan.layout
+        want = plan.layout
         if lay.tp != want.tp or lay.pp != want.pp or lay.dp != want.dp:
             raise Forbidden(f"step {step} was captured in layout {lay.dp}x{lay.pp}x{lay.tp}, "
                             f"the plan's is {want.dp}x{want.pp}x{want.tp}")
-        ranks_of = ranks_by_node(plan) if self.ranks_of is None else self.ranks_of
-        ranks = req.seal.ranks
-        if not ranks_of.get(caller, frozenset()).issuperset(ranks):
+        return True
+
+    def _ranks_of(self) -> Mapping[str, AbstractSet[int]]:
+        assert self.plan is not None
+        return ranks_by_node(self.plan) if self.ranks_of is None else self.ranks_of
+
+    def _own_ranks(self, caller: str, ranks: Collection[int]) -> None:
+        if not self._ranks_of().get(caller, frozenset()).issuperset(ranks):
             self._misplaced(caller, ranks)
 
     def _misplaced(self, caller: str, ranks: Collection[int]) -> None:
@@ -86,22 +149,86 @@ class PrepareRule:
                         f"{where.get(rank, 'no node')}; a daemon prepares its own ranks")
 
     def relayed(self, batch: peer_pb2.PrepareBatch, keys: RelayKeys, via: str
-                ) -> list[peer_pb2.PrepareStepRequest]:
-        """The prepares of a batch that came up the commit tree through `via` which may be
-        taken: each carries its own daemon's tag, is well formed, of the batch's job, and
-        within that daemon's role. One bad prepare is logged and left, not the batch."""
+                ) -> list[Prepared]:
+        """The seals of a batch that came up the commit tree through `via` which may be
+        taken, one Prepared per column: each carries its own daemon's tag for its
+        column, is well formed and within that daemon's role. A bad seal is logged and
+        left, not its column; a column outside the rule (too far ahead, another layout,
+        an older generation) is left whole."""
         taken = []
-        for tagged in batch.prepares:
+        for column in batch.columns:
             try:
-                req = keys.open(tagged)
-                validate.request(req)
-                if req.job_id != batch.job_id:
-                    raise Forbidden(f"a prepare of job {req.job_id!r} in a batch of job "
-                                    f"{batch.job_id!r}")
-                self.check(req.node, req)
-            except (BadTag, validate.InvalidRequest, Forbidden, *TYPED) as exc:
-                log.warning("relayed prepare refused",
-                            extra={"via": via, "step": tagged.step, "error": str(exc)})
+                current = self._step_allowed(column.step, column.generation, column.layout)
+            except (Forbidden, *TYPED) as exc:
+                log.warning("relayed prepares refused", extra={
+                    "via": via, "step": column.step, "prepares": len(column.seals),
+                    "error": str(exc)})
                 continue
-            taken.append(req)
+            if not current:
+                log.warning("relayed prepares of an older generation skipped", extra={
+                    "via": via, "step": column.step, "generation": column.generation})
+                continue
+            if (p := self._open(batch.job_id, column, keys, via)).seals:
+                taken.append(p)
         return taken
+
+    def _open(self, job_id: str, column: peer_pb2.SealColumn, keys: RelayKeys, via: str
+              ) -> Prepared:
+        step, width = column.step, commit_tree.TAG_BYTES
+        identity = commit_tree.column_identity(job_id, step, column.generation,
+                                               column.layout, column.final)
+        seats = seats_of(self._ranks_of()) if self.seats is None else self.seats
+        tags, tag = column.tags, commit_tree.tag
+        nodes, firsts, sizes, kept = [], [], [], []
+        for i, seal in enumerate(column.seals):
+            seat = seats.get(_named(seal))
+            if seat is None or not seal.startswith(seat.prefix):
+                try:
+                    seat = self._seat_of(seal)
+                except (DecodeError, validate.InvalidRequest, Forbidden) as exc:
+                    self._refused(via, step, seal, str(exc))
+                    continue
+            if not hmac.compare_digest(tag(keys.key_for(seat.node), identity, seal),
+                                       tags[i * width:(i + 1) * width]):
+                self._refused(via, step, seal, "its tag is not its daemon's for this step: "
+                              "it was altered, moved or forged on the way")
+                continue
+            nodes.append(seat.node)
+            firsts.append(seat.first)
+            sizes.append(seat.size)
+            kept.append(seal)
+        try:
+            parsed = _parse(kept)
+        except DecodeError:  # one does not parse past its prefix: find which
+            parsed = []
+            for seal in kept:
+                try:
+                    parsed.append(manifest_pb2.RankSeal.FromString(seal))
+                except DecodeError as exc:
+                    parsed.append(manifest_pb2.RankSeal())  # refused below: no node
+                    self._refused(via, step, seal, f"it does not parse: {exc}")
+        good = [i for i, (s, node, size) in enumerate(zip(parsed, nodes, sizes, strict=True))
+                if s.node == node and len(s.ranks) == size and len(s.digest) == 32
+                and (not s.bases or max(s.bases) < step)]
+        if len(good) < len(parsed):
+            for i in sorted(set(range(len(parsed))) - set(good)):
+                self._refused(via, step, kept[i], "its digest is not one sha256, its ranks "
+                              "or node repeat, or it names a base not before its step")
+            nodes, firsts, sizes, parsed = ([xs[i] for i in good]
+                                            for xs in (nodes, firsts, sizes, parsed))
+        return Prepared(step, column.generation, column.layout, column.final, nodes, firsts,
+                        sizes, parsed)
+
+    def _seat_of(self, data: bytes) -> Seat:
+        """The seat of a seal that is not exactly its node's ranks (a subset, or bytes
+        not as a daemon writes them): parsed and checked as a direct prepare's."""
+        seal = manifest_pb2.RankSeal.FromString(data)
+        validate.relayed_seal(seal)
+        self._own_ranks(seal.node, seal.ranks)
+        return Seat(seal.node, b"", seal.ranks[0], len(seal.ranks))
+
+    @staticmethod
+    def _refused(via: str, step: int, seal: bytes, why: str) -> None:
+        log.warning("relayed prepare refused", extra={
+            "via": via, "step": step, "node": _named(seal).decode(errors="replace"),
+            "error": why})

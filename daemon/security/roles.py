@@ -24,7 +24,13 @@ from stalwart.daemon.recovery.membership import LOST, Membership
 from stalwart.daemon.recovery.registry import Registry
 from stalwart.daemon.rpc.validate import MAX_LIVE_RANKS_PER_NODE
 from stalwart.daemon.security.auth import Forbidden
-from stalwart.daemon.security.prepare_rule import MAX_STEPS_AHEAD, PrepareRule, ranks_by_node
+from stalwart.daemon.security.prepare_rule import (
+    MAX_STEPS_AHEAD,
+    PrepareRule,
+    Seat,
+    ranks_by_node,
+    seats_of,
+)
 from stalwart.daemon.snapshot import commit_tree
 from stalwart.daemon.snapshot.local_store import LocalStore
 from stalwart.daemon.snapshot.prepare_relay import PrepareRelay
@@ -62,7 +68,9 @@ class JobGate:
         self.adopt_plan, self.commit, self.nodes = adopt_plan, commit, nodes
         self.records = records
         self.stub, self.me, self.pass_on, self.relay = stub, me, pass_on, relay
-        self._placed: tuple[PlanState | None, dict[str, frozenset[int]]] = (None, {})
+        # The plan the prepare rule last derived from, its ranks by node and their seats.
+        self._placed: tuple[PlanState | None, dict[str, frozenset[int]], dict[bytes, Seat]] = (
+            None, {}, {})
 
     async def _coordinator(self, caller: str, what: str) -> None:
         if not await self.leadership.confirm(caller):
@@ -148,9 +156,10 @@ class JobGate:
             coordinator.take_over(self.registry.current_plan())
         plan = coordinator.plan
         if plan is not None and self._placed[0] is not plan:
-            self._placed = (plan, ranks_by_node(plan))
+            ranks_of = ranks_by_node(plan)
+            self._placed = (plan, ranks_of, seats_of(ranks_of))
         return PrepareRule(plan, self.store.latest_committed(), coordinator.commits.steps,
-                           self._placed[1])
+                           self._placed[1], self._placed[2])
 
     def relay_key(self, caller: str) -> bytes:
         """The key `caller` tags its prepares with on their way up the commit tree, from
@@ -161,12 +170,13 @@ class JobGate:
 
     async def relay_from(self, caller: str, batch: peer_pb2.PrepareBatch) -> None:
         """Prepares on their way up the commit tree from a daemon of the job: passed on
-        up, or (on the coordinator) each checked against its own daemon's tag, then
-        taken as that daemon's prepare. One bad prepare does not refuse the others."""
+        up, or (on the coordinator) each seal checked against its own daemon's tag and
+        role, then taken as that daemon's prepare. One bad seal does not refuse the
+        others."""
         if caller not in self.nodes():
             raise Forbidden(f"daemon {caller} is not a live member of this job")
         if not self.leadership.is_leader():
-            self.relay.relay(list(batch.prepares))
+            self.relay.relay(list(batch.columns))
             return
         taken = self._rule().relayed(batch, self.coordinator.commits.relay_keys, caller)
         await self.coordinator.prepared(*taken)

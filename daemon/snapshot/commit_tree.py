@@ -16,13 +16,16 @@ daemon other than the coordinator only with the coordinator's Ed25519 signature 
 the step's identity and digest, checked against the key in the plan that coordinator
 installed: a daemon on the way passes on bytes it cannot forge.
 
-Up: each prepare travels as its exact bytes with a tag, keyed BLAKE2b-256 (RFC 7693's
-MAC, a third of HMAC-SHA256's cost on the coordinator, which checks one per daemon per
-step), under a key only its daemon and the coordinator know (`RelayKeys`; the
-coordinator hands a daemon its key in the reply to a direct prepare). The coordinator
-checks every tag before it takes the prepare, so a daemon on the way can drop a
-prepare but never forge or alter one, and a dropped one costs only that step (its
-daemon's outbox sends it again to a new coordinator).
+Up: a prepare travels as the seal of its daemon's ranks plus a 16-byte tag, in a column
+of its step's seals (`SealColumn`) that the daemons on the way extend, so the
+coordinator checks a step's prepares as one list of bytes per column rather than one
+message per daemon. The tag is keyed BLAKE2b under a key only its daemon and the
+coordinator know (`RelayKeys`; the coordinator hands a daemon its key in the reply to a
+direct prepare), with the column's identity (job, step, generation, layout, final) in
+its salt and personalisation. The coordinator checks every tag before it takes the seal
+(daemon/security/prepare_rule.py), so a daemon on the way can drop a prepare but never
+forge, alter or move one to another step, and a dropped one costs only that step (its
+daemon sends it directly once it finds it uncommitted).
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import hashlib
-import hmac
 import logging
 import os
 import struct
@@ -43,7 +45,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-from google.protobuf.message import DecodeError
 
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
 
@@ -99,13 +100,30 @@ def prepare_nodes(plan: common_pb2.Plan) -> list[str]:
     return sorted({a.node for a in plan.assignments if not a.spare} - {plan.coordinator})
 
 
-class BadTag(ValueError):
-    """A relayed prepare whose tag its named daemon's key did not make."""
+TAG_BYTES = 16  # a relayed seal's tag (128-bit keyed BLAKE2b)
+UP_CONTEXT = b"stalwart seal column v1\0"
 
 
-def tag(key: bytes, prepare: bytes) -> bytes:
-    """The MAC of a prepare's bytes under its daemon's relay key (32 bytes)."""
-    return hashlib.blake2b(prepare, key=key, digest_size=32, person=b"stalwart relay").digest()
+def column_identity(job_id: str, step: int, generation: int,
+                    layout: common_pb2.ParallelLayout, final: bool) -> bytes:
+    """What a column's tags bind each seal to (32 bytes): computed once per column."""
+    return hashlib.blake2b(
+        UP_CONTEXT + job_id.encode() + b"\0" + struct.pack(">QQ?", step, generation, final)
+        + layout.SerializeToString(deterministic=True), digest_size=32).digest()
+
+
+def tag(key: bytes, identity: bytes, seal: bytes) -> bytes:
+    """The tag of one seal's bytes in the column of `identity`, under its daemon's key."""
+    return hashlib.blake2b(seal, key=key, digest_size=TAG_BYTES, salt=identity[:16],
+                           person=identity[16:]).digest()
+
+
+def column(job_id: str, key: bytes, req: peer_pb2.PrepareStepRequest) -> peer_pb2.SealColumn:
+    """A daemon's own prepare as a column of one, tagged with its relay key."""
+    seal = req.seal.SerializeToString(deterministic=True)
+    identity = column_identity(job_id, req.step, req.generation, req.layout, req.final)
+    return peer_pb2.SealColumn(step=req.step, generation=req.generation, layout=req.layout,
+                               final=req.final, seals=[seal], tags=tag(key, identity, seal))
 
 
 class RelayKeys:
@@ -114,27 +132,16 @@ class RelayKeys:
 
     def __init__(self) -> None:
         self._secret = os.urandom(32)
-        self._known: dict[str, bytes] = {}  # keys of daemons whose tags checked out
+        # Keys derived so far; only nodes of a plan get here (the prepare rule first).
+        self._known: dict[str, bytes] = {}
 
     def key_for(self, node: str) -> bytes:
         key = self._known.get(node)
         if key is None:
-            key = hashlib.blake2b(node.encode(), key=self._secret, digest_size=32,
-                                  person=b"stalwart key").digest()
+            key = self._known[node] = hashlib.blake2b(
+                node.encode(), key=self._secret, digest_size=32,
+                person=b"stalwart key").digest()
         return key
-
-    def open(self, tagged: peer_pb2.TaggedPrepare) -> peer_pb2.PrepareStepRequest:
-        """The prepare `tagged` carries; BadTag unless its daemon's key tagged it."""
-        try:
-            req = peer_pb2.PrepareStepRequest.FromString(tagged.prepare)
-        except DecodeError as exc:
-            raise BadTag(f"a relayed prepare does not parse: {exc}") from None
-        key = self.key_for(req.node)
-        if not hmac.compare_digest(tag(key, tagged.prepare), tagged.tag):
-            raise BadTag(f"the relayed prepare of step {req.step} from {req.node!r} does not "
-                         "carry that daemon's tag: it was altered or forged on the way")
-        self._known[req.node] = key  # only daemons that hold their key get here
-        return req
 
 
 def _signed(record: manifest_pb2.StepRecord) -> bytes:

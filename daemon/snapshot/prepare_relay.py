@@ -7,9 +7,11 @@ a late prepare goes up on its own when it comes. Waiting costs the commit nothin
 step commits only once every daemon's prepare is in, so the batch waits for what the
 step waits for anyway. LINGER_S bounds it for a prepare that took another way (its
 daemon could not reach this one and sent it to the coordinator). A parent that cannot
-be reached is skipped: the batch goes to the coordinator directly. Each prepare is
-tagged by its own daemon with the key the coordinator gave it (see commit_tree.py);
-this daemon passes tags on, it cannot make them for others.
+be reached is skipped: the batch goes to the coordinator directly. A batch holds one
+column per step, generation, layout and final flag (`SealColumn`): each daemon's seal
+and its tag, made by that daemon with the key the coordinator gave it (see
+commit_tree.py). This daemon appends columns that arrive to its own; it passes tags
+on, it cannot make them for others.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ SendBatch = Callable[[str | None, peer_pb2.PrepareBatch], Awaitable[object]]
 
 @dataclass
 class _Step:
-    waiting: list[peer_pb2.TaggedPrepare] = field(default_factory=list)
+    # (generation, final, layout's bytes) -> the column of the seals waiting here
+    waiting: dict[tuple[int, bool, bytes], peer_pb2.SealColumn] = field(default_factory=dict)
     seen: int = 0  # prepares that arrived for the step (waiting or gone up)
     timer: asyncio.TimerHandle | None = None
 
@@ -82,35 +85,39 @@ class PrepareRelay:
                 "parent": commit_tree.parent(nodes, self.node, plan.commit_fanout)
                 or f"{plan.coordinator} (the coordinator)",
                 "below": commit_tree.below(nodes, self.node, plan.commit_fanout)})
-        data = req.SerializeToString()
-        self.add([peer_pb2.TaggedPrepare(prepare=data, tag=commit_tree.tag(self.key[1], data),
-                                         step=req.step)])
+        self.add([commit_tree.column(self.job_id, self.key[1], req)])
 
-    def relay(self, prepares: list[peer_pb2.TaggedPrepare]) -> None:
+    def relay(self, columns: list[peer_pb2.SealColumn]) -> None:
         """Prepares of the daemons below this one, on their way up."""
         if self.metrics is not None:
-            self.metrics.commit_tree.labels("up").inc(len(prepares))
-        self.add(prepares)
+            self.metrics.commit_tree.labels("up").inc(sum(len(c.seals) for c in columns))
+        self.add(columns)
 
-    def add(self, prepares: list[peer_pb2.TaggedPrepare]) -> None:
+    def add(self, columns: list[peer_pb2.SealColumn]) -> None:
         """Prepares of this daemon or of the daemons below it into their steps' batches."""
         plan = self.plan()
         nodes = self._nodes(plan)
         expected = 1 + commit_tree.below(nodes, self.node, plan.commit_fanout)
-        for t in prepares:
-            step = self._steps.get(t.step)
+        for c in columns:
+            step = self._steps.get(c.step)
             if step is None:
-                step = self._steps[t.step] = _Step()
-                for old in [s for s in self._steps if s + KEEP_STEPS < t.step]:
+                step = self._steps[c.step] = _Step()
+                for old in [s for s in self._steps if s + KEEP_STEPS < c.step]:
                     self._flush(old)
                     del self._steps[old]
-            step.waiting.append(t)
-            step.seen += 1
+            key = (c.generation, c.final, c.layout.SerializeToString(deterministic=True))
+            if (have := step.waiting.get(key)) is None:
+                have = step.waiting[key] = peer_pb2.SealColumn()
+                have.CopyFrom(c)
+            else:
+                have.seals.extend(c.seals)
+                have.tags += c.tags
+            step.seen += len(c.seals)
             if step.seen >= expected:
-                self._flush(t.step)
+                self._flush(c.step)
             elif step.timer is None:
                 step.timer = asyncio.get_running_loop().call_later(
-                    LINGER_S, self._flush, t.step)
+                    LINGER_S, self._flush, c.step)
 
     def _flush(self, number: int) -> None:
         step = self._steps.get(number)
@@ -121,8 +128,8 @@ class PrepareRelay:
             step.timer = None
         if not step.waiting:
             return
-        batch = peer_pb2.PrepareBatch(job_id=self.job_id, prepares=step.waiting)
-        step.waiting = []
+        batch = peer_pb2.PrepareBatch(job_id=self.job_id, columns=list(step.waiting.values()))
+        step.waiting = {}
         self._sending.start(self._up(number, batch))
 
     async def _up(self, number: int, batch: peer_pb2.PrepareBatch) -> None:
@@ -137,4 +144,5 @@ class PrepareRelay:
                 log.warning("prepares not passed up" + (
                     "; sending them to the coordinator directly" if target else ""),
                     extra={"to": target or "the coordinator", "step": number,
-                           "prepares": len(batch.prepares), "error": detail})
+                           "prepares": sum(len(c.seals) for c in batch.columns),
+                           "error": detail})

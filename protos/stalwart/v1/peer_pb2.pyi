@@ -423,53 +423,72 @@ class CommitStepRequest(_message.Message):
 Global___CommitStepRequest: _TypeAlias = CommitStepRequest  # noqa: Y015
 
 @_typing.final
-class TaggedPrepare(_message.Message):
-    """One daemon's prepare as it travels the commit tree: the exact bytes of its
-    PrepareStepRequest and their keyed BLAKE2b-256 under that daemon's relay key.
+class SealColumn(_message.Message):
+    """Prepares of one step on their way up the commit tree, one column per step,
+    generation, layout and final flag: the seal of each daemon's ranks and its tag. A
+    daemon on the way appends its own and its children's columns; the coordinator checks
+    every tag against the daemon its seal names (see daemon/snapshot/commit_tree.py).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    PREPARE_FIELD_NUMBER: _builtins.int
-    TAG_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
-    prepare: _builtins.bytes
-    tag: _builtins.bytes
+    GENERATION_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
+    FINAL_FIELD_NUMBER: _builtins.int
+    SEALS_FIELD_NUMBER: _builtins.int
+    TAGS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
-    """the prepare's step, for batching on the way (not trusted)"""
+    generation: _builtins.int
+    final: _builtins.bool
+    """the ranks' last step of the job"""
+    tags: _builtins.bytes
+    """16 bytes per seal, in order: keyed BLAKE2b of the seal under its daemon's relay
+    key, with the column's identity (job, step, generation, layout, final) as salt and
+    personalisation, so a daemon on the way can neither alter a seal nor move it.
+    """
+    @_builtins.property
+    def layout(self) -> _common_pb2.ParallelLayout: ...
+    @_builtins.property
+    def seals(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """each daemon's RankSeal, deterministic bytes"""
+
     def __init__(
         self,
         *,
-        prepare: _builtins.bytes = ...,
-        tag: _builtins.bytes = ...,
         step: _builtins.int = ...,
+        generation: _builtins.int = ...,
+        layout: _common_pb2.ParallelLayout | None = ...,
+        final: _builtins.bool = ...,
+        seals: _abc.Iterable[_builtins.bytes] | None = ...,
+        tags: _builtins.bytes = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prepare", b"prepare", "step", b"step", "tag", b"tag"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "generation", b"generation", "layout", b"layout", "seals", b"seals", "step", b"step", "tags", b"tags"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___TaggedPrepare: _TypeAlias = TaggedPrepare  # noqa: Y015
+Global___SealColumn: _TypeAlias = SealColumn  # noqa: Y015
 
 @_typing.final
 class PrepareBatch(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     JOB_ID_FIELD_NUMBER: _builtins.int
-    PREPARES_FIELD_NUMBER: _builtins.int
+    COLUMNS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     @_builtins.property
-    def prepares(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaggedPrepare]: ...
+    def columns(self) -> _containers.RepeatedCompositeFieldContainer[Global___SealColumn]: ...
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
-        prepares: _abc.Iterable[Global___TaggedPrepare] | None = ...,
+        columns: _abc.Iterable[Global___SealColumn] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "prepares", b"prepares"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["columns", b"columns", "job_id", b"job_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
