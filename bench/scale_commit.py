@@ -218,7 +218,7 @@ async def _simulate(daemons: int, steps: int) -> dict[str, Any]:
             assert all(r[2].get(step) for r in replies), "a daemon missed a commit"
         record_bytes = received / daemons / (steps + 1)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        hop = await _hop(commits, channels[0], names)
+        hop, record_size = await _hop(commits, channels[0], names)
     finally:
         for pipe in pipes:
             pipe.send(None)
@@ -230,16 +230,18 @@ async def _simulate(daemons: int, steps: int) -> dict[str, Any]:
     latencies.sort()
     return {"latencies": latencies, "cpu": statistics.median(cpu),
             "daemon_cpu": statistics.median(daemon_cpu), "hop": hop,
+            "record_size": record_size,
             "prepare_bytes": prepare_bytes,
             "record_bytes": record_bytes, "rss": rss}
 
 
-async def _hop(commits: StepCommits, channel: grpc.aio.Channel, names: list[str]) -> float:
+async def _hop(commits: StepCommits, channel: grpc.aio.Channel, names: list[str]
+               ) -> tuple[float, int]:
     """Seconds one daemon of the tree spends on a commit, on an otherwise idle machine:
     take the request, check it as a daemon does (digest, coverage, signature), find its
     children and pass it on to `FANOUT` of them (children that only answer), waiting for
     their answers. Only the tree's depth of these lies between the coordinator and the
-    last daemon on a cluster whose daemons work side by side."""
+    last daemon on a cluster whose daemons work side by side. Also the commit's size."""
     record = sr.build(job_id="bench", step=10**6, generation=1, base_step=10**6,
                       layout=common_pb2.ParallelLayout(dp=len(names), pp=1,
                                                        tp=RANKS_PER_DAEMON),
@@ -259,7 +261,37 @@ async def _hop(commits: StepCommits, channel: grpc.aio.Channel, names: list[str]
                                            metadata=((NODE_KEY, SINK),))
                                for _ in range(max(len(targets), min(FANOUT, len(names))))))
         took.append(time.perf_counter() - t0)
-    return statistics.median(took)
+    return statistics.median(took), len(data)
+
+
+def seal_check_us(daemons: int, repeats: int = 20) -> float:
+    """Microseconds of the coordinator's Python per relayed prepare: the prepare rule
+    over `daemons` daemons' seals in `FANOUT` columns, as its children in the tree send
+    them (a seal's seat, its bytes, its tag, then one parse per column)."""
+    names = [f"node-{i:04d}" for i in range(daemons)]
+    keys = commit_tree.RelayKeys()
+    layout = common_pb2.ParallelLayout(dp=daemons, pp=1, tp=RANKS_PER_DAEMON)
+    batches = [peer_pb2.PrepareBatch(job_id="bench") for _ in range(min(FANOUT, daemons))]
+    for i, name in enumerate(names):
+        one = commit_tree.column("bench", keys.key_for(name), peer_pb2.PrepareStepRequest(
+            job_id="bench", step=5, generation=1, node=name, layout=layout,
+            seal=Daemons.seal_of(name)))
+        batch = batches[i % len(batches)]
+        if batch.columns:
+            batch.columns[0].seals.extend(one.seals)
+            batch.columns[0].tags += one.tags
+        else:
+            batch.columns.append(one)
+    ranks_of = {n: frozenset(range(i * RANKS_PER_DAEMON, (i + 1) * RANKS_PER_DAEMON))
+                for i, n in enumerate(names)}
+    plan = SimpleNamespace(generation=1, resume_step=0, layout=layout)
+    rule = PrepareRule(plan, 4, (), ranks_of, seats_of(ranks_of))  # type: ignore[arg-type]
+    t0 = time.process_time()
+    for _ in range(repeats):
+        taken = [rule.relayed(b, keys, "bench") for b in batches]
+    spent = time.process_time() - t0
+    assert sum(len(p.seals) for t in taken for p in t) == daemons, "a seal was refused"
+    return spent / repeats / daemons * 1e6
 
 
 def depth(daemons: int, fanout: int = FANOUT) -> int:
@@ -294,11 +326,13 @@ def points(sizes: tuple[int, ...], steps: int) -> dict[str, Any]:
             "hop_s": round(got["hop"], 5), "tree_depth": depth(n),
             "commit_critical_path_s": round(got["cpu"] + depth(n) * got["hop"], 5),
             "protocol_bytes_per_daemon_per_step": int(protocol),
+            "step_record_bytes": got["record_size"],
             "bytes_per_daemon_per_step": int(protocol + copies),
             "old_bytes_per_daemon_per_step": int(RANKS_PER_DAEMON * one * (n + 1)),
             "coordinator_rss_bytes": got["rss"],
         })
     return {"record_bytes_per_rank": one, "points": out,
+            "seal_check_us_per_daemon": round(seal_check_us(max(sizes)), 2),
             "growth_exponent": {key: _slope(out, key) for key in (
                 "bytes_per_daemon_per_step", "old_bytes_per_daemon_per_step",
                 "protocol_bytes_per_daemon_per_step", "coordinator_cpu_s_per_step",
