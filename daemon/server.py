@@ -41,7 +41,6 @@ from stalwart.daemon.rpc.shard_service import ShardServicer
 from stalwart.daemon.security.auth import Authenticator, job_token, stamp
 from stalwart.daemon.security.tls import ReloadingServerCredentials, TlsError
 from stalwart.daemon.security.tls import enabled as tls_enabled
-from stalwart.daemon.snapshot.protection import ProtectionWatch
 from stalwart.v1 import operator_pb2, operator_pb2_grpc, peer_pb2, peer_pb2_grpc, rank_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon")
@@ -94,8 +93,6 @@ class Daemon:
                                          self.membership, self.job.leadership.leader)
         self.job.me = self.peer_info
         self.operator.decorators.append(self.job.decorate_status)
-        self.protection = ProtectionWatch(self.job.snapshots.store, self.job.links.nodes,
-                                          self.metrics)
         self._server: grpc.aio.Server | None = None
         self._unix_server: grpc.aio.Server | None = None
         self.auth: Authenticator | None = None
@@ -263,7 +260,7 @@ class Daemon:
         """Recount shards and the protection margin once per heartbeat interval."""
         while not self.stopping.is_set():
             try:
-                self.protection.update()
+                self.job.snapshots.protection.update()
             except Exception:  # a counting bug must not stop the daemon
                 log.exception("protection census failed")
             await asyncio.sleep(self.config.heartbeat_interval_s)

@@ -23,7 +23,6 @@ from typing import Any, TypeVar
 
 from stalwart.core import step_record as sr
 from stalwart.core.placement import S3, Node
-from stalwart.core.protection import Census, census
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.peers import Peer, PeerChannels
@@ -34,6 +33,7 @@ from stalwart.daemon.snapshot.holders import LocalShards, ShardHolders
 from stalwart.daemon.snapshot.intake import Intake
 from stalwart.daemon.snapshot.local_store import LocalStore
 from stalwart.daemon.snapshot.place import ShardPlacer
+from stalwart.daemon.snapshot.protection import ProtectionWatch
 from stalwart.daemon.snapshot.quota import DiskQuota
 from stalwart.daemon.snapshot.records import RecordHolders
 from stalwart.daemon.snapshot.restore import Restorer
@@ -102,8 +102,11 @@ class SnapshotPath:
         self._background: list[asyncio.Task[None]] = []
         # (step, generation) -> records of this node's ranks made durable, until all are
         self._gathering: dict[tuple[int, int], list[manifest_pb2.RankState]] = {}
-        # status_storage's counts and the key they were counted under
-        self._storage_seen: tuple[tuple[Any, ...], Census | None, set[str]] | None = None
+        # The census of the newest committed step, for its series and for status.
+        self.protection = ProtectionWatch(self.store, lambda: [p.node for p in self.peers()],
+                                          metrics)
+        # the holders status_storage found lost, and the records and live daemons then
+        self._lost_seen: tuple[tuple[Any, ...], set[str]] | None = None
 
     async def start(self) -> None:
         self.records.loop = asyncio.get_running_loop()
@@ -237,19 +240,16 @@ class SnapshotPath:
         """Entries for StatusReply.storage: shards and protection of the newest committed
         step (with the bases it needs) for the records held here, repair and scrub."""
         records = self.store.committed_records()
-        live = frozenset(p.node for p in self.peers())
         state = self.repairer.state
         out = {}
-        latest = max(records, default=None)
+        c, latest = self.protection.update(), self.protection.step
         # Counted again only when records change (a commit, a retirement, a repair) or
         # the live daemons do: operators and dashboards poll far more often than that.
-        key = (tuple(records), live, self.store.changes)
-        if self._storage_seen is None or self._storage_seen[0] != key:
-            c = None if latest is None else census(
-                (self.store.held_manifest(s) for s in sr.plan_chain(records, latest)), live)
+        key = (tuple(records), frozenset(p.node for p in self.peers()), self.store.changes)
+        if self._lost_seen is None or self._lost_seen[0] != key:
             gone = self.repairer.lost([self.store.held_manifest(s) for s in records]) - {S3}
-            self._storage_seen = (key, c, gone)
-        _, c, gone = self._storage_seen
+            self._lost_seen = (key, gone)
+        gone = self._lost_seen[1]
         if latest is not None and c is not None:
             out["shards"] = (f"step {latest} and its bases: {c.healthy} healthy, {c.missing} "
                              f"missing, {state.pending} repairing (records held here)")
