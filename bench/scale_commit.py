@@ -265,7 +265,7 @@ async def _hop(commits: StepCommits, channel: grpc.aio.Channel, names: list[str]
 
 
 def seal_check_us(daemons: int, repeats: int = 20) -> float:
-    """Microseconds of the coordinator's Python per relayed prepare: the prepare rule
+    """Microseconds of the coordinator's Python per relayed seal: the prepare rule
     over `daemons` daemons' seals in `FANOUT` columns, as its children in the tree send
     them (a seal's seat, its bytes, its tag, then one parse per column)."""
     names = [f"node-{i:04d}" for i in range(daemons)]

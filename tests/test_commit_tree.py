@@ -24,6 +24,7 @@ from stalwart.core import step_record as sr
 from stalwart.daemon.config_schema import default
 from stalwart.daemon.server import Daemon
 from stalwart.daemon.snapshot import commit_tree
+from stalwart.daemon.snapshot.prepare_relay import PrepareRelay
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
 
 LAYOUT = common_pb2.ParallelLayout(dp=1, pp=1, tp=1)
@@ -81,6 +82,51 @@ def test_the_prepare_tree_is_the_plans_nodes_with_ranks_less_its_coordinator() -
         common_pb2.RankAssignment(node="n1"), common_pb2.RankAssignment(node="n1"),
         common_pb2.RankAssignment(node="n3", spare=True)])
     assert commit_tree.prepare_nodes(plan) == ["n1", "n2"]
+
+
+def test_a_relay_sends_its_subtrees_seals_up_in_one_batch_once_all_are_in() -> None:
+    # Fanout 2 over n0..n5 under coordinator c: n0's subtree is n2 and n3. n0 sends one
+    # batch to c once its own seal and both of theirs are in, a column per (generation,
+    # final), every seal with the tag its own daemon made, in the order they came.
+    plan = common_pb2.Plan(generation=1, coordinator="c", commit_fanout=2, assignments=[
+        common_pb2.RankAssignment(node=f"n{i}") for i in range(6)])
+    keys = commit_tree.RelayKeys()
+
+    def req(node: str, final: bool = False) -> peer_pb2.PrepareStepRequest:
+        r = peer_pb2.PrepareStepRequest(job_id="j", step=5, generation=1, node=node,
+                                        layout=LAYOUT, final=final)
+        r.seal.node, r.seal.digest = node, node.encode().ljust(32, b"-")
+        r.seal.ranks.append(int(node[1:]))
+        return r
+
+    async def scenario() -> list[tuple[str | None, peer_pb2.PrepareBatch]]:
+        sent: list[tuple[str | None, peer_pb2.PrepareBatch]] = []
+        gone_up = asyncio.Event()
+
+        async def send(target: str | None, batch: peer_pb2.PrepareBatch) -> None:
+            sent.append((target, batch))
+            gone_up.set()
+
+        relay = PrepareRelay("n0", "j", lambda: plan, send)
+        relay.key = ("c", keys.key_for("n0"))
+        assert relay.usable("c")
+        relay.own(req("n0"))
+        relay.relay([commit_tree.column("j", keys.key_for("n2"), req("n2"))])
+        await asyncio.sleep(0)
+        assert not sent  # n3 is still to come
+        relay.relay([commit_tree.column("j", keys.key_for("n3"), req("n3", final=True))])
+        await asyncio.wait_for(gone_up.wait(), 10)
+        return sent
+
+    sent = asyncio.run(scenario())
+    assert [target for target, _ in sent] == [None]  # n0's parent is the coordinator
+    columns = sent[0][1].columns
+    assert [(c.final, len(c.seals)) for c in columns] == [(False, 2), (True, 1)]
+    for c, nodes in zip(columns, (["n0", "n2"], ["n3"]), strict=True):
+        identity = commit_tree.column_identity("j", 5, 1, LAYOUT, c.final)
+        assert c.tags == b"".join(commit_tree.tag(keys.key_for(n), identity, seal)
+                                  for n, seal in zip(nodes, c.seals, strict=True))
+        assert [manifest_pb2.RankSeal.FromString(x).node for x in c.seals] == nodes
 
 
 # --- the trust -----------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The prepare rule of daemon/security/prepare_rule.py, in one process: a daemon prepares
 only its own ranks of the current plan, in its layout, near the last commit, within a
-bounded number of steps awaiting commit; a relayed batch is taken prepare by prepare."""
+bounded number of steps awaiting commit; a relayed batch is taken seal by seal, each
+under its own daemon's tag for its column."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 from stalwart.core.decide import Member, PlanState
 from stalwart.core.layout import Coord, Layout
 from stalwart.daemon.errors import NotReady
+from stalwart.daemon.recovery.step_commits import PendingStep, Prepared
+from stalwart.daemon.rpc import validate
 from stalwart.daemon.security.auth import Forbidden
 from stalwart.daemon.security.prepare_rule import (
     MAX_PENDING_STEPS,
@@ -102,7 +105,7 @@ def test_a_relayed_column_keeps_the_good_seals_and_leaves_each_bad_one(kept) -> 
         batch.columns[0].seals.extend(bad.seals)
         batch.columns[0].tags += bad.tags
     taken = PrepareRule(PLAN, 10, (), kept).relayed(batch, keys, "a")
-    assert [(p.step, p.nodes, p.firsts, p.sizes) for p in taken] == [(11, ["b"], [1], [1])]
+    assert [(p.step, p.nodes, p.sizes) for p in taken] == [(11, ["b"], [1])]
     assert taken[0].seals == [good.seal]
 
 
@@ -134,10 +137,36 @@ def test_a_column_outside_the_rule_is_left_whole_and_a_subset_of_a_nodes_ranks_i
     rule = PrepareRule(plan, 10)
     taken = rule.relayed(peer_pb2.PrepareBatch(job_id="job", columns=[column(keys, part)]),
                          keys, "a")
-    assert [(p.nodes, p.firsts, p.sizes) for p in taken] == [(["b"], [2], [1])]
+    assert [(p.nodes, p.sizes) for p in taken] == [(["b"], [1])]
     ahead = sealed(prepare(step=10 + MAX_STEPS_AHEAD + 1))
     ahead.layout.CopyFrom(three)
     older = sealed(prepare(generation=2))
     assert rule.relayed(peer_pb2.PrepareBatch(job_id="job", columns=[
         column(keys, ahead), column(keys, older), column(keys, sealed(prepare()))]),
         keys, "a") == []  # too far ahead; an older generation; the plan's layout is 3
+
+
+def test_a_seal_that_repeats_a_rank_or_an_empty_column_is_refused() -> None:
+    keys = RelayKeys()
+    repeated = sealed(prepare())
+    repeated.seal.ranks.extend([1, 1, 1])  # b's one rank four times: a world of 4?
+    with pytest.raises(validate.InvalidRequest, match="each rank once"):
+        validate.request(repeated)
+    batch = peer_pb2.PrepareBatch(job_id="job", columns=[column(keys, repeated)])
+    assert PrepareRule(PLAN, 10).relayed(batch, keys, "a") == []
+    with pytest.raises(validate.InvalidRequest, match="holds no seal"):
+        validate.request(peer_pb2.PrepareBatch(job_id="job", columns=[
+            peer_pb2.SealColumn(step=11, generation=3)]))
+
+
+def test_a_daemons_prepare_sent_again_replaces_its_first_and_is_counted_once() -> None:
+    # A node's seal of a subset of its ranks, then of all of them (a prepare sent again):
+    # the step counts the node's ranks once, so it is not complete on one node's word.
+    pending = PendingStep(common_pb2.ParallelLayout(dp=3, pp=1, tp=1), 3, 3)
+    for ranks in ([1, 2], [2], [1, 2]):
+        req = sealed(prepare())
+        req.layout.dp = 3
+        req.seal.ClearField("ranks")
+        req.seal.ranks.extend(ranks)
+        pending.add(Prepared.of(req))
+        assert pending.covered == len(ranks) and not pending.complete

@@ -58,22 +58,20 @@ def world_of(lay: common_pb2.ParallelLayout) -> int:
 @dataclass(frozen=True)
 class Prepared:
     """Prepares of one step that the coordinator has checked: the seal of each daemon's
-    ranks, with its node and the first rank and number of ranks it covers. One daemon's
-    direct prepare, or a column of many that came up the commit tree."""
+    ranks, with its node and the number of ranks it covers. One daemon's direct
+    prepare, or a column of many that came up the commit tree."""
     step: int
     generation: int
     layout: common_pb2.ParallelLayout
     final: bool
     nodes: list[str]
-    firsts: list[int]
     sizes: list[int]
     seals: list[manifest_pb2.RankSeal]
 
     @classmethod
     def of(cls, req: peer_pb2.PrepareStepRequest) -> Prepared:
-        seal = req.seal
         return cls(req.step, req.generation, req.layout, req.final, [req.node],
-                   [seal.ranks[0]], [len(seal.ranks)], [seal])
+                   [len(req.seal.ranks)], [req.seal])
 
 
 @dataclass
@@ -83,25 +81,26 @@ class PendingStep:
     layout: common_pb2.ParallelLayout
     generation: int
     world: int
-    # first rank of a seal -> that seal (a prepare sent again replaces its first copy);
-    # the seals cover the step's ranks once each
-    seals: dict[int, manifest_pb2.RankSeal] = field(default_factory=dict)
+    # node -> the seal of its ranks: a daemon prepares all its ranks of a step at once,
+    # and a prepare sent again replaces the first (the prepare rule keeps each seal to
+    # its own node's ranks, each once, so the seals cover the step's ranks once each)
+    seals: dict[str, manifest_pb2.RankSeal] = field(default_factory=dict)
     covered: int = 0
-    finals: dict[int, int] = field(default_factory=dict)  # first rank -> ranks ending here
+    finals: dict[str, int] = field(default_factory=dict)  # node -> its ranks ending here
 
     def add(self, p: Prepared) -> None:
         seals = self.seals
-        for first, size, seal in zip(p.firsts, p.sizes, p.seals, strict=True):
-            if (old := seals.get(first)) is not None:
+        for node, size, seal in zip(p.nodes, p.sizes, p.seals, strict=True):
+            if (old := seals.get(node)) is not None:
                 self.covered -= len(old.ranks)
-            seals[first] = seal
+            seals[node] = seal
             self.covered += size
         layout = p.layout
         if layout != self.layout:
             self.layout, self.world = layout, world_of(layout)
         self.generation = p.generation
         if p.final:
-            self.finals.update(zip(p.firsts, p.sizes, strict=True))
+            self.finals.update(zip(p.nodes, p.sizes, strict=True))
 
     @property
     def complete(self) -> bool:
@@ -160,9 +159,10 @@ class StepCommits:
 
     async def prepared(self, *reqs: peer_pb2.PrepareStepRequest | Prepared) -> None:
         """Phase one from daemons (one, or columns from the commit tree): each one's
-        ranks' records for a step are durable. StaleGeneration for a lone prepare of an
-        older generation; among several, such a one is skipped and the rest taken. The
-        bookkeeping is synchronous; the commit, if one became due, runs once per call."""
+        ranks' records for a step are durable. StaleGeneration for a lone direct prepare
+        of an older generation; otherwise such prepares are skipped and the rest taken.
+        The bookkeeping is synchronous; the commit, if one became due, runs once per
+        call."""
         again: list[Prepared] = []
         due = False
         generation, latest = self.generation(), self.latest_committed()
@@ -171,7 +171,7 @@ class StepCommits:
             try:
                 taken = self._take(p, generation, latest)
             except StaleGeneration:
-                if len(reqs) == 1:
+                if len(reqs) == 1 and not isinstance(req, Prepared):
                     raise
                 log.warning("prepare of an older generation skipped",
                             extra={"nodes": p.nodes[:8], "generation": p.generation})

@@ -323,11 +323,14 @@ def _prepare(r: peer_pb2.PrepareStepRequest) -> None:
 def relayed_seal(seal: manifest_pb2.RankSeal) -> None:
     """A prepare's seal, direct or from the commit tree: some ranks of one node."""
     _seal(seal, "seal")
-    ranks = len(seal.ranks)
+    ranks = seal.ranks
     if not ranks:
         _fail(f"the seal of node {seal.node!r} covers no rank")
-    if ranks > MAX_LIVE_RANKS_PER_NODE:
-        count(seal.ranks, "seal.ranks", MAX_LIVE_RANKS_PER_NODE)
+    if len(ranks) > MAX_LIVE_RANKS_PER_NODE:
+        count(ranks, "seal.ranks", MAX_LIVE_RANKS_PER_NODE)
+    if any(b <= a for a, b in zip(ranks, ranks[1:], strict=False)):
+        _fail(f"the seal of node {seal.node!r} lists ranks {list(ranks)[:8]}: each rank "
+              "once, in increasing order")
 
 
 def _batch(r: peer_pb2.PrepareBatch) -> None:
@@ -339,11 +342,13 @@ def _batch(r: peer_pb2.PrepareBatch) -> None:
         in_range(c.generation, 0, MAX_GENERATION, "columns.generation")
         _layout(c.layout, "columns.layout")
         n = len(c.seals)
+        if not n:
+            _fail(f"a column of step {c.step} holds no seal")
         seals += n
         if len(c.tags) != commit_tree.TAG_BYTES * n:
             _fail(f"a column of {n} seals has {len(c.tags)} bytes of tags, not "
                   f"{commit_tree.TAG_BYTES} per seal")
-        if n and (largest := max(map(len, c.seals))) > MAX_PREPARE_BYTES:
+        if (largest := max(map(len, c.seals))) > MAX_PREPARE_BYTES:
             _fail(f"a relayed seal is {largest} bytes; at most {MAX_PREPARE_BYTES}")
     if seals > MAX_PEERS:
         _fail(f"a batch of {seals} relayed seals; at most {MAX_PEERS}")

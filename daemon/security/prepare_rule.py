@@ -5,8 +5,8 @@ bound.
 The coordinator checks it for every prepare of every step (2,048 of them a step at
 2,048 nodes), so what depends only on the plan is derived once per plan
 (`ranks_by_node`, `seats_of`), what depends only on the moment once per batch (a
-`PrepareRule`), and what a column of the commit tree shares (step, generation, layout)
-once per column. A relayed seal of exactly its node's ranks then costs a lookup, a
+`PrepareRule`), and what a column of the commit tree shares (step, generation, layout,
+final flag) once per column. A relayed seal of exactly its node's ranks then costs a lookup, a
 comparison of bytes and its tag; any other seal is parsed and checked field by field.
 """
 
@@ -34,7 +34,6 @@ log = logging.getLogger("stalwart.daemon.security.prepare_rule")
 
 MAX_STEPS_AHEAD = 10_000   # a prepare may be at most this many steps past the last commit
 MAX_PENDING_STEPS = 256    # steps prepared but not yet committed, at most
-SEALS_FIELD = b"\x32"      # StepRecord.seals (field 6, length-delimited) on the wire
 
 
 def ranks_by_node(plan: PlanState) -> dict[str, frozenset[int]]:
@@ -50,10 +49,9 @@ def ranks_by_node(plan: PlanState) -> dict[str, frozenset[int]]:
 class Seat:
     """A node's place in the plan as its relayed seals are checked: the bytes a seal of
     exactly its ranks starts with (its node and ranks fields, as a daemon serialises
-    them), and the first rank and number of ranks such a seal covers."""
+    them), and the number of ranks such a seal covers."""
     node: str
     prefix: bytes
-    first: int
     size: int
 
 
@@ -64,7 +62,7 @@ def seats_of(ranks_of: Mapping[str, AbstractSet[int]]) -> dict[bytes, Seat]:
         ordered = sorted(ranks)
         prefix = manifest_pb2.RankSeal(node=node, ranks=ordered).SerializeToString(
             deterministic=True)
-        seats[node.encode()] = Seat(node, prefix, ordered[0], len(ordered))
+        seats[node.encode()] = Seat(node, prefix, len(ordered))
     return seats
 
 
@@ -81,6 +79,10 @@ def _varint(n: int) -> bytes:
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+# StepRecord.seals on the wire: its field number, length-delimited (wire type 2)
+SEALS_FIELD = _varint(manifest_pb2.StepRecord.DESCRIPTOR.fields_by_name["seals"].number << 3 | 2)
 
 
 def _parse(seals: list[bytes]) -> list[manifest_pb2.RankSeal]:
@@ -178,8 +180,8 @@ class PrepareRule:
         identity = commit_tree.column_identity(job_id, step, column.generation,
                                                column.layout, column.final)
         seats = seats_of(self._ranks_of()) if self.seats is None else self.seats
-        tags, tag = column.tags, commit_tree.tag
-        nodes, firsts, sizes, kept = [], [], [], []
+        tags = column.tags
+        nodes, sizes, kept = [], [], []
         for i, seal in enumerate(column.seals):
             seat = seats.get(_named(seal))
             if seat is None or not seal.startswith(seat.prefix):
@@ -188,13 +190,12 @@ class PrepareRule:
                 except (DecodeError, validate.InvalidRequest, Forbidden) as exc:
                     self._refused(via, step, seal, str(exc))
                     continue
-            if not hmac.compare_digest(tag(keys.key_for(seat.node), identity, seal),
+            if not hmac.compare_digest(commit_tree.tag(keys.key_for(seat.node), identity, seal),
                                        tags[i * width:(i + 1) * width]):
                 self._refused(via, step, seal, "its tag is not its daemon's for this step: "
                               "it was altered, moved or forged on the way")
                 continue
             nodes.append(seat.node)
-            firsts.append(seat.first)
             sizes.append(seat.size)
             kept.append(seal)
         try:
@@ -214,10 +215,9 @@ class PrepareRule:
             for i in sorted(set(range(len(parsed))) - set(good)):
                 self._refused(via, step, kept[i], "its digest is not one sha256, its ranks "
                               "or node repeat, or it names a base not before its step")
-            nodes, firsts, sizes, parsed = ([xs[i] for i in good]
-                                            for xs in (nodes, firsts, sizes, parsed))
-        return Prepared(step, column.generation, column.layout, column.final, nodes, firsts,
-                        sizes, parsed)
+            nodes, sizes, parsed = ([xs[i] for i in good] for xs in (nodes, sizes, parsed))
+        return Prepared(step, column.generation, column.layout, column.final, nodes, sizes,
+                        parsed)
 
     def _seat_of(self, data: bytes) -> Seat:
         """The seat of a seal that is not exactly its node's ranks (a subset, or bytes
@@ -225,7 +225,7 @@ class PrepareRule:
         seal = manifest_pb2.RankSeal.FromString(data)
         validate.relayed_seal(seal)
         self._own_ranks(seal.node, seal.ranks)
-        return Seat(seal.node, b"", seal.ranks[0], len(seal.ranks))
+        return Seat(seal.node, b"", len(seal.ranks))
 
     @staticmethod
     def _refused(via: str, step: int, seal: bytes, why: str) -> None:
