@@ -76,13 +76,17 @@ def _defects(commit: dict[str, Any]) -> list[str]:
     cpu, daemons = top["coordinator_cpu_s_per_step"], top["daemons"]
     if cpu <= COORDINATOR_CPU_GOAL_S:
         return []
+    seals = commit["seal_check_us_per_daemon"] * daemons / 1e6
+    on_loop = top["coordinator_loop_cpu_s_per_step"]
     return [f"coordinator: {cpu:.3f} s of CPU per step at {daemons:,} daemons against a "
-            f"goal of {COORDINATOR_CPU_GOAL_S:.3f} s. Its Python per daemon (a seal's "
-            f"check and bookkeeping) is {commit['seal_check_us_per_daemon']:.1f} us, "
-            f"{commit['seal_check_us_per_daemon'] * daemons / 1e6:.3f} s a step; the rest "
-            "is gRPC's and the event loop's work per call (about 2 x commit_fanout calls "
-            f"a step) and per byte (the step's commit, {top['step_record_bytes']:,} bytes, to "
-            "commit_fanout daemons). O(daemons), never O(ranks)"]
+            f"goal of {COORDINATOR_CPU_GOAL_S:.3f} s. {on_loop:.3f} s of it on the event "
+            f"loop's thread, where checking each daemon's seal ("
+            f"{commit['seal_check_us_per_daemon']:.1f} us) takes {seals:.3f} s, and the "
+            "step's bookkeeping and gRPC's work per call the rest (about 2 x commit_fanout "
+            "calls a step: columns in, the "
+            f"step's commit of {top['step_record_bytes']:,} bytes out to commit_fanout "
+            f"daemons); {cpu - on_loop:.3f} s on gRPC's own threads (sockets, HTTP/2). "
+            "O(daemons), never O(ranks)"]
 
 
 def _gossip(daemons: int) -> dict[str, Any]:
