@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from prometheus_api import PrometheusError, scraped_all
+
 SCRIPTS = Path(__file__).resolve().parent
 SCRAPE_S = 1.0
 
@@ -46,7 +48,7 @@ def wait(what: str, check: Callable[[], object], timeout_s: float) -> object:
     while True:
         try:
             value = check()
-        except (OSError, urllib.error.URLError):
+        except (OSError, urllib.error.URLError, PrometheusError):
             value = None
         if value:
             return value
@@ -89,15 +91,6 @@ def start_prometheus(targets: list[str], root: Path, port: int,
         stop(proc)
         raise
     return proc
-
-
-def scraped_all(url: str, targets: list[str]) -> bool:
-    """Prometheus at `url` has scraped every one of `targets`, and the last scrape
-    of each succeeded."""
-    with urllib.request.urlopen(f"{url}/api/v1/targets?state=active", timeout=2) as response:
-        active = json.loads(response.read())["data"]["activeTargets"]
-    up = {t["labels"].get("instance") for t in active if t.get("health") == "up"}
-    return set(targets) <= up
 
 
 def any_rank_registered(cluster: Any) -> float | None:
@@ -163,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         with_data = render_dashboard.render(url, args.dashboard, args.out, minutes, None)
         print(f"wrote {args.out} ({with_data} panels with data) from a {args.steps}-step run "
               f"with rank 1 killed after step {args.kill_step}; logs in {cluster.workdir}")
-    except (TimeoutError, RuntimeError, render_dashboard.PrometheusError) as exc:
+    except (TimeoutError, RuntimeError, PrometheusError) as exc:
         print(f"demo_dashboard: {exc}; logs are in {workdir}", file=sys.stderr)
         return 1
     finally:

@@ -14,9 +14,6 @@ import math
 import re
 import sys
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -26,6 +23,7 @@ matplotlib.use("Agg")  # files only; no display on servers
 import matplotlib.dates as mdates  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import yaml  # noqa: E402
+from prometheus_api import PrometheusError, api  # noqa: E402
 
 DASHBOARDS = Path(__file__).resolve().parent.parent / "grafana" / "dashboards"
 GRID_ROW_INCHES = 0.32  # height of one Grafana grid unit
@@ -34,22 +32,6 @@ POINTS = 240  # samples per series across the range
 UNIT_SCALE = {"bytes": (2**20, "MiB"), "Bps": (2**20, "MiB/s"), "percentunit": (0.01, "%"),
               "s": (1, "s"), "ops": (1, "/s")}
 Series = tuple[str, list[tuple[float, float]]]
-
-
-class PrometheusError(RuntimeError):
-    """Prometheus could not be reached or refused a query."""
-
-
-def api(base: str, path: str, **params: str) -> dict:
-    url = f"{base.rstrip('/')}/api/v1/{path}?{urllib.parse.urlencode(params)}"
-    try:
-        with urllib.request.urlopen(url, timeout=30) as response:
-            body = json.loads(response.read())
-    except (urllib.error.URLError, OSError) as e:
-        raise PrometheusError(f"cannot reach Prometheus at {base} ({e}); check --prometheus") from e
-    if body.get("status") != "success":
-        raise PrometheusError(f"Prometheus refused {params.get('query', path)}: {body}")
-    return body["data"]
 
 
 def scrape_interval_s(base: str) -> float:

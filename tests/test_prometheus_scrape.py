@@ -9,14 +9,10 @@ that only a fault this run does not inject can fill.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import subprocess
 import sys
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +31,15 @@ from stalwart.v1 import rank_pb2, rank_pb2_grpc
 pytestmark = pytest.mark.multiprocess
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from demo_dashboard import SMALLEST, roles_done, start_prometheus, stop, tiny_spec  # noqa: E402
+from demo_dashboard import (  # noqa: E402
+    SMALLEST,
+    roles_done,
+    start_prometheus,
+    stop,
+    tiny_spec,
+    wait,
+)
+from prometheus_api import range_query  # noqa: E402
 
 # Every phase of the run (the killed rank's life, the spare's role, generation 2) lasts
 # many scrapes: a leaving rank's series are dropped, and recovery can take well under a
@@ -87,12 +91,8 @@ def run(s3_server, tmp_path_factory) -> Iterator[Run]:
         spec = tiny_spec(STEPS, kill_rank=1, kill_step=KILL_STEP, overrides=SMALLEST)
         cluster.launch(spec, WORLD, spares=1)
         refuse_a_caller_of_another_job(cluster.daemons[0].socket)
-        deadline = time.monotonic() + RUN_DEADLINE_S
-        while not roles_done(cluster, STEPS, WORLD):
-            if time.monotonic() > deadline:
-                pytest.fail(f"training did not finish in {RUN_DEADLINE_S:g} s; "
-                            f"logs in {cluster.workdir}")
-            time.sleep(0.2)  # polling interval of a deadline-bound wait
+        wait(f"training to finish (logs in {cluster.workdir})",
+             lambda: roles_done(cluster, STEPS, WORLD), RUN_DEADLINE_S)
         yield Run(cluster, f"http://127.0.0.1:{port}", start, time.time())
     finally:
         if prometheus is not None:
@@ -100,23 +100,11 @@ def run(s3_server, tmp_path_factory) -> Iterator[Run]:
         cluster.close()
 
 
-def range_query(url: str, expr: str, start: float, end: float) -> list[dict]:
-    """Series of a range query that carry at least one number (NaN is no data), asked
-    at every scrape: a series that lived through one scrape shows."""
-    params = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}",
-              "step": f"{SCRAPE_S:g}"}
-    with urllib.request.urlopen(f"{url}/api/v1/query_range?" + urllib.parse.urlencode(params),
-                                timeout=10) as response:
-        body = json.loads(response.read())
-    assert body["status"] == "success", body
-    return [s for s in body["data"]["result"]
-            if any(not math.isnan(float(v)) for _, v in s["values"])]
-
-
 def poll(run: Run, expr: str) -> list[dict]:
     """Ask over the run until an answer comes (the last scrape may still be due)."""
     deadline = time.monotonic() + QUERY_DEADLINE_S
-    while not (found := range_query(run.prometheus, expr, run.start, time.time())):
+    while not (found := range_query(run.prometheus, expr, run.start, time.time(),
+                                     SCRAPE_S)):
         if time.monotonic() > deadline:
             return []
         time.sleep(SCRAPE_S)  # one scrape interval
