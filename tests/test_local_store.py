@@ -113,6 +113,24 @@ def test_resuming_from_an_older_step_discards_the_newer_ones(tmp_path: Path) -> 
     assert fresh.read_rank(4, 0) == state(4, scale=2) and fresh.read_rank(3, 0) == state(3)
 
 
+def test_committed_steps_are_listed_again_after_any_change_to_them(tmp_path: Path) -> None:
+    # The listing is kept between changes: this store's own commits and discards show
+    # at once; another store's (another process on the same disk) show once the
+    # folder's mtime has moved, which the kernel does within a tick of its clock.
+    store = LocalStore(tmp_path, **SMALL)
+    other = LocalStore(tmp_path, **SMALL)
+    for step in range(1, 4):
+        commit_step(store, step)
+        assert store.committed_steps()[-1] == store.latest_committed() == step
+    seen = other.committed_steps()
+    folder = other.root / "manifests"
+    before = folder.stat()
+    assert seen == [1, 2, 3]
+    assert store.discard_after(2) == [3] and store.committed_steps() == [1, 2]
+    os.utime(folder, ns=(before.st_atime_ns, before.st_mtime_ns + 1))  # the folder moved
+    assert other.committed_steps() == [1, 2]
+
+
 def test_prepared_but_uncommitted_step_is_invisible(tmp_path: Path) -> None:
     store = LocalStore(tmp_path, **SMALL)
     commit_step(store, 1)

@@ -35,6 +35,11 @@ class Catalogue:
         # every retained step often); `_changes` counts what may change one
         self._held: dict[int, manifest_pb2.Manifest] = {}
         self._changes = 0
+        # The committed steps as last listed, under (the manifests folder's mtime, the
+        # count of this store's own writes and removals of records) then: status, the
+        # census and the commit path ask many times a step, and listing is a glob.
+        self._steps: tuple[tuple[int, int], list[int]] | None = None
+        self._step_writes = 0
         self._lock = threading.RLock()
         (self.root / "manifests").mkdir(parents=True, exist_ok=True)
         (self.root / "steps").mkdir(parents=True, exist_ok=True)
@@ -67,8 +72,16 @@ class Catalogue:
             return None
 
     def committed_steps(self) -> list[int]:
-        return sorted(int(p.name.split(".")[0])
-                      for p in (self.root / "manifests").glob("*.step"))
+        folder = self.root / "manifests"
+        key = (folder.stat().st_mtime_ns, self._step_writes)  # before the listing
+        if self._steps is None or self._steps[0] != key:
+            self._steps = (key, sorted(int(p.name.split(".")[0]) for p in folder.glob("*.step")))
+        return list(self._steps[1])
+
+    def _steps_written(self) -> None:
+        """This store wrote or removed committed records: list them again (a folder's
+        mtime may not change within one tick of the kernel's coarse clock)."""
+        self._step_writes += 1
 
     def latest_committed(self) -> int | None:
         steps = self.committed_steps()

@@ -223,6 +223,7 @@ class LocalStore(Catalogue):
             states += held
         sr.plan_chain({**self.committed_records(), step: record}, step)  # its bases exist
         write_atomic(path, data)
+        self._steps_written()
         fsync_dir(path.parent)
         self._records[step] = record
         for state in states:
@@ -251,6 +252,7 @@ class LocalStore(Catalogue):
             for s in sorted(newer, reverse=True):
                 self._record_path(s).unlink()
                 self._records.pop(s, None)
+            self._steps_written()
             self._checked = {k: v for k, v in self._checked.items() if k[0] <= step}
             self._forget_held(newer)
             fsync_dir(self.root / "manifests")
@@ -318,6 +320,7 @@ class LocalStore(Catalogue):
         for s in dropped:
             self._record_path(s).unlink()
             self._records.pop(s, None)
+        self._steps_written()
         self._checked = {k: v for k, v in self._checked.items() if k[0] not in dropped}
         self._forget_held(dropped)
         if dropped:
