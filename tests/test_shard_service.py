@@ -20,6 +20,7 @@ from stalwart.daemon.snapshot.shard_client import (
     ShardChecksumError,
     ShardClient,
     ShardTransferError,
+    piece_bytes,
 )
 from stalwart.daemon.snapshot.shard_store import validate_id
 from stalwart.v1 import peer_pb2, peer_pb2_grpc
@@ -183,6 +184,19 @@ def test_empty_and_piece_aligned_shards_round_trip(tmp_path, size):
             return got
 
     assert run(scenario()) == data
+
+
+@settings(max_examples=50, deadline=None)
+@given(data=st.binary(max_size=300), first=st.booleans(), size=st.integers(0, 2**40))
+def test_a_piece_framed_around_its_bytes_is_the_message_protobuf_writes(data, first, size):
+    # The client puts pieces as wire bytes it frames itself: they must parse to, and
+    # equal, the ShardPiece protobuf would write.
+    header = peer_pb2.ShardHeader(job_id="j", shard_id="s0", size=size, crc32c=7, step=3)
+    want = peer_pb2.ShardPiece(header=header if first else None, data=data)
+    framed = piece_bytes(memoryview(data), header if first else None)
+    assert peer_pb2.ShardPiece.FromString(framed) == want
+    if data:  # protobuf leaves an empty bytes field out; the framing writes it empty
+        assert framed == want.SerializeToString()
 
 
 def test_shard_id_clashing_with_a_stored_path_is_refused(tmp_path):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from stalwart.core import wire
 from stalwart.core.decide import PlanState
 from stalwart.daemon.errors import NotReady
 from stalwart.daemon.recovery.step_commits import Prepared
@@ -72,23 +73,14 @@ def _named(seal: bytes) -> bytes:
     return seal[2:2 + seal[1]] if len(seal) > 1 and seal[0] == 0x0A and seal[1] < 0x80 else b""
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-# StepRecord.seals on the wire: its field number, length-delimited (wire type 2)
-SEALS_FIELD = _varint(manifest_pb2.StepRecord.DESCRIPTOR.fields_by_name["seals"].number << 3 | 2)
+# StepRecord.seals on the wire
+SEALS_FIELD = wire.tag(manifest_pb2.StepRecord.DESCRIPTOR, "seals")
 
 
 def _parse(seals: list[bytes]) -> list[manifest_pb2.RankSeal]:
     """Many seals' bytes as messages, in one parse (the seals field of a record)."""
-    wire = b"".join([SEALS_FIELD + _varint(len(s)) + s for s in seals])
-    return list(manifest_pb2.StepRecord.FromString(wire).seals)
+    return list(manifest_pb2.StepRecord.FromString(
+        b"".join(wire.delimited(SEALS_FIELD, seals))).seals)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import grpc
 
+from stalwart.core import wire
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.rpc.shard_service import PIECE_BYTES
 from stalwart.daemon.snapshot.checksum import crc32c
@@ -22,6 +23,18 @@ from stalwart.v1 import peer_pb2, peer_pb2_grpc
 
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
+
+_SHARDS = peer_pb2.DESCRIPTOR.services_by_name["ShardService"]
+PUT_SHARD = f"/{_SHARDS.full_name}/{_SHARDS.methods_by_name['PutShard'].name}"
+_HEADER = wire.tag(peer_pb2.ShardPiece.DESCRIPTOR, "header")
+_DATA = wire.tag(peer_pb2.ShardPiece.DESCRIPTOR, "data")
+
+
+def piece_bytes(data: Buffer, header: peer_pb2.ShardHeader | None = None) -> bytes:
+    """A ShardPiece on the wire, framed around `data` in one copy (a message object
+    would copy it twice more, on the event loop)."""
+    head = [] if header is None else wire.delimited(_HEADER, [header.SerializeToString()])
+    return b"".join([*head, *wire.delimited(_DATA, [data])])
 
 # Worth another try: the peer may be restarting, overloaded, or got a corrupt stream.
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -94,7 +107,7 @@ class ShardClient:
         self._channel: grpc.aio.Channel | None = channel
         self._owns_channel = channel is None
 
-    def _stub(self) -> peer_pb2_grpc.ShardServiceStub:
+    def _open(self) -> grpc.aio.Channel:
         # Channels are made lazily, inside the event loop (and process) that uses them.
         if self._channel is None:
             if self._credentials is None:
@@ -103,7 +116,10 @@ class ShardClient:
             else:
                 self._channel = grpc.aio.secure_channel(self.address, self._credentials,
                                                         interceptors=self._interceptors)
-        return peer_pb2_grpc.ShardServiceStub(self._channel)
+        return self._channel
+
+    def _stub(self) -> peer_pb2_grpc.ShardServiceStub:
+        return peer_pb2_grpc.ShardServiceStub(self._open())
 
     async def close(self) -> None:
         if self._channel is not None and self._owns_channel:
@@ -157,13 +173,14 @@ class ShardClient:
         header = peer_pb2.ShardHeader(job_id=self.job_id, shard_id=shard_id, size=len(view),
                                       crc32c=crc, step=step, generation=generation)
 
-        async def pieces() -> AsyncIterator[peer_pb2.ShardPiece]:
-            yield peer_pb2.ShardPiece(header=header, data=view[:PIECE_BYTES].tobytes())
-            for at in range(PIECE_BYTES, len(view), PIECE_BYTES):
-                yield peer_pb2.ShardPiece(data=view[at:at + PIECE_BYTES].tobytes())
+        async def pieces() -> AsyncIterator[bytes]:
+            for at in range(0, max(len(view), 1), PIECE_BYTES):
+                yield piece_bytes(view[at:at + PIECE_BYTES], header if at == 0 else None)
 
         async def attempt(timeout: float) -> None:
-            reply = await self._stub().PutShard(pieces(), timeout=timeout)
+            put = self._open().stream_unary(  # takes pieces as their wire bytes
+                PUT_SHARD, response_deserializer=peer_pb2.PutShardReply.FromString)
+            reply = await put(pieces(), timeout=timeout)
             if not reply.stored:
                 raise ShardTransferError(self.address, shard_id, "put", reply.message)
 
