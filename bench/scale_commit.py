@@ -201,7 +201,7 @@ async def _simulate(daemons: int, steps: int) -> dict[str, Any]:
             channel = grpc.aio.insecure_channel(f"127.0.0.1:{worker_port}")
             channels.append(channel)
             where.update({n: channel for n in names[w::WORKERS]})
-        latencies, cpu, loop_cpu, daemon_cpu = [], [], [], []
+        latencies, cpu, loop_cpu, other_cpu, daemon_cpu = [], [], [], [], []
         prepare_bytes, received = 0.0, 0
         for step in range(1, steps + 2):  # the first step warms connections up
             cpu0, loop0 = time.process_time(), time.thread_time()
@@ -214,6 +214,7 @@ async def _simulate(daemons: int, steps: int) -> dict[str, Any]:
             latencies.append(max(r[3] for r in replies) - servicer.last_in[step])
             cpu.append(spent)
             loop_cpu.append(on_loop)
+            other_cpu.append(spent - on_loop)
             daemon_cpu.append(sum(r[4] for r in replies) / daemons)
             prepare_bytes = sum(r[0] for r in replies) / daemons
             received = sum(r[1] for r in replies)  # since the start, warm-up included
@@ -231,7 +232,7 @@ async def _simulate(daemons: int, steps: int) -> dict[str, Any]:
         await server.stop(0)
     latencies.sort()
     return {"latencies": latencies, "cpu": statistics.median(cpu),
-            "loop_cpu": statistics.median(loop_cpu),
+            "loop_cpu": statistics.median(loop_cpu), "other_cpu": statistics.median(other_cpu),
             "daemon_cpu": statistics.median(daemon_cpu), "hop": hop,
             "record_size": record_size,
             "prepare_bytes": prepare_bytes,
@@ -322,9 +323,11 @@ def points(sizes: tuple[int, ...], steps: int) -> dict[str, Any]:
             "commit_p50_s": round(statistics.median(lat), 5),
             "commit_p99_s": round(lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)], 5),
             "coordinator_cpu_s_per_step": round(got["cpu"], 5),
-            # of which the event loop's thread (Python, and gRPC's per-call work there);
-            # the rest is gRPC's own threads (sockets, HTTP/2)
+            # the event loop's thread (Python, and gRPC's per-call work there), and the
+            # process's other threads (gRPC's own: sockets, HTTP/2; and the bench's
+            # idle pipe readers), each the median over steps
             "coordinator_loop_cpu_s_per_step": round(got["loop_cpu"], 5),
+            "coordinator_other_threads_cpu_s_per_step": round(got["other_cpu"], 5),
             "daemon_cpu_s_per_step": round(got["daemon_cpu"], 6),
             # The commit on a cluster whose daemons each have their own cores: the
             # coordinator's CPU for the whole step (an upper bound of its share of the

@@ -31,5 +31,5 @@ def delimited(key: bytes, parts: Iterable[Buffer]) -> list[Buffer]:
     """Each of `parts` as one length-delimited field under `key`, to be joined."""
     out: list[Buffer] = []
     for part in parts:
-        out += (key, varint(len(part)), part)
+        out += (key, varint(memoryview(part).nbytes), part)
     return out

@@ -45,15 +45,17 @@ def tiny_spec(steps: int, kill_rank: int, kill_step: int,
 def wait(what: str, check: Callable[[], object], timeout_s: float) -> object:
     """Poll `check` until truthy; raises TimeoutError naming `what`."""
     end = time.monotonic() + timeout_s
+    last: Exception | None = None
     while True:
         try:
             value = check()
-        except (OSError, urllib.error.URLError, PrometheusError):
-            value = None
+        except (OSError, urllib.error.URLError, PrometheusError) as exc:
+            value, last = None, exc
         if value:
             return value
         if time.monotonic() > end:
-            raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what}")
+            raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what}"
+                               + (f"; the last try failed: {last}" if last else "")) from last
         time.sleep(0.2)  # polling interval of a deadline-bound wait
 
 

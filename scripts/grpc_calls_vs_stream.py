@@ -2,9 +2,11 @@
 unary calls against 24 messages on 16 client streams held open, same bytes, one
 server process (real gRPC over TCP; the handlers only read).
 
-    .venv/bin/python scripts/grpc_calls_vs_stream.py [ROUNDS]   # prints JSON
+    .venv/bin/python scripts/grpc_calls_vs_stream.py [ROUNDS] [GAP_MS]   # prints JSON
 
-The server's CPU is read from /proc, the client's from its own process time.
+The server's CPU is read from /proc, the client's from its own process time. Rounds run
+back to back unless GAP_MS paces them as steps would (a stream's messages then arrive
+one round at a time instead of bunching up). A call gets a reply; a message does not.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _measure(port: int, pid: int, rounds: int) -> dict[str, float]:
+async def _measure(port: int, pid: int, rounds: int, gap_s: float) -> dict[str, float]:
     batch = peer_pb2.PrepareBatch(job_id="bench", columns=[peer_pb2.SealColumn(
         step=1, seals=[bytes(70)] * 128, tags=bytes(16 * 128))])
     out = {}
@@ -82,6 +84,8 @@ async def _measure(port: int, pid: int, rounds: int) -> dict[str, float]:
             server0, client0 = _cpu_s(pid), time.process_time()
             for _ in range(rounds):
                 await one_round()
+                if gap_s:
+                    await asyncio.sleep(gap_s)  # the pace of steps, not a wait for an event
             out[f"{name}_server_ms_per_step"] = round((_cpu_s(pid) - server0) / rounds * 1e3, 2)
             out[f"{name}_client_ms_per_step"] = round(
                 (time.process_time() - client0) / rounds * 1e3, 2)
@@ -93,17 +97,19 @@ async def _measure(port: int, pid: int, rounds: int) -> dict[str, float]:
 
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 200
+    gap_ms = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe()
     server = ctx.Process(target=_serve, args=(theirs,), daemon=True)
     server.start()
     try:
-        got = asyncio.run(_measure(ours.recv(), server.pid, rounds))
+        got = asyncio.run(_measure(ours.recv(), server.pid, rounds, gap_ms / 1000))
     finally:
         server.kill()
     got["server_calls_over_streams"] = round(
         got["calls_server_ms_per_step"] / got["streams_server_ms_per_step"], 1)
-    print(json.dumps({"calls": CALLS, "streams": STREAMS, "rounds": rounds, **got}))
+    print(json.dumps({"calls": CALLS, "streams": STREAMS, "rounds": rounds, "gap_ms": gap_ms,
+                      **got}))
 
 
 if __name__ == "__main__":

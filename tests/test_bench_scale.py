@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from stalwart.bench.scale import _defects
 from stalwart.daemon.config_schema import default
 
 
@@ -76,12 +77,29 @@ def test_bench_scale_gossip_per_daemon_stops_growing_past_the_gossip_fanout(figu
         "bytes_per_daemon_per_interval"]
 
 
-def test_bench_scale_names_a_missed_goal_with_its_figures(figures):
-    # The coordinator's Python per relayed seal is measured on its own, and a defect is
-    # listed exactly when the largest simulation's coordinator CPU misses 50 ms.
+def test_bench_scale_measures_the_coordinators_parts(figures):
+    # The coordinator's Python per relayed seal is measured on its own; each point
+    # splits the coordinator's CPU between its event loop and its other threads.
     assert figures["seal_check_us_per_daemon"] > 0
     sizes = [p["step_record_bytes"] for p in figures["points"]]
     assert sizes == sorted(sizes) and sizes[0] > 0  # O(daemons) seals in each commit
-    missed = figures["points"][-1]["coordinator_cpu_s_per_step"] > 0.050
-    assert len(figures["defects"]) == missed
-    assert all("us" in d and "O(daemons), never O(ranks)" in d for d in figures["defects"])
+    for p in figures["points"]:
+        assert 0 < p["coordinator_loop_cpu_s_per_step"] <= p["coordinator_cpu_s_per_step"]
+        assert p["coordinator_other_threads_cpu_s_per_step"] >= 0
+
+
+def _commit_figures(daemons: int, cpu: float) -> dict:
+    return {"seal_check_us_per_daemon": 4.0, "points": [{
+        "daemons": daemons, "coordinator_cpu_s_per_step": cpu, "step_record_bytes": 133_000,
+        "coordinator_loop_cpu_s_per_step": cpu * 0.7,
+        "coordinator_other_threads_cpu_s_per_step": cpu * 0.3}]}
+
+
+def test_a_missed_cpu_goal_at_2048_daemons_is_named_with_its_parts():
+    assert _defects(_commit_figures(2048, 0.049)) == []
+    assert _defects(_commit_figures(256, 0.080)) == []  # the goal is set at 2,048 daemons
+    (defect,) = _defects(_commit_figures(2048, 0.060))
+    assert defect.startswith("coordinator: 0.060 s of CPU per step at 2,048 daemons")
+    assert "0.042 s of it on the event loop" in defect and "4.0 us" in defect
+    assert "0.018 s on its other threads" in defect and "133,000 bytes" in defect
+    assert defect.endswith("O(daemons), never O(ranks)")

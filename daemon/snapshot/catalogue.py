@@ -74,9 +74,11 @@ class Catalogue:
     def committed_steps(self) -> list[int]:
         folder = self.root / "manifests"
         key = (folder.stat().st_mtime_ns, self._step_writes)  # before the listing
-        if self._steps is None or self._steps[0] != key:
-            self._steps = (key, sorted(int(p.name.split(".")[0]) for p in folder.glob("*.step")))
-        return list(self._steps[1])
+        listed = self._steps  # one read: another thread may replace it meanwhile
+        if listed is None or listed[0] != key:
+            listed = (key, sorted(int(p.name.split(".")[0]) for p in folder.glob("*.step")))
+            self._steps = listed  # an older listing's key no longer matches: re-listed
+        return list(listed[1])
 
     def _steps_written(self) -> None:
         """This store wrote or removed committed records: list them again (a folder's

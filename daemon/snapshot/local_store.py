@@ -249,10 +249,12 @@ class LocalStore(Catalogue):
         commit those step numbers again); returns them. The next capture is a base."""
         with self._lock:
             newer = [s for s in self.committed_steps() if s > step]
-            for s in sorted(newer, reverse=True):
-                self._record_path(s).unlink()
-                self._records.pop(s, None)
-            self._steps_written()
+            try:
+                for s in sorted(newer, reverse=True):
+                    self._record_path(s).unlink()
+                    self._records.pop(s, None)
+            finally:
+                self._steps_written()
             self._checked = {k: v for k, v in self._checked.items() if k[0] <= step}
             self._forget_held(newer)
             fsync_dir(self.root / "manifests")
@@ -317,10 +319,12 @@ class LocalStore(Catalogue):
         for s in [s for s in manifests if s >= latest - 2 * self.max_chain]:
             kept.update(sr.plan_chain(manifests, s))
         dropped = [s for s in manifests if s not in kept]
-        for s in dropped:
-            self._record_path(s).unlink()
-            self._records.pop(s, None)
-        self._steps_written()
+        try:
+            for s in dropped:
+                self._record_path(s).unlink()
+                self._records.pop(s, None)
+        finally:
+            self._steps_written()
         self._checked = {k: v for k, v in self._checked.items() if k[0] not in dropped}
         self._forget_held(dropped)
         if dropped:

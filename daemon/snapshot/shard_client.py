@@ -106,6 +106,7 @@ class ShardClient:
         self._interceptors = interceptors or None  # the daemon's token and node (auth.stamp)
         self._channel: grpc.aio.Channel | None = channel
         self._owns_channel = channel is None
+        self._put_call: tuple[grpc.aio.Channel, grpc.aio.StreamUnaryMultiCallable] | None = None
 
     def _open(self) -> grpc.aio.Channel:
         # Channels are made lazily, inside the event loop (and process) that uses them.
@@ -120,6 +121,16 @@ class ShardClient:
 
     def _stub(self) -> peer_pb2_grpc.ShardServiceStub:
         return peer_pb2_grpc.ShardServiceStub(self._open())
+
+    def _put(self) -> grpc.aio.StreamUnaryMultiCallable:
+        """PutShard taking its pieces as their wire bytes (`piece_bytes`), made once per
+        channel."""
+        channel = self._open()
+        if self._put_call is None or self._put_call[0] is not channel:
+            self._put_call = (channel, channel.stream_unary(
+                PUT_SHARD, response_deserializer=peer_pb2.PutShardReply.FromString,
+                _registered_method=True))
+        return self._put_call[1]
 
     async def close(self) -> None:
         if self._channel is not None and self._owns_channel:
@@ -178,9 +189,7 @@ class ShardClient:
                 yield piece_bytes(view[at:at + PIECE_BYTES], header if at == 0 else None)
 
         async def attempt(timeout: float) -> None:
-            put = self._open().stream_unary(  # takes pieces as their wire bytes
-                PUT_SHARD, response_deserializer=peer_pb2.PutShardReply.FromString)
-            reply = await put(pieces(), timeout=timeout)
+            reply = await self._put()(pieces(), timeout=timeout)
             if not reply.stored:
                 raise ShardTransferError(self.address, shard_id, "put", reply.message)
 
