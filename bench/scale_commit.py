@@ -282,8 +282,7 @@ def seal_check_us(daemons: int, repeats: int = 20) -> float:
             seal=Daemons.seal_of(name)))
         batch = batches[i % len(batches)]
         if batch.columns:
-            batch.columns[0].seals.extend(one.seals)
-            batch.columns[0].tags += one.tags
+            commit_tree.append(batch.columns[0], one)
         else:
             batch.columns.append(one)
     ranks_of = {n: frozenset(range(i * RANKS_PER_DAEMON, (i + 1) * RANKS_PER_DAEMON))

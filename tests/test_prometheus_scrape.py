@@ -102,13 +102,12 @@ def run(s3_server, tmp_path_factory) -> Iterator[Run]:
 
 def poll(run: Run, expr: str) -> list[dict]:
     """Ask over the run until an answer comes (the last scrape may still be due)."""
-    deadline = time.monotonic() + QUERY_DEADLINE_S
-    while not (found := range_query(run.prometheus, expr, run.start, time.time(),
-                                     SCRAPE_S)):
-        if time.monotonic() > deadline:
-            return []
-        time.sleep(SCRAPE_S)  # one scrape interval
-    return found
+    try:
+        return wait(f"data for {expr}", lambda: range_query(run.prometheus, expr, run.start,
+                                                            time.time(), SCRAPE_S),
+                    QUERY_DEADLINE_S)
+    except TimeoutError:
+        return []
 
 
 def expects_data(q: PanelQuery) -> bool:

@@ -85,8 +85,7 @@ def column(keys: RelayKeys, *reqs: peer_pb2.PrepareStepRequest, job: str = "job"
     for req in reqs:
         one = commit_tree.column(job, keys.key_for(key_of or req.node), req)
         if out.seals:
-            out.seals.extend(one.seals)
-            out.tags += one.tags
+            commit_tree.append(out, one)
         else:
             out.CopyFrom(one)
     return out
@@ -102,8 +101,7 @@ def test_a_relayed_column_keeps_the_good_seals_and_leaves_each_bad_one(kept) -> 
     no_digest = column(keys, prepare())                          # no sha256 in the seal
     batch = peer_pb2.PrepareBatch(job_id="job", columns=[column(keys, good)])
     for bad in (rank_of_a, other_job, borrowed, no_digest):
-        batch.columns[0].seals.extend(bad.seals)
-        batch.columns[0].tags += bad.tags
+        commit_tree.append(batch.columns[0], bad)
     taken = PrepareRule(PLAN, 10, (), kept).relayed(batch, keys, "a")
     assert [(p.step, p.nodes, p.sizes) for p in taken] == [(11, ["b"], [1])]
     assert taken[0].seals == [good.seal]

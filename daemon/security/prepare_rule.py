@@ -67,10 +67,14 @@ def seats_of(ranks_of: Mapping[str, AbstractSet[int]]) -> dict[bytes, Seat]:
     return seats
 
 
+_NODE_KEY = wire.tag(manifest_pb2.RankSeal.DESCRIPTOR, "node")[0]  # one byte
+
+
 def _named(seal: bytes) -> bytes:
-    """The node name a seal's bytes start with (field 1, under 128 bytes); b"" when they
-    do not start so, and the seal is then parsed."""
-    return seal[2:2 + seal[1]] if len(seal) > 1 and seal[0] == 0x0A and seal[1] < 0x80 else b""
+    """The node name a seal's bytes start with (its node field, under 128 bytes); b""
+    when they do not start so, and the seal is then parsed."""
+    return (seal[2:2 + seal[1]] if len(seal) > 1 and seal[0] == _NODE_KEY and seal[1] < 0x80
+            else b"")
 
 
 # StepRecord.seals on the wire

@@ -126,6 +126,13 @@ def column(job_id: str, key: bytes, req: peer_pb2.PrepareStepRequest) -> peer_pb
                                final=req.final, seals=[seal], tags=tag(key, identity, seal))
 
 
+def append(into: peer_pb2.SealColumn, column: peer_pb2.SealColumn) -> None:
+    """`column`'s seals and their tags after those of `into` (a column of the same step,
+    generation, layout and final flag), as a daemon on the way merges them."""
+    into.seals.extend(column.seals)
+    into.tags += column.tags
+
+
 class RelayKeys:
     """The coordinator's side of the tags: every daemon's key, derived from one secret
     that never leaves this coordinator (a new coordinator hands out new keys)."""

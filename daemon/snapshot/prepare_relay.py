@@ -110,8 +110,7 @@ class PrepareRelay:
                 have = step.waiting[key] = peer_pb2.SealColumn()
                 have.CopyFrom(c)
             else:
-                have.seals.extend(c.seals)
-                have.tags += c.tags
+                commit_tree.append(have, c)
             step.seen += len(c.seals)
             if step.seen >= expected:
                 self._flush(c.step)
