@@ -10,10 +10,13 @@ from collections.abc import Iterable
 from google.protobuf.descriptor import Descriptor
 
 Buffer = bytes | bytearray | memoryview
+_ONE_BYTE = [bytes([n]) for n in range(0x80)]  # each varint under 128
 
 
 def varint(n: int) -> bytes:
     """An unsigned integer as protobuf writes it (7 bits a byte, low first)."""
+    if n < 0x80:
+        return _ONE_BYTE[n]
     out = bytearray()
     while n >= 0x80:
         out.append(n & 0x7F | 0x80)
@@ -30,6 +33,8 @@ def tag(message: Descriptor, field: str) -> bytes:
 def delimited(key: bytes, parts: Iterable[Buffer]) -> list[Buffer]:
     """Each of `parts` as one length-delimited field under `key`, to be joined."""
     out: list[Buffer] = []
+    one = _ONE_BYTE
     for part in parts:
-        out += (key, varint(memoryview(part).nbytes), part)
+        n = len(part) if type(part) is bytes else memoryview(part).nbytes
+        out += (key, one[n] if n < 0x80 else varint(n), part)
     return out

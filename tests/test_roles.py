@@ -103,8 +103,25 @@ def test_a_relayed_column_keeps_the_good_seals_and_leaves_each_bad_one(kept) -> 
     for bad in (rank_of_a, other_job, borrowed, no_digest):
         commit_tree.append(batch.columns[0], bad)
     taken = PrepareRule(PLAN, 10, (), kept).relayed(batch, keys, "a")
-    assert [(p.step, p.nodes, p.sizes) for p in taken] == [(11, ["b"], [1])]
-    assert taken[0].seals == [good.seal]
+    assert [(p.step, p.nodes, p.sizes, p.firsts) for p in taken] == [(11, ["b"], [1], [1])]
+    assert taken[0].seals == [good.seal.SerializeToString(deterministic=True)]
+
+
+def test_a_relayed_seal_with_bases_is_taken_with_its_oldest_and_a_base_not_before_its_step_is_not(
+        ) -> None:
+    keys = RelayKeys()
+    plan = PlanState(generation=3, layout=Layout(dp=3, pp=1, tp=1), resume_step=10,
+                     members=tuple(Member(f"{n}/1", n, Coord(r, r, 0, 0))
+                                   for r, n in enumerate("abc")))
+    reqs = []
+    for rank, (node, bases) in enumerate([("a", [7, 4]), ("b", []), ("c", [4, 11])]):
+        req = sealed(prepare(node=node, rank=rank, dp=3))
+        req.seal.bases.extend(bases)
+        reqs.append(req)
+    taken = PrepareRule(plan, 10).relayed(
+        peer_pb2.PrepareBatch(job_id="job", columns=[column(keys, *reqs)]), keys, "a")
+    # c's base 11 is not before step 11: its deltas could not apply
+    assert [(p.nodes, p.firsts, p.oldest) for p in taken] == [(["a", "b"], [0, 1], [4, 11])]
 
 
 def test_a_seal_moved_to_another_step_or_altered_on_the_way_is_refused() -> None:
@@ -168,3 +185,16 @@ def test_a_daemons_prepare_sent_again_replaces_its_first_and_is_counted_once() -
         req.seal.ranks.extend(ranks)
         pending.add(Prepared.of(req))
         assert pending.covered == len(ranks) and not pending.complete
+
+
+def test_a_seal_repeated_in_a_column_on_the_way_is_counted_once() -> None:
+    # A daemon on the way copies b's seal, tag and all: the column checks, but b's rank
+    # counts once, so the step of two ranks is not complete on b's word alone.
+    keys = RelayKeys()
+    b = sealed(prepare())
+    taken = PrepareRule(PLAN, 10).relayed(
+        peer_pb2.PrepareBatch(job_id="job", columns=[column(keys, b, b)]), keys, "x")
+    assert [p.nodes for p in taken] == [["b", "b"]]
+    pending = PendingStep(b.layout, 3, 2)
+    pending.add(taken[0])
+    assert pending.covered == 1 and not pending.complete

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stalwart.core import manifest as mf
 from stalwart.core import step_record as sr
@@ -58,6 +60,29 @@ def test_a_seal_covers_a_record_but_not_who_holds_its_shards() -> None:
             sr.check(record, [forged, states[1]])
     with pytest.raises(mf.ManifestError, match="do not match their seal"):
         sr.check(record, states[:1])  # half of a seal's records
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 9), st.lists(st.integers(0, 4), max_size=3),
+                          st.binary(min_size=32, max_size=32)), min_size=1, max_size=12))
+def test_a_record_from_the_seals_bytes_is_the_record_from_their_messages(nodes) -> None:
+    # What the coordinator commits from the bytes its prepares came in is, field for
+    # field and digest for digest, the record built from the parsed seals.
+    seals, first = [], 0
+    for i, (count, bases, digest) in enumerate(nodes):
+        seals.append(manifest_pb2.RankSeal(node=f"n{i}", ranks=range(first, first + count),
+                                           digest=digest, bases=sorted(bases)))
+        first += count
+    common = {"job_id": "j", "step": 5, "generation": 2, "base_step": 0,
+              "layout": common_pb2.ParallelLayout(dp=first, pp=1, tp=1),
+              "created_unix_ms": 1234}
+    built = sr.build(seals=seals, **common)
+    from_bytes = sr.build_from_bytes(
+        seals=[s.SerializeToString(deterministic=True) for s in seals], **common)
+    assert from_bytes == built
+    assert from_bytes.SerializeToString(deterministic=True) == \
+        built.SerializeToString(deterministic=True)
+    sr.verify(from_bytes)
 
 
 def test_a_record_must_cover_every_rank_once_and_keep_its_digest() -> None:

@@ -18,6 +18,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Protocol
 
 from stalwart.core import step_record as sr
@@ -58,20 +59,26 @@ def world_of(lay: common_pb2.ParallelLayout) -> int:
 @dataclass(frozen=True)
 class Prepared:
     """Prepares of one step that the coordinator has checked: the seal of each daemon's
-    ranks, with its node and the number of ranks it covers. One daemon's direct
-    prepare, or a column of many that came up the commit tree."""
+    ranks (its bytes, a `RankSeal`), with its node, the number of ranks it covers, its
+    first rank, and the oldest step its deltas apply to (the step itself when none).
+    One daemon's direct prepare, or a column of many that came up the commit tree."""
     step: int
     generation: int
     layout: common_pb2.ParallelLayout
     final: bool
     nodes: list[str]
     sizes: list[int]
-    seals: list[manifest_pb2.RankSeal]
+    firsts: list[int]
+    seals: list[bytes]
+    oldest: list[int]
 
     @classmethod
     def of(cls, req: peer_pb2.PrepareStepRequest) -> Prepared:
+        seal = req.seal
         return cls(req.step, req.generation, req.layout, req.final, [req.node],
-                   [len(req.seal.ranks)], [req.seal])
+                   [len(seal.ranks)], [seal.ranks[0] if seal.ranks else -1],
+                   [seal.SerializeToString(deterministic=True)],
+                   [min(seal.bases, default=req.step)])
 
 
 @dataclass
@@ -81,20 +88,26 @@ class PendingStep:
     layout: common_pb2.ParallelLayout
     generation: int
     world: int
-    # node -> the seal of its ranks: a daemon prepares all its ranks of a step at once,
-    # and a prepare sent again replaces the first (the prepare rule keeps each seal to
-    # its own node's ranks, each once, so the seals cover the step's ranks once each)
-    seals: dict[str, manifest_pb2.RankSeal] = field(default_factory=dict)
+    # node -> (first rank, seal's bytes, ranks, oldest base) of its ranks: a daemon
+    # prepares all its ranks of a step at once, and a prepare sent again replaces the
+    # first (the prepare rule keeps each seal to its own node's ranks, each once, so
+    # the seals cover the step's ranks once each, and sort by their first rank)
+    seals: dict[str, tuple[int, bytes, int, int]] = field(default_factory=dict)
     covered: int = 0
     finals: dict[str, int] = field(default_factory=dict)  # node -> its ranks ending here
 
     def add(self, p: Prepared) -> None:
-        seals = self.seals
-        for node, size, seal in zip(p.nodes, p.sizes, p.seals, strict=True):
-            if (old := seals.get(node)) is not None:
-                self.covered -= len(old.ranks)
-            seals[node] = seal
-            self.covered += size
+        seals, nodes = self.seals, p.nodes
+        fresh = zip(nodes, zip(p.firsts, p.seals, p.sizes, p.oldest, strict=True), strict=True)
+        if seals.keys().isdisjoint(nodes) and len(set(nodes)) == len(nodes):
+            seals.update(fresh)  # the usual case, in C: each node's first seal of the step
+            self.covered += sum(p.sizes)
+        else:
+            for node, sealed in fresh:  # some sent again: each replaces its node's last
+                if (old := seals.get(node)) is not None:
+                    self.covered -= old[2]
+                seals[node] = sealed
+                self.covered += sealed[2]
         layout = p.layout
         if layout != self.layout:
             self.layout, self.world = layout, world_of(layout)
@@ -128,7 +141,8 @@ class StepCommits:
     _committing: asyncio.Lock = field(default_factory=asyncio.Lock)
     # The record first sent for each pending step: a retry sends the same bytes, so a
     # daemon that committed the first attempt accepts it again (a rebuilt one differs).
-    _built: dict[int, manifest_pb2.StepRecord] = field(default_factory=dict)
+    _built: dict[int, tuple[manifest_pb2.StepRecord, list[bytes]]] = field(
+        default_factory=dict)
     _retry: asyncio.TimerHandle | None = None
     _retrying: asyncio.Future[None] | None = None
     # (monotonic time, step) of the recent commits: their spacing is the pace of the job
@@ -246,20 +260,24 @@ class StepCommits:
 
     async def _commit(self, step: int, pending: PendingStep) -> bool:
         """Phase two of one complete step on every daemon; False to try again later."""
-        seals = list(pending.seals.values())
-        record = self._built.get(step)
-        if (record is None or record.generation != pending.generation
-                or sorted(x.SerializeToString() for x in record.seals)
-                != sorted(x.SerializeToString() for x in seals)):
-            bases = [b for x in seals for b in x.bases]
-            record = self._built[step] = sr.build(
+        order = sorted(pending.seals.values())  # by first rank
+        seals = [s[1] for s in order]
+        built = self._built.get(step)
+        if built is not None and built[0].generation == pending.generation \
+                and built[1] == seals:
+            record = built[0]
+        else:
+            record = sr.build_from_bytes(
                 job_id=self.job_id, step=step, generation=pending.generation,
-                layout=pending.layout, seals=seals, base_step=min(bases, default=step))
+                layout=pending.layout, seals=seals,
+                base_step=min(map(itemgetter(3), order), default=step))
+            self._built[step] = (record, seals)
         t0 = time.monotonic()
-        request, targets = self._phase_two(record)
+        nodes = sorted(pending.seals)  # the record's, as commit_tree.nodes_of gives them
+        request, targets = self._phase_two(record, nodes)
         mine, missed = await asyncio.gather(
             self.links.commit_step(self.node, request),
-            commit_tree.pass_on(request, targets, self.links.commit_step),
+            commit_tree.pass_on(request, targets, self.links.commit_step, nodes),
             return_exceptions=True)
         if isinstance(mine, BaseException):
             # Not committed here means not committed: keep it pending and retry soon,
@@ -282,15 +300,15 @@ class StepCommits:
         self._built = {s: m for s, m in self._built.items() if s in self.steps}
         return True
 
-    def _phase_two(self, record: manifest_pb2.StepRecord
+    def _phase_two(self, record: manifest_pb2.StepRecord, nodes: list[str]
                    ) -> tuple[peer_pb2.CommitStepRequest, list[str]]:
         """The request that commits `record`, and the daemons this coordinator sends it
-        to: every live one, or with the commit tree its children in it (and its own
-        children there, and the daemons outside the tree)."""
+        to: every live one, or with the commit tree over `nodes` (those the record's
+        seals name, sorted) its children in it (and its own children there, and the
+        daemons outside the tree)."""
         live = [n for n in self.links.nodes() if n != self.node]
         if not self.keyed or self.fanout <= 0 or len(live) <= self.fanout:
             return peer_pb2.CommitStepRequest(record=record), live
-        nodes = commit_tree.nodes_of(record)
         inside = set(nodes)
         targets = dict.fromkeys([*commit_tree.children(nodes, None, self.fanout),
                                  *commit_tree.children(nodes, self.node, self.fanout),

@@ -12,6 +12,7 @@ comparison of bytes and its tag; any other seal is parsed and checked field by f
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 from collections.abc import Collection, Mapping
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from stalwart.core import step_record as sr
 from stalwart.core import wire
 from stalwart.core.decide import PlanState
 from stalwart.daemon.errors import NotReady
@@ -46,14 +48,22 @@ def ranks_by_node(plan: PlanState) -> dict[str, frozenset[int]]:
     return {node: frozenset(ranks) for node, ranks in placed.items()}
 
 
+# A seal's digest field holding one sha256, as every daemon writes it after its ranks
+_DIGEST_KEY = wire.tag(manifest_pb2.RankSeal.DESCRIPTOR, "digest") + wire.varint(32)
+_DIGEST_FIELD = len(_DIGEST_KEY) + 32
+
+
 @dataclass(frozen=True, slots=True)
 class Seat:
     """A node's place in the plan as its relayed seals are checked: the bytes a seal of
     exactly its ranks starts with (its node and ranks fields, as a daemon serialises
-    them), and the number of ranks such a seal covers."""
+    them), the number of ranks and the first rank such a seal covers, and the length
+    of such a seal with its sha256 and no bases (-1: a seat found by parsing)."""
     node: str
     prefix: bytes
     size: int
+    first: int
+    whole: int
 
 
 def seats_of(ranks_of: Mapping[str, AbstractSet[int]]) -> dict[bytes, Seat]:
@@ -63,7 +73,8 @@ def seats_of(ranks_of: Mapping[str, AbstractSet[int]]) -> dict[bytes, Seat]:
         ordered = sorted(ranks)
         prefix = manifest_pb2.RankSeal(node=node, ranks=ordered).SerializeToString(
             deterministic=True)
-        seats[node.encode()] = Seat(node, prefix, len(ordered))
+        seats[node.encode()] = Seat(node, prefix, len(ordered), ordered[0],
+                                    len(prefix) + _DIGEST_FIELD)
     return seats
 
 
@@ -77,14 +88,10 @@ def _named(seal: bytes) -> bytes:
             else b"")
 
 
-# StepRecord.seals on the wire
-SEALS_FIELD = wire.tag(manifest_pb2.StepRecord.DESCRIPTOR, "seals")
-
-
 def _parse(seals: list[bytes]) -> list[manifest_pb2.RankSeal]:
     """Many seals' bytes as messages, in one parse (the seals field of a record)."""
     return list(manifest_pb2.StepRecord.FromString(
-        b"".join(wire.delimited(SEALS_FIELD, seals))).seals)
+        b"".join(wire.delimited(sr.SEALS_FIELD, seals))).seals)
 
 
 @dataclass(frozen=True)
@@ -175,45 +182,79 @@ class PrepareRule:
         step, width = column.step, commit_tree.TAG_BYTES
         identity = commit_tree.column_identity(job_id, step, column.generation,
                                                column.layout, column.final)
+        salt, person = identity[:16], identity[16:]
         seats = seats_of(self._ranks_of()) if self.seats is None else self.seats
-        tags = column.tags
-        nodes, sizes, kept = [], [], []
-        for i, seal in enumerate(column.seals):
-            seat = seats.get(_named(seal))
+        key_for, blake2b, node_key = keys.key_for, hashlib.blake2b, _NODE_KEY
+        seals = list(column.seals)
+        at, chosen, made = [], [], []  # per seal that has a seat: its index, seat, tag
+        deep = []  # positions in `chosen` of seals with more than node, ranks and digest
+        for i, seal in enumerate(seals):
+            # The node's name as a daemon writes it (see _named), inline: this loop runs
+            # for every daemon of the job every step.
+            seat = seats.get(seal[2:2 + seal[1]] if len(seal) > 1 and seal[0] == node_key
+                             and seal[1] < 0x80 else b"")
             if seat is None or not seal.startswith(seat.prefix):
                 try:
                     seat = self._seat_of(seal)
                 except (DecodeError, validate.InvalidRequest, Forbidden) as exc:
                     self._refused(via, step, seal, str(exc))
                     continue
-            if not hmac.compare_digest(commit_tree.tag(keys.key_for(seat.node), identity, seal),
-                                       tags[i * width:(i + 1) * width]):
-                self._refused(via, step, seal, "its tag is not its daemon's for this step: "
-                              "it was altered, moved or forged on the way")
-                continue
-            nodes.append(seat.node)
-            sizes.append(seat.size)
-            kept.append(seal)
+            if (len(seal) != seat.whole
+                    or not seal.startswith(_DIGEST_KEY, seat.whole - _DIGEST_FIELD)):
+                deep.append(len(chosen))
+            at.append(i)
+            chosen.append(seat)
+            # commit_tree.tag, inline
+            made.append(blake2b(seal, key=key_for(seat.node), digest_size=width, salt=salt,
+                                person=person).digest())
+        tags = column.tags
+        if len(at) == len(seals) and hmac.compare_digest(b"".join(made), tags):
+            good = list(range(len(at)))
+        else:
+            good = []
+            for j, i in enumerate(at):
+                if hmac.compare_digest(made[j], tags[i * width:(i + 1) * width]):
+                    good.append(j)
+                else:
+                    self._refused(via, step, seals[i], "its tag is not its daemon's for "
+                                  "this step: it was altered, moved or forged on the way")
+        oldest = [step] * len(at)
+        if deep:
+            good = self._check_deep(via, step, [seals[i] for i in at], chosen, deep, good,
+                                    oldest)
+        return Prepared(step, column.generation, column.layout, column.final,
+                        [chosen[j].node for j in good], [chosen[j].size for j in good],
+                        [chosen[j].first for j in good], [seals[at[j]] for j in good],
+                        [oldest[j] for j in good])
+
+    def _check_deep(self, via: str, step: int, seals: list[bytes], seats: list[Seat],
+                    deep: list[int], good: list[int], oldest: list[int]) -> list[int]:
+        """Of `good` (positions in `seals`), those whose seals in `deep` hold exactly
+        their seat's node and ranks, one sha256 and bases before `step`, parsed in one
+        call; writes each one's oldest base into `oldest`. A seal of exactly node, ranks
+        and digest as a daemon writes them needs none of this (its bytes say so)."""
+        wanted = sorted(set(deep) & set(good))
         try:
-            parsed = _parse(kept)
+            parsed = _parse([seals[j] for j in wanted])
         except DecodeError:  # one does not parse past its prefix: find which
             parsed = []
-            for seal in kept:
+            for j in wanted:
                 try:
-                    parsed.append(manifest_pb2.RankSeal.FromString(seal))
+                    parsed.append(manifest_pb2.RankSeal.FromString(seals[j]))
                 except DecodeError as exc:
                     parsed.append(manifest_pb2.RankSeal())  # refused below: no node
-                    self._refused(via, step, seal, f"it does not parse: {exc}")
-        good = [i for i, (s, node, size) in enumerate(zip(parsed, nodes, sizes, strict=True))
-                if s.node == node and len(s.ranks) == size and len(s.digest) == 32
-                and (not s.bases or max(s.bases) < step)]
-        if len(good) < len(parsed):
-            for i in sorted(set(range(len(parsed))) - set(good)):
-                self._refused(via, step, kept[i], "its digest is not one sha256, its ranks "
+                    self._refused(via, step, seals[j], f"it does not parse: {exc}")
+        bad = set()
+        for j, s in zip(wanted, parsed, strict=True):
+            bases = s.bases
+            if (s.node != seats[j].node or len(s.ranks) != seats[j].size
+                    or len(s.digest) != 32 or (bases and max(bases) >= step)):
+                bad.add(j)
+                self._refused(via, step, seals[j], "its digest is not one sha256, its ranks "
                               "or node repeat, or it names a base not before its step")
-            nodes, sizes, parsed = ([xs[i] for i in good] for xs in (nodes, sizes, parsed))
-        return Prepared(step, column.generation, column.layout, column.final, nodes, sizes,
-                        parsed)
+            elif bases:
+                oldest[j] = min(bases)
+        return [j for j in good if j not in bad] if bad else good
 
     def _seat_of(self, data: bytes) -> Seat:
         """The seat of a seal that is not exactly its node's ranks (a subset, or bytes
@@ -221,7 +262,7 @@ class PrepareRule:
         seal = manifest_pb2.RankSeal.FromString(data)
         validate.relayed_seal(seal)
         self._own_ranks(seal.node, seal.ranks)
-        return Seat(seal.node, b"", len(seal.ranks))
+        return Seat(seal.node, b"", len(seal.ranks), seal.ranks[0], -1)
 
     @staticmethod
     def _refused(via: str, step: int, seal: bytes, why: str) -> None:
