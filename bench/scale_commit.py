@@ -50,6 +50,7 @@ from stalwart.core import step_record as sr
 from stalwart.daemon.links import CommitSender
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.step_commits import StepCommits
+from stalwart.daemon.rpc import step_stream
 from stalwart.daemon.security.prepare_rule import PrepareRule, seats_of
 from stalwart.daemon.snapshot import commit_tree
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
@@ -57,6 +58,7 @@ from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
 K, M = 4, 2
 WORKERS = 2
 HOPS = 5  # repetitions of the hop measurement
+STOP_GRACE_S = 2.0  # for the step streams to end before their server stops
 
 # A 70B model at TP 8 x PP 8: about 15 GB of parameters and AdamW state per rank in
 # 4 MiB chunks, each in k + m shards, about 270 tensors.
@@ -126,6 +128,7 @@ class _Coordinator(peer_pb2_grpc.PeerServiceServicer):
         self.seats = seats_of(self.ranks_of)
         self.last_in: dict[int, float] = {}
         self.count: dict[int, int] = {}
+        self.ending = asyncio.Event()  # the bench is over: streams end, as a daemon's do
 
     def _rule(self) -> PrepareRule:
         """The coordinator's prepare rule, as JobGate makes it for each call."""
@@ -144,13 +147,17 @@ class _Coordinator(peer_pb2_grpc.PeerServiceServicer):
         return peer_pb2.PrepareStepReply(
             ready=True, relay_key=self.commits.relay_keys.key_for(request.node))
 
-    async def RelayPrepares(self, request, context):  # noqa: N802 - gRPC method name
-        # as JobGate.relay_from, whose loop this is
-        taken = self._rule().relayed(request, self.commits.relay_keys, "bench")
+    async def StepStream(self, requests, context):  # noqa: N802 - gRPC method name
+        async for answer in step_stream.answers(requests, self._prepares, self.ending):
+            yield answer
+
+    async def _prepares(self, message: peer_pb2.StepMessage) -> tuple[grpc.StatusCode, str]:
+        # as PeerServicer._relay and JobGate.relay_from, whose loop this is
+        taken = self._rule().relayed(message.prepares, self.commits.relay_keys, "bench")
         for p in taken:
             self._arrived(p.step, len(p.seals))
         await self.commits.prepared(*taken)
-        return common_pb2.Ack(accepted=True)
+        return grpc.StatusCode.OK, ""
 
 
 async def _simulate(daemons: int, steps: int) -> dict[str, Any]:
@@ -227,9 +234,10 @@ async def _simulate(daemons: int, steps: int) -> dict[str, Any]:
             pipe.send(None)
         for proc in procs:
             proc.join(10)
+        servicer.ending.set()
         for channel in channels:
             await channel.close()
-        await server.stop(0)
+        await server.stop(STOP_GRACE_S)
     latencies.sort()
     return {"latencies": latencies, "cpu": statistics.median(cpu),
             "loop_cpu": statistics.median(loop_cpu), "other_cpu": statistics.median(other_cpu),

@@ -19,16 +19,19 @@ from stalwart.core import step_record as sr
 from stalwart.daemon.background import Background
 from stalwart.daemon.config_schema import default
 from stalwart.daemon.links import CommitSender
+from stalwart.daemon.rpc import step_stream
 from stalwart.daemon.snapshot import commit_tree
 from stalwart.daemon.snapshot.prepare_relay import PrepareRelay
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
 
 RANKS_PER_DAEMON = 8
-NODE_KEY = "stalwart-bench-node"
+NODE_KEY = "stalwart-bench-node"  # the simulated daemon a request is for
+FROM_KEY = "stalwart-bench-from"  # and the one it comes from: a stream each, as daemons have
 RPC_TIMEOUT_S = 120.0
 IN_FLIGHT = 128  # prepares one worker has in flight (its daemons send at once)
 FANOUT = default("commit_fanout")  # the commit tree's, as a daemon has it by default
 COORDINATOR = "coordinator"
+STOP_GRACE_S = 2.0  # for the step streams to end before their server stops
 SINK = "sink"  # a child that only acknowledges (the hop measurement)
 
 
@@ -44,12 +47,14 @@ class Daemons(peer_pb2_grpc.PeerServiceServicer):
         self.last_at: dict[int, float] = {}
         self.prepare_bytes = 0  # sent up by these daemons: their own and relayed ones
         self.coordinator: peer_pb2_grpc.PeerServiceStub | None = None
+        self.coordinator_channel: grpc.aio.Channel | None = None
         plan = common_pb2.Plan(generation=1, coordinator=COORDINATOR, commit_fanout=FANOUT)
         self.plan = plan
         self.relays = {n: PrepareRelay(n, "bench", lambda: plan, partial(self._up, n))
                        for n in names}
         self.received = self.passed = 0
         self.all_in = asyncio.Condition()
+        self.ending = asyncio.Event()  # the bench is over: streams end, as a daemon's do
         self.passing = Background()
 
     @staticmethod
@@ -59,17 +64,28 @@ class Daemons(peer_pb2_grpc.PeerServiceServicer):
         return sr.seal(name, [manifest_pb2.RankState(rank=first + r, node=name)
                               for r in range(RANKS_PER_DAEMON)])
 
-    async def CommitStep(self, request, context):  # noqa: N802 - gRPC method name
+    async def StepStream(self, requests, context):  # noqa: N802 - gRPC method name
+        """A daemon's step stream: commits down, prepares up, as the daemon's own."""
         node = dict(context.invocation_metadata())[NODE_KEY]
+        async for answer in step_stream.answers(requests, partial(self._step, node),
+                                                self.ending):
+            yield answer
+
+    async def _step(self, node: str, message: peer_pb2.StepMessage
+                    ) -> tuple[grpc.StatusCode, str]:
+        if message.WhichOneof("body") == step_stream.PREPARES:
+            self.relays[node].add(list(message.prepares.columns))
+            return grpc.StatusCode.OK, ""
         if node == SINK:  # the hop measurement's children: they only answer
-            return peer_pb2.CommitStepReply(committed=True)
+            return grpc.StatusCode.OK, ""
+        request = message.commit
         record = request.record
         sr.verify(record)
         own = sr.seal_of(record, self.seals[node].ranks[0])
         if own.digest != self.seals[node].digest:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "own seal differs")
+            return grpc.StatusCode.FAILED_PRECONDITION, "own seal differs"
         if request.fanout and not commit_tree.signed_by(self.key, record, request.signature):
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "not the coordinator's")
+            return grpc.StatusCode.PERMISSION_DENIED, "not the coordinator's"
         self.received += request.ByteSize()
         self.committed[record.step] = self.committed.get(record.step, 0) + 1
         self.last_at[record.step] = time.perf_counter()
@@ -79,22 +95,17 @@ class Daemons(peer_pb2_grpc.PeerServiceServicer):
             self.passing.start(commit_tree.pass_on(request, targets, self._send))
         async with self.all_in:
             self.all_in.notify_all()
-        return peer_pb2.CommitStepReply(committed=True)
-
-    async def RelayPrepares(self, request, context):  # noqa: N802 - gRPC method name
-        node = dict(context.invocation_metadata())[NODE_KEY]
-        self.relays[node].add(list(request.columns))
-        return common_pb2.Ack(accepted=True)
+        return grpc.StatusCode.OK, ""
 
     async def _up(self, node: str, target: str | None, batch: peer_pb2.PrepareBatch) -> None:
-        """A simulated daemon's batch of prepares to its parent or the coordinator."""
+        """A simulated daemon's batch of prepares to its parent or the coordinator, on
+        its step stream there (as Links.relay_prepares)."""
         self.prepare_bytes += batch.ByteSize()
-        if target is None:
-            assert self.coordinator is not None
-            await self.coordinator.RelayPrepares(batch, timeout=RPC_TIMEOUT_S)
-            return
-        await peer_pb2_grpc.PeerServiceStub(self.where[target]).RelayPrepares(
-            batch, timeout=RPC_TIMEOUT_S, metadata=((NODE_KEY, target),))
+        assert self.coordinator_channel is not None
+        channel = self.coordinator_channel if target is None else self.where[target]
+        await self.sender.streams.send(channel, step_stream.PREPARES, batch.SerializeToString(),
+                                       RPC_TIMEOUT_S, metadata=((NODE_KEY, target or ""),
+                                                                (FROM_KEY, node)))
 
     async def prepare(self, room: asyncio.Semaphore, step: int, name: str,
                       layout: common_pb2.ParallelLayout) -> None:
@@ -145,6 +156,7 @@ async def _serve(names: list[str], coordinator: str, key: bytes, conn: Any) -> N
     daemons.plan.assignments.extend(common_pb2.RankAssignment(node=n) for n in everyone)
     async with grpc.aio.insecure_channel(coordinator) as channel:
         daemons.coordinator = peer_pb2_grpc.PeerServiceStub(channel)
+        daemons.coordinator_channel = channel
         layout = common_pb2.ParallelLayout(dp=len(names), pp=1, tp=RANKS_PER_DAEMON)
         while True:
             order = await loop.run_in_executor(None, conn.recv)
@@ -161,6 +173,7 @@ async def _serve(names: list[str], coordinator: str, key: bytes, conn: Any) -> N
             await daemons.passing.drain()  # its own relays finish this step
             conn.send((sent, daemons.received + daemons.passed, dict(daemons.committed),
                        daemons.last_at.get(step, 0.0), time.process_time() - cpu0))
+    daemons.ending.set()
     for peer in peers:
         await peer.close()
-    await server.stop(0)
+    await server.stop(STOP_GRACE_S)

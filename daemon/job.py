@@ -183,8 +183,8 @@ class Job:
         if node is None and self.leadership.is_leader():
             await self.gate.relay_from(self.node, batch)
             return
-        stub = self.links.coordinator() if node is None else self.links.stub(node)
-        await stub.RelayPrepares(batch, timeout=RPC_TIMEOUT_S)
+        await self.links.relay_prepares(self.leadership.leader() if node is None else node,
+                                        batch)
 
     async def _catch_up(self) -> None:
         """Before deciding, a new coordinator takes the commits its predecessor did not

@@ -17,20 +17,22 @@ from stalwart.daemon.background import Background
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.peers import Peer, PeerChannels
 from stalwart.daemon.recovery.election import Leadership
+from stalwart.daemon.rpc.step_stream import COMMIT, PREPARES, StepStreams
 from stalwart.daemon.snapshot import commit_tree
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon.links")
 
 RPC_TIMEOUT_S = 10.0
-COMMIT_STEP = "/stalwart.v1.PeerService/CommitStep"
 
 
 class CommitSender:
     """Phase two to many daemons with one serialisation: a step's CommitStep goes to
-    every daemon as the same bytes, so it is encoded once per step, not once per daemon."""
+    every daemon as the same bytes, so it is encoded once per step, not once per daemon,
+    and sent on the step stream to each (daemon/rpc/step_stream.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, streams: StepStreams | None = None) -> None:
+        self.streams = StepStreams() if streams is None else streams
         self._encoded: tuple[peer_pb2.CommitStepRequest | None, bytes] = (None, b"")
 
     def encoded(self, request: peer_pb2.CommitStepRequest) -> bytes:
@@ -39,11 +41,9 @@ class CommitSender:
         return self._encoded[1]
 
     async def send(self, channel: grpc.aio.Channel, request: peer_pb2.CommitStepRequest | bytes,
-                   timeout: float, metadata: tuple = ()) -> peer_pb2.CommitStepReply:
+                   timeout: float, metadata: tuple = ()) -> None:
         data = request if isinstance(request, bytes) else self.encoded(request)
-        call = channel.unary_unary(COMMIT_STEP, request_serializer=None,
-                                   response_deserializer=peer_pb2.CommitStepReply.FromString)
-        return await call(data, timeout=timeout, metadata=metadata or None)
+        await self.streams.send(channel, COMMIT, data, timeout, metadata)
 
 
 class Links:
@@ -56,7 +56,8 @@ class Links:
                  metrics: Metrics | None = None) -> None:
         self.node, self.peers, self.channels, self.leadership = node, peers, channels, leadership
         self.adopt_plan, self.commit = adopt_plan, commit
-        self.commits = CommitSender()
+        self.streams = StepStreams()  # commits down and prepares up, per peer
+        self.commits = CommitSender(self.streams)
         self.metrics = metrics
         self._told = -1  # the generation whose commit tree was last logged
         self._passing = Background()
@@ -105,6 +106,14 @@ class Links:
             await self.commit(request.record)
             return
         await self.commits.send(self.channel(node), request, RPC_TIMEOUT_S)
+
+    async def relay_prepares(self, node: str, batch: peer_pb2.PrepareBatch) -> None:
+        """A batch of prepares to `node` (a daemon, or the coordinator) on the step
+        stream; LookupError when it is not a live member, AioRpcError when refused."""
+        if not node:
+            raise LookupError("no coordinator is known yet (the etcd seat is empty)")
+        await self.streams.send(self.channel(node), PREPARES, batch.SerializeToString(),
+                                RPC_TIMEOUT_S)
 
     def pass_on(self, request: peer_pb2.CommitStepRequest) -> None:
         """A commit that reached this daemon through the commit tree goes on to this

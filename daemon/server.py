@@ -154,7 +154,7 @@ class Daemon:
         peer_pb2_grpc.add_PeerServiceServicer_to_server(
             PeerServicer(self.membership, self.registry, self.peer_info, self.auth,
                          self.job.gate, self.job.leadership.leader, metrics=self.metrics,
-                         job_id=cfg.job_id), server)
+                         job_id=cfg.job_id, stopping=self.stopping), server)
         names = [*SERVICES, "stalwart.v1.ShardService"]
         shard = ShardServicer(self.data_dir / "shards", self.metrics, auth=self.auth,
                               quota=self.job.snapshots.quota, policy=self.job.gate)

@@ -16,6 +16,8 @@ from snapshot_states import commit_step
 
 from stalwart.core.step_record import seal, split
 from stalwart.daemon.config import SnapshotConfig
+from stalwart.daemon.rpc import step_stream
+from stalwart.daemon.rpc.step_stream import StepStreams
 from stalwart.daemon.security.roles import MAX_GENERATION_JUMP
 from stalwart.daemon.server import Daemon
 from stalwart.daemon.snapshot.shard_client import ShardClient, ShardTransferError
@@ -75,28 +77,62 @@ def test_a_plan_that_jumps_generations_is_refused_and_real_plans_still_install(
 # --- commits -------------------------------------------------------------------------
 
 
-def test_a_forged_or_empty_commit_is_refused(tmp_path: Path) -> None:
-    async def body(daemon: Daemon) -> tuple[str, str, int | None]:
+def test_a_forged_or_empty_commit_is_refused_as_a_call_and_on_the_step_stream(
+        tmp_path: Path) -> None:
+    async def body(daemon: Daemon) -> dict[str, str]:
         from stalwart.daemon.snapshot.local_store import LocalStore
         store = daemon.job.snapshots.store
         commit_step(store, 1)
         elsewhere = LocalStore(tmp_path / "attacker", chunk_bytes=8192)
         commit_step(elsewhere, 1)
         invented = commit_step(elsewhere, 2)  # sealed and consistent, of a step never taken
+        forged = peer_pb2.CommitStepRequest(record=split(invented))
+        empty = peer_pb2.CommitStepRequest(
+            record=manifest_pb2.StepRecord(job_id="default", step=0, generation=1))
+        streams = StepStreams()
+        out = {}
         async with grpc.aio.insecure_channel(daemon.address) as ch:
             stub = peer_stub(daemon, ch)
-            forged = await code_of(stub.CommitStep(peer_pb2.CommitStepRequest(
-                record=split(invented)), metadata=as_node("n9"), timeout=5))
-            empty = await code_of(stub.CommitStep(peer_pb2.CommitStepRequest(
-                record=manifest_pb2.StepRecord(job_id="default", step=0, generation=1)),
-                metadata=as_node("n1"), timeout=5))
-        return forged, empty, store.latest_committed()
+            out["forged"] = await code_of(stub.CommitStep(forged, metadata=as_node("n9"),
+                                                          timeout=5))
+            out["empty"] = await code_of(stub.CommitStep(empty, metadata=as_node("n1"),
+                                                         timeout=5))
+            for name, request, who in (("forged", forged, as_node("n9")),
+                                       ("empty", empty, as_node("n1")),
+                                       ("no token", forged, ())):
+                out[f"{name} on the stream"] = await code_of(streams.send(
+                    ch, step_stream.COMMIT, request.SerializeToString(), 5, metadata=who))
+        out["latest"] = str(store.latest_committed())
+        return out
 
-    forged, empty, latest = run(config(tmp_path), body)
-    assert forged.startswith("PERMISSION_DENIED: the commit of step 2 comes only from the "
-                             "coordinator")
-    assert empty.startswith("INVALID_ARGUMENT: the record of step 0 has no seals")
-    assert latest == 1
+    seen = run(config(tmp_path), body)
+    for way in ("", " on the stream"):
+        assert seen["forged" + way].startswith(
+            "PERMISSION_DENIED: the commit of step 2 comes only from the coordinator")
+        assert seen["empty" + way].startswith(
+            "INVALID_ARGUMENT: the record of step 0 has no seals")
+    assert seen["no token on the stream"].startswith("UNAUTHENTICATED: no job token")
+    assert seen["latest"] == "1"
+
+
+def test_undecodable_bytes_on_the_step_stream_end_it_as_invalid_and_the_daemon_serves_on(
+        tmp_path: Path) -> None:
+    async def body(daemon: Daemon) -> tuple[str, str]:
+        async with grpc.aio.insecure_channel(daemon.address) as ch:
+            call = ch.stream_stream(step_stream.STEP_STREAM, request_serializer=None,
+                                    response_deserializer=peer_pb2.StepAnswer.FromString)(
+                metadata=as_node("n1"))
+            await call.write(b"\xff\xff\xff")  # no protobuf
+            garbage = await code_of(call.read())
+            info = await peer_stub(daemon, ch).Gossip(peer_pb2.PeerInfo(node="n1"),
+                                                      metadata=as_node("n1"), timeout=5)
+        return garbage, info.coordinator
+
+    garbage, coordinator = run(config(tmp_path), body)
+    assert garbage == ("INVALID_ARGUMENT: /stalwart.v1.PeerService/StepStream: a piece of the "
+                       "request stream is not a valid message (DecodeError); send the "
+                       "protobuf of this RPC")
+    assert coordinator == "n1"  # it still answers
 
 
 # --- prepares ------------------------------------------------------------------------

@@ -230,6 +230,11 @@ RPCS = [
     ("OperatorService", m.name, m.input_type._concrete_class)
     for m in operator_pb2.DESCRIPTOR.services_by_name["OperatorService"].methods
 ]
+# Methods that take a stream of requests (PutShard, StepStream): fuzzed with lists
+CLIENT_STREAMS = {m.name for d, name in ((peer_pb2, "PeerService"), (peer_pb2, "ShardService"),
+                                         (rank_pb2, "RankService"),
+                                         (operator_pb2, "OperatorService"))
+                  for m in d.DESCRIPTOR.services_by_name[name].methods if m.client_streaming}
 EXAMPLES_PER_RPC = 60
 MEMORY_CALLS = 1200
 
@@ -252,14 +257,15 @@ def rss_bytes() -> int:
 def test_every_rpc_is_fuzzed() -> None:
     methods = {m for _, m, _ in RPCS}
     assert {"Register", "Capture", "Restore", "Gossip", "CommitStep", "PutShard",
-            "GetShard", "Status"} <= methods
+            "GetShard", "Status", "StepStream"} <= methods
+    assert {"PutShard", "StepStream"} <= CLIENT_STREAMS
     assert len(RPCS) >= 18
 
 
 @pytest.mark.parametrize(("service", "method", "cls"), RPCS, ids=[f"{s}.{m}" for s, m, _ in RPCS])
 def test_random_requests_never_crash_or_hang_a_handler(harness: Harness, service: str,
                                                        method: str, cls: type) -> None:
-    client_stream = method == "PutShard"
+    client_stream = method in CLIENT_STREAMS
     strategy = st.lists(messages(cls), min_size=0, max_size=4) if client_stream else messages(cls)
 
     @settings(max_examples=EXAMPLES_PER_RPC, deadline=None, database=None,
@@ -285,7 +291,7 @@ def test_memory_stays_within_budget_over_thousands_of_random_requests(
         for i in range(calls):
             service, method, cls = RPCS[i % len(RPCS)]
             request = rng.choice(samples[cls])
-            if method == "PutShard":
+            if method in CLIENT_STREAMS:
                 request = _request_stream([request])
             harness.call(service, method, request)
         gc.collect()

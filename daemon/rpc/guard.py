@@ -55,11 +55,19 @@ async def _internal(context: grpc.aio.ServicerContext, method: str, exc: Excepti
 _PASS = (grpc.aio.AbortError, asyncio.CancelledError)
 
 
-def _checked_stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext,
-                    method: str) -> AsyncIterator[Any]:
+class _UndecodablePiece(Exception):
+    """A piece of a request stream whose bytes are not a valid message. Raised where the
+    stream is read, which may be a task of the handler's own (StepStream's reader);
+    the call is aborted from the handler's task, the one place gRPC allows it."""
+
+
+def _checked_stream(requests: AsyncIterator[Any], method: str) -> AsyncIterator[Any]:
     async def pieces() -> AsyncIterator[Any]:
         async for request in requests:
-            await _refuse_undecodable(context, method, request)
+            if isinstance(request, _Undecodable):
+                raise _UndecodablePiece(
+                    f"{method}: a piece of the request stream is not a valid message "
+                    f"({type(request.error).__name__}); send the protobuf of this RPC")
             yield request
     return pieces()
 
@@ -73,6 +81,8 @@ def _guard_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMetho
             return await fn(request, context)
         except _PASS:
             raise
+        except _UndecodablePiece as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:
             await _internal(context, method, exc)
 
@@ -86,6 +96,8 @@ def _guard_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMetho
                 yield response
         except _PASS:
             raise
+        except _UndecodablePiece as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:
             await _internal(context, method, exc)
 
@@ -108,12 +120,12 @@ def _guard_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMetho
         fn = handler.stream_unary
 
         async def stream_unary(requests: Any, context: Any) -> Any:
-            return await call(fn, _checked_stream(requests, context, method), context)
+            return await call(fn, _checked_stream(requests, method), context)
         return grpc.stream_unary_rpc_method_handler(stream_unary, parse, serialize)
     fn = handler.stream_stream
 
     async def stream_stream(requests: Any, context: Any) -> AsyncIterator[Any]:
-        async for response in stream(fn, _checked_stream(requests, context, method), context):
+        async for response in stream(fn, _checked_stream(requests, method), context):
             yield response
     return grpc.stream_stream_rpc_method_handler(stream_stream, parse, serialize)
 

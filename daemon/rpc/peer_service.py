@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any, NoReturn
 
 import grpc
@@ -20,6 +21,7 @@ from stalwart.daemon.background import Background
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.membership import Membership
 from stalwart.daemon.recovery.registry import Registry
+from stalwart.daemon.rpc import step_stream, validate
 from stalwart.daemon.rpc.errors import TYPED, abort
 from stalwart.daemon.rpc.validate import MAX_PEERS, admit
 from stalwart.daemon.security.auth import Authenticator, Forbidden
@@ -44,13 +46,14 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     def __init__(self, membership: Membership, registry: Registry,
                  me: Callable[[], peer_pb2.PeerInfo], auth: Authenticator, steps: JobGate,
                  leader: Callable[[], str], metrics: Metrics | None = None,
-                 job_id: str = "") -> None:
+                 job_id: str = "", stopping: asyncio.Event | None = None) -> None:
         self.membership, self.registry, self.me = membership, registry, me
         self.auth = auth
         self.metrics = metrics or Metrics()  # counts refused requests
         self.job_id = job_id  # when set, step messages of other jobs are refused
         # Role checks, then plans, commits, announcements (security.roles.JobGate).
         self.steps, self.leader = steps, leader
+        self.stopping = stopping  # set when this daemon stops: its step streams end
         self._decisions = Background()  # announcements decided past their caller's deadline
 
     async def _caller(self, context: grpc.aio.ServicerContext, request: Any) -> str:
@@ -128,24 +131,68 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     async def RelayPrepares(self, request: peer_pb2.PrepareBatch,
                             context: grpc.aio.ServicerContext) -> common_pb2.Ack:
         caller = await self._caller(context, request)
-        await self._same_job(context, request.job_id)
-        try:
-            await self.steps.relay_from(caller, request)
-        except Forbidden as exc:
-            await self._forbidden(context, exc)
+        code, details = await self._relay(caller, request)
+        if code != grpc.StatusCode.OK:
+            await context.abort(code, details)
         return common_pb2.Ack(accepted=True)
 
     async def CommitStep(self, request: peer_pb2.CommitStepRequest,
                          context: grpc.aio.ServicerContext) -> peer_pb2.CommitStepReply:
         caller = await self._caller(context, request)
-        await self._same_job(context, request.record.job_id)
+        code, details = await self._commit(caller, request)
+        if code != grpc.StatusCode.OK:
+            await context.abort(code, details)
+        return peer_pb2.CommitStepReply(committed=True)
+
+    async def StepStream(self, requests: AsyncIterator[peer_pb2.StepMessage],
+                         context: grpc.aio.ServicerContext
+                         ) -> AsyncIterator[peer_pb2.StepAnswer]:
+        caller = await self.auth.daemon(context)  # once: every message is the caller's
+        async for answer in step_stream.answers(requests, partial(self._step, caller),
+                                                self.stopping):
+            yield answer
+
+    async def _step(self, caller: str, message: peer_pb2.StepMessage
+                    ) -> tuple[grpc.StatusCode, str]:
+        """One StepStream message, answered as its unary call would end."""
+        body = message.WhichOneof("body")
+        if body is None:
+            return grpc.StatusCode.INVALID_ARGUMENT, "a step message holds no body"
+        inner = getattr(message, body)
+        try:
+            validate.request(inner)
+        except validate.InvalidRequest as exc:
+            self.metrics.auth_refused.labels("invalid").inc()
+            return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        if body == step_stream.COMMIT:
+            return await self._commit(caller, inner)
+        return await self._relay(caller, inner)
+
+    async def _relay(self, caller: str, request: peer_pb2.PrepareBatch
+                     ) -> tuple[grpc.StatusCode, str]:
+        if (other := self._other_job(request.job_id)) is not None:
+            return other
+        try:
+            await self.steps.relay_from(caller, request)
+        except Forbidden as exc:
+            return self._refused(exc)
+        return grpc.StatusCode.OK, ""
+
+    async def _commit(self, caller: str, request: peer_pb2.CommitStepRequest
+                      ) -> tuple[grpc.StatusCode, str]:
+        if (other := self._other_job(request.record.job_id)) is not None:
+            return other
         try:
             await self.steps.commit_from(caller, request)
         except Forbidden as exc:
-            await self._forbidden(context, exc)
+            return self._refused(exc)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        return peer_pb2.CommitStepReply(committed=True)
+            return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+        return grpc.StatusCode.OK, ""
+
+    def _refused(self, exc: Exception) -> tuple[grpc.StatusCode, str]:
+        self.metrics.auth_refused.labels("role").inc()
+        return grpc.StatusCode.PERMISSION_DENIED, str(exc)
 
     async def GetStepRecord(self, request: peer_pb2.GetStepRecordRequest,
                             context: grpc.aio.ServicerContext) -> manifest_pb2.StepRecord:
@@ -182,9 +229,14 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             await abort(context, exc)
 
     async def _same_job(self, context: grpc.aio.ServicerContext, job_id: str) -> None:
-        if self.job_id and job_id != self.job_id:
-            self.metrics.auth_refused.labels("job").inc()
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED,
+        if (other := self._other_job(job_id)) is not None:
+            await context.abort(*other)
+
+    def _other_job(self, job_id: str) -> tuple[grpc.StatusCode, str] | None:
+        """The refusal of a step message of another job (None: this job's)."""
+        if not self.job_id or job_id == self.job_id:
+            return None
+        self.metrics.auth_refused.labels("job").inc()
+        return (grpc.StatusCode.PERMISSION_DENIED,
                 f"step message of job {job_id!r} sent to a daemon of job {self.job_id!r}; "
                 "check the peers list: daemons of different jobs must not be peers")

@@ -495,6 +495,68 @@ class PrepareBatch(_message.Message):
 Global___PrepareBatch: _TypeAlias = PrepareBatch  # noqa: Y015
 
 @_typing.final
+class StepMessage(_message.Message):
+    """One message of a StepStream: a commit or a batch of prepares, numbered by its sender."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
+    PREPARES_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    @_builtins.property
+    def commit(self) -> Global___CommitStepRequest: ...
+    @_builtins.property
+    def prepares(self) -> Global___PrepareBatch: ...
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        commit: Global___CommitStepRequest | None = ...,
+        prepares: Global___PrepareBatch | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "commit", b"commit", "prepares", b"prepares"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "commit", b"commit", "prepares", b"prepares", "seq", b"seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["commit", "prepares"]  # noqa: Y015
+    _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
+
+Global___StepMessage: _TypeAlias = StepMessage  # noqa: Y015
+
+@_typing.final
+class StepAnswer(_message.Message):
+    """The answer to the StepMessage of `seq`: the status its call would have ended with
+    (0, OK: taken), in any order.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    DETAILS_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    code: _builtins.int
+    """a grpc.StatusCode value"""
+    details: _builtins.str
+    """why, when not OK"""
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        code: _builtins.int = ...,
+        details: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "details", b"details", "seq", b"seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepAnswer: _TypeAlias = StepAnswer  # noqa: Y015
+
+@_typing.final
 class GetStepRecordRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

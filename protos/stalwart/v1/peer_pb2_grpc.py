@@ -219,6 +219,11 @@ class PeerServiceStub:
                 request_serializer=stalwart_dot_v1_dot_peer__pb2.PrepareBatch.SerializeToString,
                 response_deserializer=stalwart_dot_v1_dot_common__pb2.Ack.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/stalwart.v1.PeerService/StepStream',
+                request_serializer=stalwart_dot_v1_dot_peer__pb2.StepMessage.SerializeToString,
+                response_deserializer=stalwart_dot_v1_dot_peer__pb2.StepAnswer.FromString,
+                _registered_method=True)
         self.GetStepRecord = channel.unary_unary(
                 '/stalwart.v1.PeerService/GetStepRecord',
                 request_serializer=stalwart_dot_v1_dot_peer__pb2.GetStepRecordRequest.SerializeToString,
@@ -278,6 +283,15 @@ class PeerServiceServicer:
     def RelayPrepares(self, request, context):
         """Prepares on their way up the commit tree: a daemon passes its own and those of the
         daemons below it to its parent in one batch; each is tagged by its own daemon.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StepStream(self, request_iterator, context):
+        """Both of the above on one stream held open from a daemon to another (its parent in
+        the tree for prepares, each child for commits): every step's messages without a
+        call each. Each message is answered, by its sequence number, as its call would be.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -347,6 +361,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.RelayPrepares,
                     request_deserializer=stalwart_dot_v1_dot_peer__pb2.PrepareBatch.FromString,
                     response_serializer=stalwart_dot_v1_dot_common__pb2.Ack.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
+                    request_deserializer=stalwart_dot_v1_dot_peer__pb2.StepMessage.FromString,
+                    response_serializer=stalwart_dot_v1_dot_peer__pb2.StepAnswer.SerializeToString,
             ),
             'GetStepRecord': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStepRecord,
@@ -488,6 +507,33 @@ class PeerService:
             '/stalwart.v1.PeerService/RelayPrepares',
             stalwart_dot_v1_dot_peer__pb2.PrepareBatch.SerializeToString,
             stalwart_dot_v1_dot_common__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/stalwart.v1.PeerService/StepStream',
+            stalwart_dot_v1_dot_peer__pb2.StepMessage.SerializeToString,
+            stalwart_dot_v1_dot_peer__pb2.StepAnswer.FromString,
             options,
             channel_credentials,
             insecure,

@@ -93,6 +93,11 @@ class PeerServiceStub:
     """Prepares on their way up the commit tree: a daemon passes its own and those of the
     daemons below it to its parent in one batch; each is tagged by its own daemon.
     """
+    StepStream: _grpc.StreamStreamMultiCallable[_peer_pb2.StepMessage, _peer_pb2.StepAnswer]
+    """Both of the above on one stream held open from a daemon to another (its parent in
+    the tree for prepares, each child for commits): every step's messages without a
+    call each. Each message is answered, by its sequence number, as its call would be.
+    """
     GetStepRecord: _grpc.UnaryUnaryMultiCallable[_peer_pb2.GetStepRecordRequest, _manifest_pb2.StepRecord]
     """A new coordinator fetches a step that a peer committed and it did not (the old
     coordinator died while sending phase two).
@@ -121,6 +126,11 @@ class PeerServiceAsyncStub(PeerServiceStub):
     RelayPrepares: _aio.UnaryUnaryMultiCallable[_peer_pb2.PrepareBatch, _common_pb2.Ack]  # type: ignore[assignment]
     """Prepares on their way up the commit tree: a daemon passes its own and those of the
     daemons below it to its parent in one batch; each is tagged by its own daemon.
+    """
+    StepStream: _aio.StreamStreamMultiCallable[_peer_pb2.StepMessage, _peer_pb2.StepAnswer]  # type: ignore[assignment]
+    """Both of the above on one stream held open from a daemon to another (its parent in
+    the tree for prepares, each child for commits): every step's messages without a
+    call each. Each message is answered, by its sequence number, as its call would be.
     """
     GetStepRecord: _aio.UnaryUnaryMultiCallable[_peer_pb2.GetStepRecordRequest, _manifest_pb2.StepRecord]  # type: ignore[assignment]
     """A new coordinator fetches a step that a peer committed and it did not (the old
@@ -171,6 +181,17 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_common_pb2.Ack, _abc.Awaitable[_common_pb2.Ack]]:
         """Prepares on their way up the commit tree: a daemon passes its own and those of the
         daemons below it to its parent in one batch; each is tagged by its own daemon.
+        """
+
+    @_abc_1.abstractmethod
+    def StepStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_peer_pb2.StepMessage],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_peer_pb2.StepAnswer], _abc.AsyncIterator[_peer_pb2.StepAnswer]]:
+        """Both of the above on one stream held open from a daemon to another (its parent in
+        the tree for prepares, each child for commits): every step's messages without a
+        call each. Each message is answered, by its sequence number, as its call would be.
         """
 
     @_abc_1.abstractmethod

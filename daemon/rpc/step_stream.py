@@ -1,0 +1,220 @@
+"""Step messages on streams held open between daemons: a commit going down the commit
+tree, a batch of prepares going up it, each answered as its own call would be.
+
+Every step, the coordinator of 2,048 daemons takes a batch of prepares from each of its
+children in the tree and sends each of them the commit. As unary calls, each one pays
+for a call's setup, metadata, interception and teardown on both ends; as messages on a
+stream opened once, it pays for its bytes and its answer
+(scripts/grpc_calls_vs_stream.py measures both).
+
+`StepStreams` (the sender) keeps one stream per channel, numbers each message and waits
+for its answer; a refused message raises the `AioRpcError` its call would have raised,
+so callers treat both alike. A stream that breaks fails every message waiting on it,
+and the next message opens a new one. A peer that does not serve StepStream (an older
+daemon) is sent unary calls instead. `answers` (the receiver) handles a stream's
+messages side by side, as it would their calls, and answers each as it is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from stalwart.core import wire
+from stalwart.v1 import common_pb2, peer_pb2
+
+log = logging.getLogger("stalwart.daemon.rpc.step_stream")
+
+STEP_STREAM = "/stalwart.v1.PeerService/StepStream"
+MAX_IN_FLIGHT = 64  # a stream's messages being handled at once; the next waits
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+# The kinds of message, each with the unary call it stands for (for older peers).
+COMMIT, PREPARES = "commit", "prepares"
+_UNARY = {COMMIT: ("/stalwart.v1.PeerService/CommitStep", peer_pb2.CommitStepReply),
+          PREPARES: ("/stalwart.v1.PeerService/RelayPrepares", common_pb2.Ack)}
+_SEQ_KEY = bytes([peer_pb2.StepMessage.DESCRIPTOR.fields_by_name["seq"].number << 3])
+_BODY_KEY = {kind: wire.tag(peer_pb2.StepMessage.DESCRIPTOR, kind) for kind in _UNARY}
+
+
+def frame(seq: int, kind: str, body: bytes) -> bytes:
+    """The StepMessage of number `seq` holding `body` (a serialised CommitStepRequest or
+    PrepareBatch, as `kind` says), around the body's own bytes."""
+    return b"".join((_SEQ_KEY, wire.varint(seq), *wire.delimited(_BODY_KEY[kind], [body])))
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class _Stream:
+    """One StepStream call: its messages waiting for their answers, by number."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.seq = 0
+        self.waiting: dict[int, asyncio.Future[peer_pb2.StepAnswer]] = {}
+        self.writing = asyncio.Lock()  # one write at a time on a call
+        self.broken: grpc.aio.AioRpcError | None = None
+        self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the peer ended the step stream")
+        try:
+            while (answer := await self.call.read()) is not grpc.aio.EOF:
+                waiter = self.waiting.pop(answer.seq, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(answer)
+        except grpc.aio.AioRpcError as exc:
+            error = exc
+        except asyncio.CancelledError:
+            error = rpc_error(grpc.StatusCode.CANCELLED, "the step stream was closed here")
+        self.broken = self.broken or error
+        for waiter in self.waiting.values():
+            if not waiter.done():
+                waiter.set_exception(error)
+        self.waiting.clear()
+
+    def close(self) -> None:
+        """End the call; the next message goes on a new stream."""
+        self.broken = self.broken or rpc_error(grpc.StatusCode.CANCELLED,
+                                               "the step stream was closed here")
+        self.call.cancel()
+
+
+class StepStreams:
+    """The sending end: one stream per (channel, metadata) this daemon sends steps on."""
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[int, tuple], tuple[grpc.aio.Channel, _Stream]] = {}
+        self._unary: set[tuple[int, tuple]] = set()  # peers without StepStream
+
+    async def send(self, channel: grpc.aio.Channel, kind: str, body: bytes, timeout: float,
+                   metadata: tuple = ()) -> None:
+        """Send `body` (a serialised message of `kind`) and wait at most `timeout` seconds
+        for its answer; AioRpcError as its unary call would raise, or when the stream
+        broke before the answer came."""
+        key = (id(channel), metadata)
+        if key in self._unary:
+            await self._call(channel, kind, body, timeout, metadata)
+            return
+        try:
+            answer = await self._on_stream(key, channel, kind, body, timeout, metadata)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            log.info("peer has no step stream; sending it unary calls",
+                     extra={"error": exc.details()})
+            self._unary.add(key)
+            await self._call(channel, kind, body, timeout, metadata)
+            return
+        if answer.code:
+            raise rpc_error(_CODES.get(answer.code, grpc.StatusCode.UNKNOWN), answer.details)
+
+    async def _on_stream(self, key: tuple[int, tuple], channel: grpc.aio.Channel, kind: str,
+                         body: bytes, timeout: float, metadata: tuple) -> peer_pb2.StepAnswer:
+        held = self._open.get(key)
+        if held is None or held[0] is not channel or held[1].broken is not None:
+            call = channel.stream_stream(STEP_STREAM, request_serializer=None,
+                                         response_deserializer=peer_pb2.StepAnswer.FromString)
+            held = self._open[key] = (channel, _Stream(call(metadata=metadata or None)))
+        stream = held[1]
+        stream.seq += 1
+        seq = stream.seq
+        waiter = stream.waiting[seq] = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(timeout):
+                async with stream.writing:
+                    try:
+                        await stream.call.write(frame(seq, kind, body))
+                    except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
+                        # The call has ended or is ending: the reader fails the waiter
+                        # with the call's own status (the write's can be a vaguer one).
+                        pass
+                return await waiter
+        except TimeoutError:
+            # The peer is stuck (stopped, overloaded): end the stream, so the messages
+            # behind this one fail now and the next opens a new one.
+            stream.close()
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"no answer on the step stream within {timeout:g} s") from None
+        finally:
+            stream.waiting.pop(seq, None)
+
+    async def _call(self, channel: grpc.aio.Channel, kind: str, body: bytes, timeout: float,
+                    metadata: tuple) -> None:
+        method, reply = _UNARY[kind]
+        call = channel.unary_unary(method, request_serializer=None,
+                                   response_deserializer=reply.FromString)
+        await call(body, timeout=timeout, metadata=metadata or None)
+
+    def close(self) -> None:
+        """End every stream (the daemon stops)."""
+        for _, stream in self._open.values():
+            stream.close()
+        self._open.clear()
+
+
+Handle = Callable[[peer_pb2.StepMessage], Awaitable[tuple[grpc.StatusCode, str]]]
+
+
+async def answers(requests: AsyncIterator[peer_pb2.StepMessage], handle: Handle,
+                  until: asyncio.Event | None = None) -> AsyncIterator[peer_pb2.StepAnswer]:
+    """The receiving end of one stream: each message handled by `handle` (which gives
+    the status its call would have ended with), at most MAX_IN_FLIGHT at once, and
+    answered as soon as it is done. The stream ends when its sender ends it, or when
+    `until` is set (this daemon stops: its senders then see the stream end)."""
+    done: asyncio.Queue[peer_pb2.StepAnswer | None] = asyncio.Queue()
+    room = asyncio.Semaphore(MAX_IN_FLIGHT)
+    handling: set[asyncio.Task[None]] = set()
+
+    async def one(message: peer_pb2.StepMessage) -> None:
+        try:
+            code, details = await handle(message)
+        except Exception as exc:  # a daemon bug: answer INTERNAL, as a call's guard would
+            log.exception("a step message failed", exc_info=exc)
+            code, details = grpc.StatusCode.INTERNAL, (
+                f"the step message failed inside the daemon ({type(exc).__name__}: {exc}); "
+                "see the daemon log")
+        finally:
+            room.release()
+        done.put_nowait(peer_pb2.StepAnswer(seq=message.seq, code=code.value[0],
+                                            details=details))
+
+    async def read() -> None:
+        try:
+            async for message in requests:
+                await room.acquire()
+                task = asyncio.create_task(one(message))
+                handling.add(task)
+                task.add_done_callback(handling.discard)
+            if handling:
+                await asyncio.wait(handling)  # (a cancelled wait leaves them running)
+        finally:
+            done.put_nowait(None)
+
+    async def end_when_set(event: asyncio.Event) -> None:
+        await event.wait()
+        done.put_nowait(None)
+
+    reader = asyncio.create_task(read())
+    watcher = None if until is None else asyncio.create_task(end_when_set(until))
+    try:
+        while (answer := await done.get()) is not None:
+            yield answer
+        if reader.done():
+            await reader  # what ended the reading (a malformed message aborts the call)
+    except asyncio.CancelledError:
+        # The call was cancelled (its server stops): end it as a call that returned,
+        # the one way gRPC does not print a traceback for it.
+        return
+    finally:
+        # A message being handled when the stream ends is finished all the same (a
+        # commit is not left half done); only its answer is lost.
+        reader.cancel()
+        if watcher is not None:
+            watcher.cancel()
