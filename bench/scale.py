@@ -56,12 +56,13 @@ def run(quick: bool) -> dict[str, Any]:
         **commit,
         "gossip": [_gossip(n) for n in sizes],
         "per_step_costs": {
-            "coordinator": "about commit_fanout columns of seals in, each seal checked "
-                           "against its daemon's seat in the plan and its tag (a few "
-                           "microseconds of Python per daemon, O(daemons), never O(ranks)), "
-                           "each column parsed in one call; one record of O(daemons) seals "
-                           "built, signed once and sent to commit_fanout daemons, which "
-                           "pass it on.",
+            "coordinator": "about commit_fanout columns of seals in, as messages on the "
+                           "step streams its children hold open, each seal checked against "
+                           "its daemon's seat in the plan by its bytes and its tag (about "
+                           "1.5 microseconds of Python per daemon, O(daemons), never "
+                           "O(ranks)); one record of O(daemons) seals parsed from their "
+                           "bytes in one call, signed once and sent on commit_fanout "
+                           "streams to daemons that pass it on.",
             "daemon": "verifies the step record (sha256 over O(daemons) bytes, every rank "
                       "once, counted in C), its own seal and the coordinator's signature; "
                       "passes the record on to at most commit_fanout children and its "
@@ -84,8 +85,8 @@ def _defects(commit: dict[str, Any]) -> list[str]:
             f"goal of {COORDINATOR_CPU_GOAL_S:.3f} s. {on_loop:.3f} s of it on the event "
             f"loop's thread, where checking each daemon's seal ("
             f"{commit['seal_check_us_per_daemon']:.1f} us) takes {seals:.3f} s, and the "
-            "step's bookkeeping and gRPC's work per call the rest (about 2 x commit_fanout "
-            "calls a step: columns in, the "
+            "step's bookkeeping and gRPC's work per message the rest (about 2 x "
+            "commit_fanout messages a step on step streams: columns in, the "
             f"step's commit of {top['step_record_bytes']:,} bytes out to commit_fanout "
             f"daemons); {others:.3f} s on its other threads (gRPC's sockets and HTTP/2). "
             "O(daemons), never O(ranks)"]
