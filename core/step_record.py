@@ -14,7 +14,6 @@ daemons and the tools that read committed steps.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -114,23 +113,29 @@ def verify(record: manifest_pb2.StepRecord) -> None:
         raise mf.ManifestError(f"the record of step {step} fails its sha256 digest: it was "
                                "altered or torn after commit; restore an older step")
     world = Layout.from_proto(record.layout).world_size
+    # One pass over the seals (every daemon checks every step's record: 2,048 seals at
+    # 2,048 nodes): their ranks gathered, digest sizes and newest base noted; a failure
+    # then looks again only to name its culprit.
+    ranks: list[int] = []
+    gather = ranks.extend
+    sized, newest = True, -1
+    for s in record.seals:
+        gather(s.ranks)
+        if len(s.digest) != 32:
+            sized = False
+        if bases := s.bases:
+            newest = max(newest, max(bases))
     # Count first: a forged layout may claim billions of ranks (no huge range built).
-    # Then every rank once, iterated in C: every daemon checks every step's record.
-    count = sum(len(s.ranks) for s in record.seals)
-    ranks = sorted(itertools.chain.from_iterable(s.ranks for s in record.seals)) \
-        if count == world else list(itertools.chain.from_iterable(s.ranks for s in record.seals))
-    if count != world or ranks != list(range(world)):
+    if len(ranks) != world or sorted(ranks) != list(range(world)):
         missing = sorted(set(range(min(world, len(ranks) + 1))) - set(ranks))
         raise mf.ManifestError(f"step {step}: its seals cover {len(ranks)} ranks, not each of "
                                f"the layout's {world} once (missing {missing[:16]}, duplicates "
                                "possible); a step commits only with every rank")
-    # Both checks in C over all seals first; the loop only names the culprit.
-    sizes = [len(s.digest) for s in record.seals]
-    if sizes and (min(sizes) != 32 or max(sizes) != 32):
-        s = record.seals[next(i for i, n in enumerate(sizes) if n != 32)]
+    if not sized:
+        s = next(s for s in record.seals if len(s.digest) != 32)
         raise mf.ManifestError(f"step {step}: the seal of ranks {list(s.ranks)[:8]} has "
                                "no sha256")
-    if max(itertools.chain.from_iterable(s.bases for s in record.seals), default=-1) >= step:
+    if newest >= step:
         s = next(s for s in record.seals if any(b >= step for b in s.bases))
         raise mf.ManifestError(f"step {step}: ranks {list(s.ranks)[:8]} apply to a step "
                                f"not before it ({list(s.bases)})")

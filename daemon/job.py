@@ -207,7 +207,7 @@ class Job:
                     raise mf.ManifestError(f"{source.node} answered with step {record.step} "
                                            f"of job {record.job_id!r}")
                 sr.verify(record)
-                await self.snapshots.committer.commit(record)
+                await self.snapshots.committer.commit(record, verified=True)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     continue  # skipped there too (its prepares were lost)

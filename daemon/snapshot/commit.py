@@ -41,8 +41,10 @@ class Committer:
     async def _run(self, fn: Callable[..., object], *args: object) -> object:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
-    async def commit(self, record: manifest_pb2.StepRecord) -> None:
-        """Phase two, sent by the coordinator to every daemon (again by a new one)."""
+    async def commit(self, record: manifest_pb2.StepRecord, verified: bool = False) -> None:
+        """Phase two, sent by the coordinator to every daemon (again by a new one).
+        `verified`: the caller has just checked the record (`step_record.verify`), as the
+        RPCs that carry one do (rpc/validate.py); else the store checks it."""
         latest = self.store.latest_committed()
         if record.step not in self.store.committed_steps() and latest is not None \
                 and record.step < latest:
@@ -50,7 +52,8 @@ class Committer:
             # this is a late copy of a step retired here: nothing to do.
             log.info("commit of a step not kept here ignored", extra={"step": record.step})
             return
-        await self._run(lambda: self.store.commit(record, local_node=self.node))
+        await self._run(lambda: self.store.commit(record, local_node=self.node,
+                                                  verified=verified))
         if self.s3 is not None and self.is_leader():
             data = record.SerializeToString(deterministic=True)
             try:

@@ -185,16 +185,20 @@ class LocalStore(Catalogue):
         held = self.held_record(step, rank)
         return held is not None and held.node == node
 
-    def commit(self, record: manifest_pb2.StepRecord, *, local_node: str | None = None) -> None:
+    def commit(self, record: manifest_pb2.StepRecord, *, local_node: str | None = None,
+               verified: bool = False) -> None:
         """Phase two: publish a step atomically once every rank's chunks are durable.
 
         With `local_node`, only the ranks that node sealed must be on this disk (records
-        and chunks); the others are durable on their own daemons and as shards."""
+        and chunks); the others are durable on their own daemons and as shards. With
+        `verified`, the caller has just run `step_record.verify` on this very record."""
         with self._lock:
-            self._commit(record, local_node)
+            self._commit(record, local_node, verified)
 
-    def _commit(self, record: manifest_pb2.StepRecord, local_node: str | None) -> None:
-        sr.verify(record)
+    def _commit(self, record: manifest_pb2.StepRecord, local_node: str | None,
+                verified: bool) -> None:
+        if not verified:
+            sr.verify(record)
         step = record.step
         path = self._record_path(step)
         data = record.SerializeToString(deterministic=True)
