@@ -119,6 +119,10 @@ class StepStreams:
                          body: bytes, timeout: float, metadata: tuple) -> peer_pb2.StepAnswer:
         held = self._open.get(key)
         if held is None or held[0] is not channel or held[1].broken is not None:
+            # Streams that ended are dropped with their channels (peers that left), here,
+            # where a stream is opened: rare, and O(peers).
+            for gone in [k for k, (_, s) in self._open.items() if s.broken is not None]:
+                del self._open[gone]
             call = channel.stream_stream(STEP_STREAM, request_serializer=None,
                                          response_deserializer=peer_pb2.StepAnswer.FromString)
             held = self._open[key] = (channel, _Stream(call(metadata=metadata or None)))
