@@ -6,7 +6,8 @@ by its record's step, and reports what it saw on /test.Peer/Stats.
     python tests/step_stream_peer.py PORT [--unary-only]   # prints "ready PORT"
 
 Steps: 2 is refused (PERMISSION_DENIED), 3 is held until the peer dies, 4 waits until
-5 has been answered; any other is taken.
+5 has been answered, 8 is answered with bytes that are not a StepAnswer; any other is
+taken.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from stalwart.daemon.rpc import step_stream
 from stalwart.v1 import peer_pb2
 
 SERVICE = "stalwart.v1.PeerService"
+GARBLED = "garbled"  # an answer whose bytes go out as no StepAnswer at all
+
+
+def answer_bytes(answer: peer_pb2.StepAnswer) -> bytes:
+    return b"\xff\xff\xff" if answer.details == GARBLED else answer.SerializeToString()
 
 
 async def serve(port: int, unary_only: bool) -> None:
@@ -38,7 +44,7 @@ async def serve(port: int, unary_only: bool) -> None:
         seen["answered"].append(step)
         if step == 5:
             five.set()
-        return grpc.StatusCode.OK, ""
+        return grpc.StatusCode.OK, GARBLED if step == 8 else ""
 
     async def stream(requests, context):
         seen["streams"] += 1
@@ -62,7 +68,7 @@ async def serve(port: int, unary_only: bool) -> None:
         peer_pb2.CommitStepReply.SerializeToString)}
     if not unary_only:
         methods["StepStream"] = grpc.stream_stream_rpc_method_handler(
-            stream, peer_pb2.StepMessage.FromString, peer_pb2.StepAnswer.SerializeToString)
+            stream, peer_pb2.StepMessage.FromString, answer_bytes)
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((
         grpc.method_handlers_generic_handler(SERVICE, methods),

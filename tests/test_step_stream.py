@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from stalwart.daemon.rpc import step_stream
 from stalwart.daemon.rpc.step_stream import COMMIT, StepStreams
 from stalwart.v1 import manifest_pb2, peer_pb2
 
@@ -122,24 +123,74 @@ async def _held(channel: grpc.aio.Channel) -> bool:
     return (await stats(channel))["held"] == 1
 
 
-def test_a_stopped_peer_times_out_the_message_and_ends_its_stream(peer) -> None:
+def test_a_message_that_times_out_fails_alone_and_a_stopped_peer_resumes_on_its_stream(
+        peer) -> None:
     proc, port = peer()
+
+    async def body() -> tuple[str, str, str, str, str, dict]:
+        streams = StepStreams()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            def send(step: int, timeout: float = WAIT_S):
+                return asyncio.ensure_future(code_of(streams.send(
+                    channel, COMMIT, commit(step), timeout)))
+            four = send(4)              # answered once 5 is
+            held = await send(3, 1.0)   # never answered: times out alone
+            five = await send(5)
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                stuck = await send(6, 1.0)
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            after = await send(7)
+            return held, await four, five, stuck, after, await stats(channel)
+
+    held, four, five, stuck, after, seen = asyncio.run(body())
+    assert held == stuck == "DEADLINE_EXCEEDED: no answer on the step stream within 1 s"
+    assert (four, five, after) == ("OK", "OK", "OK")
+    assert seen["streams"] == 1  # neither timeout ended the stream
+
+
+def test_an_answer_that_is_no_step_answer_fails_its_stream_at_once(peer) -> None:
+    _, port = peer()
 
     async def body() -> tuple[str, str, dict]:
         streams = StepStreams()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            assert await code_of(streams.send(channel, COMMIT, commit(1), WAIT_S)) == "OK"
-            os.kill(proc.pid, signal.SIGSTOP)
-            try:
-                stuck = await code_of(streams.send(channel, COMMIT, commit(6), timeout=1.0))
-            finally:
-                os.kill(proc.pid, signal.SIGCONT)
-            after = await code_of(streams.send(channel, COMMIT, commit(7), WAIT_S))
-            return stuck, after, await stats(channel)
+            garbled = await code_of(streams.send(channel, COMMIT, commit(8), timeout=600))
+            after = await code_of(streams.send(channel, COMMIT, commit(1), WAIT_S))
+            return garbled, after, await stats(channel)
 
-    stuck, after, seen = asyncio.run(body())
-    assert stuck == "DEADLINE_EXCEEDED: no answer on the step stream within 1 s"
-    assert after == "OK" and seen["streams"] == 2  # the stuck stream was ended
+    garbled, after, seen = asyncio.run(body())
+    assert garbled == ("INTERNAL: the peer answered on the step stream with bytes that are "
+                       "not a StepAnswer")
+    assert after == "OK" and seen["streams"] == 2
+
+
+def test_a_stopping_daemon_answers_the_messages_it_is_handling_before_its_streams_end(
+        ) -> None:
+    async def body() -> list[tuple[int, int]]:
+        until, read_no_more = asyncio.Event(), asyncio.Event()
+
+        async def requests():
+            yield peer_pb2.StepMessage(seq=1, commit=peer_pb2.CommitStepRequest())
+            try:
+                await asyncio.Event().wait()  # the sender keeps its stream open
+            finally:
+                read_no_more.set()  # the receiving end stopped reading
+
+        async def handle(message: peer_pb2.StepMessage) -> tuple[grpc.StatusCode, str]:
+            until.set()  # the daemon starts to stop while this commit is being handled,
+            await read_no_more.wait()  # which ends only after the stream stops reading
+            return grpc.StatusCode.OK, ""
+
+        return await asyncio.wait_for(asyncio.ensure_future(_answered(requests(), handle,
+                                                                      until)), WAIT_S)
+
+    assert asyncio.run(body()) == [(1, 0)]
+
+
+async def _answered(requests, handle, until) -> list[tuple[int, int]]:
+    return [(a.seq, a.code) async for a in step_stream.answers(requests, handle, until)]
 
 
 def test_a_peer_without_the_stream_gets_unary_calls(peer) -> None:

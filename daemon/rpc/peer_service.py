@@ -157,6 +157,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         """One StepStream message, answered as its unary call would end."""
         body = message.WhichOneof("body")
         if body is None:
+            self.metrics.auth_refused.labels("invalid").inc()
             return grpc.StatusCode.INVALID_ARGUMENT, "a step message holds no body"
         inner = getattr(message, body)
         try:

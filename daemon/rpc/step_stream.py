@@ -66,6 +66,12 @@ class _Stream:
         error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the peer ended the step stream")
         try:
             while (answer := await self.call.read()) is not grpc.aio.EOF:
+                if answer is None:  # bytes that are not a StepAnswer (gRPC logs them)
+                    error = rpc_error(grpc.StatusCode.INTERNAL,
+                                      "the peer answered on the step stream with bytes that "
+                                      "are not a StepAnswer")
+                    self.call.cancel()
+                    break
                 waiter = self.waiting.pop(answer.seq, None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(answer)
@@ -73,6 +79,11 @@ class _Stream:
             error = exc
         except asyncio.CancelledError:
             error = rpc_error(grpc.StatusCode.CANCELLED, "the step stream was closed here")
+        except Exception as exc:  # whatever it is, no waiter is left hanging on it
+            log.exception("the step stream's reader failed", exc_info=exc)
+            error = rpc_error(grpc.StatusCode.INTERNAL, f"the step stream failed here "
+                              f"({type(exc).__name__}: {exc})")
+            self.call.cancel()
         self.broken = self.broken or error
         for waiter in self.waiting.values():
             if not waiter.done():
@@ -91,7 +102,8 @@ class StepStreams:
 
     def __init__(self) -> None:
         self._open: dict[tuple[int, tuple], tuple[grpc.aio.Channel, _Stream]] = {}
-        self._unary: set[tuple[int, tuple]] = set()  # peers without StepStream
+        # peers without StepStream (an older daemon): their channels, by the same key
+        self._unary: dict[tuple[int, tuple], grpc.aio.Channel] = {}
 
     async def send(self, channel: grpc.aio.Channel, kind: str, body: bytes, timeout: float,
                    metadata: tuple = ()) -> None:
@@ -99,7 +111,7 @@ class StepStreams:
         for its answer; AioRpcError as its unary call would raise, or when the stream
         broke before the answer came."""
         key = (id(channel), metadata)
-        if key in self._unary:
+        if self._unary.get(key) is channel:
             await self._call(channel, kind, body, timeout, metadata)
             return
         try:
@@ -109,7 +121,7 @@ class StepStreams:
                 raise
             log.info("peer has no step stream; sending it unary calls",
                      extra={"error": exc.details()})
-            self._unary.add(key)
+            self._unary[key] = channel
             await self._call(channel, kind, body, timeout, metadata)
             return
         if answer.code:
@@ -130,6 +142,7 @@ class StepStreams:
         stream.seq += 1
         seq = stream.seq
         waiter = stream.waiting[seq] = asyncio.get_running_loop().create_future()
+        written = False
         try:
             async with asyncio.timeout(timeout):
                 async with stream.writing:
@@ -139,11 +152,15 @@ class StepStreams:
                         # The call has ended or is ending: the reader fails the waiter
                         # with the call's own status (the write's can be a vaguer one).
                         pass
+                    written = True
                 return await waiter
         except TimeoutError:
-            # The peer is stuck (stopped, overloaded): end the stream, so the messages
-            # behind this one fail now and the next opens a new one.
-            stream.close()
+            if not written:
+                # The write itself is stuck (the peer takes no bytes): the call cannot
+                # take another write, so it ends; the next message opens a new stream.
+                stream.close()
+            # Otherwise only this message fails, as its call would: the others on the
+            # stream keep their own time (a peer stopped and resumed answers them).
             raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"no answer on the step stream within {timeout:g} s") from None
         finally:
@@ -157,10 +174,9 @@ class StepStreams:
         await call(body, timeout=timeout, metadata=metadata or None)
 
     def close(self) -> None:
-        """End every stream (the daemon stops)."""
+        """End every stream (the next message opens a new one)."""
         for _, stream in self._open.values():
             stream.close()
-        self._open.clear()
 
 
 Handle = Callable[[peer_pb2.StepMessage], Awaitable[tuple[grpc.StatusCode, str]]]
@@ -210,8 +226,17 @@ async def answers(requests: AsyncIterator[peer_pb2.StepMessage], handle: Handle,
     try:
         while (answer := await done.get()) is not None:
             yield answer
-        if reader.done():
-            await reader  # what ended the reading (a malformed message aborts the call)
+        if not reader.done():
+            # This daemon stops: it takes no more messages, and answers those it is
+            # handling before the call ends (the server's stop grace bounds the wait).
+            reader.cancel()
+            if handling:
+                await asyncio.wait(set(handling))  # each queues its answer, then ends
+            while not done.empty():
+                if (answer := done.get_nowait()) is not None:
+                    yield answer
+            return
+        await reader  # what ended the reading (a malformed message aborts the call)
     except asyncio.CancelledError:
         # The call was cancelled (its server stops): end it as a call that returned,
         # the one way gRPC does not print a traceback for it.
