@@ -43,6 +43,7 @@ from stalwart.bench.scale_daemons import (
     RANKS_PER_DAEMON,
     RPC_TIMEOUT_S,
     SINK,
+    STOP_GRACE_S,
     Daemons,
     worker,
 )
@@ -58,7 +59,6 @@ from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
 K, M = 4, 2
 WORKERS = 2
 HOPS = 5  # repetitions of the hop measurement
-STOP_GRACE_S = 2.0  # for the step streams to end before their server stops
 
 # A 70B model at TP 8 x PP 8: about 15 GB of parameters and AdamW state per rank in
 # 4 MiB chunks, each in k + m shards, about 270 tensors.

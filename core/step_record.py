@@ -86,6 +86,11 @@ def build(*, job_id: str, step: int, generation: int, layout: common_pb2.Paralle
 SEALS_FIELD = wire.tag(manifest_pb2.StepRecord.DESCRIPTOR, "seals")
 
 
+def holding(seals: Sequence[bytes]) -> manifest_pb2.StepRecord:
+    """A record of nothing but `seals` (each a RankSeal's bytes), parsed in one call."""
+    return manifest_pb2.StepRecord.FromString(b"".join(wire.delimited(SEALS_FIELD, seals)))
+
+
 def build_from_bytes(*, job_id: str, step: int, generation: int, layout: common_pb2.ParallelLayout,
              seals: Sequence[bytes], base_step: int,
              created_unix_ms: int | None = None) -> manifest_pb2.StepRecord:
@@ -93,7 +98,7 @@ def build_from_bytes(*, job_id: str, step: int, generation: int, layout: common_
     prepares' seals as the bytes their daemons sent, so the record is parsed from them
     in one call instead of copied from one message per seal. The digest is taken over
     the parsed record, so it is the one `verify` computes whatever the seals' bytes."""
-    record = manifest_pb2.StepRecord.FromString(b"".join(wire.delimited(SEALS_FIELD, seals)))
+    record = holding(seals)
     record.format_version, record.job_id = FORMAT_VERSION, job_id
     record.step, record.generation, record.base_step = step, generation, base_step
     record.layout.CopyFrom(layout)

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from fixtures_hostile import WAIT_S, code_of
 
 from stalwart.daemon.rpc import step_stream
 from stalwart.daemon.rpc.step_stream import COMMIT, StepStreams
 from stalwart.v1 import manifest_pb2, peer_pb2
 
 PEER = Path(__file__).with_name("step_stream_peer.py")
-WAIT_S = 30.0  # deadline of every wait: generous for a loaded 2-core machine
 
 
 def start_peer(port: int = 0, *flags: str) -> tuple[subprocess.Popen, int]:
@@ -66,14 +66,6 @@ async def until(check, what: str) -> None:
         if loop.time() > end:
             raise AssertionError(f"timed out after {WAIT_S:g} s waiting for {what}")
         await asyncio.sleep(0.02)
-
-
-async def code_of(send) -> str:
-    try:
-        await send
-    except grpc.aio.AioRpcError as exc:
-        return f"{exc.code().name}: {exc.details()}"
-    return "OK"
 
 
 def test_messages_are_answered_by_number_in_any_order_and_a_refusal_as_its_call(peer) -> None:

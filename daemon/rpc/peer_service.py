@@ -62,8 +62,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         return node
 
     async def _forbidden(self, context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
-        self.metrics.auth_refused.labels("role").inc()
-        await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        await context.abort(*self._refused(exc))
         raise AssertionError("unreachable: abort raises")
 
     async def Gossip(self, request: peer_pb2.PeerInfo,

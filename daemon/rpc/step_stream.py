@@ -29,14 +29,21 @@ from stalwart.v1 import common_pb2, peer_pb2
 
 log = logging.getLogger("stalwart.daemon.rpc.step_stream")
 
-STEP_STREAM = "/stalwart.v1.PeerService/StepStream"
+_PEER = peer_pb2.DESCRIPTOR.services_by_name["PeerService"]
+
+
+def _path(method: str) -> str:
+    return f"/{_PEER.full_name}/{_PEER.methods_by_name[method].name}"
+
+
+STEP_STREAM = _path("StepStream")
 MAX_IN_FLIGHT = 64  # a stream's messages being handled at once; the next waits
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 # The kinds of message, each with the unary call it stands for (for older peers).
 COMMIT, PREPARES = "commit", "prepares"
-_UNARY = {COMMIT: ("/stalwart.v1.PeerService/CommitStep", peer_pb2.CommitStepReply),
-          PREPARES: ("/stalwart.v1.PeerService/RelayPrepares", common_pb2.Ack)}
+_UNARY = {COMMIT: (_path("CommitStep"), peer_pb2.CommitStepReply),
+          PREPARES: (_path("RelayPrepares"), common_pb2.Ack)}
 _SEQ_KEY = bytes([peer_pb2.StepMessage.DESCRIPTOR.fields_by_name["seq"].number << 3])
 _BODY_KEY = {kind: wire.tag(peer_pb2.StepMessage.DESCRIPTOR, kind) for kind in _UNARY}
 

@@ -12,7 +12,6 @@ comparison of bytes and its tag; any other seal is parsed and checked field by f
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 from collections.abc import Collection, Mapping
@@ -89,9 +88,8 @@ def _named(seal: bytes) -> bytes:
 
 
 def _parse(seals: list[bytes]) -> list[manifest_pb2.RankSeal]:
-    """Many seals' bytes as messages, in one parse (the seals field of a record)."""
-    return list(manifest_pb2.StepRecord.FromString(
-        b"".join(wire.delimited(sr.SEALS_FIELD, seals))).seals)
+    """Many seals' bytes as messages, in one parse."""
+    return list(sr.holding(seals).seals)
 
 
 @dataclass(frozen=True)
@@ -182,17 +180,13 @@ class PrepareRule:
         step, width = column.step, commit_tree.TAG_BYTES
         identity = commit_tree.column_identity(job_id, step, column.generation,
                                                column.layout, column.final)
-        salt, person = identity[:16], identity[16:]
         seats = seats_of(self._ranks_of()) if self.seats is None else self.seats
-        key_for, blake2b, node_key = keys.key_for, hashlib.blake2b, _NODE_KEY
+        key_for, tag = keys.key_for, commit_tree.tagger(identity)
         seals = list(column.seals)
         at, chosen, made = [], [], []  # per seal that has a seat: its index, seat, tag
         deep = []  # positions in `chosen` of seals with more than node, ranks and digest
         for i, seal in enumerate(seals):
-            # The node's name as a daemon writes it (see _named), inline: this loop runs
-            # for every daemon of the job every step.
-            seat = seats.get(seal[2:2 + seal[1]] if len(seal) > 1 and seal[0] == node_key
-                             and seal[1] < 0x80 else b"")
+            seat = seats.get(_named(seal))
             if seat is None or not seal.startswith(seat.prefix):
                 try:
                     seat = self._seat_of(seal)
@@ -204,9 +198,7 @@ class PrepareRule:
                 deep.append(len(chosen))
             at.append(i)
             chosen.append(seat)
-            # commit_tree.tag, inline
-            made.append(blake2b(seal, key=key_for(seat.node), digest_size=width, salt=salt,
-                                person=person).digest())
+            made.append(tag(seal, key=key_for(seat.node)).digest())
         tags = column.tags
         if len(at) == len(seals) and hmac.compare_digest(b"".join(made), tags):
             good = list(range(len(at)))
