@@ -50,14 +50,17 @@ def state(step: int, rank: int = 0, scale: int = 1) -> bytes:
     return buf.tobytes()
 
 
-def commit_step(store, step: int, world: int = 1, scale: int = 1):
-    """Encode, prepare and commit `step` for ranks 0..world-1; returns the manifest."""
+def commit_step(store, step: int, world: int = 1, scale: int = 1, owned: bool = False):
+    """Encode, prepare and commit `step` for ranks 0..world-1; returns the manifest.
+    `owned`: hand the states over as a capture slot's bytes are (the store copies them
+    into buffers of its own, writable), not as immutable bytes."""
     layout = common_pb2.ParallelLayout(dp=world, pp=1, tp=1)
     ranks = []
     for rank in range(world):
         coord = common_pb2.RankCoord(rank=rank, dp=rank)
-        prepared = store.encode(step, rank, state(step, rank, scale), tensors(scale),
-                                coord=coord)
+        data = state(step, rank, scale)
+        prepared = store.encode(step, rank, bytearray(data) if owned else data,
+                                tensors(scale), coord=coord)
         ranks.append(store.prepare(step, prepared))
     manifest = build_manifest(job_id=store.job_id, step=step, generation=1, layout=layout,
                               ranks=ranks)

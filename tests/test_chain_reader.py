@@ -13,6 +13,7 @@ from stalwart.core.manifest import build_manifest
 from stalwart.core.step_record import split
 from stalwart.daemon.snapshot.chain_reader import CorruptChunkError
 from stalwart.daemon.snapshot.local_store import LocalStore
+from stalwart.daemon.snapshot.selection import Layers
 from stalwart.v1 import common_pb2, manifest_pb2
 
 SMALL = dict(chunk_bytes=8192)
@@ -160,8 +161,47 @@ def test_corrupt_base_is_named_when_reading_a_later_delta(tmp_path: Path) -> Non
 def test_corrupt_ram_copy_is_read_around_from_disk(tmp_path: Path) -> None:
     store = LocalStore(tmp_path, **SMALL)
     commit_step(store, 1)
+    commit_step(store, 2)  # step 1 is no longer held decoded: its chunks are read
     key = (1, 0, 0)
     good = store.ram.get(key)
     store.ram.drop(key)
     store.ram.put(key, b"\x00" * len(good))
     assert store.read_rank(1, 0) == state(1)
+
+
+def _forget_chunks(store: LocalStore, steps: range) -> None:
+    """Every encoded chunk of `steps` gone from the RAM tier and the disk."""
+    for step in steps:
+        for index in range(len(store.rank_record(step, 0).chunks)):
+            store.ram.drop((step, 0, index))
+            store.chunk_path(step, 0, index).unlink()
+
+
+def test_the_newest_committed_capture_restores_without_reading_a_chunk(
+        tmp_path: Path) -> None:
+    """What a restore after a failure asks for, the rank's newest committed step, comes
+    from the decoded buffer its daemon keeps as the next delta's reference: no chunk of
+    the chain is read or decoded. An older step still needs its chain."""
+    store = LocalStore(tmp_path, **SMALL)
+    for step in (1, 2, 3):
+        commit_step(store, step)
+    whole = LocalStore(tmp_path, **SMALL).read_layers(3, 0, Layers(0, 0))  # from the chain
+    _forget_chunks(store, range(1, 4))
+    assert store.read_rank(3, 0) == state(3)
+    assert store.read_layers(3, 0, Layers(0, 0)) == whole
+    with pytest.raises(CorruptChunkError, match="is missing"):
+        store.read_rank(2, 0)
+
+
+def test_a_held_buffer_that_fails_its_checksums_is_read_around_from_the_chain(
+        tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, **SMALL)
+    for step in (1, 2):
+        commit_step(store, step, owned=True)
+    held = store.decoded(2, 0)
+    assert held is not None
+    held[len(held) // 2] ^= 0x10  # a bit flipped in the daemon's memory
+    assert store.read_rank(2, 0) == state(2)
+    _forget_chunks(store, range(1, 3))
+    with pytest.raises(CorruptChunkError, match="is missing"):  # it was not used
+        store.read_rank(2, 0)

@@ -72,6 +72,9 @@ class ChainReader:
         if step not in records:
             raise FileNotFoundError(f"step {step} is not committed; latest committed is "
                                     f"{self.store.latest_committed()}")
+        held = self._held(step, rank, fetch_records, layers)
+        if held is not None:
+            return held
         chain = sr.plan_chain(records, step, rank)
         users = {s: {t for t in chain if s in sr.seal_of(records[t], rank).bases}
                  for s in chain}
@@ -88,6 +91,25 @@ class ChainReader:
             for done in [d for d in decoded if d != step and max(users[d], default=-1) <= s]:
                 del decoded[done]  # no later step in the chain applies to it
         return decoded[step], states[step], keep
+
+    def _held(self, step: int, rank: int, fetch_records: FetchRecords | None,
+              layers: Layers | None
+              ) -> tuple[np.ndarray, manifest_pb2.RankState, set[str] | None] | None:
+        """The rank's buffer at `step` without reading or decoding a chunk, where this
+        store captured that step of the rank and still holds its decoded buffer (the
+        reference of the rank's next delta: its newest committed capture, what a restore
+        after a failure usually asks for). Its CRC32Cs are checked as a decode's are;
+        None when it is not held or fails them (the chain is read instead)."""
+        buffer = self.store.decoded(step, rank)
+        if buffer is None:
+            return None
+        state = self.store.rank_record(step, rank, fetch_records)
+        if buffer.size != state.total_bytes or any(
+                crc32c(buffer[c.offset:c.offset + c.size]) != c.crc32c for c in state.chunks):
+            if self.store.metrics:
+                self.store.metrics.scrub_errors.labels(tier="ram").inc()
+            return None
+        return buffer, state, None if layers is None else wanted(state, layers)
 
     def _prefetch(self, rank: int, states: dict[int, manifest_pb2.RankState],
                   positions: dict[int, Sequence[int]], fetch: Fetch | None

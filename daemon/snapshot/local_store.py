@@ -148,6 +148,13 @@ class LocalStore(Catalogue):
             chunks=encoded.chunks, total_bytes=buf.size, extra=extra, node=node, adamw=adamw)
         return PreparedRank(step, state, encoded.payloads, encoded.decoded, nxt.root)
 
+    def decoded(self, step: int, rank: int) -> np.ndarray | None:
+        """The rank's decoded buffer at committed `step` where this store captured it and
+        still holds it: the newest committed capture of the rank, kept whole as its next
+        delta's reference (read-only: later encodes make new buffers). None otherwise."""
+        ref = self._refs.get(rank)
+        return ref.buffer if ref is not None and ref.step == step else None
+
     def on_disk(self, chunk: manifest_pb2.ChunkRecord) -> bool:
         """Whether this store keeps the chunk's encoded bytes on its disk (as opposed to
         its shards alone) when it captured it."""
@@ -250,7 +257,7 @@ class LocalStore(Catalogue):
 
     def discard_after(self, step: int) -> list[int]:
         """Forget committed steps newer than `step` (training resumes from it and will
-        commit those step numbers again); returns them. The next capture is a base."""
+        commit those step numbers again); returns them."""
         with self._lock:
             newer = [s for s in self.committed_steps() if s > step]
             try:
@@ -266,7 +273,9 @@ class LocalStore(Catalogue):
                 if int(step_dir.name) > step:
                     shutil.rmtree(step_dir, ignore_errors=True)
             self.ram.drop_steps(s for s in self.ram.steps() if s > step)
-            self._refs.clear()
+            # A rank's reference of `step` or older stays: the restore of the resume step
+            # reads it (`decoded`), and the redone step's delta applies to it.
+            self._refs = {r: ref for r, ref in self._refs.items() if ref.step <= step}
             self._pending.clear()
             return newer
 
