@@ -37,6 +37,9 @@ log = logging.getLogger("stalwart.client.agent")
 
 # One attempt to reach a generation's store; between attempts a newer plan is looked for.
 STORE_ATTEMPT_S = 1.0
+# The longest `run` waits, before returning, for a broken generation's groups to finish
+# shutting down on their thread (seconds; they take tens of milliseconds).
+ENDING_WAIT_S = 30.0
 
 
 class JobStopped(RuntimeError):
@@ -100,6 +103,10 @@ class ElasticAgent:
         self.links = LinkBytes()  # what each step sent, by link; heartbeats carry it
         self._plans: queue.Queue[common_pb2.Plan | None] = queue.Queue()
         self._newest = 0
+        # Notified whenever a plan arrives: calls left running while a newer plan may
+        # come (`run_unless`) are given up on the moment it does.
+        self.news = threading.Condition()
+        self._ending: list[threading.Thread] = []  # broken generations' groups shutting down
 
     # plans ----------------------------------------------------------------------
 
@@ -113,6 +120,8 @@ class ElasticAgent:
                     # captures keep the one they run in until the rank rebuilds.
                     self.daemon.generation = max(self.daemon.generation, self._newest)
                     self._plans.put(event.plan)
+                    with self.news:
+                        self.news.notify_all()
             except Exception as exc:  # the channel closes when the rank ends
                 log.debug("plan watch ended: %s", exc)
                 self._plans.put(None)  # a waiter learns its daemon is gone
@@ -193,6 +202,13 @@ class ElasticAgent:
     # the loop -------------------------------------------------------------------
 
     def run(self) -> AgentResult:
+        try:
+            return self._run()
+        finally:
+            for ending in self._ending:
+                ending.join(ENDING_WAIT_S)
+
+    def _run(self) -> AgentResult:
         import torch.distributed as dist
 
         self._served = dist.TCPStore("0.0.0.0", 0, None, True, wait_for_workers=False,
@@ -289,7 +305,8 @@ class ElasticAgent:
         dims = ParallelDims(Layout.from_proto(lay)).build(
             store, role.coord.rank, plan.generation, backend=cfg.backend,
             timeout_s=cfg.collective_timeout_s, node_of=node_of, links=self.links,
-            watchdog=watchdog, superseded=partial(self.superseded, plan.generation))
+            watchdog=watchdog, superseded=partial(self.superseded, plan.generation),
+            news=self.news)
         self.result.coord = {"rank": role.coord.rank, "dp": role.coord.dp,
                              "pp": role.coord.pp, "tp": role.coord.tp}
         record = {"generation": plan.generation, "resume_step": plan.resume_step,
@@ -300,8 +317,10 @@ class ElasticAgent:
                   "first_step_unix": None, "t_build": t_build}
         self.result.generations.append(record)
         gen = Generation(plan, role, dims, self, record, store)
+        broke = True
         try:
             self.program.train(gen)
+            broke = False
         finally:
             record.pop("t_build", None)
             record.pop("t_trained_from", None)
@@ -317,5 +336,12 @@ class ElasticAgent:
                 # generation uses new groups under a new store prefix.
                 log.warning("abandoning generation %d with a step still in flight",
                             plan.generation)
+            elif broke and cfg.backend == "gloo":
+                # Shutting gloo groups down joins their threads (tens of ms): done beside
+                # the next generation's build instead of before it.
+                ending = threading.Thread(target=dims.destroy, daemon=True,
+                                          name=f"stalwart-end-g{plan.generation}")
+                ending.start()
+                self._ending.append(ending)
             else:
                 dims.destroy()

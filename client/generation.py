@@ -100,7 +100,7 @@ class Generation:
         be aborted on gloo, and the new generation must not wait for its timeout."""
         try:
             return run_unless(fn, self.newer_plan_waiting,
-                              f"stalwart-{what}-g{self.plan.generation}")
+                              f"stalwart-{what}-g{self.plan.generation}", self.agent.news)
         except Abandoned:
             self.abandoned = True
             raise PlanChanged() from None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -154,7 +155,8 @@ class ParallelDims:
     def build(self, store: Any, rank: int, generation: int, *, backend: str = "gloo",
               timeout_s: float = 60.0, node_of: Mapping[int, str] | None = None,
               links: LinkBytes | None = None, watchdog: Watchdog | None = None,
-              superseded: Callable[[], bool] | None = None) -> ParallelDims:
+              superseded: Callable[[], bool] | None = None,
+              news: threading.Condition | None = None) -> ParallelDims:
         """Create this rank's dp, pp, tp and world groups for `generation`.
 
         Every member of a group must call this with the same generation; groups live under
@@ -166,7 +168,8 @@ class ParallelDims:
         With `superseded` (true once a newer plan exists), building a group is left as soon
         as it is true, with GroupFailure: a peer that died part-way through this build can
         hold a group's rendezvous past its timeout, and the members of the newer
-        generation must not time out waiting for this rank meanwhile.
+        generation must not time out waiting for this rank meanwhile. `news` is notified
+        when `superseded` may have become true (`run_unless`).
         """
         if self.groups:
             raise RuntimeError(f"generation {self.generation} is still built; destroy() first")
@@ -179,7 +182,7 @@ class ParallelDims:
             make = partial(_make_pg, backend, dist.PrefixStore(key, gen_store),
                            ranks.index(rank), len(ranks), timeout)
             if superseded is not None:
-                make = partial(_unless_superseded, make, superseded,
+                make = partial(_unless_superseded, make, superseded, news,
                                f"building the {axis} group of generation {generation}")
             pg = make() if watchdog is None else watchdog.run(make, f"building the {axis} group")
             nodes = tuple(node_of[r] for r in ranks) if node_of and all(
@@ -243,10 +246,11 @@ class ParallelDims:
                 log.warning("%s of the %s group failed: %s", how, g.axis, exc)
 
 
-def _unless_superseded(make: Callable[[], Any], superseded: Callable[[], bool], what: str) -> Any:
+def _unless_superseded(make: Callable[[], Any], superseded: Callable[[], bool],
+                       news: threading.Condition | None, what: str) -> Any:
     """`make()`, left with GroupFailure once `superseded()` (`run_unless`)."""
     try:
-        return run_unless(make, superseded, "stalwart-group-build")
+        return run_unless(make, superseded, "stalwart-group-build", news)
     except Abandoned:
         raise GroupFailure(f"{what} was left: a newer plan superseded it") from None
 

@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
 from stalwart.core.failures import Failure, FailureKind
@@ -24,7 +23,8 @@ __all__ = ["Abandoned", "CollectiveHangError", "GroupFailure", "Watchdog", "run_
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# How often a call left running on its own thread is checked against its give-up condition.
+# How often a call left running on its own thread is checked against its give-up
+# condition when nothing tells of a change (see run_unless's `news`).
 GIVE_UP_POLL_S = 0.05
 
 
@@ -41,25 +41,35 @@ class Abandoned(Exception):
     """`run_unless` gave up on its call: the give-up condition became true first."""
 
 
-def run_unless(fn: Callable[[], T], give_up: Callable[[], bool], name: str) -> T:
+def run_unless(fn: Callable[[], T], give_up: Callable[[], bool], name: str,
+               news: threading.Condition | None = None) -> T:
     """`fn()` on a thread of its own (named `name`): its result or its error, or Abandoned
     as soon as `give_up()` is true. A collective or a group build on gloo cannot be
-    cancelled, so a left call ends on its thread by its own timeout and is dropped."""
+    cancelled, so a left call ends on its thread by its own timeout and is dropped.
+
+    `news` is notified (under its lock) by whatever may make `give_up()` true: the wait
+    then ends the moment it does. Without it, `give_up()` is polled every
+    GIVE_UP_POLL_S."""
     done: Future[T] = Future()
+    wake = news if news is not None else threading.Condition()
 
     def body() -> None:
         try:
             done.set_result(fn())
         except BaseException as exc:  # noqa: B036 - handed to the waiting thread
             done.set_exception(exc)
+        with wake:
+            wake.notify_all()
 
     threading.Thread(target=body, name=name, daemon=True).start()
-    while True:
-        try:
-            return done.result(timeout=GIVE_UP_POLL_S)
-        except FutureTimeout:
+    with wake:
+        # Both ends notify under the lock, so neither can slip between a check here
+        # and the wait.
+        while not done.done():
             if give_up():
-                raise Abandoned(name) from None
+                raise Abandoned(name)
+            wake.wait(GIVE_UP_POLL_S)
+    return done.result()
 
 
 class Watchdog:

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from fixtures_hostile import WAIT_S
 
 from stalwart.client.parallel_dims import Group, ParallelDims
 from stalwart.client.watchdog import (
@@ -156,6 +157,32 @@ def test_a_call_on_its_own_thread_gives_back_its_value_or_its_error_or_is_abando
     with pytest.raises(Abandoned):
         run_unless(lambda: release.wait(60), lambda: True, "t-left")  # never returns by itself
     release.set()
+
+
+def test_a_call_is_abandoned_the_moment_its_news_tells_of_a_newer_plan(
+        monkeypatch: pytest.MonkeyPatch):
+    """With `news`, the give-up condition is looked at when told to, not on a poll: here
+    the poll would come after a minute."""
+    from stalwart.client import watchdog
+
+    monkeypatch.setattr(watchdog, "GIVE_UP_POLL_S", 60.0)
+    news, newer, release = threading.Condition(), threading.Event(), threading.Event()
+    outcome: list[str] = []
+
+    def waiter() -> None:
+        try:
+            run_unless(lambda: release.wait(120), newer.is_set, "t-news", news)
+        except Abandoned:
+            outcome.append("abandoned")
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    newer.set()
+    with news:
+        news.notify_all()
+    thread.join(WAIT_S)
+    release.set()
+    assert outcome == ["abandoned"]
 
 
 def hung_then_lost_peer(ctx) -> dict:
