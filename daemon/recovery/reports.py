@@ -1,10 +1,10 @@
 """Failures this daemon learns of, on their way to the coordinator's decision.
 
 Detectors (registry, membership, GPU health, rank reports) put typed failures on one
-queue. The coordinator batches them (a burst of facts until it pauses; hang reports
-over a window, since they need every rank's word) and believes only
-what the subject's daemon confirms; any other daemon forwards each report at once,
-and keeps what it could not deliver for the next coordinator.
+queue. The coordinator decides on the facts it holds the moment one arrives (hang
+reports wait a window, since they need every rank's word) and believes only what the
+subject's daemon confirms; any other daemon forwards each report at once, and keeps
+what it could not deliver for the next coordinator.
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ log = logging.getLogger("stalwart.daemon.recovery.reports")
 
 RPC_TIMEOUT_S = 10.0
 HANG_WINDOW_S = 1.5   # collect hang reports this long before deciding (seconds)
-# Other failures are facts: decide once they stop coming. A burst (the ranks of one
-# GPU, the processes a node's loss ended, reports forwarded one RPC at a time) arrives
-# within FACT_QUIET_S of each other; a report that comes later is met by a second plan.
-FACT_QUIET_S = 0.05
-FACT_WINDOW_S = 0.2   # the longest a burst is collected for
+# Other failures are facts, decided on at once with whatever else is queued by then: a
+# daemon's liveness check reports every rank of its node it finds gone together, and a
+# fact that comes later is met by a second plan. Waiting for a burst to pause would put
+# that pause on every recovery's path.
 
 
 class FailureReports:
@@ -67,15 +66,17 @@ class FailureReports:
                 await self._forward([first])
                 continue
             batch = [first]
-            hang = first.kind is FailureKind.COLLECTIVE_HANG
-            loop = asyncio.get_running_loop()
-            end = loop.time() + (HANG_WINDOW_S if hang else FACT_WINDOW_S)
-            while (left := end - loop.time()) > 0:
-                try:
-                    batch.append(await asyncio.wait_for(
-                        self._queue.get(), left if hang else min(left, FACT_QUIET_S)))
-                except TimeoutError:
-                    break
+            if first.kind is FailureKind.COLLECTIVE_HANG:
+                loop = asyncio.get_running_loop()
+                end = loop.time() + HANG_WINDOW_S
+                while (left := end - loop.time()) > 0:
+                    try:
+                        batch.append(await asyncio.wait_for(self._queue.get(), left))
+                    except TimeoutError:
+                        break
+            await asyncio.sleep(0)  # reports already handed to the loop reach the queue
+            while not self._queue.empty():
+                batch.append(self._queue.get_nowait())
             try:
                 await self._decide(batch)
             except Exception:

@@ -1,0 +1,99 @@
+"""How failures reach the coordinator's decision (`daemon/recovery/reports.py`): facts
+are decided on at once, with whatever else was already queued; a fact that comes later
+gets a decision of its own; hang reports wait a window for every rank's word. Pure
+logic with stand-ins for the coordinator and the registry."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from stalwart.core.failures import Failure, FailureKind
+from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.recovery import reports
+from stalwart.daemon.recovery.reports import FailureReports
+from stalwart.v1 import common_pb2
+
+
+class Coordinator(SimpleNamespace):
+    """Records each decision it is asked for."""
+
+    def __init__(self) -> None:
+        super().__init__(took_over_at=float("-inf"), decided=[])
+
+    def take_over(self, plan: common_pb2.Plan) -> bool:
+        return False
+
+    async def on_failures(self, failures: list[Failure]) -> None:
+        self.decided.append([f.subject for f in failures])
+
+
+def _reports() -> tuple[FailureReports, Coordinator]:
+    coordinator = Coordinator()
+
+    async def believed(_: Failure) -> bool:
+        return True
+
+    async def nothing_to_catch_up() -> None:
+        return None
+
+    registry = SimpleNamespace(current_plan=lambda: common_pb2.Plan(generation=1))
+    out = FailureReports(coordinator, registry, Metrics(), is_leader=lambda: True,
+                         stub=lambda: None, confirmed=believed,
+                         catch_up=nothing_to_catch_up, heartbeat_interval_s=0.5)
+    return out, coordinator
+
+
+def exit_of(subject: str) -> Failure:
+    return Failure(FailureKind.PROCESS_EXIT, subject, "process exited", generation=1)
+
+
+async def _turns(n: int) -> None:
+    """`n` passes of the event loop: no timer can fire in them."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+def test_a_fact_is_decided_on_at_once_with_what_was_queued_beside_it():
+    asyncio.run(_decided_at_once())
+
+
+async def _decided_at_once() -> None:
+    failures, coordinator = _reports()
+    task = asyncio.create_task(failures.forever())
+    try:
+        failures.put(exit_of("node-0/1"))
+        failures.put(exit_of("node-0/2"))  # the same liveness check found both
+        await _turns(10)
+        assert coordinator.decided == [["node-0/1", "node-0/2"]]
+        failures.put(exit_of("node-1/7"))  # later: a decision (a plan) of its own
+        await _turns(10)
+        assert coordinator.decided == [["node-0/1", "node-0/2"], ["node-1/7"]]
+    finally:
+        task.cancel()
+
+
+def test_hang_reports_wait_their_window_for_every_ranks_word(
+        monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(reports, "HANG_WINDOW_S", 0.2)
+    asyncio.run(_hangs_wait())
+
+
+async def _hangs_wait() -> None:
+    failures, coordinator = _reports()
+    task = asyncio.create_task(failures.forever())
+    try:
+        failures.put(Failure(FailureKind.COLLECTIVE_HANG, "node-0/1", "dp all_reduce hung",
+                             generation=1))
+        await _turns(10)
+        assert coordinator.decided == []
+        failures.put(Failure(FailureKind.COLLECTIVE_HANG, "node-1/7", "dp all_reduce hung",
+                             generation=1))
+        async with asyncio.timeout(30):
+            while not coordinator.decided:
+                await asyncio.sleep(0.05)
+        assert coordinator.decided == [["node-0/1", "node-1/7"]]
+    finally:
+        task.cancel()
