@@ -56,3 +56,39 @@ def test_a_step_whose_deltas_apply_to_a_skipped_step_is_skipped_and_the_job_goes
 
     links = asyncio.run(scenario())
     assert links.committed == {"n0": [4, 7], "n1": [4, 7]}
+
+
+def test_a_commit_that_arrives_before_the_commit_of_its_base_waits_for_it(tmp_path) -> None:
+    """The commits of two steps travel the commit tree side by side: a daemon can get
+    step 3, a delta against step 2, before step 2. It waits for step 2 instead of
+    refusing step 3 (which would leave it short of every later step)."""
+    from snapshot_states import state, tensors
+
+    from stalwart.core.manifest import build_manifest
+    from stalwart.core.step_record import split
+    from stalwart.daemon.snapshot.commit import Committer
+    from stalwart.daemon.snapshot.local_store import LocalStore
+
+    store = LocalStore(tmp_path, chunk_bytes=8192)
+    layout = common_pb2.ParallelLayout(dp=1, pp=1, tp=1)
+
+    def record(step: int) -> manifest_pb2.StepRecord:
+        prepared = store.encode(step, 0, state(step), tensors(), node="n0")
+        rank = store.prepare(step, prepared)
+        return split(build_manifest(job_id=store.job_id, step=step, generation=1,
+                                    layout=layout, ranks=[rank]))
+
+    store.commit(record(1))
+    second, third = record(2), record(3)
+    assert third.base_step == 2  # a delta against step 2, not yet committed
+
+    async def out_of_order() -> None:
+        committer = Committer("n0", store, None, lambda: False)
+        try:
+            await asyncio.gather(committer.commit(third), committer.commit(second))
+        finally:
+            committer.stop()
+
+    asyncio.run(out_of_order())
+    assert store.committed_steps() == [1, 2, 3]
+    assert store.read_rank(3, 0) == state(3)

@@ -6,9 +6,9 @@ seals, a few bytes each) is built and sent to every daemon (phase two), steps in
 order: the coordinator's work and every daemon's bytes per step grow with the
 prepares, never with what a rank's record weighs. A step whose prepares were lost
 with an old coordinator is skipped once a later step is complete, and so is a step
-whose deltas apply to a skipped one (a capture may delta against the previous step
-before that commits: local_store.LocalStore._reference); a commit that fails on the
-coordinator itself is retried.
+whose deltas apply to a step that did not commit (a capture may delta against the
+previous step before that commits: local_store.LocalStore._reference); a commit that
+fails on the coordinator itself is retried.
 """
 
 from __future__ import annotations
@@ -151,9 +151,6 @@ class StepCommits:
     _commit_times: deque[tuple[float, int]] = field(
         default_factory=lambda: deque(maxlen=INTERVALS_KEPT + 1))
     _landed: asyncio.Condition = field(default_factory=asyncio.Condition)
-    # Steps skipped above the latest commit: a later step whose deltas apply to one of
-    # them cannot commit anywhere, and is skipped too instead of retried for ever.
-    _skipped: set[int] = field(default_factory=set)
 
     def seconds_per_step(self) -> float | None:
         """Median seconds of training per step between the recent commits (None before
@@ -224,7 +221,6 @@ class StepCommits:
         """Steps prepared by an old generation after the resume point will not commit."""
         self.steps = {s: p for s, p in self.steps.items() if s <= step}
         self._built = {s: m for s, m in self._built.items() if s <= step}
-        self._skipped.clear()  # the step numbers after `step` are trained and sealed anew
 
     async def resend(self, step: int, nodes: list[str]) -> None:
         """Send the committed record of `step` again to `nodes` (not this daemon): a
@@ -258,24 +254,24 @@ class StepCommits:
                         self._skip(step)
                         continue
                     return  # steps commit in order; a later one waits for this one
-                committed = await self._commit(step, pending)
+                committed = await self._commit(step, pending, latest)
                 if committed is None:
-                    continue  # skipped: its deltas apply to a skipped step
+                    continue  # skipped: its deltas apply to a step that did not commit
                 if not committed:
                     return
                 latest = step
-                self._skipped = {s for s in self._skipped if s > latest}
                 if sum(pending.finals.values()) >= pending.world:
                     await self.finished(step)
 
     def _skip(self, step: int) -> None:
         del self.steps[step]
         self._built.pop(step, None)
-        self._skipped.add(step)
 
-    async def _commit(self, step: int, pending: PendingStep) -> bool | None:
-        """Phase two of one complete step on every daemon; False to try again later,
-        None when it was skipped because its deltas apply to a skipped step."""
+    async def _commit(self, step: int, pending: PendingStep, latest: int | None
+                      ) -> bool | None:
+        """Phase two of one complete step on every daemon, `latest` the newest committed
+        before it; False to try again later, None when it was skipped because its deltas
+        apply to a step that did not commit."""
         order = sorted(pending.seals.values())  # by first rank
         seals = [s[1] for s in order]
         built = self._built.get(step)
@@ -288,9 +284,11 @@ class StepCommits:
                 layout=pending.layout, seals=seals,
                 base_step=min(map(itemgetter(3), order), default=step))
             self._built[step] = (record, seals)
-        if self._skipped and (lost := sr.referenced_steps(record) & self._skipped):
-            log.warning("step skipped: its deltas apply to a step that was skipped",
-                        extra={"step": step, "bases": sorted(lost)})
+        if record.base_step < step and max(sr.referenced_steps(record)) > (latest or 0):
+            # Steps commit in order, so a base after the newest commit never will: every
+            # daemon would refuse this one (its chain is broken), for ever.
+            log.warning("step skipped: its deltas apply to a step that did not commit",
+                        extra={"step": step, "latest_committed": latest})
             self._skip(step)
             return None
         t0 = time.monotonic()
