@@ -44,30 +44,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"stalwart daemon: config error: {e}", file=sys.stderr)
         return 2
     from stalwart.daemon.logs import setup_logging
-
-    setup_logging(config.log_format, config.log_level)
-    take_priority(config.nice)  # before the imports below: numpy starts a thread
     from stalwart.daemon.server import serve
 
+    setup_logging(config.log_format, config.log_level)
     return asyncio.run(serve(config))
-
-
-def take_priority(nice: int) -> None:
-    """Run at CPU priority `nice` (config key `nice`). Called before the daemon starts
-    any thread: on Linux a priority is per thread, and every thread started later
-    inherits this one's."""
-    import logging
-    import os
-
-    log = logging.getLogger("stalwart.daemon")
-    current = os.getpriority(os.PRIO_PROCESS, 0)
-    if current == nice:
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, nice)
-    except PermissionError:
-        log.info("running at nice %d, not the configured %d: a lower value needs "
-                 "CAP_SYS_NICE (root, or Nice= in the systemd unit)", current, nice)
 
 
 def stalwartd_main(argv: list[str] | None = None) -> int:

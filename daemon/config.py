@@ -98,7 +98,6 @@ class DaemonConfig:
     etcd_lease_s: int = default("etcd_lease_s")
     commit_fanout: int = default("commit_fanout")
     gossip_fanout: int = default("gossip_fanout")
-    nice: int = default("nice")
     labels: Labels = field(default_factory=Labels)
     erasure: ErasureConfig = field(default_factory=ErasureConfig)
     elastic: ElasticSettings = field(default_factory=ElasticSettings)

@@ -47,10 +47,6 @@ def _at_least(low: float) -> Callable[[Any], str | None]:
     return lambda v: None if v >= low else f"must be >= {low:g}"
 
 
-def _nice(v: int) -> str | None:
-    return None if -20 <= v <= 19 else "must be a nice value from -20 to 19"
-
-
 def _port(v: int) -> str | None:
     return None if 0 <= v <= 65535 else "must be a port number 0-65535"
 
@@ -120,12 +116,6 @@ SCHEMA: dict[str, dict[str, Key]] = {
                              "commit on to (a tree of the job's daemons, so the coordinator "
                              "sends a step's record to this many), 0 = the coordinator "
                              "sends it to every daemon itself"),
-        "nice": Key("int", -5, _nice, "CPU priority the daemon runs at, -20 to 19 (lower "
-                    "runs first): below the ranks' 0, its snapshot work goes ahead of their "
-                    "CPU threads where they compete, so commits keep up with training "
-                    "instead of trailing it by steps; going below the priority it was "
-                    "started with needs CAP_SYS_NICE (root, or the systemd unit's Nice=), "
-                    "and without it the daemon says so and runs at the one it has"),
     },
     "labels": {
         "rack": Key("str", "", doc="rack of this node: the shards of a chunk go to distinct "

@@ -166,23 +166,3 @@ def test_importing_the_daemon_does_not_import_torch() -> None:
                           timeout=60, env=daemon_env())
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
-
-
-def _nice_of_threads(pid: int) -> set[int]:
-    """The nice value of every thread of process `pid` (field 19 of its stat)."""
-    from pathlib import Path
-
-    out = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        fields = (task / "stat").read_text().rpartition(")")[2].split()
-        out.add(int(fields[16]))
-    return out
-
-
-def test_every_thread_of_the_daemon_runs_at_its_configured_priority(
-        daemon_factory: DaemonFactory) -> None:
-    """`nice` is taken before the daemon starts a thread, so its gRPC, encoding and
-    store threads all run at it (a positive value needs no privilege to test)."""
-    d = daemon_factory.start("a", settings={"nice": 7})
-    threads = _nice_of_threads(d.process.pid)
-    assert threads == {7}, threads
