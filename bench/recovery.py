@@ -28,8 +28,11 @@ TRAIN = {"global_batch": 8, "seed": 0}
 LAYOUT = {"dp": 2, "pp": 2, "tp": 1, "schedule": "1f1b", "microbatches": 2}
 WORLD = LAYOUT["dp"] * LAYOUT["pp"] * LAYOUT["tp"]
 RANKS_PER_NODE = 2
-KILL_STEP = 6
-"""Stalwart trials kill after this step (captures are warm, commits are flowing)."""
+KILL_STEP = 16
+"""Stalwart trials kill after this step: by then commits trail training by what they
+trail it in steady state (within the first few steps they trail it by less)."""
+STEADY_FROM = 8
+"""The commit lag is the steady state's: looked at from this step to the kill."""
 EXTRA_STEPS = 4
 """Steps trained after the kill step, so the recovered job is seen training on."""
 CKPT_EVERY = 10
@@ -49,8 +52,9 @@ DEFINITIONS = {
     "catch_up_s": "kill -> the step after the killed one completed (redone steps included)",
     "lost_steps": "committed steps discarded by the recovery (worst trial)",
     "redone_steps": "steps trained again: the kill came after steps not yet committed",
-    "commit_lag_steps": "before the kill: newest step trained minus newest step committed, "
-                        "median of the benchmark's looks (about every 0.1 s)",
+    "commit_lag_steps": f"steady state (step {STEADY_FROM} to the kill): newest step trained "
+                        "minus newest step committed, median of the benchmark's looks "
+                        "(about every 0.1 s)",
     "survivor_stall_s": "a surviving rank's last step before the kill -> its first step "
                         "after it (slowest survivor; step lines as the benchmark read them, "
                         "about 0.1 s apart)",
@@ -213,12 +217,12 @@ def _our_recovery(index: int, victim: int, workdir: Path, watch: _Watch,
 
 def _commit_lag(watch: _Watch, fault_t: float) -> float | None:
     """Median of (newest step trained - newest committed) over the looks before the kill,
-    once two steps were trained (the first commit needs a step to be captured)."""
+    from STEADY_FROM trained steps (before, the pipeline is still filling)."""
     trained = sorted(t_s for seen in watch.log.seen.values() for t_s in seen)
     lags = []
     for t, committed in watch.committed:
         newest = max((step for step, seen_t in trained if seen_t <= t), default=0)
-        if 2 <= newest and t < fault_t:
+        if STEADY_FROM <= newest and t < fault_t:
             lags.append(newest - committed)
     return median(lags) if lags else None
 

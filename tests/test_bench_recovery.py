@@ -31,8 +31,12 @@ def test_torchrun_restart_resumes_from_last_dcp_save_with_identical_losses(tmp_p
     assert rec["mttr_s"] > 0
 
 
-def test_commit_lag_and_survivor_stall_read_the_step_lines_as_the_bench_saw_them(tmp_path):
+def test_commit_lag_and_survivor_stall_read_the_step_lines_as_the_bench_saw_them(
+        tmp_path, monkeypatch):
+    from stalwart.bench import recovery
     from stalwart.bench.recovery import _commit_lag, _survivor_stall, _Watch
+
+    monkeypatch.setattr(recovery, "STEADY_FROM", 2)  # the lag of a steady state only
 
     w = _Watch()
     w.log.seen = {tmp_path / "rank0.log": [(1, 10.0), (2, 10.5), (3, 11.0), (4, 14.0)],
@@ -40,6 +44,8 @@ def test_commit_lag_and_survivor_stall_read_the_step_lines_as_the_bench_saw_them
                   tmp_path / "spare0.log": [(4, 13.9)]}  # took the victim's place
     w.committed = [(10.6, 1), (11.1, 1), (11.5, 3), (14.5, 3)]
     assert _commit_lag(w, fault_t=12.0) == 1  # lags 1, 2, 0 before the kill
+    monkeypatch.setattr(recovery, "STEADY_FROM", 4)
+    assert _commit_lag(w, fault_t=12.0) is None  # no look once 4 steps were trained
     assert _survivor_stall(w, tmp_path, victim=1, fault_t=12.0) == 3.0  # rank0: 11 -> 14
 
 
