@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from stalwart.core.step_record import seal
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.coordinator import Coordinator
@@ -92,3 +94,38 @@ def test_a_commit_that_arrives_before_the_commit_of_its_base_waits_for_it(tmp_pa
     asyncio.run(out_of_order())
     assert store.committed_steps() == [1, 2, 3]
     assert store.read_rank(3, 0) == state(3)
+
+
+def test_a_daemon_far_behind_refuses_a_commit_at_once_instead_of_waiting(
+        tmp_path, monkeypatch) -> None:
+    """Only the next commit due can be on its way: a daemon that was away (its newest
+    commit long before the base) refuses at once, so the coordinator is not held up."""
+    from snapshot_states import state, tensors
+
+    from stalwart.core.manifest import ManifestError, build_manifest
+    from stalwart.core.step_record import split
+    from stalwart.daemon.snapshot import commit
+    from stalwart.daemon.snapshot.local_store import LocalStore
+
+    monkeypatch.setattr(commit, "BASE_WAIT_S", 600.0)
+    captured = LocalStore(tmp_path / "n0", chunk_bytes=8192)  # the daemon of the rank
+    layout = common_pb2.ParallelLayout(dp=1, pp=1, tp=1)
+    records = {}
+    for step in (1, 2, 3):
+        prepared = captured.encode(step, 0, state(step), tensors(), node="n0")
+        records[step] = split(build_manifest(job_id=captured.job_id, step=step, generation=1,
+                                             layout=layout,
+                                             ranks=[captured.prepare(step, prepared)]))
+        captured.commit(records[step])
+    assert records[3].base_step == 2
+    away = LocalStore(tmp_path / "n1", chunk_bytes=8192)  # a daemon that missed 1 and 2
+
+    async def refused() -> None:
+        committer = commit.Committer("n1", away, None, lambda: False)
+        try:
+            await asyncio.wait_for(committer.commit(records[3]), 60)
+        finally:
+            committer.stop()
+
+    with pytest.raises(ManifestError, match="needs step 2"):
+        asyncio.run(refused())

@@ -70,13 +70,17 @@ class Committer:
             self._committed.notify_all()
 
     async def _bases_in(self, record: manifest_pb2.StepRecord) -> None:
-        """Wait (up to BASE_WAIT_S) for the commits of the steps `record`'s deltas apply
-        to: the coordinator commits steps in order, but the commits of two steps travel
-        the commit tree side by side, so the later one can arrive first. Beyond that, the
-        store refuses the step, naming the missing link."""
+        """Wait (up to BASE_WAIT_S) for the commit of the step `record`'s deltas apply to
+        when it is the next one due here: the coordinator commits steps in order, but the
+        commits of two steps travel the commit tree side by side, so the later one can
+        arrive first. A daemon further behind (one that was away) does not wait: the
+        store refuses the step at once, naming the missing link, and the daemon catches
+        up from its peers."""
         if record.base_step >= record.step:
             return  # no deltas
         needed = max(sr.referenced_steps(record))
+        if needed != (self.store.latest_committed() or 0) + 1:
+            return
 
         def arrived() -> bool:
             latest = self.store.latest_committed()
