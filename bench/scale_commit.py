@@ -190,8 +190,8 @@ async def _simulate(daemons: int, steps: int) -> dict[str, Any]:
     await server.start()
     original = commits._commit  # noqa: SLF001 - the bench records the real phase two
 
-    async def recorded(step: int, pending: Any, committed_before: int | None) -> bool | None:
-        ok = await original(step, pending, committed_before)
+    async def recorded(step: int, pending: Any) -> bool:
+        ok = await original(step, pending)
         if ok:
             latest.append(step)
         return ok

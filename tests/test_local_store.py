@@ -331,7 +331,10 @@ def _drift(step: int, rank: int) -> bytes:
     return bytes(buf)
 
 
-def _two_ranks(store: LocalStore):
+def test_a_step_that_an_uncommitted_delta_needs_survives_retention(tmp_path: Path) -> None:
+    """Captures are pipelined: step 5 is encoded against step 3 while step 4 (encoded
+    earlier, against step 2) commits. Retention must not drop step 3 under step 5."""
+    store = LocalStore(tmp_path, retain=1, base_every=100, **SMALL)
     layout = common_pb2.ParallelLayout(dp=2, pp=1, tp=1)
 
     def prepare(step: int) -> list[manifest_pb2.RankState]:
@@ -340,68 +343,18 @@ def _two_ranks(store: LocalStore):
             for r in range(2)]
 
     def commit(step: int, ranks: list[manifest_pb2.RankState]) -> None:
-        store.commit(split(build_manifest(job_id="default", step=step, generation=1,
-                                          layout=layout, ranks=ranks)))
-    return prepare, commit
+        store.commit(split(build_manifest(job_id="default", step=step, generation=1, layout=layout,
+                                    ranks=ranks)))
 
-
-def _bases(ranks: list[manifest_pb2.RankState]) -> set[int]:
-    return {c.base_step for r in ranks for c in r.chunks}
-
-
-def test_a_capture_deltas_against_the_previous_one_before_it_commits_one_link_deep(
-        tmp_path: Path) -> None:
-    """Capturing never waits for a commit: a capture's delta applies to the previous
-    step's capture while that one is still on its way, as long as that one's own
-    reference has committed. So a chain holds at most one uncommitted step."""
-    store = LocalStore(tmp_path, retain=1, base_every=100, **SMALL)
-    prepare, commit = _two_ranks(store)
     for step in (1, 2):
         commit(step, prepare(step))
-    third = prepare(3)
-    fourth = prepare(4)                     # step 3 is not committed: its reference is
-    fifth = prepare(5)                      # step 4's reference (3) is not: the committed 2
-    assert (_bases(third), _bases(fourth), _bases(fifth)) == ({2}, {3}, {2})
+    third, fourth = prepare(3), prepare(4)  # both deltas against step 2
     commit(3, third)
-    commit(4, fourth)                       # retention (retain=1) keeps step 5's base too
+    fifth = prepare(5)                      # a delta against step 3
+    assert {c.base_step for r in fifth for c in r.chunks} == {3}
+    commit(4, fourth)                       # retention now looks at step 4's chain only
     commit(5, fifth)
-    assert [store.read_rank(s, r) for s in (4, 5) for r in range(2)] == \
-        [_drift(s, r) for s in (4, 5) for r in range(2)]
-
-
-def test_a_step_that_never_commits_costs_only_the_one_that_applies_to_it(
-        tmp_path: Path) -> None:
-    store = LocalStore(tmp_path, retain=10, base_every=100, **SMALL)
-    prepare, commit = _two_ranks(store)
-    commit(1, prepare(1))
-    prepare(2)                              # never commits (its prepares were lost)
-    third = prepare(3)                      # applies to step 2: cannot commit either
-    assert _bases(third) == {2}
-    with pytest.raises(ManifestError):
-        commit(3, third)
-    fourth = prepare(4)                     # step 3's reference never committed: back to 1
-    assert _bases(fourth) == {1}
-    commit(4, fourth)
-    assert [store.read_rank(4, r) for r in range(2)] == [_drift(4, r) for r in range(2)]
-
-
-def test_a_capture_never_deltas_against_another_generations_capture(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path, retain=10, base_every=100, **SMALL)
-    layout = common_pb2.ParallelLayout(dp=1, pp=1, tp=1)
-    one = store.prepare(1, store.encode(1, 0, _drift(1, 0), tensors(), generation=1))
-    store.commit(split(build_manifest(job_id="default", step=1, generation=1, layout=layout,
-                                      ranks=[one])))
-    store.encode(2, 0, _drift(2, 0), tensors(), generation=1)  # the generation ends here
-    again = store.encode(2, 0, _drift(2, 0), tensors(), generation=2)  # step 2 redone
-    late = store.encode(2, 0, _drift(9, 0), tensors(), generation=1)  # a late old encode
-    assert _bases([late.state]) == {1}
-    third = store.encode(3, 0, _drift(3, 0), tensors(), generation=2)
-    assert _bases([third.state]) == {2}     # the redone step 2, not the late old one
-    for step, prepared in ((2, again), (3, third)):
-        store.commit(split(build_manifest(
-            job_id="default", step=step, generation=2, layout=layout,
-            ranks=[store.prepare(step, prepared)])))
-    assert store.read_rank(3, 0) == _drift(3, 0)
+    assert [store.read_rank(5, r) for r in range(2)] == [_drift(5, r) for r in range(2)]
 
 
 def test_the_daemon_sizes_its_slot_pool_and_ram_tier_from_their_own_keys(

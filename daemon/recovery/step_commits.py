@@ -5,9 +5,7 @@ the records. Once every rank of the step's layout is in, the step's record (the
 seals, a few bytes each) is built and sent to every daemon (phase two), steps in
 order: the coordinator's work and every daemon's bytes per step grow with the
 prepares, never with what a rank's record weighs. A step whose prepares were lost
-with an old coordinator is skipped once a later step is complete, and so is a step
-whose deltas apply to a step that did not commit (a capture may delta against the
-previous step before that commits: local_store.LocalStore._reference); a commit that
+with an old coordinator is skipped once a later step is complete; a commit that
 fails on the coordinator itself is retried.
 """
 
@@ -251,27 +249,17 @@ class StepCommits:
                         # that died): skip it instead of blocking every later commit.
                         log.warning("step skipped: some ranks' prepares were lost",
                                     extra={"step": step, "have": pending.covered})
-                        self._skip(step)
+                        del self.steps[step]
                         continue
                     return  # steps commit in order; a later one waits for this one
-                committed = await self._commit(step, pending, latest)
-                if committed is None:
-                    continue  # skipped: its deltas apply to a step that did not commit
-                if not committed:
+                if not await self._commit(step, pending):
                     return
                 latest = step
                 if sum(pending.finals.values()) >= pending.world:
                     await self.finished(step)
 
-    def _skip(self, step: int) -> None:
-        del self.steps[step]
-        self._built.pop(step, None)
-
-    async def _commit(self, step: int, pending: PendingStep, latest: int | None
-                      ) -> bool | None:
-        """Phase two of one complete step on every daemon, `latest` the newest committed
-        before it; False to try again later, None when it was skipped because its deltas
-        apply to a step that did not commit."""
+    async def _commit(self, step: int, pending: PendingStep) -> bool:
+        """Phase two of one complete step on every daemon; False to try again later."""
         order = sorted(pending.seals.values())  # by first rank
         seals = [s[1] for s in order]
         built = self._built.get(step)
@@ -284,13 +272,6 @@ class StepCommits:
                 layout=pending.layout, seals=seals,
                 base_step=min(map(itemgetter(3), order), default=step))
             self._built[step] = (record, seals)
-        if record.base_step < step and max(sr.referenced_steps(record)) > (latest or 0):
-            # Steps commit in order, so a base after the newest commit never will: every
-            # daemon would refuse this one (its chain is broken), for ever.
-            log.warning("step skipped: its deltas apply to a step that did not commit",
-                        extra={"step": step, "latest_committed": latest})
-            self._skip(step)
-            return None
         t0 = time.monotonic()
         nodes = sorted(pending.seals)  # the record's, as commit_tree.nodes_of gives them
         request, targets = self._phase_two(record, nodes)

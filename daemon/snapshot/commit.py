@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from stalwart.core import step_record as sr
 from stalwart.core.generation import StaleGeneration
 from stalwart.daemon.snapshot.local_store import LocalStore
 from stalwart.daemon.snapshot.s3_tier import ManifestExistsError, S3Tier
@@ -27,7 +26,6 @@ from stalwart.v1 import manifest_pb2, peer_pb2, rank_pb2
 log = logging.getLogger("stalwart.daemon.snapshot.commit")
 
 DEFAULT_WAIT_S = 30.0  # WaitCommitted without a timeout
-BASE_WAIT_S = 5.0  # a commit waits this long for the commit of a step its deltas apply to
 
 
 class Committer:
@@ -54,7 +52,6 @@ class Committer:
             # this is a late copy of a step retired here: nothing to do.
             log.info("commit of a step not kept here ignored", extra={"step": record.step})
             return
-        await self._bases_in(record)
         await self._run(lambda: self.store.commit(record, local_node=self.node,
                                                   verified=verified))
         if self.s3 is not None and self.is_leader():
@@ -68,29 +65,6 @@ class Committer:
                     raise
         async with self._committed:
             self._committed.notify_all()
-
-    async def _bases_in(self, record: manifest_pb2.StepRecord) -> None:
-        """Wait (up to BASE_WAIT_S) for the commit of the step `record`'s deltas apply to
-        when it is the next one due here: the coordinator commits steps in order, but the
-        commits of two steps travel the commit tree side by side, so the later one can
-        arrive first. A daemon further behind (one that was away) does not wait: the
-        store refuses the step at once, naming the missing link, and the daemon catches
-        up from its peers."""
-        if record.base_step >= record.step:
-            return  # no deltas
-        needed = max(sr.referenced_steps(record))
-        if needed != (self.store.latest_committed() or 0) + 1:
-            return
-
-        def arrived() -> bool:
-            latest = self.store.latest_committed()
-            return latest is not None and latest >= needed
-
-        async with self._committed:
-            try:
-                await asyncio.wait_for(self._committed.wait_for(arrived), BASE_WAIT_S)
-            except TimeoutError:
-                pass
 
     async def wait_committed(self, step: int, timeout_s: float) -> rank_pb2.WaitCommittedReply:
         """Whether `step` commits within `timeout_s` (0: DEFAULT_WAIT_S) seconds."""

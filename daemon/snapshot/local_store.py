@@ -59,8 +59,6 @@ class _Reference:
     delta_bytes: int   # stored bytes of those deltas
     base_bytes: int    # stored bytes of the root
     layout: bytes      # serialised tensor metas: a changed layout forces a new base
-    base: int | None = None  # the step its own delta applies to (None: a full base)
-    generation: int | None = None  # of the capture it was encoded from, where known
 
 
 class LocalStore(Catalogue):
@@ -114,16 +112,14 @@ class LocalStore(Catalogue):
     def encode(self, step: int, rank: int, data: Buffer,
                tensors: Sequence[common_pb2.TensorMeta], *,
                coord: common_pb2.RankCoord | None = None, extra: bytes = b"", node: str = "",
-               adamw: Sequence[manifest_pb2.AdamWHint] = (),
-               generation: int | None = None) -> PreparedRank:
+               adamw: Sequence[manifest_pb2.AdamWHint] = ()) -> PreparedRank:
         """Encode a rank's state buffer as a base or a delta, by this store's policy.
 
         `adamw` hints (one per parameter) let deltas apply to the predicted optimizer update:
-        still lossless, several times smaller on AdamW state. `generation`: of the
-        capture, so a delta never applies to a capture of another generation.
+        still lossless, several times smaller on AdamW state.
         """
         layout = b"".join(t.SerializeToString(deterministic=True) for t in tensors)
-        ref = self._reference(step, rank, generation)
+        ref = self._refs.get(rank)
         # An owned copy: the next delta applies to it, and capture slots get reused.
         buf = np.frombuffer(data, dtype=np.uint8)
         if not isinstance(data, bytes):  # immutable bytes are already the store's own
@@ -140,40 +136,17 @@ class LocalStore(Catalogue):
             executor=self.executor)
         size = encoded.stored_bytes
         if fresh_base:
-            nxt = _Reference(step, encoded.decoded, step, 0, 0, size, layout,
-                             generation=generation)
+            nxt = _Reference(step, encoded.decoded, step, 0, 0, size, layout)
         else:
             # Chained deltas are all read on restore; deltas against the base only one.
             chained = self.delta_against == "previous"
             nxt = _Reference(step, encoded.decoded, ref.root, ref.length + 1,
-                             ref.delta_bytes * chained + size, ref.base_bytes, layout,
-                             base=ref.step, generation=generation)
-        held = self._pending.get((step, rank))
-        if held is None or None in (held.generation, generation) or generation >= held.generation:
-            self._pending[(step, rank)] = nxt  # (a late encode of an older generation is not)
+                             ref.delta_bytes * chained + size, ref.base_bytes, layout)
+        self._pending[(step, rank)] = nxt
         state = manifest_pb2.RankState(
             rank=rank, coord=coord or common_pb2.RankCoord(rank=rank), tensors=tensors,
             chunks=encoded.chunks, total_bytes=buf.size, extra=extra, node=node, adamw=adamw)
         return PreparedRank(step, state, encoded.payloads, encoded.decoded, nxt.root)
-
-    def _reference(self, step: int, rank: int, generation: int | None) -> _Reference | None:
-        """What a capture of `step` deltas against: the previous step's capture of the rank
-        while that one is still on its way to commit, where its own reference is committed
-        (a base, or the rank's newest committed capture); else the newest committed
-        capture. The step just before is what the AdamW prediction makes a delta small
-        against, and commits trail captures (a daemon whose prepare does not complete a
-        step moves on before the commit). A chain holds at most one step that has not
-        committed: a step that never commits costs the one after it (the coordinator
-        skips both), never a chain of them."""
-        committed = self._refs.get(rank)
-        if self.delta_against != "previous":
-            return committed
-        previous = self._pending.get((step - 1, rank))
-        if previous is None or previous.generation != generation:
-            return committed
-        if previous.base is None or (committed is not None and previous.base == committed.step):
-            return previous
-        return committed
 
     def decoded(self, step: int, rank: int) -> np.ndarray | None:
         """The rank's decoded buffer at committed `step` where this store captured it and
@@ -266,8 +239,6 @@ class LocalStore(Catalogue):
         self._records[step] = record
         for state in states:
             ref = self._pending.pop((step, state.rank), None)
-            if ref is not None and ref.generation not in (None, record.generation):
-                ref = None  # a capture of another generation numbered the same: not this one
             if ref is not None and (self.delta_against == "previous" or ref.length == 0
                                     or state.rank not in self._refs):
                 self._refs[state.rank] = ref

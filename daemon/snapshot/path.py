@@ -227,7 +227,7 @@ class SnapshotPath:
         return await self._run(
             self.store.encode, request.step, request.coord.rank, owned,
             list(request.tensors), coord=request.coord, extra=request.extra,
-            node=self.node, adamw=list(request.adamw), generation=request.generation)
+            node=self.node, adamw=list(request.adamw))
 
     async def on_peer_lost(self, node: str) -> None:
         """A daemon is gone: records it held are copied back to m holders, and the repair
