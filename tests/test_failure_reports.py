@@ -21,13 +21,14 @@ class Coordinator(SimpleNamespace):
     """Records each decision it is asked for."""
 
     def __init__(self) -> None:
-        super().__init__(took_over_at=float("-inf"), decided=[])
+        super().__init__(took_over_at=float("-inf"), decided=[], deciding=asyncio.Event())
 
     def take_over(self, plan: common_pb2.Plan) -> bool:
         return False
 
     async def on_failures(self, failures: list[Failure]) -> None:
         self.decided.append([f.subject for f in failures])
+        self.deciding.set()
 
 
 def _reports() -> tuple[FailureReports, Coordinator]:
@@ -91,9 +92,7 @@ async def _hangs_wait() -> None:
         assert coordinator.decided == []
         failures.put(Failure(FailureKind.COLLECTIVE_HANG, "node-1/7", "dp all_reduce hung",
                              generation=1))
-        async with asyncio.timeout(30):
-            while not coordinator.decided:
-                await asyncio.sleep(0.05)
+        await asyncio.wait_for(coordinator.deciding.wait(), 30)
         assert coordinator.decided == [["node-0/1", "node-1/7"]]
     finally:
         task.cancel()

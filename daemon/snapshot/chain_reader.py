@@ -104,8 +104,7 @@ class ChainReader:
         if buffer is None:
             return None
         state = self.store.rank_record(step, rank, fetch_records)
-        if buffer.size != state.total_bytes or any(
-                crc32c(buffer[c.offset:c.offset + c.size]) != c.crc32c for c in state.chunks):
+        if buffer.size != state.total_bytes or _first_bad(buffer, state.chunks) is not None:
             if self.store.metrics:
                 self.store.metrics.scrub_errors.labels(tier="ram").inc()
             return None
@@ -149,10 +148,10 @@ class ChainReader:
         out = decode_rank(state, payloads, decoded, positions=positions,
                           adamw=None if names is None else
                           [h for h in state.adamw if h.param in names])
-        for c in (state.chunks[i] for i in positions):
-            if crc32c(out[c.offset:c.offset + c.size]) != c.crc32c:
-                raise CorruptChunkError(step, state.rank, c.chunk_id, "decoded",
-                                        f"decoded bytes fail CRC32C (base step {c.base_step})")
+        bad = _first_bad(out, [state.chunks[i] for i in positions])
+        if bad is not None:
+            raise CorruptChunkError(step, state.rank, bad.chunk_id, "decoded",
+                                    f"decoded bytes fail CRC32C (base step {bad.base_step})")
         return out
 
     def _read_or_fetch(self, step: int, rank: int, index: int, c: manifest_pb2.ChunkRecord,
@@ -190,3 +189,10 @@ class ChainReader:
                                     f"expected {c.stored_size})")
         self.store.ram.put(key, payload)
         return payload
+
+
+def _first_bad(buffer: np.ndarray, chunks: Sequence[manifest_pb2.ChunkRecord]
+               ) -> manifest_pb2.ChunkRecord | None:
+    """The first of `chunks` whose decoded bytes in `buffer` fail its CRC32C, or None."""
+    return next((c for c in chunks if crc32c(buffer[c.offset:c.offset + c.size]) != c.crc32c),
+                None)
