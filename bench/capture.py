@@ -196,9 +196,11 @@ def _pin(pid: int, cores: set[int]) -> None:
 
 def _own_cores_overhead(rank: _DaemonRank, model, opt, step: Callable[[], float],
                         blocks: int) -> dict[str, Any]:
-    """The tiny model's step overhead with the rank (this process, one torch thread) on
-    one core and its daemon on another, as a deployment that gives the daemon a core
-    has it; None where the machine has fewer than two cores to give."""
+    """The tiny model's step overhead with the rank's training thread (one torch thread)
+    on one core and its daemon on another, as a deployment that gives the daemon a core
+    has it: the capture threads run on the daemon's core (`stalwart run --capture-cpus`)
+    in one set of blocks and beside the training thread in the other, interleaved. None
+    where the machine has fewer than two cores to give."""
     import torch
 
     cores = sorted(os.sched_getaffinity(0))
@@ -212,22 +214,36 @@ def _own_cores_overhead(rank: _DaemonRank, model, opt, step: Callable[[], float]
     assert daemon is not None
     threads = torch.get_num_threads()
     before = {os.getpid(): set(cores), daemon.pid: os.sched_getaffinity(daemon.pid)}
+    capturer = rank.capturer
     torch.set_num_threads(1)
-    _pin(os.getpid(), {cores[0]})
     _pin(daemon.pid, {cores[1]})
     try:
-        plain, captured = [], []
+        plain, apart, beside = [], [], []
         for _ in range(blocks):
+            _pin(os.getpid(), {cores[0]})
             plain += rank.train(model, opt, step, 5, capture=False)
-            captured += rank.train(model, opt, step, 5, capture=True)[1:]
+            capturer.cpus = frozenset({cores[1]})  # the daemon's core
+            apart += rank.train(model, opt, step, 5, capture=True)[1:]
+            capturer.drain()
+            capturer.cpus = None
+            _pin(os.getpid(), {cores[0]})  # the capture threads back beside training
+            beside += rank.train(model, opt, step, 5, capture=True)[1:]
+            capturer.drain()
     finally:
+        capturer.cpus = None
         for pid, allowed in before.items():
             _pin(pid, allowed)
         torch.set_num_threads(threads)
-    return {"overhead_pct": round(100 * (median(captured) / median(plain) - 1), 2),
-            "rank_core": cores[0], "daemon_core": cores[1], "torch_threads": 1,
+
+    def pct(times: list[float]) -> float:
+        return round(100 * (median(times) / median(plain) - 1), 2)
+
+    return {"overhead_pct": pct(apart), "overhead_pct_capture_threads_on_rank_core":
+            pct(beside), "rank_core": cores[0], "daemon_core": cores[1],
+            "torch_threads": 1, "steps_each": len(plain),
             "step_s_without_capture": round(median(plain), 6),
-            "step_s_with_capture": round(median(captured), 6)}
+            "step_s_with_capture": round(median(apart), 6),
+            "step_s_with_capture_threads_on_rank_core": round(median(beside), 6)}
 
 
 def run(quick: bool) -> dict:
@@ -307,8 +323,11 @@ def run(quick: bool) -> dict:
                  "Capturer -> daemon subprocess, first capture (slot set-up) excluded. "
                  "step_overhead_pct: tiny GPT, capture every step vs none, interleaved "
                  "blocks in one process; the daemon's encoding shares the machine's cores. "
-                 "step_overhead_pct_own_cores: the same with this process (one torch "
-                 "thread) pinned to one core and the daemon to another. "
+                 "step_overhead_pct_own_cores: the same with the training thread (one "
+                 "torch thread) pinned to one core, and the daemon and the capture's "
+                 "copy and hand-over threads to another (stalwart run --capture-cpus); "
+                 "own_cores.overhead_pct_capture_threads_on_rank_core: the capture "
+                 "threads left beside the training thread, blocks interleaved. "
                  "handoff_s: the rest (describe the state, hand the slot over). "
                  "stall_waiting_for_copy_s: part of the stall spent before optimizer.step() "
                  "waiting for the copy, which itself waits for a slot the daemon has not "

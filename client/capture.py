@@ -7,11 +7,18 @@ to the daemon (phase one of the commit). The training thread blocks only in
 `before_update()` — called before the next `optimizer.step()` — and only if the
 copy of the previous step is still running, because the optimizer is about to
 overwrite the memory being copied.
+
+The copier and sender threads may run on CPUs of their own (`cpus`, or
+STALWART_CAPTURE_CPUS where the library makes the Capturer): a host that gives its
+daemon cores gives the capture's copy those cores too, as a GPU's copy engine takes it
+off the training thread.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -21,10 +28,12 @@ from typing import Any, Protocol
 
 import torch
 
+from stalwart.client.daemon_env import CPUS_ENV
 from stalwart.client.shm import MappedSlot
 from stalwart.client.state_layout import StateTensor, byte_view, copy_into, describe
 from stalwart.v1 import common_pb2
 
+log = logging.getLogger("stalwart.client.capture")
 
 class CaptureTransport(Protocol):
     """What the capturer needs from the daemon (gRPC in production)."""
@@ -69,9 +78,13 @@ class _SlotState:
 class Capturer:
     """Double-buffered, asynchronous capture of one rank's state."""
 
-    def __init__(self, transport: CaptureTransport, token: str = "") -> None:
+    def __init__(self, transport: CaptureTransport, token: str = "",
+                 cpus: frozenset[int] | None = None) -> None:
         self.transport = transport
         self.token = token
+        # Where the copier and sender threads run (None: wherever the rank's threads
+        # do). Applied as each job starts, so it holds even if the rank is re-pinned.
+        self.cpus = cpus
         self.stats = CaptureStats()
         self._slots: list[_SlotState] = []
         self._size = 0
@@ -144,6 +157,7 @@ class Capturer:
     def _copy_then_send(self, step: int, slot: _SlotState, tensors: list[StateTensor],
                         metas: list[common_pb2.TensorMeta], extra: bytes, on_cuda: bool,
                         hints: list[Any], final: bool) -> None:
+        self._pin()
         if not slot.free.wait(timeout=600):
             raise TimeoutError(f"daemon did not consume slot {slot.mapped.slot_id} in 600 s")
         slot.free.clear()
@@ -160,12 +174,26 @@ class Capturer:
 
     def _send(self, step: int, slot: _SlotState, metas: list[common_pb2.TensorMeta],
               extra: bytes, hints: list[Any], final: bool) -> None:
+        self._pin()
         try:
             stall = self.stats.stalls_s[-2] if len(self.stats.stalls_s) > 1 else 0.0
             self.transport.send_capture(step, slot.mapped.slot_id, metas, extra, hints, stall,
                                         final)
         finally:
             slot.free.set()
+
+    def _pin(self) -> None:
+        """This capture thread onto `cpus` (a syscall of microseconds)."""
+        cpus = self.cpus
+        if cpus is None:
+            return
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as exc:  # outside this process's cpuset: it only costs speed
+            self.cpus = None
+            log.warning("capture threads stay where the rank runs: cannot move them to "
+                        "CPUs %s (%s); give %s CPUs this process may use (taskset -p)",
+                        ",".join(map(str, sorted(cpus))), exc, CPUS_ENV)
 
     def before_update(self) -> float:
         """Block until the last copy is done; returns seconds blocked. Call before step()."""

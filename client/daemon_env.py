@@ -1,6 +1,6 @@
 """What a training process knows of its daemon and its place before it connects: the
 daemon's gRPC target and TLS credentials from the environment, and the torchrun
-environment (`RankEnv`)."""
+environment (`RankEnv`), and where its capture threads run (STALWART_CAPTURE_CPUS)."""
 
 from __future__ import annotations
 
@@ -85,3 +85,30 @@ class RankEnv:
 
         return cls(number("RANK", 0), number("WORLD_SIZE", 1), number("LOCAL_RANK", 0),
                    env.get("MASTER_ADDR", ""), number("MASTER_PORT", 0))
+
+
+CPUS_ENV = "STALWART_CAPTURE_CPUS"
+
+
+def parse_cpus(text: str, what: str = CPUS_ENV) -> frozenset[int] | None:
+    """CPU numbers from a list like "3", "2,3" or "8-11,14" (None for ""); a ValueError
+    names `what` and what is wrong (a CPU this machine does not have included)."""
+    text = text.strip()
+    if not text:
+        return None
+    have = os.cpu_count() or 1
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, dash, high = part.strip().partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()) or \
+                int(high or low) < int(low):
+            raise ValueError(f"{what}={text!r}: give CPU numbers like 3, 2,3 or 8-11")
+        cpus.update(range(int(low), int(high or low) + 1))
+    if max(cpus) >= have:
+        raise ValueError(f"{what}={text!r}: this machine has CPUs 0-{have - 1}")
+    return frozenset(cpus)
+
+
+def capture_cpus() -> frozenset[int] | None:
+    """The CPUs STALWART_CAPTURE_CPUS gives the capture threads (None: where the rank is)."""
+    return parse_cpus(os.environ.get(CPUS_ENV, ""))

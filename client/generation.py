@@ -14,6 +14,7 @@ import grpc
 
 from stalwart.client.capture import Capturer
 from stalwart.client.daemon_client import DaemonClient, DaemonUnavailable
+from stalwart.client.daemon_env import capture_cpus
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.state_layout import unpack
 from stalwart.client.watchdog import Abandoned, run_unless
@@ -92,7 +93,8 @@ class Generation:
 
     def capturer(self) -> Capturer:
         return Capturer(GrpcCaptureTransport(self.daemon, self.role.coord, self.plan.layout,
-                                             self.plan.generation), token=self.daemon.token)
+                                             self.plan.generation), token=self.daemon.token,
+                        cpus=capture_cpus())
 
     def run_or_abandon(self, fn: Callable[[], T], what: str) -> T:
         """Run `fn` (a step, a collective) on a helper thread; give up on it when a newer

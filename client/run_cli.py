@@ -20,6 +20,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from stalwart.client.daemon_env import CPUS_ENV, parse_cpus
 from stalwart.daemon.config_schema import SOCKET_LOOKUP, daemon_socket
 
 __all__ = ["configure", "run"]
@@ -57,6 +58,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
       help="run SCRIPT as a program, not with this Python")
     a("--standalone", action="store_true", help="accepted for torchrun compatibility; "
       "a one-host job needs nothing more")
+    a("--capture-cpus", dest="capture_cpus", default="",
+      help="CPUs for the ranks' capture threads, e.g. the cores given to this host's "
+           "daemon (8-11 or 2,3; default: where each rank runs)")
     a("--monitor-interval", "--monitor_interval", dest="monitor_interval", type=float,
       default=0.2, help="seconds between looks at the processes")
     for flag in REFUSED:  # taken only to say why not
@@ -97,6 +101,10 @@ def _check(args: argparse.Namespace) -> str:
     if not args.standby and not 0 <= _node_rank(args) < int(args.nnodes):
         return (f"--node-rank {_node_rank(args)} is outside 0..{int(args.nnodes) - 1}; give "
                 "each training host its own index (or --standby for a host of spares)")
+    try:
+        parse_cpus(args.capture_cpus, "--capture-cpus")
+    except ValueError as exc:
+        return str(exc)
     if not args.module and not args.no_python and not Path(args.script).exists():
         return f"{args.script}: no such file (pass -m for a module name)"
     return ""
@@ -113,6 +121,8 @@ def _environments(args: argparse.Namespace, socket: str) -> list[tuple[str, dict
             "PYTHONUNBUFFERED": "1"}
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         base.pop(name, None)  # no fixed store host
+    if args.capture_cpus:
+        base[CPUS_ENV] = args.capture_cpus
     out = []
     ranks = 0 if args.standby else nproc
     for local in range(ranks):

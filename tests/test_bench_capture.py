@@ -29,5 +29,6 @@ def test_the_capture_benchmark_reports_the_stall_and_both_overheads(tmp_path: Pa
     if len(os.sched_getaffinity(0)) >= 2:
         assert isinstance(figures["step_overhead_pct_own_cores"], float)
         assert own["rank_core"] != own["daemon_core"] and own["torch_threads"] == 1
+        assert isinstance(own["overhead_pct_capture_threads_on_rank_core"], float)
     else:
         assert figures["step_overhead_pct_own_cores"] is None and own["why"]

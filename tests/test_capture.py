@@ -1,12 +1,14 @@
 """Capture copies a rank's state into daemon slots off the training thread, bit for bit."""
 
 import json
+import os
 import threading
 
 import pytest
 import torch
 
 from stalwart.client.capture import Capturer
+from stalwart.client.daemon_env import parse_cpus
 from stalwart.client.state_layout import StateTensor, describe, unpack
 from stalwart.daemon.snapshot.slots import FdServer, SlotPool
 
@@ -167,3 +169,39 @@ def test_a_restore_slot_is_handed_out_once_and_one_never_fetched_expires() -> No
     with pytest.raises(UnknownSlot):
         pool.take_fd(forgotten.slot_id)
     pool.close()
+
+
+def test_capture_threads_run_on_the_cpus_they_are_given(transport):
+    # A host that gives its daemon cores gives the capture's copy and hand-over those
+    # cores too; the training thread stays where it was.
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("this machine gives the process one CPU: nothing to pin apart")
+    own = frozenset({allowed[-1]})
+    cap = Capturer(transport, cpus=own)
+    for step in range(3):
+        cap.capture(step, _state(step), {})
+    cap.drain()
+    workers = [t for t in threading.enumerate()
+               if t.name.startswith(("stalwart-copy", "stalwart-send"))]
+    assert {t.name.split("_")[0] for t in workers} == {"stalwart-copy", "stalwart-send"}
+    assert all(os.sched_getaffinity(t.native_id) == own for t in workers)
+    assert os.sched_getaffinity(0) == set(allowed)
+    cap.close()
+    assert sorted(transport.received) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("text,cpus", [("", None), ("1", {1}), ("0,1", {0, 1}),
+                                       (" 0-1 ", {0, 1})])
+def test_capture_cpus_are_read_as_a_cpu_list(text, cpus):
+    assert parse_cpus(text) == (None if cpus is None else frozenset(cpus))
+
+
+@pytest.mark.parametrize("text,message", [("x", "give CPU numbers like"),
+                                          ("1-", "give CPU numbers like"),
+                                          ("3-1", "give CPU numbers like"),
+                                          ("4096", "this machine has CPUs 0-")])
+def test_a_wrong_capture_cpu_list_is_refused_naming_it(text, message):
+    with pytest.raises(ValueError, match=message) as info:
+        parse_cpus(text)
+    assert "STALWART_CAPTURE_CPUS" in str(info.value)

@@ -30,7 +30,10 @@ def launch(cluster: LocalCluster, tmp_path: Path, spares_on_last: int = 0
             proc = subprocess.Popen(
                 [sys.executable, "-m", "stalwart.cli", "run", "--nnodes", str(cluster.nodes),
                  "--node-rank", str(node.index), "--nproc-per-node", "1",
-                 "--spares", str(spares), "--socket", str(node.socket), SCRIPT,
+                 "--spares", str(spares), "--socket", str(node.socket),
+                 # the capture threads on a CPU of their own, as a host that gives
+                 # its daemon cores would run them
+                 "--capture-cpus", str(max(os.sched_getaffinity(0))), SCRIPT,
                  "--steps", "24", "--global-batch", "16"],
                 stdout=f, stderr=subprocess.STDOUT,
                 env={**os.environ, "STALWART_STEP_LOG": "1", "OMP_NUM_THREADS": "1"})
@@ -88,6 +91,8 @@ def test_two_hosts_survive_the_loss_of_the_rank_0_host_process_bitwise(tmp_path:
     (["--nnodes", "1:4"], "--nnodes 1:4: give the number of hosts"),
     (["--nnodes", "2", "--node-rank", "2"], "--node-rank 2 is outside 0..1"),
     (["--socket", "/nonexistent/d.sock"], "no daemon socket at /nonexistent/d.sock"),
+    (["--capture-cpus", "4096"], "--capture-cpus='4096': this machine has CPUs 0-"),
+    (["--capture-cpus", "a,b"], "--capture-cpus='a,b': give CPU numbers like"),
 ])
 def test_flags_the_launcher_refuses_get_one_line_naming_them(flags, message) -> None:
     proc = subprocess.run([sys.executable, "-m", "stalwart.cli", "run", *flags, SCRIPT],
