@@ -113,6 +113,26 @@ def test_resuming_from_an_older_step_discards_the_newer_ones(tmp_path: Path) -> 
     assert fresh.read_rank(4, 0) == state(4, scale=2) and fresh.read_rank(3, 0) == state(3)
 
 
+def test_a_late_encode_of_an_older_plan_never_becomes_the_reference(tmp_path: Path) -> None:
+    # Plan 2 resumes from step 1 and redoes step 2 (here with other values); plan 1's
+    # encode of step 2, under way when the plan changed, finishes after plan 2's. The
+    # next delta must apply to what plan 2 committed, not to plan 1's buffer.
+    store = LocalStore(tmp_path, retain=20, **SMALL)
+    commit_step(store, 1)
+    commit_step(store, 2)
+    assert store.discard_after(1, generation=2) == [2]
+    redone = store.encode(2, 0, state(7), tensors(), generation=2)
+    store.encode(2, 0, state(2), tensors(), generation=1)  # late
+    manifest = build_manifest(job_id=store.job_id, step=2, generation=2,
+                              layout=common_pb2.ParallelLayout(dp=1, pp=1, tp=1),
+                              ranks=[store.prepare(2, redone)])
+    store.commit(split(manifest))
+    held = store.decoded(2, 0)
+    assert held is not None and held.tobytes() == state(7)
+    store.encode(3, 0, state(3), tensors(), generation=2)  # a delta on the reference
+    assert store.read_rank(2, 0) == state(7)
+
+
 def test_committed_steps_are_listed_again_after_any_change_to_them(tmp_path: Path) -> None:
     # The listing is kept between changes: this store's own commits and discards show
     # at once; another store's (another process on the same disk) show once the

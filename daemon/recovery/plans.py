@@ -25,7 +25,7 @@ class Plans:
     """Installs plans on this daemon and re-sends the current one to returning peers."""
 
     def __init__(self, registry: Registry, processes: RankProcesses,
-                 discard_after: Callable[[int], list[int]], is_leader: Callable[[], bool],
+                 discard_after: Callable[[int, int], list[int]], is_leader: Callable[[], bool],
                  heartbeat_interval_s: float) -> None:
         self.registry, self.processes, self.discard_after = registry, processes, discard_after
         self.is_leader, self.interval_s = is_leader, heartbeat_interval_s
@@ -42,7 +42,7 @@ class Plans:
         if previous.assignments:
             # The new generation re-captures the steps after resume_step: what the old one
             # prepared for them must not become a delta base.
-            dropped = self.discard_after(plan.resume_step)
+            dropped = self.discard_after(plan.resume_step, plan.generation)
             if dropped:
                 log.warning("discarded committed steps past the resume point",
                             extra={"steps": dropped, "resume_step": plan.resume_step})

@@ -94,6 +94,9 @@ class LocalStore(Catalogue):
         self.reader = ChainReader(self)
         self._refs: dict[int, _Reference] = {}
         self._pending: dict[tuple[int, int], _Reference] = {}
+        # The newest plan generation seen: an encode of an older one that finishes late
+        # must not become the pending reference of a step the new generation redoes.
+        self._generation = 0
 
     def sweep_temporaries(self) -> None:
         """Remove leftovers of writes a crash interrupted. Only the daemon that holds the
@@ -112,11 +115,14 @@ class LocalStore(Catalogue):
     def encode(self, step: int, rank: int, data: Buffer,
                tensors: Sequence[common_pb2.TensorMeta], *,
                coord: common_pb2.RankCoord | None = None, extra: bytes = b"", node: str = "",
-               adamw: Sequence[manifest_pb2.AdamWHint] = ()) -> PreparedRank:
+               adamw: Sequence[manifest_pb2.AdamWHint] = (),
+               generation: int | None = None) -> PreparedRank:
         """Encode a rank's state buffer as a base or a delta, by this store's policy.
 
         `adamw` hints (one per parameter) let deltas apply to the predicted optimizer update:
-        still lossless, several times smaller on AdamW state.
+        still lossless, several times smaller on AdamW state. `generation`: the plan the
+        capture was taken in; one older than a plan seen since is encoded but never
+        becomes a reference (its step is redone under the new plan).
         """
         layout = b"".join(t.SerializeToString(deterministic=True) for t in tensors)
         ref = self._refs.get(rank)
@@ -142,7 +148,10 @@ class LocalStore(Catalogue):
             chained = self.delta_against == "previous"
             nxt = _Reference(step, encoded.decoded, ref.root, ref.length + 1,
                              ref.delta_bytes * chained + size, ref.base_bytes, layout)
-        self._pending[(step, rank)] = nxt
+        with self._lock:
+            if generation is None or generation >= self._generation:
+                self._generation = max(self._generation, generation or 0)
+                self._pending[(step, rank)] = nxt
         state = manifest_pb2.RankState(
             rank=rank, coord=coord or common_pb2.RankCoord(rank=rank), tensors=tensors,
             chunks=encoded.chunks, total_bytes=buf.size, extra=extra, node=node, adamw=adamw)
@@ -255,10 +264,11 @@ class LocalStore(Catalogue):
                     sum(r.total_bytes for r in states) / max(stored, 1))
         self.collect_garbage()
 
-    def discard_after(self, step: int) -> list[int]:
+    def discard_after(self, step: int, generation: int = 0) -> list[int]:
         """Forget committed steps newer than `step` (training resumes from it and will
-        commit those step numbers again); returns them."""
+        commit those step numbers again, in plan `generation`); returns them."""
         with self._lock:
+            self._generation = max(self._generation, generation)
             newer = [s for s in self.committed_steps() if s > step]
             try:
                 for s in sorted(newer, reverse=True):

@@ -157,8 +157,10 @@ class SnapshotPath:
             return
         finally:
             await encoded()
-        if prepared is None:
-            return  # the job moved on while this capture waited; it will not commit
+        if prepared is None or generation < self.registry.generation:
+            # The job moved on while this capture waited or encoded; it will not commit,
+            # and its record must not replace the one the new plan makes of its step.
+            return
         # A later step's commit makes a lost one moot, but nothing follows the job's last
         # step: that one is retried (a full disk may be freed) while its generation lasts.
         give_up = time.monotonic() + (FINAL_RETRY_S if request.final else 0.0)
@@ -227,7 +229,7 @@ class SnapshotPath:
         return await self._run(
             self.store.encode, request.step, request.coord.rank, owned,
             list(request.tensors), coord=request.coord, extra=request.extra,
-            node=self.node, adamw=list(request.adamw))
+            node=self.node, adamw=list(request.adamw), generation=request.generation)
 
     async def on_peer_lost(self, node: str) -> None:
         """A daemon is gone: records it held are copied back to m holders, and the repair
