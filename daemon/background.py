@@ -27,5 +27,12 @@ class Background:
         while self._tasks:
             await asyncio.gather(*list(self._tasks))
 
+    async def cancel(self) -> None:
+        """Cancel every task in flight and wait for them to end."""
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def __len__(self) -> int:
         return len(self._tasks)

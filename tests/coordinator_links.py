@@ -10,6 +10,7 @@ class Daemons:
     def __init__(self) -> None:
         self.plans: list[common_pb2.Plan] = []
         self.committed: list[int] = []
+        self.hurried: list[tuple[str, int]] = []  # (node, step)
 
     def nodes(self) -> list[str]:
         return ["n0", "n1"]
@@ -20,6 +21,9 @@ class Daemons:
     async def install_plan(self, node: str, plan: common_pb2.Plan) -> None:
         if node == "n0":
             self.plans.append(plan)
+
+    async def hurry_step(self, node: str, request: peer_pb2.HurryStepRequest) -> None:
+        self.hurried.append((node, request.step))
 
     async def commit_step(self, node: str, request: peer_pb2.CommitStepRequest | bytes
                           ) -> None:

@@ -2,11 +2,14 @@
 redo that step: the coordinator lets the step commit (the survivors' prepares of it are
 on their way) before it picks the resume step, waiting no longer than training the
 steps it saves took. In-process coordinator; the daemons are a record of installed plans
-and commits, and the prepares are the ones daemons send."""
+and commits, and the prepares are the ones daemons send. While it waits, every daemon
+stores that step next: the captures of earlier steps still waiting are dropped (a real
+Intake)."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from coordinator_links import Daemons
 
@@ -14,7 +17,10 @@ from stalwart.core.failures import Failure, FailureKind
 from stalwart.core.step_record import seal
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.coordinator import Coordinator
-from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
+from stalwart.daemon.recovery.registry import Registry
+from stalwart.daemon.snapshot.intake import MAX_BACKLOG, Intake
+from stalwart.daemon.snapshot.slots import FdServer, SlotPool
+from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, rank_pb2
 
 LAYOUT = common_pb2.ParallelLayout(dp=2, pp=1, tp=1, schedule="1f1b", microbatches=1,
                                    grad_accum=1)
@@ -71,6 +77,8 @@ def test_a_step_the_dead_rank_captured_commits_before_the_plan_resumes_from_it()
         assert len(daemons.plans) == 1  # nothing decided while the step may still land
         await c.prepared(prepare("n0", 0, step))  # n0's store finished
         await asyncio.wait_for(replan, 10.0)
+        # Every daemon was told to store step 5 next.
+        assert sorted(daemons.hurried) == [("n0", step), ("n1", step)]
         return daemons.committed, daemons.plans[-1]
 
     committed, plan = asyncio.run(main())
@@ -120,3 +128,94 @@ def test_no_wait_when_the_failure_says_nothing_of_captures_or_a_node_is_lost() -
 def test_the_captured_step_travels_with_the_failure_report() -> None:
     f = killed("n0/1", captured=17)
     assert Failure.from_proto(f.to_proto()).captured_step == 17
+
+
+def test_a_hurried_step_is_stored_before_the_captures_waiting_ahead_of_it(tmp_path: Path
+                                                                          ) -> None:
+    # A rank's captures of steps 1-3 wait in its daemon's intake, step 1 being stored;
+    # the coordinator waits for step 3. Step 2 is dropped, step 3 stored next, and the
+    # rank's backlog is free again; a capture of another plan is not touched.
+    async def main() -> tuple[list[tuple[int, int]], int]:
+        pool = SlotPool(budget_bytes=1 << 20)
+        registry = Registry(node="n0", heartbeat_interval_s=1.0, heartbeat_timeout_s=60.0,
+                            metrics=Metrics())
+        stored: list[tuple[int, int]] = []
+        storing, slow = asyncio.Event(), asyncio.Event()
+
+        async def durable(request: rank_pb2.CaptureRequest, owned: bytes, release) -> None:
+            storing.set()
+            if not stored:
+                await slow.wait()  # step 1 takes its time
+            stored.append((request.generation, request.step))
+
+        intake = Intake(pool, FdServer(pool, tmp_path / "fd.sock"), registry, Metrics(),
+                        "n0", durable)
+        slot = pool.open("r0", 64)[0]
+
+        async def capture(step: int, generation: int = 1) -> None:
+            await intake.capture(rank_pb2.CaptureRequest(
+                rank_id="r0", slot_id=slot.slot_id, step=step, generation=generation,
+                tensors=[common_pb2.TensorMeta(name="x", nbytes=8, offset=0)]))
+
+        for step in (1, 2, 3):
+            await capture(step)
+        await storing.wait()
+        intake.hurry(1, 3)
+        slow.set()
+        await intake._tail["r0"]  # noqa: SLF001 - the rank's last capture's work
+        await capture(2, generation=2)  # a new plan redoes step 2: stored
+        await intake._tail["r0"]  # noqa: SLF001
+        backlog = intake._backlog["r0"]  # noqa: SLF001
+        pool.close()
+        return stored, backlog
+
+    stored, backlog = asyncio.run(main())
+    assert stored == [(1, 1), (1, 3), (2, 2)]
+    assert backlog == 0
+
+
+def test_a_capture_waiting_for_room_counts_and_is_taken_in_after_its_rank_is_gone(
+        tmp_path: Path) -> None:
+    # Encoding is MAX_BACKLOG captures behind, so the rank's next capture waits in the
+    # daemon for room. Its slot already holds the step: it is the step a failure report
+    # names, and it is taken in although the rank dies meanwhile (its call cancelled).
+    async def main() -> tuple[list[int], int]:
+        pool = SlotPool(budget_bytes=1 << 20)
+        registry = Registry(node="n0", heartbeat_interval_s=1.0, heartbeat_timeout_s=60.0,
+                            metrics=Metrics())
+        record = registry.register(pid=1, rank=0, world_size=1, local_rank=0,
+                                   hostname="h", spare=False, device="cpu", watch_pid=False)
+        stored: list[int] = []
+        room = asyncio.Event()
+
+        async def durable(request: rank_pb2.CaptureRequest, owned: bytes, release) -> None:
+            await room.wait()
+            stored.append(request.step)
+
+        intake = Intake(pool, FdServer(pool, tmp_path / "fd.sock"), registry, Metrics(),
+                        "n0", durable)
+        slot = pool.open(record.rank_id, 64)[0]
+
+        def capture(step: int) -> rank_pb2.CaptureRequest:
+            return rank_pb2.CaptureRequest(
+                rank_id=record.rank_id, slot_id=slot.slot_id, step=step, generation=1,
+                tensors=[common_pb2.TensorMeta(name="x", nbytes=8, offset=0)])
+
+        for step in range(1, MAX_BACKLOG + 1):
+            await intake.capture(capture(step))
+        call = asyncio.create_task(intake.capture(capture(MAX_BACKLOG + 1)))
+        for _ in range(100):  # until the call waits for room (no real wait)
+            if record.captured == MAX_BACKLOG + 1:
+                break
+            await asyncio.sleep(0)
+        assert not call.done(), "the capture did not wait for room"
+        call.cancel()  # the rank died: gRPC cancels its call
+        room.set()
+        await intake._taking.drain()  # noqa: SLF001 - the captures being taken in
+        await intake._tail[record.rank_id]  # noqa: SLF001
+        pool.close()
+        return stored, record.captured
+
+    stored, captured = asyncio.run(main())
+    assert captured == MAX_BACKLOG + 1
+    assert stored == list(range(1, MAX_BACKLOG + 2))

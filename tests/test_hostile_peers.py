@@ -74,6 +74,43 @@ def test_a_plan_that_jumps_generations_is_refused_and_real_plans_still_install(
     assert next_one == "OK"
 
 
+def test_only_the_coordinator_hurries_a_step_and_only_for_this_job_and_plan(
+        tmp_path: Path) -> None:
+    # A hurry drops the captures waiting before its step: from anyone but the
+    # coordinator, for another job or another plan, it drops nothing.
+    def hurry(step: int, job_id: str = "default", generation: int = 1
+              ) -> peer_pb2.HurryStepRequest:
+        return peer_pb2.HurryStepRequest(job_id=job_id, generation=generation, step=step)
+
+    async def body(daemon: Daemon) -> dict[str, object]:
+        intake = daemon.job.snapshots.intake
+        async with grpc.aio.insecure_channel(daemon.address) as tcp:
+            stub = peer_stub(daemon, tcp)
+            out: dict[str, object] = {
+                "no token": await code_of(stub.HurryStep(hurry(9), timeout=5)),
+                "other node": await code_of(stub.HurryStep(
+                    hurry(9), metadata=as_node("n9"), timeout=5)),
+            }
+            out["other job"] = await code_of(stub.HurryStep(
+                hurry(9, job_id="other"), timeout=5, metadata=as_node("n1")))
+            other_plan = await stub.HurryStep(hurry(9, generation=3), timeout=5,
+                                              metadata=as_node("n1"))
+            out["other plan"] = other_plan.message
+            out["before"] = intake._hurry  # noqa: SLF001 - what a hurry changes
+            taken = await stub.HurryStep(hurry(7), timeout=5, metadata=as_node("n1"))
+            out["after"] = (taken.accepted, intake._hurry)  # noqa: SLF001
+        return out
+
+    seen = run(config(tmp_path), body)
+    assert str(seen["no token"]).startswith("UNAUTHENTICATED: no job token")
+    assert str(seen["other node"]).startswith("PERMISSION_DENIED: a hurried step comes only "
+                                              "from the coordinator (n1), not from daemon n9")
+    assert str(seen["other job"]).startswith("PERMISSION_DENIED: step message of job "
+                                             "'other' sent to a daemon of job 'default'")
+    assert seen["other plan"] == "hurry is for generation 3; this daemon is at generation 1"
+    assert seen["before"] == (0, 0) and seen["after"] == (True, (1, 7))
+
+
 # --- commits -------------------------------------------------------------------------
 
 

@@ -29,6 +29,7 @@ from stalwart.core.failures import Failure
 from stalwart.core.grow import GrowPolicy
 from stalwart.core.layout import Layout
 from stalwart.core.shrink import ElasticConfig, ElasticPlanner
+from stalwart.daemon.background import Background
 from stalwart.daemon.config import ElasticSettings
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.step_commits import PeerLinks, Prepared, StepCommits
@@ -80,6 +81,7 @@ class Coordinator:
     took_over_at: float = float("-inf")  # monotonic time this daemon became coordinator
     _installed_at: float = field(default_factory=time.monotonic)  # of the newest plan
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _hurrying: Background = field(default_factory=Background)  # hurries still being sent
     commits: StepCommits = field(init=False)
 
     def __post_init__(self) -> None:
@@ -302,9 +304,22 @@ class Coordinator:
         if pace is None:  # no two commits yet: the plan's steps so far set the pace
             pace = (time.monotonic() - self._installed_at) / max(1, step - plan.resume_step)
         t0 = time.monotonic()
+        # The daemons store that step next, dropping the earlier captures still waiting:
+        # the wait is then one step's storing, not the whole backlog's.
+        self._hurrying.start(self._hurry(peer_pb2.HurryStepRequest(
+            job_id=self.job_id, generation=plan.generation, step=step)))
         landed = await self.commits.landed(step, min((step - since) * pace, LAND_WAIT_MAX_S))
         log.info("captured step %s before re-planning", "committed" if landed else
                  "did not commit", extra={"step": step, "waited_s": time.monotonic() - t0})
+
+    async def _hurry(self, request: peer_pb2.HurryStepRequest) -> None:
+        nodes = self.links.nodes()
+        results = await asyncio.gather(*(self.links.hurry_step(n, request) for n in nodes),
+                                       return_exceptions=True)
+        for node, result in zip(nodes, results, strict=True):
+            if isinstance(result, BaseException):  # it only makes that daemon slower
+                log.info("hurry not delivered", extra={"node": node, "error": str(result),
+                                                       "step": request.step})
 
     async def _decide(self, failures: list[Failure], committed: int,
                       planner: ElasticPlanner | None, stopped: StopDecision | None

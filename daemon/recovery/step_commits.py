@@ -46,6 +46,9 @@ class PeerLinks(Protocol):
 
     async def install_plan(self, node: str, plan: common_pb2.Plan) -> None: ...
 
+    async def hurry_step(self, node: str, request: peer_pb2.HurryStepRequest) -> None:
+        """Tell `node` to store `request.step` next (see Intake.hurry)."""
+
     async def commit_step(self, node: str, request: peer_pb2.CommitStepRequest | bytes
                           ) -> None:
         """Phase two on `node` (this daemon: in-process); raises when it failed."""

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from functools import partial
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -29,6 +29,7 @@ from stalwart.daemon.security.roles import JobGate
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon.rpc.peer_service")
+T = TypeVar("T")
 
 
 def _unheard(decision: asyncio.Task[None]) -> None:
@@ -79,13 +80,32 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         self.membership.observe(request)
         return self.membership.to_proto(self.me(), self.leader(), request.view)
 
-    async def InstallPlan(self, request: common_pb2.Plan,
-                          context: grpc.aio.ServicerContext) -> common_pb2.Ack:
+    async def _for_daemon(self, context: grpc.aio.ServicerContext, request: Any,
+                          act: Callable[[str], Awaitable[T]], job_id: str | None = None) -> T:
+        """`act(caller)` for the authenticated daemon that called (of this job, where
+        `job_id` is given); its Forbidden becomes PERMISSION_DENIED, a typed error its
+        own code."""
         caller = await self._caller(context, request)
+        if job_id is not None:
+            await self._same_job(context, job_id)
         try:
-            return await self.steps.install_from(caller, request)
+            return await act(caller)
         except Forbidden as exc:
             await self._forbidden(context, exc)
+        except TYPED as exc:
+            await abort(context, exc)
+        raise AssertionError("unreachable: abort raises")
+
+    async def InstallPlan(self, request: common_pb2.Plan,
+                          context: grpc.aio.ServicerContext) -> common_pb2.Ack:
+        return await self._for_daemon(context, request,
+                                      partial(self.steps.install_from, plan=request))
+
+    async def HurryStep(self, request: peer_pb2.HurryStepRequest,
+                        context: grpc.aio.ServicerContext) -> common_pb2.Ack:
+        return await self._for_daemon(context, request,
+                                      partial(self.steps.hurry_from, request=request),
+                                      request.job_id)
 
     async def ReportFailure(self, request: common_pb2.FailureEvent,
                             context: grpc.aio.ServicerContext) -> common_pb2.Ack:
@@ -196,37 +216,22 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
 
     async def GetStepRecord(self, request: peer_pb2.GetStepRecordRequest,
                             context: grpc.aio.ServicerContext) -> manifest_pb2.StepRecord:
-        caller = await self._caller(context, request)
-        await self._same_job(context, request.job_id)
-        try:
-            return await self.steps.record_for(caller, request.step)
-        except Forbidden as exc:
-            await self._forbidden(context, exc)
-        except TYPED as exc:
-            await abort(context, exc)
+        return await self._for_daemon(context, request,
+                                      partial(self.steps.record_for, step=request.step),
+                                      request.job_id)
 
     async def PutRecords(self, request: manifest_pb2.RankRecords,
                          context: grpc.aio.ServicerContext) -> common_pb2.Ack:
-        caller = await self._caller(context, request)
-        await self._same_job(context, request.job_id)
-        try:
-            await self.steps.records_from(caller, request)
-        except Forbidden as exc:
-            await self._forbidden(context, exc)
-        except TYPED as exc:
-            await abort(context, exc)
+        await self._for_daemon(context, request,
+                               partial(self.steps.records_from, message=request),
+                               request.job_id)
         return common_pb2.Ack(accepted=True)
 
     async def GetRecords(self, request: peer_pb2.GetRecordsRequest,
                          context: grpc.aio.ServicerContext) -> manifest_pb2.RankRecords:
-        caller = await self._caller(context, request)
-        await self._same_job(context, request.job_id)
-        try:
-            return await self.steps.records_for(caller, request)
-        except Forbidden as exc:
-            await self._forbidden(context, exc)
-        except TYPED as exc:
-            await abort(context, exc)
+        return await self._for_daemon(context, request,
+                                      partial(self.steps.records_for, request=request),
+                                      request.job_id)
 
     async def _same_job(self, context: grpc.aio.ServicerContext, job_id: str) -> None:
         if (other := self._other_job(job_id)) is not None:

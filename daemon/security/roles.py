@@ -62,12 +62,13 @@ class JobGate:
                  stub: Callable[[str], peer_pb2_grpc.PeerServiceStub],
                  me: Callable[[], peer_pb2.PeerInfo],
                  pass_on: Callable[[peer_pb2.CommitStepRequest], None],
-                 relay: PrepareRelay) -> None:
+                 relay: PrepareRelay, hurry: Callable[[int, int], None]) -> None:
         self.node, self.registry, self.membership = node, registry, membership
         self.leadership, self.coordinator, self.store = leadership, coordinator, store
         self.adopt_plan, self.commit, self.nodes = adopt_plan, commit, nodes
         self.records = records
         self.stub, self.me, self.pass_on, self.relay = stub, me, pass_on, relay
+        self.hurry = hurry
         # The plan the prepare rule last derived from, its ranks by node and their seats.
         self._placed: tuple[PlanState | None, dict[str, frozenset[int]], dict[bytes, Seat]] = (
             None, {}, {})
@@ -88,6 +89,18 @@ class JobGate:
         await self._coordinator(caller, "a plan")
         self._generation_bound(plan.generation, "plan")
         return self.adopt_plan(plan)
+
+    async def hurry_from(self, caller: str, request: peer_pb2.HurryStepRequest
+                         ) -> common_pb2.Ack:
+        """The coordinator waits for `request.step` to commit before it re-plans: the
+        captures of earlier steps that wait here are dropped."""
+        await self._coordinator(caller, "a hurried step")
+        if request.generation != self.registry.generation:
+            return common_pb2.Ack(accepted=False, message=(
+                f"hurry is for generation {request.generation}; this daemon is at "
+                f"generation {self.registry.generation}"))
+        self.hurry(request.generation, request.step)
+        return common_pb2.Ack(accepted=True)
 
     async def commit_from(self, caller: str, request: peer_pb2.CommitStepRequest) -> None:
         """Phase two: from the coordinator, or through the commit tree from any daemon

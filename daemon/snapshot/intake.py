@@ -4,6 +4,13 @@ A rank copies its state into a shared-memory slot and calls Capture. The bytes a
 copied out (memory speed) and the slot handed back at once; encoding and making the
 step durable continue in the background, one capture after another per rank, so
 steps stay in order. At most MAX_BACKLOG captures per rank wait to be encoded.
+
+After a failure the coordinator waits for one step to commit (the newest the failed
+ranks' daemons took in) before it re-plans; it tells every daemon (`hurry`), and the
+captures of earlier steps still waiting here are dropped, so that step is stored
+next instead of after them. Every daemon drops the same steps (those before it), and
+the coordinator skips a step that some daemons never prepared once a later one is
+complete.
 """
 
 from __future__ import annotations
@@ -13,10 +20,11 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from stalwart.core.generation import check_generation
+from stalwart.daemon.background import Background
 from stalwart.daemon.errors import Invalid, NotFound, Refused
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.registry import Registry
-from stalwart.daemon.snapshot.slots import FdServer, SlotBudgetExceeded, SlotPool
+from stalwart.daemon.snapshot.slots import FdServer, Slot, SlotBudgetExceeded, SlotPool
 from stalwart.v1 import rank_pb2
 
 log = logging.getLogger("stalwart.daemon.snapshot.intake")
@@ -38,6 +46,9 @@ class Intake:
         self._tail: dict[str, asyncio.Task[None]] = {}  # per rank: its newest capture's work
         self._backlog: dict[str, int] = {}  # per rank: captures copied but not yet encoded
         self._encoded = asyncio.Condition()
+        # (generation, step): captures of that generation's earlier steps are not stored
+        self._hurry = (0, 0)
+        self._taking = Background()  # captures being taken in, the rank's call gone or not
 
     async def open_slot(self, request: rank_pb2.OpenSlotRequest) -> rank_pb2.OpenSlotReply:
         if self.registry.get(request.rank_id) is None:
@@ -84,6 +95,16 @@ class Intake:
                           f"holds {slot.size}")
         if request.step > 1:
             self.metrics.capture_stall.labels(request.rank_id).observe(request.stall_s)
+        if (record := self.registry.get(request.rank_id)) is not None:
+            # The slot holds the whole capture: from here the step commits even if the
+            # rank dies now (the slot outlives it, and taking it in goes on without the
+            # call). A failure report says so, and the coordinator lets the step land
+            # before re-planning.
+            record.captured = request.step
+        await asyncio.shield(self._taking.start(self._take_in(request, slot, total)))
+
+    async def _take_in(self, request: rank_pb2.CaptureRequest, slot: Slot, total: int
+                       ) -> None:
         # Backpressure, bounded memory: while encoding is MAX_BACKLOG captures behind,
         # the slot is held (the rank blocks only if it needs it again). Skipping steps
         # instead would need every rank to skip the same ones, or no step would commit.
@@ -93,12 +114,18 @@ class Intake:
             self._backlog[rank] = self._backlog.get(rank, 0) + 1
         owned = await asyncio.to_thread(bytes, memoryview(slot.view)[:total])
         self.metrics.captured_bytes.inc(total)
-        if (record := self.registry.get(rank)) is not None:
-            # Once taken in, the step commits even if the rank dies now: a failure
-            # report says so, and the coordinator lets the step land before re-planning.
-            record.captured = request.step
         self._tail[rank] = asyncio.create_task(
             self._after(self._tail.get(rank), request, owned))
+
+    def hurry(self, generation: int, step: int) -> None:
+        """Store `step` of plan `generation` next: the captures of that plan's earlier
+        steps that wait here are dropped (they will not commit; the coordinator waits
+        for `step` to re-plan from it)."""
+        self._hurry = max(self._hurry, (generation, step))
+
+    def _dropped(self, request: rank_pb2.CaptureRequest) -> bool:
+        generation, step = self._hurry
+        return request.generation == generation and request.step < step
 
     async def _after(self, previous: asyncio.Task[None] | None,
                      request: rank_pb2.CaptureRequest, owned: bytes) -> None:
@@ -114,11 +141,16 @@ class Intake:
                     self._backlog[request.rank_id] -= 1
                     self._encoded.notify_all()
         try:
-            await self.durable(request, owned, release)
+            if self._dropped(request):
+                log.info("capture dropped: a later step is stored first, for a re-plan",
+                         extra={"step": request.step, "rank_id": request.rank_id})
+            else:
+                await self.durable(request, owned, release)
         finally:
             await release()
 
     async def stop(self) -> None:
+        await self._taking.cancel()
         tasks = list(self._tail.values())
         for t in tasks:
             t.cancel()

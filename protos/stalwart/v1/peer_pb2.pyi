@@ -317,6 +317,33 @@ class Membership(_message.Message):
 Global___Membership: _TypeAlias = Membership  # noqa: Y015
 
 @_typing.final
+class HurryStepRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    generation: _builtins.int
+    """the plan the captures were taken in"""
+    step: _builtins.int
+    """captures of earlier steps are dropped"""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        generation: _builtins.int = ...,
+        step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "job_id", b"job_id", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HurryStepRequest: _TypeAlias = HurryStepRequest  # noqa: Y015
+
+@_typing.final
 class PrepareStepRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

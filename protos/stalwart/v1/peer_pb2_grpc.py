@@ -249,6 +249,11 @@ class PeerServiceStub:
                 request_serializer=stalwart_dot_v1_dot_common__pb2.FailureEvent.SerializeToString,
                 response_deserializer=stalwart_dot_v1_dot_common__pb2.Ack.FromString,
                 _registered_method=True)
+        self.HurryStep = channel.unary_unary(
+                '/stalwart.v1.PeerService/HurryStep',
+                request_serializer=stalwart_dot_v1_dot_peer__pb2.HurryStepRequest.SerializeToString,
+                response_deserializer=stalwart_dot_v1_dot_common__pb2.Ack.FromString,
+                _registered_method=True)
         self.Announce = channel.unary_unary(
                 '/stalwart.v1.PeerService/Announce',
                 request_serializer=stalwart_dot_v1_dot_peer__pb2.RankAnnouncement.SerializeToString,
@@ -332,6 +337,15 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HurryStep(self, request, context):
+        """The coordinator, about to re-plan, waits for the step the failed ranks' daemons
+        took in last: every daemon drops its captures of earlier uncommitted steps that it
+        has not begun to store, so that this step is stored next.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Announce(self, request, context):
         """A daemon tells the coordinator about a rank that registered with it.
         """
@@ -390,6 +404,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
             'ReportFailure': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportFailure,
                     request_deserializer=stalwart_dot_v1_dot_common__pb2.FailureEvent.FromString,
+                    response_serializer=stalwart_dot_v1_dot_common__pb2.Ack.SerializeToString,
+            ),
+            'HurryStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.HurryStep,
+                    request_deserializer=stalwart_dot_v1_dot_peer__pb2.HurryStepRequest.FromString,
                     response_serializer=stalwart_dot_v1_dot_common__pb2.Ack.SerializeToString,
             ),
             'Announce': grpc.unary_unary_rpc_method_handler(
@@ -668,6 +687,33 @@ class PeerService:
             target,
             '/stalwart.v1.PeerService/ReportFailure',
             stalwart_dot_v1_dot_common__pb2.FailureEvent.SerializeToString,
+            stalwart_dot_v1_dot_common__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HurryStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stalwart.v1.PeerService/HurryStep',
+            stalwart_dot_v1_dot_peer__pb2.HurryStepRequest.SerializeToString,
             stalwart_dot_v1_dot_common__pb2.Ack.FromString,
             options,
             channel_credentials,

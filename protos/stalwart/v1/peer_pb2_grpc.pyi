@@ -110,6 +110,11 @@ class PeerServiceStub:
     InstallPlan: _grpc.UnaryUnaryMultiCallable[_common_pb2.Plan, _common_pb2.Ack]
     """The coordinator pushes a new plan to every daemon."""
     ReportFailure: _grpc.UnaryUnaryMultiCallable[_common_pb2.FailureEvent, _common_pb2.Ack]
+    HurryStep: _grpc.UnaryUnaryMultiCallable[_peer_pb2.HurryStepRequest, _common_pb2.Ack]
+    """The coordinator, about to re-plan, waits for the step the failed ranks' daemons
+    took in last: every daemon drops its captures of earlier uncommitted steps that it
+    has not begun to store, so that this step is stored next.
+    """
     Announce: _grpc.UnaryUnaryMultiCallable[_peer_pb2.RankAnnouncement, _common_pb2.Ack]
     """A daemon tells the coordinator about a rank that registered with it."""
 
@@ -144,6 +149,11 @@ class PeerServiceAsyncStub(PeerServiceStub):
     InstallPlan: _aio.UnaryUnaryMultiCallable[_common_pb2.Plan, _common_pb2.Ack]  # type: ignore[assignment]
     """The coordinator pushes a new plan to every daemon."""
     ReportFailure: _aio.UnaryUnaryMultiCallable[_common_pb2.FailureEvent, _common_pb2.Ack]  # type: ignore[assignment]
+    HurryStep: _aio.UnaryUnaryMultiCallable[_peer_pb2.HurryStepRequest, _common_pb2.Ack]  # type: ignore[assignment]
+    """The coordinator, about to re-plan, waits for the step the failed ranks' daemons
+    took in last: every daemon drops its captures of earlier uncommitted steps that it
+    has not begun to store, so that this step is stored next.
+    """
     Announce: _aio.UnaryUnaryMultiCallable[_peer_pb2.RankAnnouncement, _common_pb2.Ack]  # type: ignore[assignment]
     """A daemon tells the coordinator about a rank that registered with it."""
 
@@ -235,6 +245,17 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _common_pb2.FailureEvent,
         context: _ServicerContext,
     ) -> _typing.Union[_common_pb2.Ack, _abc.Awaitable[_common_pb2.Ack]]: ...
+
+    @_abc_1.abstractmethod
+    def HurryStep(
+        self,
+        request: _peer_pb2.HurryStepRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.Ack, _abc.Awaitable[_common_pb2.Ack]]:
+        """The coordinator, about to re-plan, waits for the step the failed ranks' daemons
+        took in last: every daemon drops its captures of earlier uncommitted steps that it
+        has not begun to store, so that this step is stored next.
+        """
 
     @_abc_1.abstractmethod
     def Announce(
