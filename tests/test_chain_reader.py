@@ -11,6 +11,7 @@ from snapshot_states import commit_step, state, tensors
 
 from stalwart.core.manifest import build_manifest
 from stalwart.core.step_record import split
+from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.snapshot.chain_reader import CorruptChunkError
 from stalwart.daemon.snapshot.local_store import LocalStore
 from stalwart.daemon.snapshot.selection import Layers
@@ -205,3 +206,79 @@ def test_a_held_buffer_that_fails_its_checksums_is_read_around_from_the_chain(
     _forget_chunks(store, range(1, 3))
     with pytest.raises(CorruptChunkError, match="is missing"):  # it was not used
         store.read_rank(2, 0)
+
+
+def _layered() -> list[common_pb2.TensorMeta]:
+    """The synthetic state's tensors on two layers, "step" and "rng" on none."""
+    metas = tensors()
+    for meta in metas:
+        meta.layer = {"w": 0, "b": 0, "exp_avg": 1}.get(meta.name, -1)
+        if meta.layer >= 0:
+            meta.name = f"model/{meta.name}"
+    return metas
+
+
+def _two_daemons(tmp_path: Path, steps: range) -> tuple[LocalStore, LocalStore]:
+    """Daemon a captured rank 0's steps and committed them; daemon b committed the same
+    steps holding none of rank 0's records or chunks (a spare's daemon on another node)."""
+    a = LocalStore(tmp_path / "a", **SMALL)
+    b = LocalStore(tmp_path / "b", metrics=Metrics(), **SMALL)
+    for step in steps:
+        prepared = a.encode(step, 0, state(step), _layered(), node="a")
+        record = split(build_manifest(job_id=a.job_id, step=step, generation=1,
+                                      layout=common_pb2.ParallelLayout(dp=1, pp=1, tp=1),
+                                      ranks=[a.prepare(step, prepared)]))
+        a.commit(record)
+        b.commit(record, local_node="b")
+    return a, b
+
+
+def test_a_step_held_by_the_daemon_that_captured_it_restores_elsewhere_from_it(
+        tmp_path: Path) -> None:
+    # A spare on daemon b replaces rank 0, whose daemon a lives: b reads the newest
+    # committed step decoded from a (the chunks a read wants, not the chain), checked
+    # against the record's CRC32Cs; b holds no chunk and has no shards to fetch.
+    a, b = _two_daemons(tmp_path, range(1, 4))
+    asked: list[tuple[str, int, int, list[int]]] = []
+
+    def fetch_records(record, seal):
+        return [a.rank_record(record.step, r) for r in seal.ranks]
+
+    def fetch_held(node, step, rank, positions):
+        asked.append((node, step, rank, list(positions)))
+        regions = a.reader.held_regions(step, rank, positions)
+        return None if regions is None else b"".join(regions)
+
+    assert b.read_rank(3, 0, fetch_records=fetch_records, fetch_held=fetch_held) == state(3)
+    assert asked == [("a", 3, 0, [])]
+    part = b.read_layers(3, 0, Layers(1, 1), fetch_records=fetch_records,
+                         fetch_held=fetch_held)
+    assert part == a.read_layers(3, 0, Layers(1, 1))
+    assert {t.name for t in part[0].tensors} == {"model/exp_avg", "step", "rng"}
+    chunks = len(a.rank_record(3, 0).chunks)
+    assert 0 < len(asked[1][3]) < chunks  # only the chunks that hold layer 0's tensors
+    with pytest.raises(CorruptChunkError, match="is missing"):  # not held: the chain
+        b.read_rank(2, 0, fetch_records=fetch_records, fetch_held=fetch_held)
+
+
+def test_a_held_copy_that_fails_its_checksums_on_the_way_is_read_around(
+        tmp_path: Path) -> None:
+    a, b = _two_daemons(tmp_path, range(1, 3))
+
+    def fetch_records(record, seal):
+        return [a.rank_record(record.step, r) for r in seal.ranks]
+
+    def flipped(node, step, rank, positions):
+        data = bytearray(b"".join(a.reader.held_regions(step, rank, positions)))
+        data[len(data) // 3] ^= 0x04  # a bit flipped between the daemons
+        return bytes(data)
+
+    with pytest.raises(CorruptChunkError, match="is missing"):  # the copy was not used
+        b.read_rank(2, 0, fetch_records=fetch_records, fetch_held=flipped)
+    assert b.metrics.scrub_errors.labels(tier="peer")._value.get() == 1  # noqa: SLF001
+    for step in (1, 2):  # with the chain's chunks at hand, b reads them instead
+        for index in range(len(a.rank_record(step, 0).chunks)):
+            target = b.chunk_path(step, 0, index)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(a.chunk_path(step, 0, index).read_bytes())
+    assert b.read_rank(2, 0, fetch_records=fetch_records, fetch_held=flipped) == state(2)

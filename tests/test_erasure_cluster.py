@@ -210,7 +210,6 @@ def test_the_records_outlive_the_daemon_that_captured_them_and_its_first_success
         err.value.details()
 
 
-@pytest.mark.multiprocess
 def first_reads(manifest: manifest_pb2.Manifest, reader: Node) -> list[manifest_pb2.ShardRecord]:
     """Per chunk, the shard `reader` asks for first: the lowest index held by a peer
     (ShardReader reads its own memory first, then peers' data shards before parity)."""
@@ -225,36 +224,52 @@ def read_errors(node: Node) -> float:
                if k.startswith(("stalwart_scrub_errors_total", "stalwart_peer_errors_total")))
 
 
+@pytest.mark.multiprocess
 def test_corrupt_shard_and_frozen_peer_are_read_around(cluster) -> None:
     c = cluster(4, heartbeat_timeout_s=300.0)
     reference = train(c)
-    latest = max(reference)
+    # The newest step comes decoded from the daemon that captured it (node-0, GetHeld)
+    # while it holds it; the one before is read from shards, as every step is once
+    # that daemon is gone.
+    latest, target = sorted(reference)[-1], sorted(reference)[-2]
     found = manifests(c.daemons[3])
-    # Corrupt, for every chunk of the newest step, the shard the reader asks for first.
+    # Corrupt, for every chunk of both steps, the shard the reader asks for first.
     reader = c.daemons[3]
-    victims = first_reads(found[latest], reader)
+    victims = first_reads(found[target], reader)
     by_name = {n.name: n for n in c.daemons}
-    for rec in victims:
+    for rec in [*victims, *first_reads(found[latest], reader)]:
         path = by_name[rec.node].data_dir / "shards" / "default" / rec.location
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
     before = read_errors(reader)
     assert restore(reader, latest) == (latest, reference[latest])
+    assert read_errors(reader) == before  # held by node-0: no shard was read
+    assert restore(reader, target) == (target, reference[target])
     assert read_errors(reader) >= before + len(victims)  # each was read, refused, read around
 
     # A frozen peer accepts connections and never answers: the read hedges to others. The
     # reader has restored nothing yet (no cached chunk), and the frozen daemon holds the
     # first shard it asks for.
     reader = c.daemons[1]
-    frozen = by_name[first_reads(found[latest], reader)[0].node]
+    frozen = by_name[first_reads(found[target], reader)[0].node]
     frozen.proc.send_signal(signal.SIGSTOP)
     try:
         t0 = time.monotonic()
-        assert restore(reader, latest, timeout_s=60.0) == (latest, reference[latest])
+        assert restore(reader, target, timeout_s=60.0) == (target, reference[target])
         assert time.monotonic() - t0 >= 2.0  # it waited on the frozen holder, then hedged
     finally:
         frozen.proc.send_signal(signal.SIGCONT)
+
+    # The capturing daemon frozen: its held copy of the newest step never comes, and the
+    # reader reads the step's chain from the other daemons' shards instead.
+    capturer = by_name["node-0"]
+    capturer.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert restore(c.daemons[2], latest, timeout_s=60.0) == (latest, reference[latest])
+    finally:
+        capturer.proc.send_signal(signal.SIGCONT)
+    assert "held state not fetched" in c.daemons[2].log_path.read_text()
 
 
 @pytest.mark.multiprocess

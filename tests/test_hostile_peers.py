@@ -111,6 +111,46 @@ def test_only_the_coordinator_hurries_a_step_and_only_for_this_job_and_plan(
     assert seen["before"] == (0, 0) and seen["after"] == (True, (1, 7))
 
 
+def test_a_held_state_goes_only_to_a_live_daemon_of_the_job(tmp_path: Path) -> None:
+    # GetHeld hands out a rank's decoded newest committed capture (what a spare's
+    # daemon on another node restores from): to a live daemon of this job only, whole
+    # or by chunks, and NOT_FOUND for a step it does not hold decoded.
+    from snapshot_states import state
+
+    def ask(step: int, chunks: tuple[int, ...] = (), job_id: str = "default"
+            ) -> peer_pb2.GetHeldRequest:
+        return peer_pb2.GetHeldRequest(job_id=job_id, step=step, rank=0, chunks=chunks)
+
+    async def read(stub, request, node: str) -> bytes:
+        return b"".join([p.data async for p in stub.GetHeld(request, timeout=5,
+                                                              metadata=as_node(node))])
+
+    async def body(daemon: Daemon) -> dict[str, object]:
+        store = daemon.job.snapshots.store
+        for step in (1, 2, 3):
+            commit_step(store, step)
+        first = store.rank_record(3, 0).chunks[0]
+        async with grpc.aio.insecure_channel(daemon.address) as tcp:
+            stub = peer_stub(daemon, tcp)
+            return {
+                "whole": await read(stub, ask(3), "n1") == state(3),
+                "chunk 0": await read(stub, ask(3, (0,)), "n1")
+                == state(3)[first.offset:first.offset + first.size],
+                "older": await code_of(read(stub, ask(2), "n1")),
+                "no chunk 99": await code_of(read(stub, ask(3, (99,)), "n1")),
+                "not a member": await code_of(read(stub, ask(3), "n9")),
+                "other job": await code_of(read(stub, ask(3, job_id="other"), "n1")),
+            }
+
+    seen = run(config(tmp_path), body)
+    assert seen["whole"] is True and seen["chunk 0"] is True
+    assert str(seen["older"]).startswith("NOT_FOUND: step 2 of rank 0 is not held decoded")
+    assert str(seen["no chunk 99"]).startswith("INVALID_ARGUMENT: step 3 rank 0 has")
+    assert str(seen["not a member"]).startswith("PERMISSION_DENIED: daemon n9 is not a live "
+                                                "member of this job")
+    assert str(seen["other job"]).startswith("PERMISSION_DENIED: step message of job 'other'")
+
+
 # --- commits -------------------------------------------------------------------------
 
 

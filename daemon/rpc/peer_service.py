@@ -30,6 +30,7 @@ from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon.rpc.peer_service")
 T = TypeVar("T")
+HELD_PIECE_BYTES = 1 << 20  # GetHeld message size
 
 
 def _unheard(decision: asyncio.Task[None]) -> None:
@@ -232,6 +233,15 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         return await self._for_daemon(context, request,
                                       partial(self.steps.records_for, request=request),
                                       request.job_id)
+
+    async def GetHeld(self, request: peer_pb2.GetHeldRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[peer_pb2.HeldPiece]:
+        regions = await self._for_daemon(context, request,
+                                         partial(self.steps.held_for, request=request),
+                                         request.job_id)
+        for view in regions:
+            for offset in range(0, len(view), HELD_PIECE_BYTES):
+                yield peer_pb2.HeldPiece(data=bytes(view[offset:offset + HELD_PIECE_BYTES]))
 
     async def _same_job(self, context: grpc.aio.ServicerContext, job_id: str) -> None:
         if (other := self._other_job(job_id)) is not None:

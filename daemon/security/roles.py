@@ -152,6 +152,19 @@ class JobGate:
         except LookupError as exc:
             raise NotFound(str(exc)) from None
 
+    async def held_for(self, caller: str, request: peer_pb2.GetHeldRequest
+                       ) -> list[memoryview]:
+        """The decoded chunks of a rank's committed step this daemon captured and holds,
+        for a live daemon of the job restoring that rank; NotFound when none is held."""
+        if caller not in self.nodes():
+            raise Forbidden(f"daemon {caller} is not a live member of this job")
+        data = await asyncio.to_thread(self.store.reader.held_regions, request.step,
+                                       request.rank, list(request.chunks))
+        if data is None:
+            raise NotFound(f"step {request.step} of rank {request.rank} is not held decoded "
+                           f"on {self.node}; read its chain")
+        return data
+
     async def prepare_from(self, caller: str, req: peer_pb2.PrepareStepRequest) -> None:
         self._admit(caller, req)
         await self.coordinator.prepared(req)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from stalwart.core import step_record as sr
-from stalwart.daemon.errors import DataLoss
+from stalwart.daemon.errors import DataLoss, Invalid
 from stalwart.daemon.snapshot.catalogue import FetchRecords
 from stalwart.daemon.snapshot.checksum import crc32c
 from stalwart.daemon.snapshot.chunks import decode_rank
@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from stalwart.daemon.snapshot.local_store import LocalStore
 
 Fetch = Callable[[manifest_pb2.ChunkRecord], bytes]
+# (node, step, rank, chunk positions; none: all) -> the decoded bytes of those chunks that
+# the daemon `node` holds for the rank's committed step, or None where it holds none.
+FetchHeld = Callable[[str, int, int, Sequence[int]], "bytes | None"]
 PREFETCH_THREADS = 8  # chunks fetched from shards at once for one read
 PREFETCH_BYTES = 1 << 30  # encoded bytes one read fetches ahead of its decoding, at most
 
@@ -44,26 +47,49 @@ class ChainReader:
         self.store = store
 
     def read_rank(self, step: int, rank: int, fetch: Fetch | None = None,
-                  fetch_records: FetchRecords | None = None) -> bytes:
+                  fetch_records: FetchRecords | None = None,
+                  fetch_held: FetchHeld | None = None) -> bytes:
         """The rank's logical state buffer at a committed step, every CRC verified.
 
         `fetch(chunk)` returns a chunk's stored bytes from elsewhere (erasure shards)
         when this disk lacks it or holds a corrupt copy; `fetch_records` the records of
-        a rank captured elsewhere."""
-        return self._read(step, rank, fetch, fetch_records, None)[0].tobytes()
+        a rank captured elsewhere; `fetch_held` the decoded bytes the daemon that
+        captured it may still hold (tried before the chain)."""
+        return self._read(step, rank, fetch, fetch_records, None, fetch_held)[0].tobytes()
 
     def read_layers(self, step: int, rank: int, layers: Layers, fetch: Fetch | None = None,
-                    fetch_records: FetchRecords | None = None
+                    fetch_records: FetchRecords | None = None,
+                    fetch_held: FetchHeld | None = None
                     ) -> tuple[manifest_pb2.RankState, bytearray]:
         """Part of the rank's state at a committed step: the tensors of `layers` and those
         of no layer, as a record of just them and their bytes (`selection.packed`). Only
-        the chunks that hold them are read, along the whole chain."""
-        out, state, keep = self._read(step, rank, fetch, fetch_records, layers)
+        the chunks that hold them are read, along the whole chain (or, held elsewhere,
+        fetched decoded)."""
+        out, state, keep = self._read(step, rank, fetch, fetch_records, layers, fetch_held)
         assert keep is not None  # given layers, _read names the tensors they want
         return pack(out.data, state, keep)
 
+    def held_regions(self, step: int, rank: int, positions: Sequence[int]
+                     ) -> list[memoryview] | None:
+        """Views of the decoded bytes of the rank's chunks at `positions` (every chunk
+        when empty), in that order, in the buffer this store holds for committed `step`
+        (see `_held`; it is never written again); None when it holds none. What a
+        peer's `fetch_held` reads."""
+        buffer = self.store.decoded(step, rank)
+        if buffer is None:
+            return None
+        view = memoryview(buffer).cast("B")
+        if not positions:
+            return [view]
+        chunks = self.store.rank_record(step, rank).chunks
+        if max(positions) >= len(chunks):
+            raise Invalid(f"step {step} rank {rank} has {len(chunks)} chunks; asked for "
+                          f"position {max(positions)}")
+        return [view[chunks[i].offset:chunks[i].offset + chunks[i].size] for i in positions]
+
     def _read(self, step: int, rank: int, fetch: Fetch | None,
-              fetch_records: FetchRecords | None, layers: Layers | None
+              fetch_records: FetchRecords | None, layers: Layers | None,
+              fetch_held: FetchHeld | None = None
               ) -> tuple[np.ndarray, manifest_pb2.RankState, set[str] | None]:
         """The rank's buffer at `step`, its record, and with `layers` the tensors they
         want (`selection.wanted`): then only the chunks holding those (and what decoding
@@ -73,6 +99,8 @@ class ChainReader:
             raise FileNotFoundError(f"step {step} is not committed; latest committed is "
                                     f"{self.store.latest_committed()}")
         held = self._held(step, rank, fetch_records, layers)
+        if held is None and fetch_held is not None:
+            held = self._held_elsewhere(step, rank, fetch_records, layers, fetch_held)
         if held is not None:
             return held
         chain = sr.plan_chain(records, step, rank)
@@ -109,6 +137,40 @@ class ChainReader:
                 self.store.metrics.scrub_errors.labels(tier="ram").inc()
             return None
         return buffer, state, None if layers is None else wanted(state, layers)
+
+    def _held_elsewhere(self, step: int, rank: int, fetch_records: FetchRecords | None,
+                        layers: Layers | None, fetch_held: FetchHeld
+                        ) -> tuple[np.ndarray, manifest_pb2.RankState, set[str] | None] | None:
+        """`_held`, from the daemon that captured the rank's step (a spare on another
+        node replacing a rank whose daemon lives): the decoded bytes of the chunks the
+        read wants, checked against their CRC32Cs; None when that daemon holds none, or
+        they fail (the chain is read instead)."""
+        state = self.store.rank_record(step, rank, fetch_records)
+        keep = None if layers is None else wanted(state, layers)
+        positions = (list(range(len(state.chunks))) if keep is None
+                     else chunk_positions(state, keep))
+        if not state.node or not positions:
+            return None
+        data = fetch_held(state.node, step, rank, [] if keep is None else positions)
+        if data is None:
+            return None
+        chunks = [state.chunks[i] for i in positions]
+        if len(data) != sum(c.size for c in chunks):
+            return self._bad_peer_copy()
+        if keep is None:
+            buffer = np.frombuffer(data, dtype=np.uint8)
+        else:  # the chunks' regions of a whole buffer; the rest is never read
+            buffer, at = np.zeros(state.total_bytes, dtype=np.uint8), 0
+            for c in chunks:
+                buffer[c.offset:c.offset + c.size] = np.frombuffer(data, np.uint8, c.size, at)
+                at += c.size
+        if buffer.size != state.total_bytes or _first_bad(buffer, chunks) is not None:
+            return self._bad_peer_copy()
+        return buffer, state, keep
+
+    def _bad_peer_copy(self) -> None:
+        if self.store.metrics:
+            self.store.metrics.scrub_errors.labels(tier="peer").inc()
 
     def _prefetch(self, rank: int, states: dict[int, manifest_pb2.RankState],
                   positions: dict[int, Sequence[int]], fetch: Fetch | None

@@ -28,7 +28,7 @@ from stalwart.daemon.config_schema import default
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.snapshot.atomic import fsync_dir, write_atomic
 from stalwart.daemon.snapshot.catalogue import Catalogue, FetchRecords
-from stalwart.daemon.snapshot.chain_reader import ChainReader, Fetch
+from stalwart.daemon.snapshot.chain_reader import ChainReader, Fetch, FetchHeld
 from stalwart.daemon.snapshot.checksum import Buffer
 from stalwart.daemon.snapshot.chunks import DEFAULT_CHUNK_BYTES, encode_rank
 from stalwart.daemon.snapshot.ram_tier import RamTier
@@ -292,15 +292,17 @@ class LocalStore(Catalogue):
     # --- read path: `ChainReader` ------------------------------------------------------
 
     def read_rank(self, step: int, rank: int, fetch: Fetch | None = None,
-                  fetch_records: FetchRecords | None = None) -> bytes:
+                  fetch_records: FetchRecords | None = None,
+                  fetch_held: FetchHeld | None = None) -> bytes:
         """The rank's logical state buffer at a committed step (`ChainReader.read_rank`)."""
-        return self.reader.read_rank(step, rank, fetch, fetch_records)
+        return self.reader.read_rank(step, rank, fetch, fetch_records, fetch_held)
 
     def read_layers(self, step: int, rank: int, layers: Layers, fetch: Fetch | None = None,
-                    fetch_records: FetchRecords | None = None
+                    fetch_records: FetchRecords | None = None,
+                    fetch_held: FetchHeld | None = None
                     ) -> tuple[manifest_pb2.RankState, bytearray]:
         """Some layers of the rank's state at a committed step (`ChainReader.read_layers`)."""
-        return self.reader.read_layers(step, rank, layers, fetch, fetch_records)
+        return self.reader.read_layers(step, rank, layers, fetch, fetch_records, fetch_held)
 
     # --- RAM tier ------------------------------------------------------------------
 

@@ -94,7 +94,7 @@ class SnapshotPath:
             s3_available=self.s3 is not None, is_leader=is_leader)
         self.restorer = Restorer(self.node, self.store, metrics, self._io, self._reader,
                                  self.records.fetch_blocking, self._live_nodes,
-                                 self.s3 is not None)
+                                 self.s3 is not None, self.records.decoded_blocking)
         self.scrubber = Scrubber(node=self.node, job_id=config.job_id,
                                  shard_dir=data_dir / "shards", store=self.store,
                                  metrics=metrics, reader=self._reader, put_local=self._put_local,

@@ -28,6 +28,7 @@ from stalwart.v1 import manifest_pb2, peer_pb2, peer_pb2_grpc
 log = logging.getLogger("stalwart.daemon.snapshot.records")
 
 COPY_TIMEOUT_S = 10.0   # one PutRecords
+HELD_IDLE_S = 2.0       # a GetHeld that sends no piece for this long is given up
 FETCH_TIMEOUT_S = 30.0  # one GetRecords
 MAX_ASKED = 64          # live daemons asked for a record before S3
 
@@ -139,6 +140,43 @@ class RecordHolders:
         assert self.loop is not None, "fetch_blocking before the daemon's loop started"
         return asyncio.run_coroutine_threadsafe(self.fetch(record, seal), self.loop).result(
             timeout=FETCH_TIMEOUT_S * 4)
+
+    async def decoded(self, node: str, step: int, rank: int, positions: Sequence[int]
+                   ) -> bytes | None:
+        """The decoded chunks at `positions` (all when empty) of the rank's committed
+        step from `node`, the daemon that captured it, where it still holds them; None
+        when it does not, is this daemon, is not live, or the call fails (the caller
+        reads the step's chain instead, and checks what this returns)."""
+        if node == self.node or node not in self._live():
+            return None
+        request = peer_pb2.GetHeldRequest(job_id=self.job_id, step=step, rank=rank,
+                                          chunks=positions)
+        pieces = []
+        try:
+            call = self._stub(node).GetHeld(request)
+            try:
+                # A peer that stops sending (frozen, overloaded) costs HELD_IDLE_S, not
+                # the whole read: the chain is read instead.
+                while (piece := await asyncio.wait_for(call.read(), HELD_IDLE_S)) \
+                        is not grpc.aio.EOF:
+                    pieces.append(piece.data)
+            finally:
+                call.cancel()
+        except (grpc.aio.AioRpcError, LookupError, TimeoutError) as exc:
+            why = (exc.code().name if isinstance(exc, grpc.aio.AioRpcError)
+                   else f"no piece for {HELD_IDLE_S:g} s" if isinstance(exc, TimeoutError)
+                   else str(exc))
+            log.info("held state not fetched; reading the chain",
+                     extra={"peer": node, "step": step, "rank": rank, "error": why})
+            return None
+        return b"".join(pieces)
+
+    def decoded_blocking(self, node: str, step: int, rank: int, positions: Sequence[int]
+                      ) -> bytes | None:
+        """`decoded` from a worker thread (the store's reads run on one)."""
+        assert self.loop is not None, "decoded_blocking before the daemon's loop started"
+        return asyncio.run_coroutine_threadsafe(self.decoded(node, step, rank, positions),
+                                                self.loop).result()
 
     async def publish(self, step: int, states: Sequence[manifest_pb2.RankState]) -> None:
         """Repaired records (new shard holders, same seal) to every daemon that should

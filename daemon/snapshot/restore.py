@@ -2,8 +2,10 @@
 
 The newest committed step whose chain this rank's surviving holders can still rebuild
 is chosen (or the step asked for). The rank's records come from this disk or their
-holders (`records`); chunks this daemon holds come from its own tiers, the others are
-rebuilt from any k of their shards, cheapest holder first (`shard_reader`). The state
+holders (`records`). The newest committed capture comes decoded from the daemon that
+made it where that daemon still holds it (here, or a peer: `records.decoded`); otherwise
+chunks this daemon holds come from its own tiers, the others are rebuilt from any k
+of their shards, cheapest holder first (`shard_reader`). The state
 reaches the rank in a shared-memory slot it maps (as a capture leaves it), or, where
 there is no room for one, in PIECE_BYTES pieces.
 """
@@ -23,6 +25,7 @@ from stalwart.daemon.errors import NotFound, NotRecoverable
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.snapshot import repair
 from stalwart.daemon.snapshot.catalogue import FetchRecords
+from stalwart.daemon.snapshot.chain_reader import FetchHeld
 from stalwart.daemon.snapshot.local_store import LocalStore
 from stalwart.daemon.snapshot.selection import Layers
 from stalwart.daemon.snapshot.shard_reader import BeyondToleranceError, ShardReader
@@ -40,9 +43,11 @@ class Restorer:
 
     def __init__(self, node: str, store: LocalStore, metrics: Metrics, executor: Executor,
                  reader: Callable[[], ShardReader], fetch_records: FetchRecords,
-                 live: Callable[[], list[Node]], s3_available: bool) -> None:
+                 live: Callable[[], list[Node]], s3_available: bool,
+                 fetch_held: FetchHeld | None = None) -> None:
         self.node, self.store, self.metrics, self.executor = node, store, metrics, executor
         self.reader, self.fetch_records, self.live = reader, fetch_records, live
+        self.fetch_held = fetch_held
         self.s3_available = s3_available
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -118,11 +123,13 @@ class Restorer:
                 if layers is None:
                     data = await self._run(self.store.read_rank, candidate, rank,
                                            fetch=self._fetch_chunk,
-                                           fetch_records=self.fetch_records)
+                                           fetch_records=self.fetch_records,
+                                           fetch_held=self.fetch_held)
                 else:
                     state, data = await self._run(self.store.read_layers, candidate, rank,
                                                   layers, fetch=self._fetch_chunk,
-                                                  fetch_records=self.fetch_records)
+                                                  fetch_records=self.fetch_records,
+                                                  fetch_held=self.fetch_held)
             except (BeyondToleranceError, sr.MissingRecords, mf.ManifestError) as exc:
                 if isinstance(exc, BeyondToleranceError):
                     lost |= repair.failed_holders(views, exc.chunk_id, exc.unavailable)

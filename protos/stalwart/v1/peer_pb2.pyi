@@ -317,6 +317,58 @@ class Membership(_message.Message):
 Global___Membership: _TypeAlias = Membership  # noqa: Y015
 
 @_typing.final
+class GetHeldRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    CHUNKS_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    step: _builtins.int
+    rank: _builtins.int
+    @_builtins.property
+    def chunks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """positions in the rank's record; none: every chunk"""
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        step: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        chunks: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "job_id", b"job_id", "rank", b"rank", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetHeldRequest: _TypeAlias = GetHeldRequest  # noqa: Y015
+
+@_typing.final
+class HeldPiece(_message.Message):
+    """The decoded bytes of the chunks asked for, in their order, in pieces."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeldPiece: _TypeAlias = HeldPiece  # noqa: Y015
+
+@_typing.final
 class HurryStepRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

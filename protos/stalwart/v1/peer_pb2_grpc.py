@@ -239,6 +239,11 @@ class PeerServiceStub:
                 request_serializer=stalwart_dot_v1_dot_peer__pb2.GetRecordsRequest.SerializeToString,
                 response_deserializer=stalwart_dot_v1_dot_manifest__pb2.RankRecords.FromString,
                 _registered_method=True)
+        self.GetHeld = channel.unary_stream(
+                '/stalwart.v1.PeerService/GetHeld',
+                request_serializer=stalwart_dot_v1_dot_peer__pb2.GetHeldRequest.SerializeToString,
+                response_deserializer=stalwart_dot_v1_dot_peer__pb2.HeldPiece.FromString,
+                _registered_method=True)
         self.InstallPlan = channel.unary_unary(
                 '/stalwart.v1.PeerService/InstallPlan',
                 request_serializer=stalwart_dot_v1_dot_common__pb2.Plan.SerializeToString,
@@ -324,6 +329,15 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetHeld(self, request, context):
+        """A restore on another daemon reads the decoded state of a rank's step from the
+        daemon that captured it and still holds it (its newest committed capture),
+        instead of rebuilding the step's chain from shards.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def InstallPlan(self, request, context):
         """The coordinator pushes a new plan to every daemon.
         """
@@ -395,6 +409,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.GetRecords,
                     request_deserializer=stalwart_dot_v1_dot_peer__pb2.GetRecordsRequest.FromString,
                     response_serializer=stalwart_dot_v1_dot_manifest__pb2.RankRecords.SerializeToString,
+            ),
+            'GetHeld': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetHeld,
+                    request_deserializer=stalwart_dot_v1_dot_peer__pb2.GetHeldRequest.FromString,
+                    response_serializer=stalwart_dot_v1_dot_peer__pb2.HeldPiece.SerializeToString,
             ),
             'InstallPlan': grpc.unary_unary_rpc_method_handler(
                     servicer.InstallPlan,
@@ -634,6 +653,33 @@ class PeerService:
             '/stalwart.v1.PeerService/GetRecords',
             stalwart_dot_v1_dot_peer__pb2.GetRecordsRequest.SerializeToString,
             stalwart_dot_v1_dot_manifest__pb2.RankRecords.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetHeld(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/stalwart.v1.PeerService/GetHeld',
+            stalwart_dot_v1_dot_peer__pb2.GetHeldRequest.SerializeToString,
+            stalwart_dot_v1_dot_peer__pb2.HeldPiece.FromString,
             options,
             channel_credentials,
             insecure,

@@ -107,6 +107,11 @@ class PeerServiceStub:
     before it prepares; a restore, repair or export fetches the ones it needs.
     """
     GetRecords: _grpc.UnaryUnaryMultiCallable[_peer_pb2.GetRecordsRequest, _manifest_pb2.RankRecords]
+    GetHeld: _grpc.UnaryStreamMultiCallable[_peer_pb2.GetHeldRequest, _peer_pb2.HeldPiece]
+    """A restore on another daemon reads the decoded state of a rank's step from the
+    daemon that captured it and still holds it (its newest committed capture),
+    instead of rebuilding the step's chain from shards.
+    """
     InstallPlan: _grpc.UnaryUnaryMultiCallable[_common_pb2.Plan, _common_pb2.Ack]
     """The coordinator pushes a new plan to every daemon."""
     ReportFailure: _grpc.UnaryUnaryMultiCallable[_common_pb2.FailureEvent, _common_pb2.Ack]
@@ -146,6 +151,11 @@ class PeerServiceAsyncStub(PeerServiceStub):
     before it prepares; a restore, repair or export fetches the ones it needs.
     """
     GetRecords: _aio.UnaryUnaryMultiCallable[_peer_pb2.GetRecordsRequest, _manifest_pb2.RankRecords]  # type: ignore[assignment]
+    GetHeld: _aio.UnaryStreamMultiCallable[_peer_pb2.GetHeldRequest, _peer_pb2.HeldPiece]  # type: ignore[assignment]
+    """A restore on another daemon reads the decoded state of a rank's step from the
+    daemon that captured it and still holds it (its newest committed capture),
+    instead of rebuilding the step's chain from shards.
+    """
     InstallPlan: _aio.UnaryUnaryMultiCallable[_common_pb2.Plan, _common_pb2.Ack]  # type: ignore[assignment]
     """The coordinator pushes a new plan to every daemon."""
     ReportFailure: _aio.UnaryUnaryMultiCallable[_common_pb2.FailureEvent, _common_pb2.Ack]  # type: ignore[assignment]
@@ -230,6 +240,17 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _peer_pb2.GetRecordsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_manifest_pb2.RankRecords, _abc.Awaitable[_manifest_pb2.RankRecords]]: ...
+
+    @_abc_1.abstractmethod
+    def GetHeld(
+        self,
+        request: _peer_pb2.GetHeldRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_peer_pb2.HeldPiece], _abc.AsyncIterator[_peer_pb2.HeldPiece]]:
+        """A restore on another daemon reads the decoded state of a rank's step from the
+        daemon that captured it and still holds it (its newest committed capture),
+        instead of rebuilding the step's chain from shards.
+        """
 
     @_abc_1.abstractmethod
     def InstallPlan(
