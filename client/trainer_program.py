@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
+
 from stalwart.client.daemon_client import DaemonUnavailable
 from stalwart.client.digest import param_digest
 from stalwart.client.generation import Generation, PlanChanged
@@ -131,10 +133,12 @@ def _restore(gen: Generation, trainer: Trainer, step: int) -> None:
     layers = trainer.bounds[coord.pp]
     try:
         metas, tensors, extra = gen.restore_rank(step, first, layers)
-    except DaemonUnavailable:
-        if first == 0:
+    except DaemonUnavailable as exc:
+        # A grown plan has more ranks than the step had: the step has no such rank. Any
+        # other failure is raised, never read around with another rank's RNG and data.
+        if first == 0 or exc.code != grpc.StatusCode.NOT_FOUND:
             raise
-        first = 0  # a grown plan has more ranks than the step had
+        first = 0
         metas, tensors, extra = gen.restore_rank(step, first, layers)
     old = extra.get("layout", {})
     same = (first == coord.rank and

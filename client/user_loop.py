@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
+import grpc
 import torch
 
 from stalwart.client.daemon_client import DaemonUnavailable
@@ -204,8 +205,11 @@ class _UserLoopProgram:
         # record (its RNG, its loader state) where the step has one, else replica 0's.
         try:
             _, tensors, extra = gen.restore_rank(step, coord.rank)
-        except DaemonUnavailable:
-            if coord.rank == 0:
+        except DaemonUnavailable as exc:
+            # Only a step without this replica (after a grow) is read as replica 0's; any
+            # other failure is raised, never read around with another replica's RNG and
+            # data position.
+            if coord.rank == 0 or exc.code != grpc.StatusCode.NOT_FOUND:
                 raise
             _, tensors, extra = gen.restore_rank(step, 0)
         restored = self.registry.load(tensors, extra)

@@ -261,15 +261,19 @@ def test_corrupt_shard_and_frozen_peer_are_read_around(cluster) -> None:
     finally:
         frozen.proc.send_signal(signal.SIGCONT)
 
-    # The capturing daemon frozen: its held copy of the newest step never comes, and the
-    # reader reads the step's chain from the other daemons' shards instead.
-    capturer = by_name["node-0"]
+    # The capturing daemon frozen (not yet declared lost): node-3, which keeps no copy of
+    # the rank's records, asks the next holder once node-0 is silent for a second; node-0's
+    # held copy of the newest step never comes, and the step's chain is read from the
+    # other daemons' shards instead. Each silent call waits its hedge or idle bound, far
+    # under the 30 s one record fetch may take.
+    capturer, reader = by_name["node-0"], by_name["node-3"]
+    assert LocalStore(reader.data_dir, ram_tier_bytes=0).held_record(latest, 0) is None
     capturer.proc.send_signal(signal.SIGSTOP)
     try:
-        assert restore(c.daemons[2], latest, timeout_s=60.0) == (latest, reference[latest])
+        assert restore(reader, latest, timeout_s=20.0) == (latest, reference[latest])
     finally:
         capturer.proc.send_signal(signal.SIGCONT)
-    assert "held state not fetched" in c.daemons[2].log_path.read_text()
+    assert "held state not fetched" in reader.log_path.read_text()
 
 
 @pytest.mark.multiprocess

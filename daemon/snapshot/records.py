@@ -30,6 +30,7 @@ log = logging.getLogger("stalwart.daemon.snapshot.records")
 COPY_TIMEOUT_S = 10.0   # one PutRecords
 HELD_IDLE_S = 2.0       # a GetHeld that sends no piece for this long is given up
 FETCH_TIMEOUT_S = 30.0  # one GetRecords
+HEDGE_S = 1.0           # a holder silent this long: the next one is asked as well
 MAX_ASKED = 64          # live daemons asked for a record before S3
 
 
@@ -109,17 +110,29 @@ class RecordHolders:
         order = [seal.node, *sr.successors(sr.nodes(record) + sorted(live), seal.node)]
         request = peer_pb2.GetRecordsRequest(job_id=self.job_id, step=record.step,
                                              ranks=seal.ranks)
-        tried = []
-        for node in [n for n in order if n in live and n != self.node][:MAX_ASKED]:
-            try:
-                reply = await self._stub(node).GetRecords(request, timeout=FETCH_TIMEOUT_S)
-                states = list(reply.ranks)
-                sr.check(record, states)
-                return states
-            except grpc.aio.AioRpcError as exc:
-                tried.append(f"{node}: {exc.code().name}")
-            except (LookupError, mf.ManifestError) as exc:
-                tried.append(f"{node}: {exc}")
+        tried: list[str] = []
+        queue = [n for n in order if n in live and n != self.node][:MAX_ASKED]
+        asking: dict[asyncio.Task[list[manifest_pb2.RankState]], str] = {}
+        try:
+            # The next holder is asked once one fails or has not answered in HEDGE_S (a
+            # frozen or cut-off daemon not yet declared lost); the first good copy wins.
+            while queue or asking:
+                if queue:
+                    node = queue.pop(0)
+                    asking[asyncio.create_task(self._ask(node, record, request))] = node
+                done, _ = await asyncio.wait(asking, timeout=HEDGE_S if queue else None,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    node = asking.pop(task)
+                    try:
+                        return task.result()
+                    except grpc.aio.AioRpcError as exc:
+                        tried.append(f"{node}: {exc.code().name}")
+                    except (LookupError, mf.ManifestError) as exc:
+                        tried.append(f"{node}: {exc}")
+        finally:
+            for task in asking:
+                task.cancel()
         if self.s3 is not None:
             try:
                 states = [manifest_pb2.RankState.FromString(
@@ -177,6 +190,13 @@ class RecordHolders:
         assert self.loop is not None, "decoded_blocking before the daemon's loop started"
         return asyncio.run_coroutine_threadsafe(self.decoded(node, step, rank, positions),
                                                 self.loop).result()
+
+    async def _ask(self, node: str, record: manifest_pb2.StepRecord,
+                   request: peer_pb2.GetRecordsRequest) -> list[manifest_pb2.RankState]:
+        reply = await self._stub(node).GetRecords(request, timeout=FETCH_TIMEOUT_S)
+        states = list(reply.ranks)
+        sr.check(record, states)
+        return states
 
     async def publish(self, step: int, states: Sequence[manifest_pb2.RankState]) -> None:
         """Repaired records (new shard holders, same seal) to every daemon that should
