@@ -58,6 +58,15 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
+# What grpc aio reports for a stream whose write raced its end (grpc/grpc#36066).
+CORE_INTERNAL = "Internal error from Core"
+
+
+class _MaskedStatus(Exception):
+    """The first message of a stream failed with CORE_INTERNAL: the peer's own status
+    is unknown (see StepStreams.send)."""
+
+
 class _Stream:
     """One StepStream call: its messages waiting for their answers, by number."""
 
@@ -123,6 +132,17 @@ class StepStreams:
             return
         try:
             answer = await self._on_stream(key, channel, kind, body, timeout, metadata)
+        except _MaskedStatus as masked:
+            # The first message of a stream, failed with the status a write racing the
+            # call's end reports in grpc aio (grpc/grpc#36066: INTERNAL "Internal error
+            # from Core" in place of the peer's own, UNIMPLEMENTED from a peer without the
+            # stream): it goes as its unary call, which every daemon serves, and the next
+            # message opens a new stream. Both kinds are idempotent (a commit of a step
+            # committed with the same record, a prepare sent again, are taken as such).
+            log.info("first message on a new step stream failed as its end raced the "
+                     "write; sending it as a unary call", extra={"error": str(masked)})
+            await self._call(channel, kind, body, timeout, metadata)
+            return
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise
@@ -160,7 +180,13 @@ class StepStreams:
                         # with the call's own status (the write's can be a vaguer one).
                         pass
                     written = True
-                return await waiter
+                try:
+                    return await waiter
+                except grpc.aio.AioRpcError as exc:
+                    if seq == 1 and exc.code() == grpc.StatusCode.INTERNAL and \
+                            exc.details() == CORE_INTERNAL:
+                        raise _MaskedStatus(exc.details()) from exc
+                    raise
         except TimeoutError:
             if not written:
                 # The write itself is stuck (the peer takes no bytes): the call cannot
