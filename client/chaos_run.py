@@ -25,6 +25,10 @@ __all__ = ["TOLERANCE", "Outcome", "judge", "run_job"]
 MICRO = {"d_model": 32, "n_layer": 2, "n_head": 2, "d_ff": 64, "seq_len": 16}
 TOLERANCE = 1e-4  # relative, per step's loss, when the layout changed (other sums)
 STOP_WAIT_S = 20.0
+# A bitflip's victim is restored from the decoded copy its daemon holds in RAM, which
+# never reads the flipped files: the daemons' scrub finds them, every SCRUB_S in such a
+# run, and the evidence waits for it at most SCRUB_WAIT_S after the job.
+SCRUB_S, SCRUB_WAIT_S = 1.0, 30.0
 
 
 @dataclass
@@ -60,6 +64,8 @@ def run_job(schedule: Schedule, *, steps: int, timeout_s: float, workdir: Path) 
     cluster = LocalCluster(nodes=run.nodes, workdir=workdir, daemon_settings=settings,
                            metrics=schedule.kind == "bitflip")
     cluster.env["STALWART_FAULT_LOG"] = str(workdir)
+    if schedule.kind == "bitflip":
+        cluster.env["STALWART_SCRUB_INTERVAL_S"] = str(SCRUB_S)
     in_rank = [{"kind": IN_RANK[f.kind], "target": "rank", "index": f.index, "step": f.step}
                for f in schedule.faults if f.kind in IN_RANK]
     injector = Injector(cluster, schedule)
@@ -195,11 +201,21 @@ def _evidence(cluster: LocalCluster, injector: Injector) -> dict[str, int]:
     # Ranks that trained to the end and then exited with an error or a signal.
     dirty = [r for r in cluster.ranks if r.proc.poll() not in (None, 0)
              and (r.result() or {}).get("result")]
+
+    def failures() -> int:
+        return sum(_checksum_failures(n) for n in cluster.daemons
+                   if cluster.metrics and n.alive)
+
+    caught = failures()
+    if any(f.fault.kind == "bitflip" for f in injector.fired):
+        deadline = time.monotonic() + SCRUB_WAIT_S
+        while caught == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            caught = failures()
     return {"victims_ended": sum(r.proc.poll() is not None for r in victims),
             "dirty_exits": len(dirty),
             "victims": len(victims),
-            "checksum_failures": sum(_checksum_failures(n) for n in cluster.daemons
-                                     if cluster.metrics and n.alive)}
+            "checksum_failures": caught}
 
 
 def _checksum_failures(node: Node) -> int:
