@@ -144,6 +144,9 @@ class Job:
         self.reports.put(failure)
         if failure.kind is FailureKind.PEER_LOST:
             self._spawned.start(self.snapshots.on_peer_lost(failure.subject))
+        elif (record := self.registry.get(failure.subject)) is not None and record.ended:
+            # A local rank declared dead: its capture slots go back to the budget.
+            self._spawned.start(self.snapshots.intake.forget_rank(record.rank_id))
 
     def _won_seat(self) -> None:
         # Lost and won back between two looks of the announcer, the seat shows no change

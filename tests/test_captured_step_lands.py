@@ -174,48 +174,84 @@ def test_a_hurried_step_is_stored_before_the_captures_waiting_ahead_of_it(tmp_pa
     assert backlog == 0
 
 
+class Backlogged:
+    """A real Intake whose rank's encoding is MAX_BACKLOG captures behind (the stored
+    steps wait for `room`), and whose next capture, of step MAX_BACKLOG + 1, waits in the
+    daemon for room, its call still open (`call`)."""
+
+    async def start(self, tmp_path: Path) -> Backlogged:
+        self.pool = SlotPool(budget_bytes=1 << 20)
+        registry = Registry(node="n0", heartbeat_interval_s=1.0, heartbeat_timeout_s=60.0,
+                            metrics=Metrics())
+        self.record = registry.register(pid=1, rank=0, world_size=1, local_rank=0,
+                                        hostname="h", spare=False, device="cpu",
+                                        watch_pid=False)
+        self.stored: list[int] = []
+        self.room = asyncio.Event()
+
+        async def durable(request: rank_pb2.CaptureRequest, owned: bytes, release) -> None:
+            await self.room.wait()
+            self.stored.append(request.step)
+
+        self.intake = Intake(self.pool, FdServer(self.pool, tmp_path / "fd.sock"), registry,
+                             Metrics(), "n0", durable)
+        slot = self.pool.open(self.record.rank_id, 64)[0]
+
+        def capture(step: int) -> rank_pb2.CaptureRequest:
+            return rank_pb2.CaptureRequest(
+                rank_id=self.record.rank_id, slot_id=slot.slot_id, step=step, generation=1,
+                tensors=[common_pb2.TensorMeta(name="x", nbytes=8, offset=0)])
+
+        for step in range(1, MAX_BACKLOG + 1):
+            await self.intake.capture(capture(step))
+        self.call = asyncio.create_task(self.intake.capture(capture(MAX_BACKLOG + 1)))
+        for _ in range(100):  # until the call waits for room (no real wait)
+            if self.record.captured == MAX_BACKLOG + 1:
+                break
+            await asyncio.sleep(0)
+        assert not self.call.done(), "the capture did not wait for room"
+        return self
+
+    async def stored_all(self) -> list[int]:
+        await self.intake._tail[self.record.rank_id]  # noqa: SLF001 - the rank's last work
+        return self.stored
+
+
 def test_a_capture_waiting_for_room_counts_and_is_taken_in_after_its_rank_is_gone(
         tmp_path: Path) -> None:
     # Encoding is MAX_BACKLOG captures behind, so the rank's next capture waits in the
     # daemon for room. Its slot already holds the step: it is the step a failure report
     # names, and it is taken in although the rank dies meanwhile (its call cancelled).
     async def main() -> tuple[list[int], int]:
-        pool = SlotPool(budget_bytes=1 << 20)
-        registry = Registry(node="n0", heartbeat_interval_s=1.0, heartbeat_timeout_s=60.0,
-                            metrics=Metrics())
-        record = registry.register(pid=1, rank=0, world_size=1, local_rank=0,
-                                   hostname="h", spare=False, device="cpu", watch_pid=False)
-        stored: list[int] = []
-        room = asyncio.Event()
-
-        async def durable(request: rank_pb2.CaptureRequest, owned: bytes, release) -> None:
-            await room.wait()
-            stored.append(request.step)
-
-        intake = Intake(pool, FdServer(pool, tmp_path / "fd.sock"), registry, Metrics(),
-                        "n0", durable)
-        slot = pool.open(record.rank_id, 64)[0]
-
-        def capture(step: int) -> rank_pb2.CaptureRequest:
-            return rank_pb2.CaptureRequest(
-                rank_id=record.rank_id, slot_id=slot.slot_id, step=step, generation=1,
-                tensors=[common_pb2.TensorMeta(name="x", nbytes=8, offset=0)])
-
-        for step in range(1, MAX_BACKLOG + 1):
-            await intake.capture(capture(step))
-        call = asyncio.create_task(intake.capture(capture(MAX_BACKLOG + 1)))
-        for _ in range(100):  # until the call waits for room (no real wait)
-            if record.captured == MAX_BACKLOG + 1:
-                break
-            await asyncio.sleep(0)
-        assert not call.done(), "the capture did not wait for room"
-        call.cancel()  # the rank died: gRPC cancels its call
-        room.set()
-        await intake._taking.drain()  # noqa: SLF001 - the captures being taken in
-        await intake._tail[record.rank_id]  # noqa: SLF001
-        pool.close()
-        return stored, record.captured
+        b = await Backlogged().start(tmp_path)
+        b.call.cancel()  # the rank died: gRPC cancels its call
+        b.room.set()
+        await b.intake._taking.drain()  # noqa: SLF001 - the captures being taken in
+        stored = await b.stored_all()
+        b.pool.close()
+        return stored, b.record.captured
 
     stored, captured = asyncio.run(main())
     assert captured == MAX_BACKLOG + 1
     assert stored == list(range(1, MAX_BACKLOG + 2))
+
+
+def test_a_dead_ranks_slots_are_freed_once_its_last_capture_is_out(tmp_path: Path) -> None:
+    # A rank killed while its capture waits for room: the capture is still taken in from
+    # its slot, and only then are its slots freed (they count against the node's budget,
+    # which a spare taking its place needs).
+    async def main() -> tuple[list[int], bool, int]:
+        b = await Backlogged().start(tmp_path)
+        b.call.cancel()  # the rank died
+        forget = asyncio.create_task(b.intake.forget_rank(b.record.rank_id))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        held_while_waiting = not forget.done() and b.pool.used_bytes > 0
+        b.room.set()
+        await forget
+        return await b.stored_all(), held_while_waiting, b.pool.used_bytes
+
+    stored, held_while_waiting, used = asyncio.run(main())
+    assert held_while_waiting
+    assert stored == list(range(1, MAX_BACKLOG + 2))
+    assert used == 0

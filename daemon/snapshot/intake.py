@@ -49,6 +49,7 @@ class Intake:
         # (generation, step): captures of that generation's earlier steps are not stored
         self._hurry = (0, 0)
         self._taking = Background()  # captures being taken in, the rank's call gone or not
+        self._taking_of: dict[str, asyncio.Task[None]] = {}  # per rank: its newest take-in
 
     async def open_slot(self, request: rank_pb2.OpenSlotRequest) -> rank_pb2.OpenSlotReply:
         if self.registry.get(request.rank_id) is None:
@@ -101,7 +102,18 @@ class Intake:
             # call). A failure report says so, and the coordinator lets the step land
             # before re-planning.
             record.captured = request.step
-        await asyncio.shield(self._taking.start(self._take_in(request, slot, total)))
+        taking = self._taking_of[request.rank_id] = self._taking.start(
+            self._take_in(request, slot, total))
+        await asyncio.shield(taking)
+
+    async def forget_rank(self, rank_id: str) -> None:
+        """A rank that is gone: once its last capture is out of its slot, its slots are
+        freed. They count against this node's slot budget, and a spare taking its
+        place needs the room."""
+        taking = self._taking_of.pop(rank_id, None)
+        if taking is not None:
+            await asyncio.gather(taking, return_exceptions=True)
+        await asyncio.to_thread(self.pool.drop_rank, rank_id)
 
     async def _take_in(self, request: rank_pb2.CaptureRequest, slot: Slot, total: int
                        ) -> None:
