@@ -133,23 +133,28 @@ def test_a_second_failure_during_recovery_is_folded_in(tmp_path: Path) -> None:
             "steps": STEPS, "collective_timeout_s": 4.0,
             "faults": [{"kind": "kill", "target": "rank", "index": 0, "step": 4}]}
     cluster = LocalCluster(nodes=2, workdir=tmp_path / "fold")
+    cluster.env["STALWART_FAULT_LOG"] = str(tmp_path)  # rank 0 says when it kills itself
     try:
         cluster.start_daemons()
         cluster.launch(spec, world=2, spares=2, ranks_per_node=1)
         coordinator = cluster.coordinator()
+        survivor = next(r for r in cluster.ranks if r.rank == 1)
+        # Generation 2 cannot train its first step while rank 1 is frozen (well inside its
+        # heartbeat timeout), so the heir dies while the recovery is still in flight. It
+        # is frozen the moment rank 0 dies: a recovery takes a tenth of a second here.
+        wait_until(lambda: next(tmp_path.glob("fault-*.json"), None), 120,
+                   "rank 0 to kill itself", every_s=0.002)
+        survivor.proc.send_signal(signal.SIGSTOP)
 
         def second_generation() -> common_pb2.Plan | None:
             st = coordinator.status()
             return st.plan if st is not None and st.generation == 2 else None
 
-        plan = wait_until(second_generation, 120, "the plan that replaces rank 0")
-        heir = next(a.rank_id for a in plan.assignments if not a.spare and a.coord.rank == 0)
-        victim = next(r for r in cluster.ranks if heir.endswith(f"/{r.proc.pid}"))
-        survivor = next(r for r in cluster.ranks if r.rank == 1)
-        # Generation 2 cannot train its first step while rank 1 is frozen (well inside its
-        # heartbeat timeout), so the heir dies while the recovery is still in flight.
-        survivor.proc.send_signal(signal.SIGSTOP)
         try:
+            plan = wait_until(second_generation, 60, "the plan that replaces rank 0")
+            heir = next(a.rank_id for a in plan.assignments
+                        if not a.spare and a.coord.rank == 0)
+            victim = next(r for r in cluster.ranks if heir.endswith(f"/{r.proc.pid}"))
             victim.proc.send_signal(signal.SIGKILL)
             wait_until(lambda: (st := coordinator.status()) is not None and st.generation >= 3,
                        60, "the decision that folds the heir's death in")

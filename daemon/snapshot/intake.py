@@ -96,12 +96,8 @@ class Intake:
                           f"holds {slot.size}")
         if request.step > 1:
             self.metrics.capture_stall.labels(request.rank_id).observe(request.stall_s)
-        if (record := self.registry.get(request.rank_id)) is not None:
-            # The slot holds the whole capture: from here the step commits even if the
-            # rank dies now (the slot outlives it, and taking it in goes on without the
-            # call). A failure report says so, and the coordinator lets the step land
-            # before re-planning.
-            record.captured = request.step
+        # Taken in even if the rank dies meanwhile and its call is cancelled: the slot
+        # outlives the rank, and a dead rank's slots are freed only after (forget_rank).
         taking = self._taking_of[request.rank_id] = self._taking.start(
             self._take_in(request, slot, total))
         await asyncio.shield(taking)
@@ -126,6 +122,12 @@ class Intake:
             self._backlog[rank] = self._backlog.get(rank, 0) + 1
         owned = await asyncio.to_thread(bytes, memoryview(slot.view)[:total])
         self.metrics.captured_bytes.inc(total)
+        if (record := self.registry.get(rank)) is not None:
+            # Once taken in, the step commits even if the rank dies now: a failure
+            # report says so, and the coordinator lets the step land before re-planning
+            # (a capture still waiting for room is left out: counting it made that wait
+            # outlast what the step saves, and the plan resume before it).
+            record.captured = request.step
         self._tail[rank] = asyncio.create_task(
             self._after(self._tail.get(rank), request, owned))
 
