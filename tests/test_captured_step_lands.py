@@ -130,22 +130,30 @@ def test_the_captured_step_travels_with_the_failure_report() -> None:
     assert Failure.from_proto(f.to_proto()).captured_step == 17
 
 
-def test_a_hurried_step_is_stored_before_the_captures_waiting_ahead_of_it(tmp_path: Path
-                                                                          ) -> None:
+def test_a_hurried_step_is_stored_without_waiting_for_the_earlier_ones(tmp_path: Path
+                                                                        ) -> None:
     # A rank's captures of steps 1-3 wait in its daemon's intake, step 1 being stored;
-    # the coordinator waits for step 3. Step 2 is dropped, step 3 stored next, and the
-    # rank's backlog is free again; a capture of another plan is not touched.
-    async def main() -> tuple[list[tuple[int, int]], int]:
+    # the coordinator waits for step 3. Step 2 is dropped, and step 3 is stored while
+    # step 1 is still being stored (its work learns it is moot and stops at its next
+    # stage); the rank's backlog is free again. Step 4 still waits for step 3, and a
+    # capture of another plan is not touched.
+    async def main() -> tuple[list[tuple[int, int]], list[bool], int]:
         pool = SlotPool(budget_bytes=1 << 20)
         registry = Registry(node="n0", heartbeat_interval_s=1.0, heartbeat_timeout_s=60.0,
                             metrics=Metrics())
         stored: list[tuple[int, int]] = []
-        storing, slow = asyncio.Event(), asyncio.Event()
+        moot_when_done: list[bool] = []
+        storing, step_one, step_three = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        three_begun = asyncio.Event()
 
         async def durable(request: rank_pb2.CaptureRequest, owned: bytes, release) -> None:
             storing.set()
-            if not stored:
-                await slow.wait()  # step 1 takes its time
+            if request.step == 1:
+                await step_one.wait()  # step 1 takes its time
+                moot_when_done.append(intake.moot(request))
+            if request.step == 3:
+                three_begun.set()
+                await step_three.wait()
             stored.append((request.generation, request.step))
 
         intake = Intake(pool, FdServer(pool, tmp_path / "fd.sock"), registry, Metrics(),
@@ -161,16 +169,25 @@ def test_a_hurried_step_is_stored_before_the_captures_waiting_ahead_of_it(tmp_pa
             await capture(step)
         await storing.wait()
         intake.hurry(1, 3)
-        slow.set()
-        await intake._tail["r0"]  # noqa: SLF001 - the rank's last capture's work
+        try:  # step 2 dropped at once makes room for step 4; step 1 is still stored
+            await asyncio.wait_for(capture(4), 30)
+            await asyncio.wait_for(three_begun.wait(), 30)
+        except TimeoutError:
+            raise AssertionError("steps 2 and 3 waited for step 1, which a hurry made "
+                                 "moot") from None
+        step_three.set()
+        four = intake._tail["r0"].task  # noqa: SLF001 - the rank's last capture's work
+        await four
+        step_one.set()
         await capture(2, generation=2)  # a new plan redoes step 2: stored
-        await intake._tail["r0"]  # noqa: SLF001
+        await intake._tail["r0"].task  # noqa: SLF001
         backlog = intake._backlog["r0"]  # noqa: SLF001
         pool.close()
-        return stored, backlog
+        return stored, moot_when_done, backlog
 
-    stored, backlog = asyncio.run(main())
-    assert stored == [(1, 1), (1, 3), (2, 2)]
+    stored, moot_when_done, backlog = asyncio.run(main())
+    assert stored == [(1, 3), (1, 4), (1, 1), (2, 2)]
+    assert moot_when_done == [True]
     assert backlog == 0
 
 
@@ -212,7 +229,7 @@ class Backlogged:
         return self
 
     async def stored_all(self) -> list[int]:
-        await self.intake._tail[self.record.rank_id]  # noqa: SLF001 - the rank's last work
+        await self.intake._tail[self.record.rank_id].task  # noqa: SLF001 - its last work
         return self.stored
 
 

@@ -111,3 +111,19 @@ def test_the_erasure_benchmark_times_the_placer_beside_single_thread_zfec() -> N
     assert figures["encode_gbps"] > 0 and figures["zfec_single_thread_gbps"] > 0
     assert figures["encode_speedup_vs_single_thread"] == pytest.approx(  # both rounded
         figures["encode_gbps"] / figures["zfec_single_thread_gbps"], rel=0.05, abs=0.02)
+
+
+def test_once_the_step_is_moot_no_further_chunk_is_placed() -> None:
+    # A hurry made the step moot while its first chunks were being put (the coordinator
+    # re-plans from a later step): the chunks not yet begun are neither encoded nor put.
+    chunks = [os.urandom(40_000) for _ in range(24)]
+    holders = Holders()
+    p = placer(holders, threads=2)
+    try:
+        placed = asyncio.run(p.place(3, 1, capture(chunks), chunks,
+                                     moot=lambda: len(holders.stored) > 0))
+    finally:
+        p.close()
+    begun = [c for c in placed.chunks if c.shards]
+    assert 0 < len(begun) < len(chunks)
+    assert len(holders.stored) == len(begun) * (K + M)

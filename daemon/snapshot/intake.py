@@ -7,10 +7,10 @@ steps stay in order. At most MAX_BACKLOG captures per rank wait to be encoded.
 
 After a failure the coordinator waits for one step to commit (the newest the failed
 ranks' daemons took in) before it re-plans; it tells every daemon (`hurry`), and the
-captures of earlier steps still waiting here are dropped, so that step is stored
-next instead of after them. Every daemon drops the same steps (those before it), and
-the coordinator skips a step that some daemons never prepared once a later one is
-complete.
+earlier steps of that plan become moot: those still waiting here are dropped, one
+being stored stops at its next stage (`moot`), and the hurried step waits for none of
+them. Every daemon drops the same steps (those before it), and the coordinator skips a
+step that some daemons never prepared once a later one is complete.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from stalwart.core.generation import check_generation
 from stalwart.daemon.background import Background
@@ -36,6 +37,15 @@ Durable = Callable[[rank_pb2.CaptureRequest, bytes, Callable[[], Awaitable[None]
                    Awaitable[None]]
 
 
+@dataclass(frozen=True)
+class _Work:
+    """A capture handed on: the task that encodes and stores it."""
+
+    generation: int
+    step: int
+    task: asyncio.Task[None]
+
+
 class Intake:
     """Slots for this node's ranks, and their captures handed on in step order."""
 
@@ -43,11 +53,12 @@ class Intake:
                  metrics: Metrics, node: str, durable: Durable) -> None:
         self.pool, self.fd_server, self.registry, self.metrics = pool, fd_server, registry, metrics
         self.node, self.durable = node, durable
-        self._tail: dict[str, asyncio.Task[None]] = {}  # per rank: its newest capture's work
+        self._tail: dict[str, _Work] = {}  # per rank: its newest capture's work
         self._backlog: dict[str, int] = {}  # per rank: captures copied but not yet encoded
         self._encoded = asyncio.Condition()
         # (generation, step): captures of that generation's earlier steps are not stored
         self._hurry = (0, 0)
+        self._hurried = asyncio.Event()  # set, and replaced, by each hurry
         self._taking = Background()  # captures being taken in, the rank's call gone or not
         self._taking_of: dict[str, asyncio.Task[None]] = {}  # per rank: its newest take-in
 
@@ -128,23 +139,40 @@ class Intake:
             # (a capture still waiting for room is left out: counting it made that wait
             # outlast what the step saves, and the plan resume before it).
             record.captured = request.step
-        self._tail[rank] = asyncio.create_task(
-            self._after(self._tail.get(rank), request, owned))
+        self._tail[rank] = _Work(request.generation, request.step, asyncio.create_task(
+            self._after(self._tail.get(rank), request, owned)))
 
     def hurry(self, generation: int, step: int) -> None:
-        """Store `step` of plan `generation` next: the captures of that plan's earlier
-        steps that wait here are dropped (they will not commit; the coordinator waits
-        for `step` to re-plan from it)."""
+        """Store `step` of plan `generation` next: that plan's earlier steps are moot
+        (they will not commit; the coordinator waits for `step` to re-plan from it)."""
         self._hurry = max(self._hurry, (generation, step))
+        self._hurried.set()
+        self._hurried = asyncio.Event()
 
-    def _dropped(self, request: rank_pb2.CaptureRequest) -> bool:
-        generation, step = self._hurry
-        return request.generation == generation and request.step < step
+    def moot(self, request: rank_pb2.CaptureRequest) -> bool:
+        """Whether a hurry made this capture's step moot: its work stops where it is."""
+        return self._moot(request.generation, request.step)
 
-    async def _after(self, previous: asyncio.Task[None] | None,
-                     request: rank_pb2.CaptureRequest, owned: bytes) -> None:
-        if previous is not None:
-            await asyncio.gather(previous, return_exceptions=True)  # keep step order
+    def _moot(self, generation: int, step: int) -> bool:
+        return generation == self._hurry[0] and step < self._hurry[1]
+
+    async def _turn(self, previous: _Work | None, request: rank_pb2.CaptureRequest) -> None:
+        """Until the rank's previous capture is stored (steps stay in order), or until
+        either one is moot: a hurried step waits for no earlier step of its plan, and a
+        moot one is dropped at once, freeing its room in the backlog."""
+        while previous is not None and not previous.task.done():
+            if self.moot(request) or self._moot(previous.generation, previous.step):
+                return
+            hurried = asyncio.ensure_future(self._hurried.wait())
+            try:
+                await asyncio.wait({previous.task, hurried},
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                hurried.cancel()
+
+    async def _after(self, previous: _Work | None, request: rank_pb2.CaptureRequest,
+                     owned: bytes) -> None:
+        await self._turn(previous, request)
         released = False
 
         async def release() -> None:
@@ -155,7 +183,7 @@ class Intake:
                     self._backlog[request.rank_id] -= 1
                     self._encoded.notify_all()
         try:
-            if self._dropped(request):
+            if self.moot(request):
                 log.info("capture dropped: a later step is stored first, for a re-plan",
                          extra={"step": request.step, "rank_id": request.rank_id})
             else:
@@ -165,7 +193,7 @@ class Intake:
 
     async def stop(self) -> None:
         await self._taking.cancel()
-        tasks = list(self._tail.values())
+        tasks = [w.task for w in self._tail.values()]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

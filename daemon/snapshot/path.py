@@ -157,9 +157,11 @@ class SnapshotPath:
             return
         finally:
             await encoded()
-        if prepared is None or generation < self.registry.generation:
-            # The job moved on while this capture waited or encoded; it will not commit,
-            # and its record must not replace the one the new plan makes of its step.
+        if prepared is None or generation < self.registry.generation or \
+                self.intake.moot(request):
+            # The job moved on while this capture waited or encoded, or a hurry made its
+            # step moot; it will not commit, and its record must not replace the one the
+            # new plan makes of its step.
             return
         # A later step's commit makes a lost one moot, but nothing follows the job's last
         # step: that one is retried (a full disk may be freed) while its generation lasts.
@@ -167,14 +169,17 @@ class SnapshotPath:
 
         async def store_and_place() -> None:
             placed = await self.placer.place(step, generation, prepared.state,
-                                             prepared.payloads)
+                                             prepared.payloads,
+                                             moot=lambda: self.intake.moot(request))
+            if self.intake.moot(request):
+                return  # hurried past while placing: not written, never prepared
             # Shards put here reserved their own room; this is what is written whole.
             self.quota.reserve(self.store.disk_bytes(placed.chunks, prepared.payloads))
             states.append(await self._run(self.store.prepare, step, prepared, placed))
 
         states: list[manifest_pb2.RankState] = []
         if not await self._retrying(store_and_place, give_up, generation, step,
-                                    request.coord.rank):
+                                    request.coord.rank) or not states:
             return
         # One prepare per node and step: the last of this node's ranks to get here copies
         # every one's record to the holders and sends their seal.
@@ -188,6 +193,8 @@ class SnapshotPath:
         latest = self.store.latest_committed() or 0
         self._gathering = {k: v for k, v in self._gathering.items()
                            if k[1] >= generation and k[0] > latest}
+        if self.intake.moot(request):
+            return
 
         async def protect_and_prepare() -> None:
             await self.records.copy(step, gathered)

@@ -54,8 +54,10 @@ class ShardPlacer:
         return (k, m) if on_nodes <= nodes else default_km(nodes)
 
     async def place(self, step: int, generation: int, state: manifest_pb2.RankState,
-                      payloads: list[bytes]) -> manifest_pb2.RankState:
-        """`state` with the shard records of every chunk, once all are stored."""
+                      payloads: list[bytes], *, moot: Callable[[], bool] = lambda: False
+                      ) -> manifest_pb2.RankState:
+        """`state` with the shard records of every chunk, once all are stored. Once
+        `moot()` (the step will not commit), chunks not yet begun are left unplaced."""
         peers = self.peers()
         if len(peers) < 2 and self.s3 is None:
             return state  # a single daemon: the local disk is the only tier
@@ -72,6 +74,8 @@ class ShardPlacer:
 
         async def one(chunk: manifest_pb2.ChunkRecord, payload: bytes) -> None:
             async with room:
+                if moot():
+                    return
                 await self._place_chunk(chunk, payload, codec, nodes, step, generation,
                                         live, unreachable)
 
