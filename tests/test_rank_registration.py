@@ -216,3 +216,21 @@ def test_local_daemon_is_one_client_per_process(daemon_factory: DaemonFactory,
     assert daemon_client.local_daemon() is client
     assert client.register(env=TORCHRUN_ENV).node == "a"
     client.close()
+
+
+def test_a_rank_whose_layout_is_not_its_world_is_refused_with_what_to_fix(
+        daemon_factory: DaemonFactory) -> None:
+    # The first plan is made of the ranks' layout: one that does not make WORLD_SIZE
+    # ranks is refused at registration, saying so, instead of failing the plan later.
+    d = daemon_factory.start("a")
+    client = DaemonClient(d.socket_target, token=d.token)
+    env = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
+    with pytest.raises(DaemonUnavailable, match=r"\(dp=unset pp=8 tp=1\) do not make a "
+                                                r"world of 4 ranks") as err:
+        client.register(env=env, layout=common_pb2.ParallelLayout(pp=8))
+    assert code_of(err.value) == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(DaemonUnavailable, match="do not make a world of 4") as err:
+        client.register(env=env, layout=common_pb2.ParallelLayout(dp=2, pp=1))
+    assert code_of(err.value) == grpc.StatusCode.INVALID_ARGUMENT
+    assert client.register(env=env, layout=common_pb2.ParallelLayout(dp=2, pp=2)).rank_id
+    client.close()

@@ -197,6 +197,21 @@ def _register(r: rank_pb2.RegisterRequest) -> None:
     text(r.hostname, "hostname", MAX_NAME)
     text(r.device, "device", MAX_NAME)
     _layout(r.layout)
+    _layout_of_world(r.layout, r.world_size, r.rank)
+
+
+def _layout_of_world(layout: common_pb2.ParallelLayout, world_size: int, rank: int) -> None:
+    """A rank of the job (not a spare) names a layout of exactly its world's ranks: the
+    first plan is made of it."""
+    if rank < 0 or world_size == 0:
+        return
+    if rank >= world_size:
+        _fail(f"rank {rank} is outside a world of {world_size} ranks")
+    pp, tp = layout.pp or 1, layout.tp or 1
+    dp = layout.dp or world_size // (pp * tp)
+    if dp * pp * tp != world_size:
+        _fail(f"the layout's degrees (dp={layout.dp or 'unset'} pp={pp} tp={tp}) do not "
+              f"make a world of {world_size} ranks (WORLD_SIZE); make dp x pp x tp equal it")
 
 
 def _heartbeat(r: rank_pb2.HeartbeatRequest) -> None:
@@ -303,6 +318,7 @@ def _announce(r: peer_pb2.RankAnnouncement) -> None:
     in_range(r.rank, -1, MAX_WORLD, "rank")
     in_range(r.world_size, 0, MAX_WORLD, "world_size")
     _layout(r.layout)
+    _layout_of_world(r.layout, r.world_size, r.rank)
     in_range(r.generation, 0, MAX_GENERATION, "generation")
 
 
