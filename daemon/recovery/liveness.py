@@ -7,6 +7,7 @@ identity, so the rules are tested in-process with made-up times.
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,8 +33,16 @@ class ProcessIdentity:
     start_ticks: int  # clock ticks after boot (/proc/<pid>/stat field 22); 0 if unknown
 
 
+PF_EXITING, PF_DUMPCORE = 0x4, 0x200  # /proc/<pid>/stat field 9: the main thread's flags
+SIGKILL_PENDING = 1 << (signal.SIGKILL - 1)  # in /proc/<pid>/status SigPnd and ShdPnd
+
+
 def process_identity(pid: int, proc: Path = Path("/proc")) -> ProcessIdentity | None:
-    """The running process `pid`, or None if it is gone or a zombie (exited, not yet reaped)."""
+    """The running process `pid`, or None if it is gone, a zombie (exited, not yet
+    reaped) or ending: killed (SIGKILL pending), dumping core, or its main thread exiting.
+    An ending process runs no more of its code, but its end takes a while: the kernel
+    frees its memory first (about 0.1 s per GB here; far longer for a GPU process), and
+    only then does the process count as exited."""
     if pid <= 0:
         return None
     try:
@@ -44,9 +53,24 @@ def process_identity(pid: int, proc: Path = Path("/proc")) -> ProcessIdentity | 
         return _without_proc(pid)
     # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
     fields = stat[stat.rfind(")") + 2:].split()
-    if fields[0] in ("Z", "X"):
+    if fields[0] in ("Z", "X") or int(fields[6]) & (PF_EXITING | PF_DUMPCORE) or \
+            _kill_pending(proc / str(pid) / "status"):
         return None
     return ProcessIdentity(pid, int(fields[19]))
+
+
+def _kill_pending(status: Path) -> bool:
+    """Whether a SIGKILL waits for the process (the kernel puts one on every thread of
+    a process being killed, until each takes it)."""
+    try:
+        text = status.read_text()
+    except OSError:
+        return False  # gone since (the caller finds that next), or no status to read
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("SigPnd", "ShdPnd") and int(value, 16) & SIGKILL_PENDING:
+            return True
+    return False
 
 
 def _without_proc(pid: int) -> ProcessIdentity | None:
