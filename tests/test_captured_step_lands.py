@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
 from coordinator_links import Daemons
 
 from stalwart.core.failures import Failure, FailureKind
@@ -18,6 +19,7 @@ from stalwart.core.step_record import seal
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.coordinator import Coordinator
 from stalwart.daemon.recovery.registry import Registry
+from stalwart.daemon.snapshot import intake as intake_module
 from stalwart.daemon.snapshot.intake import MAX_BACKLOG, Intake
 from stalwart.daemon.snapshot.slots import FdServer, SlotPool
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, rank_pb2
@@ -189,6 +191,80 @@ def test_a_hurried_step_is_stored_without_waiting_for_the_earlier_ones(tmp_path:
     assert stored == [(1, 3), (1, 4), (1, 1), (2, 2)]
     assert moot_when_done == [True]
     assert backlog == 0
+
+
+class Hurried:
+    """A real Intake at plan 1 with two ranks: r0's capture of step 2 is being stored
+    (until `two` is set), r1 has stored step 2 and took in step 3, and a hurry named
+    step 2 (the coordinator waits for it to commit)."""
+
+    async def start(self, tmp_path: Path) -> Hurried:
+        self.pool = SlotPool(budget_bytes=1 << 20)
+        self.registry = Registry(node="n0", heartbeat_interval_s=1.0,
+                                 heartbeat_timeout_s=60.0, metrics=Metrics())
+        self.registry.install_plan(common_pb2.Plan(generation=1))
+        self.stored: list[tuple[str, int]] = []
+        self.two = asyncio.Event()
+
+        async def durable(request: rank_pb2.CaptureRequest, owned: bytes, release) -> None:
+            if (request.rank_id, request.step) == ("r0", 2):
+                await self.two.wait()
+            self.stored.append((request.rank_id, request.step))
+
+        self.intake = Intake(self.pool, FdServer(self.pool, tmp_path / "fd.sock"),
+                             self.registry, Metrics(), "n0", durable)
+        slots = {r: self.pool.open(r, 64)[0] for r in ("r0", "r1")}
+
+        async def capture(rank: str, step: int) -> None:
+            await self.intake.capture(rank_pb2.CaptureRequest(
+                rank_id=rank, slot_id=slots[rank].slot_id, step=step, generation=1,
+                tensors=[common_pb2.TensorMeta(name="x", nbytes=8, offset=0)]))
+
+        await capture("r0", 2)
+        self.intake.hurry(1, 2)
+        await capture("r1", 2)
+        await capture("r1", 3)
+        for _ in range(50):  # let the work run until it waits (no real wait)
+            await asyncio.sleep(0)
+        return self
+
+    async def done(self) -> list[tuple[str, int]]:
+        self.two.set()
+        for rank in ("r0", "r1"):
+            await asyncio.wait_for(self.intake._tail[rank].task, 30)  # noqa: SLF001
+        self.pool.close()
+        return self.stored
+
+
+def test_a_later_step_waits_for_the_replan_while_the_hurried_step_is_stored(
+        tmp_path: Path) -> None:
+    # A survivor's capture of a step after the hurried one is redone by the coordinator's
+    # re-plan; stored meanwhile, it would take the cores the hurried step needs. It waits
+    # for the new plan (then the snapshot path drops it as an older plan's capture).
+    async def main() -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+        h = await Hurried().start(tmp_path)
+        while_storing = list(h.stored)
+        h.registry.install_plan(common_pb2.Plan(generation=2))
+        return while_storing, await h.done()
+
+    while_storing, stored = asyncio.run(main())
+    assert while_storing == [("r1", 2)]
+    assert sorted(stored) == [("r0", 2), ("r1", 2), ("r1", 3)]
+
+
+def test_without_a_replan_the_later_step_is_stored_after_the_hold(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # No new plan follows the hurry (the coordinator died meanwhile, or the failure
+    # changed nothing): the later step is stored once the hold is over.
+    monkeypatch.setattr(intake_module, "HURRY_HOLD_S", 0.2)
+
+    async def main() -> list[tuple[str, int]]:
+        h = await Hurried().start(tmp_path)
+        await asyncio.wait_for(h.intake._tail["r1"].task, 30)  # noqa: SLF001
+        return await h.done()
+
+    stored = asyncio.run(main())
+    assert stored[:2] == [("r1", 2), ("r1", 3)]  # before the hurried step of r0 ended
 
 
 class Backlogged:

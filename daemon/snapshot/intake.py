@@ -10,7 +10,9 @@ ranks' daemons took in) before it re-plans; it tells every daemon (`hurry`), and
 earlier steps of that plan become moot: those still waiting here are dropped, one
 being stored stops at its next stage (`moot`), and the hurried step waits for none of
 them. Every daemon drops the same steps (those before it), and the coordinator skips a
-step that some daemons never prepared once a later one is complete.
+step that some daemons never prepared once a later one is complete. The plan's later
+steps (a survivor's, taken in after that step) wait for the re-plan, which redoes them
+and drops them here: stored now, they would only take the cores the hurried step needs.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from stalwart.v1 import rank_pb2
 log = logging.getLogger("stalwart.daemon.snapshot.intake")
 
 MAX_BACKLOG = 3  # captures per rank copied but not yet encoded, at most
+HURRY_HOLD_S = 5.0
+"""After a hurry, a later step of that plan waits at most this long for the re-plan
+(the coordinator's wait for the hurried step is as long at most, LAND_WAIT_MAX_S)."""
 
 # (request, owned bytes, release): encode and make durable; call release() once encoded.
 Durable = Callable[[rank_pb2.CaptureRequest, bytes, Callable[[], Awaitable[None]]],
@@ -170,9 +175,32 @@ class Intake:
             finally:
                 hurried.cancel()
 
+    async def _hold(self, request: rank_pb2.CaptureRequest) -> None:
+        """While a hurry of this capture's plan names an earlier step: until the next
+        plan (which redoes this step: the capture is then dropped as an old plan's), a
+        hurry of this step or a later one, or HURRY_HOLD_S."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + HURRY_HOLD_S
+        while request.generation == self._hurry[0] == self.registry.generation and \
+                request.step > self._hurry[1]:
+            left = deadline - loop.time()
+            if left <= 0:
+                log.info("no re-plan followed the hurry; storing the later step",
+                         extra={"step": request.step, "rank_id": request.rank_id})
+                return
+            hurried = asyncio.ensure_future(self._hurried.wait())
+            planned = asyncio.ensure_future(
+                self.registry.plan_after(request.generation, left))
+            try:
+                await asyncio.wait({hurried, planned}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                hurried.cancel()
+                planned.cancel()
+
     async def _after(self, previous: _Work | None, request: rank_pb2.CaptureRequest,
                      owned: bytes) -> None:
         await self._turn(previous, request)
+        await self._hold(request)
         released = False
 
         async def release() -> None:
