@@ -15,6 +15,7 @@ import grpc
 
 from stalwart.core import manifest as mf
 from stalwart.core import step_record as sr
+from stalwart.core.layout import Layout
 from stalwart.daemon.snapshot import commit_tree
 from stalwart.daemon.snapshot.shard_store import validate_id
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, rank_pb2
@@ -207,11 +208,14 @@ def _layout_of_world(layout: common_pb2.ParallelLayout, world_size: int, rank: i
         return
     if rank >= world_size:
         _fail(f"rank {rank} is outside a world of {world_size} ranks")
-    pp, tp = layout.pp or 1, layout.tp or 1
-    dp = layout.dp or world_size // (pp * tp)
-    if dp * pp * tp != world_size:
-        _fail(f"the layout's degrees (dp={layout.dp or 'unset'} pp={pp} tp={tp}) do not "
-              f"make a world of {world_size} ranks (WORLD_SIZE); make dp x pp x tp equal it")
+    try:
+        ranks = Layout.from_proto(layout, world_size=world_size).world_size
+    except ValueError:  # a degree derived as 0: pp x tp alone exceed the world
+        ranks = 0
+    if ranks != world_size:
+        _fail(f"the layout's degrees (dp={layout.dp or 'unset'} pp={layout.pp or 1} "
+              f"tp={layout.tp or 1}) do not make a world of {world_size} ranks "
+              "(WORLD_SIZE); make dp x pp x tp equal it")
 
 
 def _heartbeat(r: rank_pb2.HeartbeatRequest) -> None:

@@ -21,6 +21,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from stalwart.core.generation import check_generation
 from stalwart.daemon.background import Background
@@ -168,12 +169,7 @@ class Intake:
         while previous is not None and not previous.task.done():
             if self.moot(request) or self._moot(previous.generation, previous.step):
                 return
-            hurried = asyncio.ensure_future(self._hurried.wait())
-            try:
-                await asyncio.wait({previous.task, hurried},
-                                   return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                hurried.cancel()
+            await self._until_hurried_or(previous.task)
 
     async def _hold(self, request: rank_pb2.CaptureRequest) -> None:
         """While a hurry of this capture's plan names an earlier step: until the next
@@ -188,14 +184,20 @@ class Intake:
                 log.info("no re-plan followed the hurry; storing the later step",
                          extra={"step": request.step, "rank_id": request.rank_id})
                 return
-            hurried = asyncio.ensure_future(self._hurried.wait())
             planned = asyncio.ensure_future(
                 self.registry.plan_after(request.generation, left))
             try:
-                await asyncio.wait({hurried, planned}, return_when=asyncio.FIRST_COMPLETED)
+                await self._until_hurried_or(planned)
             finally:
-                hurried.cancel()
                 planned.cancel()
+
+    async def _until_hurried_or(self, other: asyncio.Future[Any]) -> None:
+        """Until the next hurry, or `other` is done (it is left running)."""
+        hurried = asyncio.ensure_future(self._hurried.wait())
+        try:
+            await asyncio.wait({other, hurried}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hurried.cancel()
 
     async def _after(self, previous: _Work | None, request: rank_pb2.CaptureRequest,
                      owned: bytes) -> None:
