@@ -98,16 +98,49 @@ class Capturer:
         # state keeps its names, dtypes and shapes, so its metas (and each slot's views
         # of them) are made once, not every step.
         self._described: tuple[tuple[Any, ...], list[common_pb2.TensorMeta], int] | None = None
+        self._opening: Future[None] | None = None  # slots being opened ahead (`open_ahead`)
+
+    def open_ahead(self, tensors: Sequence[StateTensor]) -> None:
+        """Open and map the slots that captures of `tensors` need, in the background.
+
+        Call it once the state is whole (after a restore): the first capture then finds
+        its slots ready instead of waiting for the daemon to make them, which on a busy
+        node takes tens of milliseconds, on the step that ends a recovery. A failure is
+        left for that capture, which opens the slots itself and reports what went wrong.
+        """
+        if self._opening is None and not self._slots:
+            self._opening = self._copier.submit(self._open_for, list(tensors))
+
+    def _open_for(self, tensors: list[StateTensor]) -> None:
+        self._pin()
+        self._open(self._describe(tensors)[1], populate=True)
+
+    def _await_opening(self) -> None:
+        opening, self._opening = self._opening, None
+        if opening is None:
+            return
+        try:
+            opening.result()
+        except Exception as exc:  # the capture opens them itself and raises what it meets
+            log.debug("slots opened ahead failed (%s); the capture opens them", exc)
 
     def _ensure_slots(self, nbytes: int) -> None:
         if self._slots and self._size >= nbytes:
             return
         self.drain()
+        self._open(nbytes)
+
+    def _open(self, nbytes: int, populate: bool = False) -> None:
+        """Map `nbytes` slots in place of the current ones; `populate`: fault their pages
+        in now (off the training thread), not in the first copy."""
         for s in self._slots:
             s.mapped.close()
-        self._slots = [_SlotState(MappedSlot.attach(path, slot_id, self.token))
-                       for slot_id, path in self.transport.open_slots(nbytes)]
-        self._size = min(s.mapped.size for s in self._slots)
+        self._slots = []
+        slots = [_SlotState(MappedSlot.attach(path, slot_id, self.token))
+                 for slot_id, path in self.transport.open_slots(nbytes)]
+        for s in slots if populate else ():
+            s.mapped.populate()
+        self._slots, self._size = slots, min(s.mapped.size for s in slots)
 
     def capture(self, step: int, tensors: Sequence[StateTensor], extra: dict,
                 hints: Sequence[Any] = (), final: bool = False) -> None:
@@ -117,6 +150,7 @@ class Capturer:
         the daemon's deltas smaller. `final` marks the job's last step.
         """
         started = time.perf_counter()
+        self._await_opening()
         self.before_update()
         for f in [f for f in self._sent if f.done()]:
             self._sent.remove(f)
@@ -216,6 +250,7 @@ class Capturer:
 
     def close(self) -> None:
         try:
+            self._await_opening()
             self.drain()
         finally:
             self._copier.shutdown(wait=True)

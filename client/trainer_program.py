@@ -78,6 +78,8 @@ class TrainerProgram:
                 _restore(gen, trainer, gen.plan.resume_step)
             gen.report_rebuilt(rebuild_s, time.monotonic() - t_restore)
             capturer = gen.capturer()
+            if gen.plan.resume_step > 0:  # the restored state is whole: its slots can open
+                capturer.open_ahead(state_tensors(trainer)[0])
 
             def wait_for_copy(*_: Any) -> None:
                 capturer.before_update()  # the optimizer is about to overwrite what is copied

@@ -179,6 +179,8 @@ class _UserLoopProgram:
             p.grad = None  # an abandoned step may have left partial gradients behind
         ctx = self.ctx = Context(gen, self, start)
         self.capturer = gen.capturer()
+        if start > 0:  # the restored state is whole: its slots can open meanwhile
+            self.capturer.open_ahead(self.registry.capture(start)[0])
         hooks = [h for opt in self.optimizers for h in (
             opt.register_step_pre_hook(lambda *_: self._before_update(gen, ctx)),
             opt.register_step_post_hook(lambda *_: self._after_update(ctx)))]

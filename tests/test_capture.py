@@ -3,6 +3,7 @@
 import json
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -21,8 +22,17 @@ class LoopbackTransport:
         self.received: dict[int, tuple[bytes, list, dict]] = {}
         self.gate = threading.Event()
         self.gate.set()
+        self.open_gate = threading.Event()  # cleared: OpenSlot waits, as on a busy daemon
+        self.open_gate.set()
+        self.opened_on: list[str] = []  # the thread of each OpenSlot
+        self.refuse_opens = 0  # this many OpenSlot calls fail first
 
     def open_slots(self, nbytes):
+        self.opened_on.append(threading.current_thread().name)
+        assert self.open_gate.wait(timeout=30)
+        if self.refuse_opens:
+            self.refuse_opens -= 1
+            raise ConnectionError("daemon unavailable")
         return [(s.slot_id, str(self.server.path)) for s in self.pool.open("rank-0", nbytes)]
 
     def send_capture(self, step, slot_id, metas, extra, hints=(), stall_s=0.0, final=False):
@@ -97,6 +107,40 @@ def test_update_after_before_update_does_not_leak_into_the_snapshot(transport):
     cap.close()
     data, metas, _ = transport.received[7]
     assert torch.equal(unpack(data, metas)["p"], torch.ones(1000))
+
+
+def test_slots_opened_ahead_open_off_the_training_thread_and_serve_the_first_capture(
+        transport):
+    # After a restore the first capture ends the recovery: its slots open meanwhile.
+    cap = Capturer(transport)
+    transport.open_gate.clear()  # the daemon is slow to make the slots
+    cap.open_ahead(_state(0))  # returns while the daemon is still making them
+    deadline = time.monotonic() + 30
+    while not transport.opened_on and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert transport.opened_on[0].startswith("stalwart-copy")  # the copier's thread
+    transport.open_gate.set()
+    cap.capture(5, _state(5), {})
+    cap.close()
+    assert len(transport.opened_on) == 1  # the capture used the slots opened ahead
+    data, metas, _ = transport.received[5]
+    restored = unpack(data, metas)
+    for st in _state(5):
+        assert torch.equal(restored[st.name].view(torch.uint8), st.tensor.view(torch.uint8))
+
+
+def test_slots_that_failed_to_open_ahead_are_opened_by_the_capture(transport):
+    transport.refuse_opens = 1
+    cap = Capturer(transport)
+    cap.open_ahead(_state(0))
+    cap.capture(1, _state(1), {})
+    cap.close()
+    assert len(transport.opened_on) == 2 and 1 in transport.received
+    transport.refuse_opens = 1
+    cap = Capturer(transport)
+    with pytest.raises(ConnectionError, match="daemon unavailable"):
+        cap.capture(2, _state(2), {})  # no opening ahead: the capture's own error
+    cap.close()
 
 
 def test_a_slow_daemon_blocks_only_when_both_slots_are_in_use(transport):
