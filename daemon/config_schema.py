@@ -158,6 +158,18 @@ SCHEMA: dict[str, dict[str, Key]] = {
                           "chunks with no shards (one daemon, m = 0) are always kept whole"),
         "disk_quota_bytes": Key("int", 0, _at_least(0), "most bytes the local tier "
                                 "(snapshots and peers' shards) may hold, 0 = no limit"),
+        "disk_sync": Key("str", "background", _in("background", "write"),
+                         "when stored files reach the disk: 'background' (a step counts "
+                         "as stored once written on the nodes that keep it, which survives "
+                         "any process crash and the loss of m nodes; the daemon writes its "
+                         "files back every disk_sync_every_s, so a power loss of more than "
+                         "m nodes at once costs at most the steps of that interval) or "
+                         "'write' (every file is fsynced before its step counts as stored: "
+                         "a step survives a power loss of every node, at several fsyncs "
+                         "per shard on the commit path)"),
+        "disk_sync_every_s": Key("float", 5.0, _at_least(0.1), "with disk_sync = "
+                                 "'background': seconds between write-backs of the daemon's "
+                                 "files to its disk"),
     },
     "s3": {
         "endpoint": Key("str", "", doc="S3 endpoint URL; empty = AWS's endpoint for the "

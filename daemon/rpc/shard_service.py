@@ -11,7 +11,6 @@ import asyncio
 import collections
 import errno
 import logging
-import os
 import time
 import uuid
 from pathlib import Path
@@ -21,6 +20,7 @@ import grpc
 
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.rpc.streams import send_within
+from stalwart.daemon.snapshot.atomic import EACH_WRITE, DiskSync
 from stalwart.daemon.snapshot.checksum import crc32c
 from stalwart.daemon.snapshot.quota import DiskQuota, QuotaExceeded
 from stalwart.daemon.snapshot.shard_store import ShardStore
@@ -77,12 +77,13 @@ class ShardServicer(peer_pb2_grpc.ShardServiceServicer):
                  max_shard_bytes: int = MAX_SHARD_BYTES,
                  max_streams_per_peer: int = MAX_STREAMS_PER_PEER,
                  piece_idle_s: float = PIECE_IDLE_S, *, auth: Any = None,
-                 quota: DiskQuota | None = None, policy: ShardPolicy | None = None) -> None:
+                 quota: DiskQuota | None = None, policy: ShardPolicy | None = None,
+                 sync: DiskSync = EACH_WRITE) -> None:
         """`auth` (auth.Authenticator) makes every call prove it comes from a daemon of the
         job; `policy` says who may delete what (without one, nobody may); `quota` bounds
         the bytes stored. A daemon passes all three; tests of the storage alone may not."""
         self.auth, self.quota, self.policy = auth, quota, policy
-        self.store = ShardStore(store_dir)
+        self.store = ShardStore(store_dir, sync)
         self.metrics = metrics
         self.max_shard_bytes = max_shard_bytes
         self.max_streams_per_peer = max_streams_per_peer
@@ -208,7 +209,7 @@ class ShardServicer(peer_pb2_grpc.ShardServiceServicer):
     def _finish(self, f, tmp: Path, path: Path, header: peer_pb2.ShardHeader,
                 owner: str) -> None:
         f.flush()
-        os.fsync(f.fileno())
+        self.store.sync.file(f.fileno())
         f.close()
         self.store.commit(tmp, path, {"size": header.size, "crc32c": header.crc32c,
                                       "step": header.step, "generation": header.generation,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from stalwart.core import manifest as mf
 from stalwart.core import step_record as sr
-from stalwart.daemon.snapshot.atomic import fsync_dir, write_atomic
+from stalwart.daemon.snapshot.atomic import EACH_WRITE, DiskSync, write_atomic
 from stalwart.v1 import manifest_pb2
 
 _STEP_DIGITS = 12  # zero-padded step numbers sort as text
@@ -27,8 +27,8 @@ class Catalogue:
     """Committed steps and rank records under `root` (one writer process; the lock is the
     store's, shared with its commits and retention)."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    def __init__(self, root: Path, sync: DiskSync = EACH_WRITE) -> None:
+        self.root, self.sync = root, sync
         self._records: dict[int, manifest_pb2.StepRecord] = {}
         self._checked: dict[tuple[int, int], manifest_pb2.RankState] = {}  # vs their seal
         # held_manifest per committed step (status and the protection census ask for
@@ -57,11 +57,12 @@ class Catalogue:
             for state in states:
                 rank_dir = self._rank_dir(step, state.rank)
                 rank_dir.mkdir(parents=True, exist_ok=True)
-                write_atomic(rank_dir / "rank.pb", state.SerializeToString(deterministic=True))
+                write_atomic(rank_dir / "rank.pb", state.SerializeToString(deterministic=True),
+                             self.sync)
                 self._checked.pop((step, state.rank), None)
             self._forget_held([step])
             if states:
-                fsync_dir(self._rank_dir(step, states[0].rank).parent)
+                self.sync.folder(self._rank_dir(step, states[0].rank).parent)
 
     def held_record(self, step: int, rank: int) -> manifest_pb2.RankState | None:
         """The record of (step, rank) on this disk as written, or None."""

@@ -26,7 +26,7 @@ from stalwart.core import step_record as sr
 from stalwart.core.manifest import whole_on_node
 from stalwart.daemon.config_schema import default
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.snapshot.atomic import fsync_dir, write_atomic
+from stalwart.daemon.snapshot.atomic import EACH_WRITE, DiskSync, fsync_dir, write_atomic
 from stalwart.daemon.snapshot.catalogue import Catalogue, FetchRecords
 from stalwart.daemon.snapshot.chain_reader import ChainReader, Fetch, FetchHeld
 from stalwart.daemon.snapshot.checksum import Buffer
@@ -75,16 +75,19 @@ class LocalStore(Catalogue):
                  max_chain: int | None = None, retain: int = default("snapshot.retain"),
                  delta_against: str = "previous", lossy: bool = False, level: int = 1,
                  local_copy: bool = default("snapshot.local_copy"),
-                 executor: Executor | None = None, metrics: Metrics | None = None) -> None:
+                 executor: Executor | None = None, metrics: Metrics | None = None,
+                 sync: DiskSync = EACH_WRITE) -> None:
         """`ram_tier_bytes`: encoded chunks kept in memory for reads (bytes, 0 = none);
         `base_every`: steps between full bases; `max_chain`: most deltas before a base
         (default base_every); `delta_against`: "previous" committed step or the chain's
         "base"; `lossy`: opt-in quantised deltas (restores are then NOT bitwise exact);
         `local_copy`: keep chunks that have shards on disk as well;
-        `executor`: threads to encode chunks in parallel (zstd releases the GIL)."""
+        `executor`: threads to encode chunks in parallel (zstd releases the GIL);
+        `sync`: when written records and chunks reach the disk (a rollback's removals
+        always at once: a step rolled back must not come back)."""
         if delta_against not in ("previous", "base"):
             raise ValueError(f"delta_against={delta_against!r}: use 'previous' or 'base'")
-        super().__init__(Path(data_dir) / "snapshots" / job_id)
+        super().__init__(Path(data_dir) / "snapshots" / job_id, sync)
         self.job_id, self.chunk_bytes = job_id, chunk_bytes
         self.base_every, self.retain, self.level = base_every, retain, level
         self.max_chain = base_every if max_chain is None else max_chain
@@ -181,12 +184,12 @@ class LocalStore(Catalogue):
                                                  strict=True)):
             c.whole_on_node = self.on_disk(c)
             if c.whole_on_node:
-                write_atomic(self.chunk_path(step, state.rank, index), payload)
+                write_atomic(self.chunk_path(step, state.rank, index), payload, self.sync)
                 written += len(payload)
             self.ram.put((step, state.rank, index), payload)
-        write_atomic(rank_dir / "rank.pb", state.SerializeToString())
-        fsync_dir(rank_dir)
-        fsync_dir(rank_dir.parent)
+        write_atomic(rank_dir / "rank.pb", state.SerializeToString(), self.sync)
+        self.sync.folder(rank_dir)
+        self.sync.folder(rank_dir.parent)
         if self.metrics:
             self.metrics.stored_bytes.labels(tier="disk").inc(written)
         return state
@@ -242,9 +245,9 @@ class LocalStore(Catalogue):
                 self._checked[(step, state.rank)] = state
             states += held
         sr.plan_chain({**self.committed_records(), step: record}, step)  # its bases exist
-        write_atomic(path, data)
+        write_atomic(path, data, self.sync)
         self._steps_written()
-        fsync_dir(path.parent)
+        self.sync.folder(path.parent)
         self._records[step] = record
         for state in states:
             ref = self._pending.pop((step, state.rank), None)
@@ -352,8 +355,8 @@ class LocalStore(Catalogue):
             self._steps_written()
         self._checked = {k: v for k, v in self._checked.items() if k[0] not in dropped}
         self._forget_held(dropped)
-        if dropped:
-            fsync_dir(self.root / "manifests")
+        if dropped:  # a retired step that came back after a power loss is retired again
+            self.sync.folder(self.root / "manifests")
         for step_dir in (self.root / "steps").iterdir():
             s = int(step_dir.name)
             if s not in kept and s < latest:

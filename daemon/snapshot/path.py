@@ -28,6 +28,7 @@ from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.peers import Peer, PeerChannels
 from stalwart.daemon.recovery.registry import Registry
 from stalwart.daemon.snapshot import repair
+from stalwart.daemon.snapshot.atomic import EACH_WRITE, IN_BACKGROUND
 from stalwart.daemon.snapshot.commit import Committer
 from stalwart.daemon.snapshot.holders import LocalShards, ShardHolders
 from stalwart.daemon.snapshot.intake import Intake
@@ -62,6 +63,7 @@ class SnapshotPath:
         self.config, self.registry, self.metrics = config, registry, metrics
         self.node, self.peers, self.send_prepare = config.node, peers, send_prepare
         snap = config.snapshot
+        self.disk_sync = EACH_WRITE if snap.disk_sync == "write" else IN_BACKGROUND
         self.pool = SlotPool(snap.slot_bytes, token=config.token)
         self.fd_server = FdServer(self.pool, data_dir / "fd.sock")
         self._encoders = ThreadPoolExecutor(2, thread_name_prefix="delta")
@@ -69,7 +71,7 @@ class SnapshotPath:
                                 base_every=snap.base_every, retain=snap.retain,
                                 ram_tier_bytes=snap.ram_tier_bytes,
                                 local_copy=snap.local_copy, executor=self._encoders,
-                                metrics=metrics)
+                                metrics=metrics, sync=self.disk_sync)
         # Encodes, prepares and reads run side by side (the store is thread-safe).
         self._io = ThreadPoolExecutor(2, thread_name_prefix="store")
         self.s3 = None
@@ -79,7 +81,7 @@ class SnapshotPath:
                              region=config.s3.region or None, metrics=metrics)
         self.quota = DiskQuota([data_dir / "snapshots", data_dir / "shards"],
                                config.snapshot.disk_quota_bytes)
-        local = LocalShards(ShardStore(data_dir / "shards"), node=self.node,
+        local = LocalShards(ShardStore(data_dir / "shards", self.disk_sync), node=self.node,
                             job_id=config.job_id, quota=self.quota, metrics=metrics)
         self.holders = ShardHolders(config, metrics, local, channels, peers)
         self.intake = Intake(self.pool, self.fd_server, registry, metrics, self.node,

@@ -2,7 +2,7 @@
 
 Identifiers follow one strict grammar before they touch a path, so no request can
 name a file outside the store; a shard becomes visible only once written whole
-(temp file, fsync, rename).
+(temp file, fsync when every write is synced, rename).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from stalwart.daemon.snapshot.atomic import fsync_dir
+from stalwart.daemon.snapshot.atomic import EACH_WRITE, DiskSync
 from stalwart.daemon.snapshot.checksum import crc32c
 
 MAX_ID_CHARS = 256
@@ -45,8 +45,9 @@ def validate_id(value: str, what: str, allow_slash: bool = True) -> str:
 class ShardStore:
     """Shards of every job under `root/<job_id>/<shard_id>`, with a JSON sidecar each."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, sync: DiskSync = EACH_WRITE) -> None:
         self.root = Path(root)
+        self.sync = sync
         self.root.mkdir(parents=True, exist_ok=True)
 
     def path(self, job_id: str, shard_id: str) -> Path:
@@ -58,15 +59,17 @@ class ShardStore:
         return json.loads(path.with_name(path.name + _META).read_text())
 
     def commit(self, tmp: Path, path: Path, meta: dict) -> None:
-        """Make a fully written temp file visible under `path` (durably)."""
+        """Make a fully written temp file visible under `path` (durably, when every
+        write is synced)."""
         side = path.with_name(path.name + _META)
         side_tmp = side.with_name(side.name + f".tmp-{uuid.uuid4().hex}")
         side_tmp.write_text(json.dumps(meta))
-        with side_tmp.open("rb") as f:
-            os.fsync(f.fileno())
+        if self.sync.each_write:
+            with side_tmp.open("rb") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
         os.replace(side_tmp, side)
-        fsync_dir(path.parent)
+        self.sync.folder(path.parent)
 
     def put(self, job_id: str, shard_id: str, data: bytes | memoryview, meta: dict) -> None:
         """Write a whole shard at once (this daemon's own shards: no stream, no network)."""
@@ -77,7 +80,7 @@ class ShardStore:
             with tmp.open("wb") as f:
                 f.write(data)
                 f.flush()
-                os.fsync(f.fileno())
+                self.sync.file(f.fileno())
             self.commit(tmp, path, meta)
         finally:
             tmp.unlink(missing_ok=True)

@@ -1,0 +1,79 @@
+"""When stored files reach the disk (`[snapshot] disk_sync`): each write fsynced before it
+counts as stored, or written back by the daemon every disk_sync_every_s.
+
+Whether a file's pages are still unwritten is read from the kernel (cachestat(2))."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import pytest
+from fixtures_daemon import DaemonFactory, wait_for
+
+from stalwart.daemon.snapshot.atomic import EACH_WRITE, IN_BACKGROUND, sync_filesystem
+from stalwart.daemon.snapshot.shard_store import ShardStore
+
+CACHESTAT = 451  # x86_64 and arm64 syscall number, Linux 6.5+
+MB = 1 << 20
+
+
+class _Range(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Stat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in (
+        "nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+def unwritten_pages(path: Path) -> int:
+    """Pages of `path` in memory that are not yet on its disk (dirty or being written)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        stat = _Stat()
+        if libc.syscall(CACHESTAT, fd, ctypes.byref(_Range(0, 0)), ctypes.byref(stat), 0):
+            err = ctypes.get_errno()
+            pytest.skip(f"cachestat(2) unavailable ({os.strerror(err)}): nothing here can "
+                        "tell a written page from an unwritten one")
+        return stat.nr_dirty + stat.nr_writeback
+    finally:
+        os.close(fd)
+
+
+def write_unsynced(path: Path, nbytes: int = 8 * MB) -> None:
+    path.write_bytes(os.urandom(nbytes))
+    if unwritten_pages(path) == 0:
+        pytest.skip(f"{path.parent} keeps no unwritten pages (a memory filesystem?): "
+                    "there is nothing to write back")
+
+
+def test_each_write_is_on_disk_when_put_returns_and_background_leaves_it_to_the_write_back(
+        tmp_path: Path) -> None:
+    write_unsynced(tmp_path / "probe")
+    synced, background = ShardStore(tmp_path / "a", EACH_WRITE), \
+        ShardStore(tmp_path / "b", IN_BACKGROUND)
+    for store in (synced, background):
+        store.put("job", "s1-r0-c0.0", os.urandom(4 * MB), {"step": 1})
+    assert unwritten_pages(synced.path("job", "s1-r0-c0.0")) == 0
+    assert unwritten_pages(background.path("job", "s1-r0-c0.0")) > 0
+    sync_filesystem(tmp_path)
+    assert unwritten_pages(background.path("job", "s1-r0-c0.0")) == 0
+
+
+def test_sync_filesystem_names_a_folder_it_cannot_open(tmp_path: Path) -> None:
+    with pytest.raises(OSError, match="missing"):
+        sync_filesystem(tmp_path / "missing")
+
+
+def test_a_daemon_writing_back_in_the_background_does_so_within_its_interval(
+        daemon_factory: DaemonFactory) -> None:
+    d = daemon_factory.start("a", settings={"snapshot": {"disk_sync": "background",
+                                                         "disk_sync_every_s": 0.2}})
+    probe = d.data_dir / "probe"
+    write_unsynced(probe)
+    # The kernel's own write-back takes pages dirty for 30 s (dirty_expire_centisecs):
+    # within this deadline only the daemon's write-back cleans them.
+    wait_for(lambda: unwritten_pages(probe) == 0, 20.0, "the daemon to write the file back")
