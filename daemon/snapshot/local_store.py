@@ -26,6 +26,7 @@ from stalwart.core import step_record as sr
 from stalwart.core.manifest import whole_on_node
 from stalwart.daemon.config_schema import default
 from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.snapshot import codecs
 from stalwart.daemon.snapshot.atomic import EACH_WRITE, DiskSync, fsync_dir, write_atomic
 from stalwart.daemon.snapshot.catalogue import Catalogue, FetchRecords
 from stalwart.daemon.snapshot.chain_reader import ChainReader, Fetch, FetchHeld
@@ -73,7 +74,8 @@ class LocalStore(Catalogue):
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  base_every: int = default("snapshot.base_every"),
                  max_chain: int | None = None, retain: int = default("snapshot.retain"),
-                 delta_against: str = "previous", lossy: bool = False, level: int = 1,
+                 delta_against: str = "previous", lossy: bool = False,
+                 level: int = codecs.DEFAULT_LEVEL,
                  local_copy: bool = default("snapshot.local_copy"),
                  executor: Executor | None = None, metrics: Metrics | None = None,
                  sync: DiskSync = EACH_WRITE) -> None:
