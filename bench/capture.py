@@ -185,6 +185,30 @@ class _DaemonRank:
             self.cluster.close()
 
 
+SUSTAINED_STEPS = 120
+"""Steps captured back to back per block: the daemon's slack (two slots and a backlog of
+a few captures) fills within them when encoding is slower than a step, so the block's
+second half trains at the pace the daemon keeps (a short block would hide it)."""
+
+
+def _sustained(rank: _DaemonRank, model, opt, step: Callable[[], float], blocks: int,
+               before_block: Callable[[bool], None] = lambda capture: None
+               ) -> tuple[list[float], list[float]]:
+    """Step times (s) without capture and with a capture every step, in interleaved
+    blocks: a plain block of SUSTAINED_STEPS // 4 steps, then SUSTAINED_STEPS captured,
+    of which the last half count (the daemon's backlog drained before each block)."""
+    plain, captured = [], []
+    for _ in range(blocks):
+        before_block(False)
+        plain += rank.train(model, opt, step, SUSTAINED_STEPS // 4, capture=False)
+        before_block(True)
+        captured += rank.train(model, opt, step, SUSTAINED_STEPS,
+                               capture=True)[SUSTAINED_STEPS // 2:]
+        rank.capturer.drain()
+        rank.wait_committed(rank.step)
+    return plain, captured
+
+
 def _pin(pid: int, cores: set[int]) -> None:
     """Every thread of process `pid` onto `cores` (Linux sets affinity per thread)."""
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -218,17 +242,18 @@ def _own_cores_overhead(rank: _DaemonRank, model, opt, step: Callable[[], float]
     torch.set_num_threads(1)
     _pin(daemon.pid, {cores[1]})
     try:
+        def place(apart: bool) -> Callable[[bool], None]:
+            def before_block(capture: bool) -> None:
+                _pin(os.getpid(), {cores[0]})  # the capture threads beside training...
+                capturer.cpus = frozenset({cores[1]}) if apart and capture else None
+            return before_block  # ...or, `apart`, on the daemon's core
+
         plain, apart, beside = [], [], []
-        for _ in range(blocks):
-            _pin(os.getpid(), {cores[0]})
-            plain += rank.train(model, opt, step, 5, capture=False)
-            capturer.cpus = frozenset({cores[1]})  # the daemon's core
-            apart += rank.train(model, opt, step, 5, capture=True)[1:]
-            capturer.drain()
-            capturer.cpus = None
-            _pin(os.getpid(), {cores[0]})  # the capture threads back beside training
-            beside += rank.train(model, opt, step, 5, capture=True)[1:]
-            capturer.drain()
+        for _ in range(blocks):  # interleaved: drift hits every arm
+            for arm, out in ((True, apart), (False, beside)):
+                more_plain, captured = _sustained(rank, model, opt, step, 1, place(arm))
+                plain += more_plain
+                out += captured
     finally:
         capturer.cpus = None
         for pid, allowed in before.items():
@@ -241,6 +266,7 @@ def _own_cores_overhead(rank: _DaemonRank, model, opt, step: Callable[[], float]
     return {"overhead_pct": pct(apart), "overhead_pct_capture_threads_on_rank_core":
             pct(beside), "rank_core": cores[0], "daemon_core": cores[1],
             "torch_threads": 1, "steps_each": len(plain),
+            "captured_back_to_back": SUSTAINED_STEPS, "counted_from": SUSTAINED_STEPS // 2,
             "step_s_without_capture": round(median(plain), 6),
             "step_s_with_capture": round(median(apart), 6),
             "step_s_with_capture_threads_on_rank_core": round(median(beside), 6)}
@@ -278,14 +304,13 @@ def run(quick: bool) -> dict:
 
         say("step overhead on the tiny model")
         tiny_model, tiny_opt, tiny_step = _model("tiny", 4, 64, seed=1)
-        plain, captured, tiny_stalls = [], [], []
-        for _ in range(2 if quick else 8):  # interleaved blocks: drift hits both sides
-            plain += rank.train(tiny_model, tiny_opt, tiny_step, 5, capture=False)
-            before = len(rank.capturer.stats.stalls_s)
-            captured += rank.train(tiny_model, tiny_opt, tiny_step, 5, capture=True)[1:]
-            tiny_stalls += rank.capturer.stats.stalls_s[before + 1:]
+        rank.train(tiny_model, tiny_opt, tiny_step, 5, capture=False)  # warm-up
+        before = len(rank.capturer.stats.stalls_s)
+        # Interleaved blocks: drift hits both sides.
+        plain, captured = _sustained(rank, tiny_model, tiny_opt, tiny_step, 1 if quick else 3)
+        tiny_stalls = rank.capturer.stats.stalls_s[before:]
         tiny_bytes = rank.capturer.stats.bytes_per_capture
-        own = _own_cores_overhead(rank, tiny_model, tiny_opt, tiny_step, 2 if quick else 8)
+        own = _own_cores_overhead(rank, tiny_model, tiny_opt, tiny_step, 1 if quick else 3)
     finally:
         rank.close()
         shutil.rmtree(folder, ignore_errors=True)
@@ -322,7 +347,10 @@ def run(quick: bool) -> dict:
                  "(capture() call plus the wait before the next optimizer.step()), real "
                  "Capturer -> daemon subprocess, first capture (slot set-up) excluded. "
                  "step_overhead_pct: tiny GPT, capture every step vs none, interleaved "
-                 "blocks in one process; the daemon's encoding shares the machine's cores. "
+                 f"blocks in one process, each captured block {SUSTAINED_STEPS} steps back "
+                 f"to back of which the last {SUSTAINED_STEPS // 2} count (the pace once "
+                 "the daemon's slack is used up); the daemon's encoding shares the "
+                 "machine's cores. "
                  "step_overhead_pct_own_cores: the same with the training thread (one "
                  "torch thread) pinned to one core, and the daemon and the capture's "
                  "copy and hand-over threads to another (stalwart run --capture-cpus); "
