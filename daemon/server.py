@@ -222,9 +222,11 @@ class Daemon:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*(s.stop(grace_s) for s in (self._server, self._unix_server)
                                if s is not None))
-        await self.job.stop()
-        if not self.job.snapshots.disk_sync.each_write:
-            await self._sync_disk()  # a daemon stopped on purpose leaves its files on disk
+        try:
+            await self.job.stop()
+        finally:
+            if not self.job.snapshots.disk_sync.each_write:
+                await self._sync_disk()  # a daemon stopped on purpose leaves its files on disk
         await self.channels.close()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()

@@ -176,7 +176,7 @@ def test_commit_refuses_chunks_that_were_never_prepared(tmp_path: Path) -> None:
     manifest = build_manifest(job_id="default", step=1, generation=1,
                               layout=common_pb2.ParallelLayout(dp=1, pp=1, tp=1),
                               ranks=[prepared.state])
-    with pytest.raises(ValueError, match="not durable"):
+    with pytest.raises(ValueError, match="not stored"):
         store.commit(split(manifest))
 
 

@@ -1,7 +1,8 @@
 """ShardService: peers stream shards to this daemon's disk and read them back (grpc.aio).
 
 Shards travel in ~1 MiB pieces, the first carrying the header; a shard is only
-visible once its whole CRC32C matched (temp file, fsync, rename). Identifiers are
+visible once its whole CRC32C matched (temp file, rename; fsynced first when every write
+is synced, `[snapshot] disk_sync`). Identifiers are
 checked against a strict grammar so no request can name a path outside the store.
 """
 

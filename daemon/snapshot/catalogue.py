@@ -7,9 +7,12 @@ copies it keeps for peers) or fetches, each checked against its seal before use.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from google.protobuf.message import DecodeError
 
 from stalwart.core import manifest as mf
 from stalwart.core import step_record as sr
@@ -17,6 +20,8 @@ from stalwart.daemon.snapshot.atomic import EACH_WRITE, DiskSync, write_atomic
 from stalwart.v1 import manifest_pb2
 
 _STEP_DIGITS = 12  # zero-padded step numbers sort as text
+
+log = logging.getLogger("stalwart.daemon.snapshot.catalogue")
 
 # The records one seal of a step names, from their holders (verified by the catalogue).
 FetchRecords = Callable[[manifest_pb2.StepRecord, manifest_pb2.RankSeal],
@@ -43,6 +48,40 @@ class Catalogue:
         self._lock = threading.RLock()
         (self.root / "manifests").mkdir(parents=True, exist_ok=True)
         (self.root / "steps").mkdir(parents=True, exist_ok=True)
+        self.set_aside_torn()
+
+    def set_aside_torn(self) -> list[Path]:
+        """Set aside the committed and rank records on this disk that do not read whole:
+        renamed `<name>.torn` and logged, so the store reads on without them (the step is
+        then not committed here, and its ranks' records are fetched from their holders).
+
+        A power loss can leave them so when files reach the disk in the background
+        (`DiskSync`): written and renamed, but not yet written back. A record of a newer
+        format than this build reads is left alone: that error is raised where it is read."""
+        torn = []
+        for path in [*(self.root / "manifests").glob("*.step"),
+                     *(self.root / "steps").glob("*/r*/rank.pb")]:
+            try:
+                data = path.read_bytes()
+                if path.suffix == ".step":
+                    record = manifest_pb2.StepRecord.FromString(data)
+                    if record.format_version in (0, mf.FORMAT_VERSION):
+                        sr.verify(record)
+                else:
+                    manifest_pb2.RankState.FromString(data)
+                whole = bool(data)
+            except (DecodeError, ValueError):
+                whole = False
+            if not whole:
+                path.rename(path.with_name(path.name + ".torn"))
+                torn.append(path)
+        if torn:
+            self._steps_written()
+            log.warning("set aside %d record(s) that do not read whole (a power loss before "
+                        "they were written back to disk?); the steps they name are read "
+                        "from other nodes", len(torn),
+                        extra={"records": [str(p.relative_to(self.root)) for p in torn[:8]]})
+        return torn
 
     def _record_path(self, step: int) -> Path:
         return self.root / "manifests" / f"{step:0{_STEP_DIGITS}d}.step"
@@ -69,7 +108,7 @@ class Catalogue:
         path = self._rank_dir(step, rank) / "rank.pb"
         try:
             return manifest_pb2.RankState.FromString(path.read_bytes())
-        except FileNotFoundError:
+        except (FileNotFoundError, DecodeError):  # not here, or torn: fetched elsewhere
             return None
 
     def committed_steps(self) -> list[int]:

@@ -1,7 +1,8 @@
-"""The daemon's local snapshot tiers: a bounded RAM cache over durable local disk.
+"""The daemon's local snapshot tiers: a bounded RAM cache over local disk.
 
-Two-phase commit: `prepare` makes one rank's record durable (temp file, fsync,
-rename) with its encoded chunks, `commit` then writes the step's record (`StepRecord`: the
+Two-phase commit: `prepare` writes one rank's record (temp file, rename; fsynced first
+when every write is synced, `[snapshot] disk_sync`) with its encoded chunks, `commit`
+then writes the step's record (`StepRecord`: the
 seals of every prepare, not the records) atomically, so a step is either fully visible
 or not at all. The store holds the records of its own ranks and the copies peers sent
 it; the others are fetched where needed (`FetchRecords`) and checked against their
@@ -208,7 +209,7 @@ class LocalStore(Catalogue):
 
     def commit(self, record: manifest_pb2.StepRecord, *, local_node: str | None = None,
                verified: bool = False) -> None:
-        """Phase two: publish a step atomically once every rank's chunks are durable.
+        """Phase two: publish a step atomically once every rank's chunks are stored.
 
         With `local_node`, only the ranks that node sealed must be on this disk (records
         and chunks); the others are durable on their own daemons and as shards. With
@@ -233,7 +234,7 @@ class LocalStore(Catalogue):
             held = [self.held_record(step, r) for r in seal.ranks]
             if any(h is None for h in held):
                 raise ValueError(f"cannot commit step {step}: the records of ranks "
-                                 f"{list(seal.ranks)[:8]} are not durable here; prepare first")
+                                 f"{list(seal.ranks)[:8]} are not stored here; prepare first")
             sr.check(record, held)
             for state in held:
                 for index, c in enumerate(state.chunks):
@@ -242,7 +243,7 @@ class LocalStore(Catalogue):
                         continue  # durable as its shards (whatever local_copy says now)
                     if not p.exists() or p.stat().st_size != c.stored_size:
                         raise ValueError(f"cannot commit step {step}: rank {state.rank} chunk "
-                                         f"{c.chunk_id} is not durable at {p}; prepare it "
+                                         f"{c.chunk_id} is not stored at {p}; prepare it "
                                          "first")
                 self._checked[(step, state.rank)] = state
             states += held

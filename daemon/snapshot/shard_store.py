@@ -99,7 +99,7 @@ class ShardStore:
         doomed = {self.path(job_id, s) for s in shard_ids}
         if below_step and job_dir.is_dir():
             for side in job_dir.rglob("*" + _META):
-                if json.loads(side.read_text()).get("step", 0) < below_step:
+                if _step_of(side) < below_step:  # an unreadable sidecar: step 0, doomed
                     doomed.add(side.with_name(side.name[: -len(_META)]))
         deleted, kept = 0, []
         for path in doomed:
@@ -123,7 +123,19 @@ class ShardStore:
         bad = []
         for side in sorted(self.root.rglob("*" + _META)):
             path = side.with_name(side.name[: -len(_META)])
-            meta = json.loads(side.read_text())
-            if not path.exists() or crc32c(path.read_bytes()) != meta["crc32c"]:
+            try:
+                crc = json.loads(side.read_text())["crc32c"]
+            except (ValueError, KeyError, TypeError):  # torn by a power loss: bad too
+                crc = None
+            if crc is None or not path.exists() or crc32c(path.read_bytes()) != crc:
                 bad.append(str(path.relative_to(self.root)))
         return bad
+
+
+def _step_of(side: Path) -> int:
+    """The step a shard's sidecar names; 0 when it does not read (a power loss can tear
+    sidecars written in the background)."""
+    try:
+        return int(json.loads(side.read_text()).get("step", 0))
+    except (ValueError, AttributeError, TypeError):
+        return 0
