@@ -162,9 +162,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
                          "when stored files reach the disk: 'background' (a step counts "
                          "as stored once written on the nodes that keep it, which survives "
                          "any process crash and the loss of m nodes, power included; the "
-                         "daemon writes its files back every disk_sync_every_s; a power loss "
-                         "of more than m nodes at once can cost every step those nodes "
-                         "kept, so keep an S3 tier) or "
+                         "daemon writes its files back every disk_sync_every_s, and a power "
+                         "loss of more than m nodes at once costs the steps since) or "
                          "'write' (every file is fsynced before its step counts as stored: "
                          "a step survives a power loss of every node, at several fsyncs "
                          "per shard on the commit path)"),

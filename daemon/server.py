@@ -274,8 +274,11 @@ class Daemon:
             await self._sync_disk()
 
     async def _sync_disk(self) -> None:
+        store = self.job.snapshots.store
+        committed = store.latest_committed()
         try:
             await asyncio.to_thread(sync_filesystem, self.data_dir)
+            store.written_back(committed)
         except OSError as exc:  # the disk refuses writes: the nodes' copies still protect
             log.error("could not write the daemon's files back to disk: %s; steps stay "
                       "protected by their copies on the nodes that keep them, but would "

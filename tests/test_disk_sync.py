@@ -122,3 +122,23 @@ def test_with_each_write_synced_a_committed_steps_files_are_on_disk_at_commit(
     commit_step(store, 1, world=2)
     files = [p for p in (tmp_path / "snapshots").rglob("*") if p.is_file()]
     assert files and all(unwritten_pages(p) == 0 for p in files)
+
+
+def test_retention_keeps_the_newest_step_on_disk_until_a_newer_one_is_written_back(
+        tmp_path: Path) -> None:
+    # Newer steps may not have reached the disk: retiring the last one that has would
+    # leave a power loss nothing to read.
+    synced = LocalStore(tmp_path / "synced", base_every=2, retain=1, chunk_bytes=8192)
+    background = LocalStore(tmp_path / "bg", base_every=2, retain=1, sync=IN_BACKGROUND,
+                            chunk_bytes=8192)
+    for step in range(1, 11):
+        commit_step(synced, step)
+        commit_step(background, step)
+        if step == 3:
+            background.written_back(3)
+    assert 3 not in synced.committed_steps()  # plain retention has retired it
+    assert 3 in background.committed_steps() and 1 not in background.committed_steps()
+    assert LocalStore(tmp_path / "bg", chunk_bytes=8192).read_rank(3, 0) == state(3)
+    background.written_back(10)
+    commit_step(background, 11)
+    assert 3 not in background.committed_steps()

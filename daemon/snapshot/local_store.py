@@ -99,6 +99,9 @@ class LocalStore(Catalogue):
         self.ram = RamTier(ram_tier_bytes, self._ram_protected)
         self.reader = ChainReader(self)
         self._refs: dict[int, _Reference] = {}
+        # Files reach the disk in the background: the newest committed step known to be
+        # on it (its files written before a completed write-back). Retention keeps it.
+        self._on_disk: int | None = None
         self._pending: dict[tuple[int, int], _Reference] = {}
         # The newest plan generation seen: an encode of an older one that finishes late
         # must not become the pending reference of a step the new generation redoes.
@@ -325,6 +328,13 @@ class LocalStore(Catalogue):
 
     # --- retention -----------------------------------------------------------------
 
+    def written_back(self, step: int | None) -> None:
+        """Every file of committed `step` and older is on the disk (a write-back that began
+        after it committed has completed)."""
+        if step is not None:
+            with self._lock:
+                self._on_disk = max(step, self._on_disk or step)
+
     def collect_garbage(self) -> list[int]:
         """Delete steps outside the newest `retain` and their chains; returns them.
 
@@ -345,6 +355,11 @@ class LocalStore(Catalogue):
         for ref in [*self._pending.values(), *self._refs.values()]:
             kept.update(s for s in manifests if ref.root <= s <= ref.step)
         latest = max(manifests)
+        if not self.sync.each_write:
+            # Until newer steps are on disk, the newest one that is stays there (with its
+            # chain): a power loss then costs the steps since, not every step.
+            on_disk = [s for s in manifests if self._on_disk is not None and s <= self._on_disk]
+            kept.update(sr.plan_chain(manifests, max(on_disk)) if on_disk else manifests)
         # Other daemons' ranks have chains this store does not hold the records of: keep
         # every step a recent chain may use.
         for s in [s for s in manifests if s >= latest - 2 * self.max_chain]:
