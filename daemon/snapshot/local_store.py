@@ -355,11 +355,12 @@ class LocalStore(Catalogue):
         for ref in [*self._pending.values(), *self._refs.values()]:
             kept.update(s for s in manifests if ref.root <= s <= ref.step)
         latest = max(manifests)
-        if not self.sync.each_write:
+        on_disk = [s for s in manifests if self._on_disk is not None and s <= self._on_disk]
+        if on_disk and not self.sync.each_write:
             # Until newer steps are on disk, the newest one that is stays there (with its
-            # chain): a power loss then costs the steps since, not every step.
-            on_disk = [s for s in manifests if self._on_disk is not None and s <= self._on_disk]
-            kept.update(sr.plan_chain(manifests, max(on_disk)) if on_disk else manifests)
+            # chain): a power loss then costs the steps since, not every step. (Before the
+            # first write-back no step is known to be on disk: none is kept for it.)
+            kept.update(sr.plan_chain(manifests, max(on_disk)))
         # Other daemons' ranks have chains this store does not hold the records of: keep
         # every step a recent chain may use.
         for s in [s for s in manifests if s >= latest - 2 * self.max_chain]:
