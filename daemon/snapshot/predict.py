@@ -60,22 +60,40 @@ def _f32(buf: np.ndarray, meta: common_pb2.TensorMeta) -> np.ndarray:
     return buf[meta.offset:meta.offset + meta.nbytes].view(np.float32)
 
 
+# Both predictions run the same float32 operations in the same order wherever they write
+# (a fresh array, or `out` in place): encoder and decoder must agree to the bit.
+
+
 def predict_second_moment(v0: np.ndarray, m0: np.ndarray, m1: np.ndarray,
-                          h: manifest_pb2.AdamWHint) -> np.ndarray:
-    """exp_avg_sq after the step, from the gradient recovered out of the two first moments."""
+                          h: manifest_pb2.AdamWHint, out: np.ndarray | None = None
+                          ) -> np.ndarray:
+    """exp_avg_sq after the step, from the gradient recovered out of the two first moments:
+    v0 * beta2 + ((1 - beta2) * grad) * grad, grad = m0 + (m1 - m0) / (1 - beta1) (m1 is
+    lerp(m0, grad, 1 - beta1)). `out` (not an input) receives it."""
     with np.errstate(all="ignore"):
-        grad = m0 + (m1 - m0) / np.float32(1 - h.beta1)  # m1 = lerp(m0, grad, 1 - beta1)
-        return v0 * np.float32(h.beta2) + (np.float32(1 - h.beta2) * grad) * grad
+        grad = np.subtract(m1, m0)
+        np.divide(grad, np.float32(1 - h.beta1), out=grad)
+        np.add(m0, grad, out=grad)
+        term = np.multiply(np.float32(1 - h.beta2), grad)
+        np.multiply(term, grad, out=term)
+        result = np.multiply(v0, np.float32(h.beta2), out=out)
+        return np.add(result, term, out=result)
 
 
 def predict_param(p0: np.ndarray, m1: np.ndarray, v1: np.ndarray,
-                  h: manifest_pb2.AdamWHint) -> np.ndarray:
-    """The parameter after a torch AdamW step with moments m1, v1 (exact when they are)."""
+                  h: manifest_pb2.AdamWHint, out: np.ndarray | None = None) -> np.ndarray:
+    """The parameter after a torch AdamW step with moments m1, v1 (exact when they are):
+    p0 * (1 - lr * wd) + (-step_size) * (m1 / (sqrt(v1) / bc2_sqrt + eps)). `out` (not
+    an input) receives it."""
     step_size, bc2_sqrt = _scalars(h)
     with np.errstate(all="ignore"):
-        decayed = p0 * np.float32(1 - h.lr * h.weight_decay)
-        denom = np.sqrt(v1) / np.float32(bc2_sqrt) + np.float32(h.eps)
-        return decayed + np.float32(-step_size) * (m1 / denom)
+        term = np.sqrt(v1)
+        np.divide(term, np.float32(bc2_sqrt), out=term)
+        np.add(term, np.float32(h.eps), out=term)
+        np.divide(m1, term, out=term)
+        np.multiply(np.float32(-step_size), term, out=term)
+        result = np.multiply(p0, np.float32(1 - h.lr * h.weight_decay), out=out)
+        return np.add(result, term, out=result)
 
 
 def reference(previous: np.ndarray, current: np.ndarray,
@@ -85,12 +103,12 @@ def reference(previous: np.ndarray, current: np.ndarray,
     predictions from `previous` and `current` (both uint8 buffers of one layout)."""
     ref = previous.copy()
     for t in _triples(tensors, hints):
-        _f32(ref, t.exp_avg_sq)[...] = predict_second_moment(
+        predict_second_moment(
             _f32(previous, t.exp_avg_sq), _f32(previous, t.exp_avg), _f32(current, t.exp_avg),
-            t.hint)
-        _f32(ref, t.param)[...] = predict_param(
+            t.hint, out=_f32(ref, t.exp_avg_sq))
+        predict_param(
             _f32(previous, t.param), _f32(current, t.exp_avg), _f32(current, t.exp_avg_sq),
-            t.hint)
+            t.hint, out=_f32(ref, t.param))
     return ref
 
 
