@@ -137,7 +137,7 @@ class Intake:
         async with self._encoded:
             await self._encoded.wait_for(lambda: self._backlog.get(rank, 0) < MAX_BACKLOG)
             self._backlog[rank] = self._backlog.get(rank, 0) + 1
-        owned = await asyncio.to_thread(bytes, memoryview(slot.view)[:total])
+        owned = await asyncio.to_thread(_copy_out, slot, total)
         self.metrics.captured_bytes.inc(total)
         if (record := self.registry.get(rank)) is not None:
             # Once taken in, the step commits even if the rank dies now: a failure
@@ -227,3 +227,11 @@ class Intake:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _copy_out(slot: Slot, total: int) -> bytes:
+    """The slot's first `total` bytes, copied; the views of its mapping are released
+    before this returns (a view the executor's thread still held when the caller moved
+    on kept the slot from closing: "cannot close exported pointers exist")."""
+    with memoryview(slot.view) as whole, whole[:total] as part:
+        return bytes(part)
