@@ -345,7 +345,8 @@ def run(quick: bool) -> dict:
         "torch_threads": torch.get_num_threads(),
         "notes": "stall_s: median time the training thread is blocked per capture "
                  "(capture() call plus the wait before the next optimizer.step()), real "
-                 "Capturer -> daemon subprocess, first capture (slot set-up) excluded. "
+                 "Capturer -> daemon subprocess, first capture (slot set-up) excluded "
+                 "(tiny.stall_s: every capture of the tiny model's captured blocks). "
                  "step_overhead_pct: tiny GPT, capture every step vs none, interleaved "
                  f"blocks in one process, each captured block {SUSTAINED_STEPS} steps back "
                  f"to back of which the last {SUSTAINED_STEPS // 2} count (the pace once "
