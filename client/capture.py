@@ -138,8 +138,9 @@ class Capturer:
         self._slots = []
         slots = [_SlotState(MappedSlot.attach(path, slot_id, self.token))
                  for slot_id, path in self.transport.open_slots(nbytes)]
-        for s in slots if populate else ():
-            s.mapped.populate()
+        if populate:
+            for s in slots:
+                s.mapped.populate()
         self._slots, self._size = slots, min(s.mapped.size for s in slots)
 
     def capture(self, step: int, tensors: Sequence[StateTensor], extra: dict,

@@ -41,7 +41,6 @@ from stalwart.daemon.rpc.shard_service import ShardServicer
 from stalwart.daemon.security.auth import Authenticator, job_token, stamp
 from stalwart.daemon.security.tls import ReloadingServerCredentials, TlsError
 from stalwart.daemon.security.tls import enabled as tls_enabled
-from stalwart.daemon.snapshot.atomic import sync_filesystem
 from stalwart.v1 import operator_pb2, operator_pb2_grpc, peer_pb2, peer_pb2_grpc, rank_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon")
@@ -202,8 +201,6 @@ class Daemon:
                 self.membership, self.peer_info, self.channels.get, cfg.heartbeat_interval_s,
                 self.stopping), name="gossip"),
         ]
-        if not self.job.snapshots.disk_sync.each_write:
-            self._tasks.append(asyncio.create_task(self._sync_disk_forever(), name="disk-sync"))
         self._write_endpoint_file()
 
     async def stop(self, grace_s: float = GRACE_S) -> None:
@@ -222,11 +219,7 @@ class Daemon:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*(s.stop(grace_s) for s in (self._server, self._unix_server)
                                if s is not None))
-        try:
-            await self.job.stop()
-        finally:
-            if not self.job.snapshots.disk_sync.each_write:
-                await self._sync_disk()  # a daemon stopped on purpose leaves its files on disk
+        await self.job.stop()
         await self.channels.close()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
@@ -263,27 +256,6 @@ class Daemon:
             self.registry.check()
         except Exception:  # a detector bug must not stop detection of everything else
             log.exception("liveness check failed")
-
-    async def _sync_disk_forever(self) -> None:
-        """With disk_sync = 'background': write the daemon's files back to its disk every
-        disk_sync_every_s (steps count as stored before that, on the nodes that keep them)."""
-        every = self.config.snapshot.disk_sync_every_s
-        while not self.stopping.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), every)
-            await self._sync_disk()
-
-    async def _sync_disk(self) -> None:
-        store = self.job.snapshots.store
-        committed = store.latest_committed()
-        try:
-            await asyncio.to_thread(sync_filesystem, self.data_dir)
-            store.written_back(committed)
-        except OSError as exc:  # the disk refuses writes: the nodes' copies still protect
-            log.error("could not write the daemon's files back to disk: %s; steps stay "
-                      "protected by their copies on the nodes that keep them, but would "
-                      "not survive a power loss of this node; check the disk of %s",
-                      exc, self.data_dir)
 
     async def _watch_protection_forever(self) -> None:
         """Recount shards and the protection margin once per heartbeat interval."""

@@ -3,7 +3,6 @@
 import json
 import os
 import threading
-import time
 
 import pytest
 import torch
@@ -25,10 +24,12 @@ class LoopbackTransport:
         self.open_gate = threading.Event()  # cleared: OpenSlot waits, as on a busy daemon
         self.open_gate.set()
         self.opened_on: list[str] = []  # the thread of each OpenSlot
+        self.opening = threading.Event()  # an OpenSlot has begun
         self.refuse_opens = 0  # this many OpenSlot calls fail first
 
     def open_slots(self, nbytes):
         self.opened_on.append(threading.current_thread().name)
+        self.opening.set()
         assert self.open_gate.wait(timeout=30)
         if self.refuse_opens:
             self.refuse_opens -= 1
@@ -115,9 +116,7 @@ def test_slots_opened_ahead_open_off_the_training_thread_and_serve_the_first_cap
     cap = Capturer(transport)
     transport.open_gate.clear()  # the daemon is slow to make the slots
     cap.open_ahead(_state(0))  # returns while the daemon is still making them
-    deadline = time.monotonic() + 30
-    while not transport.opened_on and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert transport.opening.wait(timeout=30)
     assert transport.opened_on[0].startswith("stalwart-copy")  # the copier's thread
     transport.open_gate.set()
     cap.capture(5, _state(5), {})

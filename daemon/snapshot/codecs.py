@@ -92,10 +92,11 @@ def _scratch(n: int, dtype: type) -> np.ndarray:
     return buf[:n]
 
 
-def _split_planes(elems: np.ndarray, planes: np.ndarray, e: int, n: int) -> None:
-    """Byte planes of n little-endian e-byte elements: plane k is each element shifted
-    right by 8k bits and truncated to a byte, one vectorised pass per plane (faster than
-    a strided byte copy, same bytes)."""
+def _split_planes(elems: np.ndarray, planes: np.ndarray) -> None:
+    """Byte planes (`planes`, e rows of n bytes) of n little-endian e-byte elements:
+    plane k is each element shifted right by 8k bits and truncated to a byte, one
+    vectorised pass per plane (faster than a strided byte copy, same bytes)."""
+    e, n = planes.shape
     words = elems.view(_WORDS[e])
     shifted = _scratch(n, _WORDS[e])
     for k in range(e):
@@ -110,7 +111,7 @@ def _planes(data: Buffer, regions: list[Region], forward: bool) -> np.ndarray:
         e, n = r.elem_size, r.size // r.elem_size
         lo, mid, hi = r.start, r.start + n * e, r.start + r.size
         if forward and e in _WORDS and n > 0 and sys.byteorder == "little":
-            _split_planes(src[lo:mid], out[lo:mid].reshape(e, n), e, n)
+            _split_planes(src[lo:mid], out[lo:mid].reshape(e, n))
         elif e > 1 and n > 0:
             # One strided copy per byte plane: ~3x faster than a transposed assignment.
             elems, planes = (src, out) if forward else (out, src)

@@ -101,7 +101,7 @@ class LocalStore(Catalogue):
         self._refs: dict[int, _Reference] = {}
         # Files reach the disk in the background: the newest committed step known to be
         # on it (its files written before a completed write-back). Retention keeps it.
-        self._on_disk: int | None = None
+        self._on_disk_through = 0
         self._pending: dict[tuple[int, int], _Reference] = {}
         # The newest plan generation seen: an encode of an older one that finishes late
         # must not become the pending reference of a step the new generation redoes.
@@ -333,7 +333,7 @@ class LocalStore(Catalogue):
         after it committed has completed)."""
         if step is not None:
             with self._lock:
-                self._on_disk = max(step, self._on_disk or step)
+                self._on_disk_through = max(step, self._on_disk_through)
 
     def collect_garbage(self) -> list[int]:
         """Delete steps outside the newest `retain` and their chains; returns them.
@@ -355,7 +355,7 @@ class LocalStore(Catalogue):
         for ref in [*self._pending.values(), *self._refs.values()]:
             kept.update(s for s in manifests if ref.root <= s <= ref.step)
         latest = max(manifests)
-        on_disk = [s for s in manifests if self._on_disk is not None and s <= self._on_disk]
+        on_disk = [s for s in manifests if s <= self._on_disk_through]
         if on_disk and not self.sync.each_write:
             # Until newer steps are on disk, the newest one that is stays there (with its
             # chain): a power loss then costs the steps since, not every step. (Before the

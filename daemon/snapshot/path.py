@@ -28,7 +28,7 @@ from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.peers import Peer, PeerChannels
 from stalwart.daemon.recovery.registry import Registry
 from stalwart.daemon.snapshot import repair
-from stalwart.daemon.snapshot.atomic import EACH_WRITE, IN_BACKGROUND
+from stalwart.daemon.snapshot.atomic import EACH_WRITE, IN_BACKGROUND, sync_filesystem
 from stalwart.daemon.snapshot.commit import Committer
 from stalwart.daemon.snapshot.holders import LocalShards, ShardHolders
 from stalwart.daemon.snapshot.intake import Intake
@@ -64,6 +64,7 @@ class SnapshotPath:
         self.node, self.peers, self.send_prepare = config.node, peers, send_prepare
         snap = config.snapshot
         self.disk_sync = EACH_WRITE if snap.disk_sync == "write" else IN_BACKGROUND
+        self.data_dir = data_dir
         self.pool = SlotPool(snap.slot_bytes, token=config.token)
         self.fd_server = FdServer(self.pool, data_dir / "fd.sock")
         self._encoders = ThreadPoolExecutor(2, thread_name_prefix="delta")
@@ -115,18 +116,44 @@ class SnapshotPath:
         self.store.sweep_temporaries()
         self.fd_server.start()
         self._background = [asyncio.create_task(self.scrubber.forever(), name="scrub")]
+        if not self.disk_sync.each_write:
+            self._background.append(asyncio.create_task(self._write_back_forever(),
+                                                        name="disk-sync"))
 
     async def stop(self) -> None:
-        await self.intake.stop()
-        for t in self._background:
-            t.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
-        self.fd_server.stop()
-        self.pool.close()
-        self._io.shutdown(wait=True)
-        self.committer.stop()
-        self._encoders.shutdown(wait=True)
-        self.placer.close()
+        try:
+            await self.intake.stop()
+            for t in self._background:
+                t.cancel()
+            await asyncio.gather(*self._background, return_exceptions=True)
+            self.fd_server.stop()
+            self.pool.close()
+            self._io.shutdown(wait=True)
+            self.committer.stop()
+            self._encoders.shutdown(wait=True)
+            self.placer.close()
+        finally:
+            if not self.disk_sync.each_write:
+                await self._write_back()  # a daemon stopped on purpose leaves its files on disk
+
+    async def _write_back_forever(self) -> None:
+        """With disk_sync = 'background': write this daemon's files back to its disk every
+        disk_sync_every_s (steps count as stored before that, on the nodes that keep them)."""
+        while True:
+            await asyncio.sleep(self.config.snapshot.disk_sync_every_s)
+            await self._write_back()
+
+    async def _write_back(self) -> None:
+        committed = self.store.latest_committed()
+        try:
+            await asyncio.to_thread(sync_filesystem, self.data_dir)
+        except OSError as exc:  # the disk refuses writes: the nodes' copies still protect
+            log.error("could not write the daemon's files back to disk: %s; steps stay "
+                      "protected by their copies on the nodes that keep them, but would "
+                      "not survive a power loss of this node; check the disk of %s",
+                      exc, self.data_dir)
+            return
+        self.store.written_back(committed)
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         loop = asyncio.get_running_loop()

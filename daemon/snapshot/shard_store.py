@@ -58,15 +58,24 @@ class ShardStore:
     def meta(self, path: Path) -> dict:
         return json.loads(path.with_name(path.name + _META).read_text())
 
+    def _meta_or_empty(self, path: Path) -> dict:
+        """The shard's sidecar, or {} when it is missing or does not read (a power loss
+        can tear sidecars written in the background)."""
+        try:
+            meta = self.meta(path)
+        except (OSError, ValueError):
+            return {}
+        return meta if isinstance(meta, dict) else {}
+
     def commit(self, tmp: Path, path: Path, meta: dict) -> None:
         """Make a fully written temp file visible under `path` (durably, when every
         write is synced)."""
         side = path.with_name(path.name + _META)
         side_tmp = side.with_name(side.name + f".tmp-{uuid.uuid4().hex}")
-        side_tmp.write_text(json.dumps(meta))
-        if self.sync.each_write:
-            with side_tmp.open("rb") as f:
-                os.fsync(f.fileno())
+        with side_tmp.open("w") as f:
+            f.write(json.dumps(meta))
+            f.flush()
+            self.sync.file(f.fileno())
         os.replace(tmp, path)
         os.replace(side_tmp, side)
         self.sync.folder(path.parent)
@@ -99,17 +108,14 @@ class ShardStore:
         doomed = {self.path(job_id, s) for s in shard_ids}
         if below_step and job_dir.is_dir():
             for side in job_dir.rglob("*" + _META):
-                if _step_of(side) < below_step:  # an unreadable sidecar: step 0, doomed
-                    doomed.add(side.with_name(side.name[: -len(_META)]))
+                path = side.with_name(side.name[: -len(_META)])
+                if self._meta_or_empty(path).get("step", 0) < below_step:  # unreadable: doomed
+                    doomed.add(path)
         deleted, kept = 0, []
         for path in doomed:
             if not path.is_file():
                 continue
-            try:
-                meta = self.meta(path)
-            except (OSError, ValueError):
-                meta = {}
-            why = refuse(meta)
+            why = refuse(self._meta_or_empty(path))
             if why:
                 kept.append(why)
                 continue
@@ -123,19 +129,7 @@ class ShardStore:
         bad = []
         for side in sorted(self.root.rglob("*" + _META)):
             path = side.with_name(side.name[: -len(_META)])
-            try:
-                crc = json.loads(side.read_text())["crc32c"]
-            except (ValueError, KeyError, TypeError):  # torn by a power loss: bad too
-                crc = None
+            crc = self._meta_or_empty(path).get("crc32c")  # a torn sidecar: bad too
             if crc is None or not path.exists() or crc32c(path.read_bytes()) != crc:
                 bad.append(str(path.relative_to(self.root)))
         return bad
-
-
-def _step_of(side: Path) -> int:
-    """The step a shard's sidecar names; 0 when it does not read (a power loss can tear
-    sidecars written in the background)."""
-    try:
-        return int(json.loads(side.read_text()).get("step", 0))
-    except (ValueError, AttributeError, TypeError):
-        return 0
