@@ -70,7 +70,7 @@ class Job:
         self.plans = Plans(registry, self.processes, store.discard_after,
                            self.leadership.is_leader, config.heartbeat_interval_s)
         self.links = Links(self.node, self.peers, channels, self.leadership, self.plans.adopt,
-                           self.snapshots.committer.commit, self.snapshots.intake.hurry,
+                           self.snapshots.committer.commit, self.snapshots.intake.hurry_step,
                            metrics)
         self.plans.send = self.links.install_plan
         membership.on_peer_up = self.plans.on_peer_up
@@ -85,7 +85,7 @@ class Job:
                             records=self.snapshots.records, nodes=self.links.nodes,
                             stub=self.links.stub, me=lambda: self.me(),
                             pass_on=self.links.pass_on, relay=self.relay,
-                            hurry=self.snapshots.intake.hurry)
+                            hurry=self.snapshots.intake.hurry_step)
         self.reports = FailureReports(self.coordinator, registry, metrics,
                                       self.leadership.is_leader, self.links.coordinator,
                                       self.gate.confirmed, self._catch_up,

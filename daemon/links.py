@@ -53,7 +53,8 @@ class Links:
                  leadership: Leadership,
                  adopt_plan: Callable[[common_pb2.Plan], common_pb2.Ack],
                  commit: Callable[[manifest_pb2.StepRecord], Awaitable[None]],
-                 hurry: Callable[[int, int], None], metrics: Metrics | None = None) -> None:
+                 hurry: Callable[[int, int, float], Awaitable[bool]],
+                 metrics: Metrics | None = None) -> None:
         self.node, self.peers, self.channels, self.leadership = node, peers, channels, leadership
         self.adopt_plan, self.commit, self.hurry = adopt_plan, commit, hurry
         self.streams = StepStreams()  # commits down and prepares up, per peer
@@ -98,13 +99,13 @@ class Links:
         if not ack.accepted:
             log.warning("plan refused", extra={"node": node, "why": ack.message})
 
-    async def hurry_step(self, node: str, request: peer_pb2.HurryStepRequest) -> None:
+    async def hurry_step(self, node: str, request: peer_pb2.HurryStepRequest) -> bool:
         if node == self.node:
-            self.hurry(request.generation, request.step)
-            return
-        ack = await self.stub(node).HurryStep(request, timeout=RPC_TIMEOUT_S)
-        if not ack.accepted:
-            log.info("hurry not taken", extra={"node": node, "why": ack.message})
+            return await self.hurry(request.generation, request.step, request.wait_s)
+        reply = await self.stub(node).HurryStep(request, timeout=RPC_TIMEOUT_S)
+        if not reply.accepted:
+            log.info("hurry not taken", extra={"node": node, "why": reply.message})
+        return reply.accepted and reply.holding
 
     async def commit_step(self, node: str, request: peer_pb2.CommitStepRequest | bytes) -> None:
         """Phase two on `node`: here, the record is committed in-process."""

@@ -11,6 +11,7 @@ class Daemons:
         self.plans: list[common_pb2.Plan] = []
         self.committed: list[int] = []
         self.hurried: list[tuple[str, int]] = []  # (node, step)
+        self.holding = False  # what each daemon answers a hurry
 
     def nodes(self) -> list[str]:
         return ["n0", "n1"]
@@ -22,8 +23,9 @@ class Daemons:
         if node == "n0":
             self.plans.append(plan)
 
-    async def hurry_step(self, node: str, request: peer_pb2.HurryStepRequest) -> None:
+    async def hurry_step(self, node: str, request: peer_pb2.HurryStepRequest) -> bool:
         self.hurried.append((node, request.step))
+        return self.holding
 
     async def commit_step(self, node: str, request: peer_pb2.CommitStepRequest | bytes
                           ) -> None:

@@ -301,7 +301,7 @@ class Backlogged:
         for _ in range(20):  # let the call run until it waits (no real wait)
             await asyncio.sleep(0)
         assert not self.call.done(), "the capture did not wait for room"
-        assert self.record.captured == MAX_BACKLOG  # not taken in yet
+        assert self.record.captured == (1, MAX_BACKLOG)  # not taken in yet
         return self
 
     async def stored_all(self) -> list[int]:
@@ -324,7 +324,7 @@ def test_a_capture_waiting_for_room_is_taken_in_after_its_rank_is_gone(
         return stored, b.record.captured
 
     stored, captured = asyncio.run(main())
-    assert captured == MAX_BACKLOG + 1
+    assert captured == (1, MAX_BACKLOG + 1)
     assert stored == list(range(1, MAX_BACKLOG + 2))
 
 
@@ -347,3 +347,124 @@ def test_a_dead_ranks_slots_are_freed_once_its_last_capture_is_out(tmp_path: Pat
     assert held_while_waiting
     assert stored == list(range(1, MAX_BACKLOG + 2))
     assert used == 0
+
+
+def test_a_step_every_daemon_holds_is_waited_for_past_the_jobs_pace() -> None:
+    # Every daemon answers the hurry that its ranks' captures of step 5 are taken in:
+    # nothing but storing stands between the step and its commit, so the coordinator
+    # waits for it although storing it outlasts the step's training (3 steps' worth).
+    async def main() -> tuple[common_pb2.Plan, float]:
+        c, daemons = await running_job()
+        daemons.holding = True
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        replan = asyncio.create_task(c.on_failures([killed("n0/1", captured=JOB_STEPS + 1)]))
+        await waiting(c)
+        await asyncio.sleep(3 * STEP_S)  # storing the step is slow
+        await c.prepared(prepare("n0", 0, JOB_STEPS + 1), prepare("n1", 1, JOB_STEPS + 1))
+        await asyncio.wait_for(replan, 10.0)
+        return daemons.plans[-1], loop.time() - t0
+
+    plan, waited = asyncio.run(main())
+    assert waited >= 3 * STEP_S
+    assert plan.generation == 2 and plan.resume_step == JOB_STEPS + 1
+
+
+class Holders:
+    """A real Intake on n0 at plan 1: ranks a and b hold roles on n0 (c on n1, and a
+    spare on n0), and each has taken in its capture of step 2."""
+
+    async def start(self, tmp_path: Path) -> Holders:
+        self.pool = SlotPool(budget_bytes=1 << 20)
+        self.registry = Registry(node="n0", heartbeat_interval_s=1.0,
+                                 heartbeat_timeout_s=60.0, metrics=Metrics())
+
+        def register(pid: int, spare: bool = False) -> str:
+            return self.registry.register(pid=pid, rank=-1 if spare else pid, world_size=3,
+                                          local_rank=0, hostname="h", spare=spare,
+                                          device="cpu", watch_pid=False).rank_id
+        self.a, self.b, spare = register(0), register(1), register(9, spare=True)
+        self.registry.install_plan(common_pb2.Plan(generation=1, assignments=[
+            common_pb2.RankAssignment(rank_id=self.a, node="n0"),
+            common_pb2.RankAssignment(rank_id=self.b, node="n0"),
+            common_pb2.RankAssignment(rank_id="n1/2", node="n1"),
+            common_pb2.RankAssignment(rank_id=spare, node="n0", spare=True)]))
+
+        async def durable(request: rank_pb2.CaptureRequest, owned: bytes, release) -> None:
+            pass
+
+        self.intake = Intake(self.pool, FdServer(self.pool, tmp_path / "fd.sock"),
+                             self.registry, Metrics(), "n0", durable)
+        self.slots = {r: self.pool.open(r, 64)[0] for r in (self.a, self.b)}
+        for rank in (self.a, self.b):
+            await self.capture(rank, 2)
+        return self
+
+    async def capture(self, rank: str, step: int, generation: int = 1) -> None:
+        await self.intake.capture(rank_pb2.CaptureRequest(
+            rank_id=rank, slot_id=self.slots[rank].slot_id, step=step,
+            generation=generation, tensors=[common_pb2.TensorMeta(name="x", nbytes=8)]))
+
+
+def test_a_daemon_holds_a_step_once_each_of_its_ranks_captures_of_it_is_taken_in(
+        tmp_path: Path) -> None:
+    # Hurried to step 3: a's capture of it is in, b's comes while the daemon waits, and
+    # the answer comes as soon as it is (long before the wait allowed ends).
+    async def main() -> tuple[bool, bool, bool]:
+        h = await Holders().start(tmp_path)
+        await h.capture(h.a, 3)
+        answer = asyncio.create_task(h.intake.hurry_step(1, 3, wait_s=60.0))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        early = answer.done()
+        await h.capture(h.b, 3)
+        held = await asyncio.wait_for(answer, 30.0)
+        # A step the daemon already holds (a later one counts) is answered at once.
+        at_once = await asyncio.wait_for(h.intake.hurry_step(1, 2, wait_s=60.0), 30.0)
+        h.pool.close()
+        return early, held, at_once
+
+    early, held, at_once = asyncio.run(main())
+    assert not early, "the daemon answered before b's capture was taken in"
+    assert held and at_once
+
+
+def test_a_daemon_does_not_hold_a_step_a_rank_of_it_never_captured(tmp_path: Path) -> None:
+    # b's capture of step 3 never comes (its wait ends), b left without it (answered at
+    # once), or b's newest capture is of a later step in an older plan.
+    async def main() -> tuple[bool, bool, bool]:
+        h = await Holders().start(tmp_path)
+        await h.capture(h.a, 3)
+        timed_out = await asyncio.wait_for(h.intake.hurry_step(1, 3, wait_s=0.05), 30.0)
+        h.registry.heartbeat(h.b, 1, 2, 0.1, leaving=True)
+        left = await asyncio.wait_for(h.intake.hurry_step(1, 3, wait_s=60.0), 30.0)
+        h.registry.install_plan(common_pb2.Plan(generation=2, assignments=[
+            common_pb2.RankAssignment(rank_id=h.a, node="n0")]))
+        older = await asyncio.wait_for(h.intake.hurry_step(2, 3, wait_s=0.05), 30.0)
+        h.pool.close()
+        return timed_out, left, older
+
+    assert asyncio.run(main()) == (False, False, False)
+
+
+def test_a_failure_reports_only_a_capture_of_its_own_plan() -> None:
+    # A rank whose newest capture (step 7) was taken in under plan 1 dies under plan 2,
+    # which resumed from step 4: the report names no captured step, so the coordinator
+    # does not wait for a step 7 the new plan has not reached.
+    now = [0.0]
+
+    def dies_silent(plan_generation: int) -> int:
+        registry = Registry(node="n0", heartbeat_interval_s=1.0, heartbeat_timeout_s=3.0,
+                            metrics=Metrics(), clock=lambda: now[0])
+        record = registry.register(pid=1, rank=0, world_size=1, local_rank=0, hostname="h",
+                                   spare=False, device="cpu", watch_pid=False)
+        registry.install_plan(common_pb2.Plan(generation=1))
+        record.captured = (1, 7)  # what the intake records as it takes a capture in
+        if plan_generation > 1:
+            registry.install_plan(common_pb2.Plan(generation=plan_generation))
+        now[0] += 10.0
+        [failure] = registry.check()
+        return failure.captured_step
+
+    assert dies_silent(1) == 7
+    assert dies_silent(2) == 0

@@ -37,9 +37,14 @@ from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
 
 log = logging.getLogger("stalwart.daemon.recovery.coordinator")
 
-# The longest a re-plan waits for a step the failed ranks captured to commit (it waits at
-# most as long as training that step took, measured, and never longer than this).
+# The longest a re-plan waits for a step the failed ranks captured to commit. It waits as
+# long as training the steps it saves took (measured) and, once every daemon answered
+# that it holds its ranks' captures of the step, until the step commits: never longer
+# than this.
 LAND_WAIT_MAX_S = 5.0
+# How much later than the daemons' own wait their answers to a hurry may come (a round
+# trip on a loaded machine); an answer not in by then counts as "not held".
+HURRY_ANSWER_GRACE_S = 0.5
 
 
 @dataclass
@@ -286,11 +291,13 @@ class Coordinator:
 
     async def _let_captured_land(self, failures: list[Failure]) -> None:
         """A step every failed rank's daemon took a capture of before the failure commits
-        once the survivors' captures of it are durable too: wait for it, so the plan
-        resumes from it instead of redoing it, but never longer than the training that
-        waiting saves took (measured: the job's pace between commits, or since the plan
-        began). Nothing is awaited for a lost node (its captures went with it) or a
-        failure that says nothing of captures."""
+        once the survivors' captures of it are stored too: wait for it, so the plan
+        resumes from it instead of redoing it. The wait lasts as long as the training it
+        saves took (measured: the job's pace between commits, or since the plan began);
+        past that, only while every daemon holds its ranks' captures of the step (then
+        nothing but storing stands between the step and its commit), up to
+        LAND_WAIT_MAX_S. Nothing is awaited for a lost node (its captures went with it)
+        or a failure that says nothing of captures."""
         if not failures or any(f.names_node or f.captured_step <= 0 for f in failures):
             return
         plan, latest = self.plan, self.latest_committed()
@@ -304,15 +311,24 @@ class Coordinator:
         if pace is None:  # no two commits yet: the plan's steps so far set the pace
             pace = (time.monotonic() - self._installed_at) / max(1, step - plan.resume_step)
         t0 = time.monotonic()
-        # The daemons store that step next, dropping the earlier captures still waiting:
-        # the wait is then one step's storing, not the whole backlog's.
-        self._hurrying.start(self._hurry(peer_pb2.HurryStepRequest(
-            job_id=self.job_id, generation=plan.generation, step=step)))
-        landed = await self.commits.landed(step, min((step - since) * pace, LAND_WAIT_MAX_S))
+        worth = min((step - since) * pace, LAND_WAIT_MAX_S)
+        # The daemons store that step next, dropping the earlier captures still waiting
+        # (the wait is then one step's storing, not the whole backlog's), and answer
+        # whether they hold their ranks' captures of it.
+        answers = self._hurrying.start(self._hurry(peer_pb2.HurryStepRequest(
+            job_id=self.job_id, generation=plan.generation, step=step, wait_s=worth)))
+        landed, held = await self.commits.landed(step, worth), False
+        if not landed:
+            held = await _within(answers, worth + HURRY_ANSWER_GRACE_S - (time.monotonic() - t0))
+            if held:
+                landed = await self.commits.landed(
+                    step, LAND_WAIT_MAX_S - (time.monotonic() - t0))
         log.info("captured step %s before re-planning", "committed" if landed else
-                 "did not commit", extra={"step": step, "waited_s": time.monotonic() - t0})
+                 "did not commit", extra={"step": step, "waited_s": time.monotonic() - t0,
+                                          "worth_s": worth, "held_everywhere": held})
 
-    async def _hurry(self, request: peer_pb2.HurryStepRequest) -> None:
+    async def _hurry(self, request: peer_pb2.HurryStepRequest) -> bool:
+        """Hurry every daemon; whether each one holds its ranks' captures of the step."""
         nodes = self.links.nodes()
         results = await asyncio.gather(*(self.links.hurry_step(n, request) for n in nodes),
                                        return_exceptions=True)
@@ -320,6 +336,7 @@ class Coordinator:
             if isinstance(result, BaseException):  # it only makes that daemon slower
                 log.info("hurry not delivered", extra={"node": node, "error": str(result),
                                                        "step": request.step})
+        return all(result is True for result in results)
 
     async def _decide(self, failures: list[Failure], committed: int,
                       planner: ElasticPlanner | None, stopped: StopDecision | None
@@ -435,3 +452,11 @@ class Coordinator:
                                         reason="completed")
         self.completed = True
         log.info("job completed", extra={"step": step})
+
+
+async def _within(answer: asyncio.Task[bool], timeout_s: float) -> bool:
+    """`answer`'s result if it comes within `timeout_s` (it goes on running), else False."""
+    try:
+        return await asyncio.wait_for(asyncio.shield(answer), max(0.0, timeout_s))
+    except TimeoutError:
+        return False

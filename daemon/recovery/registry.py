@@ -70,7 +70,8 @@ class RankRecord:
     process: ProcessIdentity | None = None
     step: int = 0
     step_time_s: float = 0.0
-    captured: int = 0  # newest step of its captures this daemon took in
+    # (generation, step) of the newest of its captures this daemon took in
+    captured: tuple[int, int] = (0, 0)
     progress_at: float = 0.0  # registry clock of its last step change (or plan change)
     state: str = ALIVE
     cause: str = ""  # evidence of the death, once dead
@@ -289,8 +290,11 @@ class Registry:
     def _declare_dead(self, record: RankRecord, kind: FailureKind, evidence: str) -> Failure:
         record.state, record.cause = DEAD, f"{kind.name.lower()}: {evidence}"
         self._forget_series(record.rank_id)
+        # A capture of an older plan's step says nothing of this plan's progress.
+        generation, captured = record.captured
         return self.report(Failure(kind, record.rank_id, evidence, generation=self.generation,
-                                   reporter=self.node, captured_step=record.captured,
+                                   reporter=self.node,
+                                   captured_step=captured if generation == self.generation else 0,
                                    details={"pid": record.pid}))
 
     def _forget_series(self, rank_id: str) -> None:

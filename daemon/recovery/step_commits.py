@@ -46,8 +46,9 @@ class PeerLinks(Protocol):
 
     async def install_plan(self, node: str, plan: common_pb2.Plan) -> None: ...
 
-    async def hurry_step(self, node: str, request: peer_pb2.HurryStepRequest) -> None:
-        """Tell `node` to store `request.step` next (see Intake.hurry)."""
+    async def hurry_step(self, node: str, request: peer_pb2.HurryStepRequest) -> bool:
+        """Tell `node` to store `request.step` next; whether it holds its ranks' captures
+        of that step (see Intake.hurry_step)."""
 
     async def commit_step(self, node: str, request: peer_pb2.CommitStepRequest | bytes
                           ) -> None:

@@ -103,7 +103,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
                                       partial(self.steps.install_from, plan=request))
 
     async def HurryStep(self, request: peer_pb2.HurryStepRequest,
-                        context: grpc.aio.ServicerContext) -> common_pb2.Ack:
+                        context: grpc.aio.ServicerContext) -> peer_pb2.HurryStepReply:
         return await self._for_daemon(context, request,
                                       partial(self.steps.hurry_from, request=request),
                                       request.job_id)

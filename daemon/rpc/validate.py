@@ -374,6 +374,13 @@ def _batch(r: peer_pb2.PrepareBatch) -> None:
         _fail(f"a batch of {seals} relayed seals; at most {MAX_PEERS}")
 
 
+def _hurry(r: peer_pb2.HurryStepRequest) -> None:
+    text(r.job_id, "job_id", MAX_NAME)
+    in_range(r.step, 1, MAX_STEP, "step")
+    in_range(r.generation, 0, MAX_GENERATION, "generation")
+    in_range(r.wait_s, 0.0, MAX_WAIT_S, "wait_s")
+
+
 def _get_record(r: peer_pb2.GetStepRecordRequest) -> None:
     text(r.job_id, "job_id", MAX_NAME)
     in_range(r.step, 1, MAX_STEP, "step")
@@ -395,6 +402,7 @@ _CHECKS: dict[type, Any] = {
     peer_pb2.CommitStepRequest: _commit_step,
     peer_pb2.GetStepRecordRequest: _get_record,
     peer_pb2.PrepareBatch: _batch,
+    peer_pb2.HurryStepRequest: _hurry,
     manifest_pb2.RankRecords: _records,
     peer_pb2.GetRecordsRequest: _get_records,
 }

@@ -62,7 +62,8 @@ class JobGate:
                  stub: Callable[[str], peer_pb2_grpc.PeerServiceStub],
                  me: Callable[[], peer_pb2.PeerInfo],
                  pass_on: Callable[[peer_pb2.CommitStepRequest], None],
-                 relay: PrepareRelay, hurry: Callable[[int, int], None]) -> None:
+                 relay: PrepareRelay,
+                 hurry: Callable[[int, int, float], Awaitable[bool]]) -> None:
         self.node, self.registry, self.membership = node, registry, membership
         self.leadership, self.coordinator, self.store = leadership, coordinator, store
         self.adopt_plan, self.commit, self.nodes = adopt_plan, commit, nodes
@@ -91,16 +92,17 @@ class JobGate:
         return self.adopt_plan(plan)
 
     async def hurry_from(self, caller: str, request: peer_pb2.HurryStepRequest
-                         ) -> common_pb2.Ack:
+                         ) -> peer_pb2.HurryStepReply:
         """The coordinator waits for `request.step` to commit before it re-plans: the
-        captures of earlier steps that wait here are dropped."""
+        captures of earlier steps that wait here are dropped, and the answer says whether
+        this node holds its ranks' captures of that step."""
         await self._coordinator(caller, "a hurried step")
         if request.generation != self.registry.generation:
-            return common_pb2.Ack(accepted=False, message=(
+            return peer_pb2.HurryStepReply(accepted=False, message=(
                 f"hurry is for generation {request.generation}; this daemon is at "
                 f"generation {self.registry.generation}"))
-        self.hurry(request.generation, request.step)
-        return common_pb2.Ack(accepted=True)
+        holding = await self.hurry(request.generation, request.step, request.wait_s)
+        return peer_pb2.HurryStepReply(accepted=True, holding=holding)
 
     async def commit_from(self, caller: str, request: peer_pb2.CommitStepRequest) -> None:
         """Phase two: from the coordinator, or through the commit tree from any daemon

@@ -13,6 +13,8 @@ them. Every daemon drops the same steps (those before it), and the coordinator s
 step that some daemons never prepared once a later one is complete. The plan's later
 steps (a survivor's, taken in after that step) wait for the re-plan, which redoes them
 and drops them here: stored now, they would only take the cores the hurried step needs.
+Each daemon answers whether it holds its ranks' captures of the hurried step (taken in,
+so they will be stored): the coordinator waits longer for a step every daemon holds.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Intake:
         self._tail: dict[str, _Work] = {}  # per rank: its newest capture's work
         self._backlog: dict[str, int] = {}  # per rank: captures copied but not yet encoded
         self._encoded = asyncio.Condition()
+        self._taken = asyncio.Condition()  # notified when a capture has been taken in
         # (generation, step): captures of that generation's earlier steps are not stored
         self._hurry = (0, 0)
         self._hurried = asyncio.Event()  # set, and replaced, by each hurry
@@ -144,7 +147,9 @@ class Intake:
             # report says so, and the coordinator lets the step land before re-planning
             # (a capture still waiting for room is left out: counting it made that wait
             # outlast what the step saves, and the plan resume before it).
-            record.captured = request.step
+            record.captured = (request.generation, request.step)
+        async with self._taken:
+            self._taken.notify_all()
         self._tail[rank] = _Work(request.generation, request.step, asyncio.create_task(
             self._after(self._tail.get(rank), request, owned)))
 
@@ -154,6 +159,31 @@ class Intake:
         self._hurry = max(self._hurry, (generation, step))
         self._hurried.set()
         self._hurried = asyncio.Event()
+
+    async def hurry_step(self, generation: int, step: int, wait_s: float) -> bool:
+        """`hurry`, then whether every rank of plan `generation` on this node has had its
+        capture of `step` (or a later one) taken in: the step then commits unless
+        something else fails. Waits at most `wait_s` for captures still being copied;
+        False at once when a rank that lacks it has ended."""
+        self.hurry(generation, step)
+        plan = self.registry.plan
+        if plan is None or plan.generation != generation:
+            return False
+        ranks = [a.rank_id for a in plan.assignments if a.node == self.node and not a.spare]
+
+        def held(rank_id: str) -> bool:
+            record = self.registry.get(rank_id)
+            return record is not None and record.captured >= (generation, step)
+
+        def settled() -> bool:
+            return all(held(r) or (record := self.registry.get(r)) is None or record.ended
+                       for r in ranks)
+        async with self._taken:
+            try:
+                await asyncio.wait_for(self._taken.wait_for(settled), wait_s)
+            except TimeoutError:
+                pass
+        return all(map(held, ranks))
 
     def moot(self, request: rank_pb2.CaptureRequest) -> bool:
         """Whether a hurry made this capture's step moot: its work stops where it is."""

@@ -375,25 +375,61 @@ class HurryStepRequest(_message.Message):
     JOB_ID_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
+    WAIT_S_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     generation: _builtins.int
     """the plan the captures were taken in"""
     step: _builtins.int
     """captures of earlier steps are dropped"""
+    wait_s: _builtins.float
+    """How long the daemon may wait for its ranks' captures of `step` to be taken in
+    before it answers.
+    """
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         generation: _builtins.int = ...,
         step: _builtins.int = ...,
+        wait_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "job_id", b"job_id", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "job_id", b"job_id", "step", b"step", "wait_s", b"wait_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HurryStepRequest: _TypeAlias = HurryStepRequest  # noqa: Y015
+
+@_typing.final
+class HurryStepReply(_message.Message):
+    """The fields of Ack, and whether the step can commit without more from this node."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCEPTED_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    HOLDING_FIELD_NUMBER: _builtins.int
+    accepted: _builtins.bool
+    message: _builtins.str
+    holding: _builtins.bool
+    """Every rank this node holds in that plan has had its capture of `step` (or a later
+    one) taken in: the step commits unless something else fails.
+    """
+    def __init__(
+        self,
+        *,
+        accepted: _builtins.bool = ...,
+        message: _builtins.str = ...,
+        holding: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "holding", b"holding", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HurryStepReply: _TypeAlias = HurryStepReply  # noqa: Y015
 
 @_typing.final
 class PrepareStepRequest(_message.Message):

@@ -257,7 +257,7 @@ class PeerServiceStub:
         self.HurryStep = channel.unary_unary(
                 '/stalwart.v1.PeerService/HurryStep',
                 request_serializer=stalwart_dot_v1_dot_peer__pb2.HurryStepRequest.SerializeToString,
-                response_deserializer=stalwart_dot_v1_dot_common__pb2.Ack.FromString,
+                response_deserializer=stalwart_dot_v1_dot_peer__pb2.HurryStepReply.FromString,
                 _registered_method=True)
         self.Announce = channel.unary_unary(
                 '/stalwart.v1.PeerService/Announce',
@@ -354,7 +354,9 @@ class PeerServiceServicer:
     def HurryStep(self, request, context):
         """The coordinator, about to re-plan, waits for the step the failed ranks' daemons
         took in last: every daemon drops its captures of earlier uncommitted steps that it
-        has not begun to store, so that this step is stored next.
+        has not begun to store, so that this step is stored next. It answers whether it
+        holds its ranks' captures of that step: the coordinator waits longer for a step
+        every daemon holds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -428,7 +430,7 @@ def add_PeerServiceServicer_to_server(servicer, server):
             'HurryStep': grpc.unary_unary_rpc_method_handler(
                     servicer.HurryStep,
                     request_deserializer=stalwart_dot_v1_dot_peer__pb2.HurryStepRequest.FromString,
-                    response_serializer=stalwart_dot_v1_dot_common__pb2.Ack.SerializeToString,
+                    response_serializer=stalwart_dot_v1_dot_peer__pb2.HurryStepReply.SerializeToString,
             ),
             'Announce': grpc.unary_unary_rpc_method_handler(
                     servicer.Announce,
@@ -760,7 +762,7 @@ class PeerService:
             target,
             '/stalwart.v1.PeerService/HurryStep',
             stalwart_dot_v1_dot_peer__pb2.HurryStepRequest.SerializeToString,
-            stalwart_dot_v1_dot_common__pb2.Ack.FromString,
+            stalwart_dot_v1_dot_peer__pb2.HurryStepReply.FromString,
             options,
             channel_credentials,
             insecure,

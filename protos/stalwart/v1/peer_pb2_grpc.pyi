@@ -115,10 +115,12 @@ class PeerServiceStub:
     InstallPlan: _grpc.UnaryUnaryMultiCallable[_common_pb2.Plan, _common_pb2.Ack]
     """The coordinator pushes a new plan to every daemon."""
     ReportFailure: _grpc.UnaryUnaryMultiCallable[_common_pb2.FailureEvent, _common_pb2.Ack]
-    HurryStep: _grpc.UnaryUnaryMultiCallable[_peer_pb2.HurryStepRequest, _common_pb2.Ack]
+    HurryStep: _grpc.UnaryUnaryMultiCallable[_peer_pb2.HurryStepRequest, _peer_pb2.HurryStepReply]
     """The coordinator, about to re-plan, waits for the step the failed ranks' daemons
     took in last: every daemon drops its captures of earlier uncommitted steps that it
-    has not begun to store, so that this step is stored next.
+    has not begun to store, so that this step is stored next. It answers whether it
+    holds its ranks' captures of that step: the coordinator waits longer for a step
+    every daemon holds.
     """
     Announce: _grpc.UnaryUnaryMultiCallable[_peer_pb2.RankAnnouncement, _common_pb2.Ack]
     """A daemon tells the coordinator about a rank that registered with it."""
@@ -159,10 +161,12 @@ class PeerServiceAsyncStub(PeerServiceStub):
     InstallPlan: _aio.UnaryUnaryMultiCallable[_common_pb2.Plan, _common_pb2.Ack]  # type: ignore[assignment]
     """The coordinator pushes a new plan to every daemon."""
     ReportFailure: _aio.UnaryUnaryMultiCallable[_common_pb2.FailureEvent, _common_pb2.Ack]  # type: ignore[assignment]
-    HurryStep: _aio.UnaryUnaryMultiCallable[_peer_pb2.HurryStepRequest, _common_pb2.Ack]  # type: ignore[assignment]
+    HurryStep: _aio.UnaryUnaryMultiCallable[_peer_pb2.HurryStepRequest, _peer_pb2.HurryStepReply]  # type: ignore[assignment]
     """The coordinator, about to re-plan, waits for the step the failed ranks' daemons
     took in last: every daemon drops its captures of earlier uncommitted steps that it
-    has not begun to store, so that this step is stored next.
+    has not begun to store, so that this step is stored next. It answers whether it
+    holds its ranks' captures of that step: the coordinator waits longer for a step
+    every daemon holds.
     """
     Announce: _aio.UnaryUnaryMultiCallable[_peer_pb2.RankAnnouncement, _common_pb2.Ack]  # type: ignore[assignment]
     """A daemon tells the coordinator about a rank that registered with it."""
@@ -272,10 +276,12 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _peer_pb2.HurryStepRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_common_pb2.Ack, _abc.Awaitable[_common_pb2.Ack]]:
+    ) -> _typing.Union[_peer_pb2.HurryStepReply, _abc.Awaitable[_peer_pb2.HurryStepReply]]:
         """The coordinator, about to re-plan, waits for the step the failed ranks' daemons
         took in last: every daemon drops its captures of earlier uncommitted steps that it
-        has not begun to store, so that this step is stored next.
+        has not begun to store, so that this step is stored next. It answers whether it
+        holds its ranks' captures of that step: the coordinator waits longer for a step
+        every daemon holds.
         """
 
     @_abc_1.abstractmethod
