@@ -71,10 +71,12 @@ def test_lossy_decode_reproduces_the_encoders_reconstruction(case) -> None:
     assert decoded.tobytes() == recon.tobytes()
 
 
+@pytest.mark.parametrize("batch_below", [0, 5, codecs.BATCH_BELOW])
 @settings(max_examples=100, deadline=None)
-@given(typed_buffers())
-def test_shuffle_lays_out_each_regions_bytes_plane_by_plane(case) -> None:
-    # The stored format: the encoder may compute the planes any way, never change them.
+@given(case=typed_buffers())
+def test_shuffle_lays_out_each_regions_bytes_plane_by_plane(case, batch_below: int) -> None:
+    # The stored format: the encoder may compute the planes any way (region by region,
+    # or small regions in runs), never change them.
     cur, _, regions = case
     expected = bytearray()
     for r in codecs.tile(regions, len(cur)):
@@ -83,7 +85,9 @@ def test_shuffle_lays_out_each_regions_bytes_plane_by_plane(case) -> None:
         for k in range(e):
             expected += body[k::e]
         expected += cur[r.start + n * e:r.start + r.size]
-    assert codecs.shuffle(cur, regions).tobytes() == bytes(expected)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(codecs, "BATCH_BELOW", batch_below)
+        assert codecs.shuffle(cur, regions).tobytes() == bytes(expected)
 
 
 def test_byte_planes_group_bytes_by_significance() -> None:

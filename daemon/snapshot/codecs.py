@@ -83,12 +83,21 @@ def tile(regions: list[Region], size: int) -> list[Region]:
 _WORDS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def _scratch(n: int, dtype: type) -> np.ndarray:
-    """This thread's scratch array of at least n elements (reused: no fresh pages)."""
+BATCH_BELOW = 1 << 12
+"""Regions of fewer elements than this get their planes from one pass over their run (a
+model's biases, norms and step counts): one vectorised pass per region cost more in
+calls than in bytes."""
+
+
+def scratch(n: int, dtype: type, use: str = "") -> np.ndarray:
+    """This thread's scratch array for `use`, n elements (reused: fresh pages cost more
+    than the work on them). Valid until the next call for `use` on this thread; nothing
+    that outlives the caller's work may hold it. Sized by chunks, never by whole
+    states: each thread keeps the largest it was asked for."""
     cache = _local.__dict__.setdefault("scratch", {})
-    buf = cache.get(dtype)
+    buf = cache.get((use, dtype))
     if buf is None or buf.size < n:
-        buf = cache[dtype] = np.empty(max(n, 1 << 16), dtype=dtype)
+        buf = cache[(use, dtype)] = np.empty(max(n, 1 << 16), dtype=dtype)
     return buf[:n]
 
 
@@ -98,19 +107,69 @@ def _split_planes(elems: np.ndarray, planes: np.ndarray) -> None:
     vectorised pass per plane (faster than a strided byte copy, same bytes)."""
     e, n = planes.shape
     words = elems.view(_WORDS[e])
-    shifted = _scratch(n, _WORDS[e])
+    shifted = scratch(n, _WORDS[e])
     for k in range(e):
         np.right_shift(words, 8 * k, out=shifted)
         planes[k] = shifted  # the assignment keeps the low byte
 
 
-def _planes(data: Buffer, regions: list[Region], forward: bool) -> np.ndarray:
+def _runs(regions: list[Region]) -> list[list[Region]]:
+    """Tiled regions in order, grouped: a run of small regions of one element size (and
+    the untyped padding between them, where it keeps their elements aligned to the run's
+    start) shares one pass; every other region is a run of its own."""
+    runs: list[list[Region]] = []
+    run: list[Region] = []
+    for r in regions:
+        e = r.elem_size
+        if run:
+            e0, start = run[0].elem_size, run[0].start
+            small = r.size < BATCH_BELOW * e0
+            joins = small and e in (e0, 1) and (r.start - start) % e0 == 0 and \
+                r.size % e0 == 0
+            if joins:
+                run.append(r)
+                continue
+            runs.append(run)
+            run = []
+        if e in _WORDS and r.size % e == 0 and r.size < BATCH_BELOW * e:
+            run = [r]
+        else:
+            runs.append([r])
+    if run:
+        runs.append(run)
+    return runs
+
+
+def _split_run(src: np.ndarray, out: np.ndarray, run: list[Region]) -> None:
+    """The planes of a run of small regions: one pass over the run's bytes, then each
+    region's planes (and its padding's bytes) copied to their places."""
+    e, lo = run[0].elem_size, run[0].start
+    n = (run[-1].start + run[-1].size - lo) // e
+    planes = scratch(e * n, np.uint8, "run").reshape(e, n)
+    _split_planes(src[lo:lo + e * n], planes)
+    for r in run:
+        if r.elem_size == e:
+            a = (r.start - lo) // e
+            out[r.start:r.start + r.size].reshape(e, r.size // e)[...] = \
+                planes[:, a:a + r.size // e]
+        else:
+            out[r.start:r.start + r.size] = src[r.start:r.start + r.size]
+
+
+def _planes(data: Buffer, regions: list[Region], forward: bool,
+            out: np.ndarray | None = None) -> np.ndarray:
     src = _u8(data)
-    out = np.empty_like(src)
-    for r in tile(regions, src.size):
+    out = np.empty_like(src) if out is None else out
+    tiled = tile(regions, src.size)
+    fast = forward and sys.byteorder == "little"
+    for run in (_runs(tiled) if fast else [[r] for r in tiled]):
+        if len(run) > 1:
+            _split_run(src, out, run)
+            continue
+        r = run[0]
         e, n = r.elem_size, r.size // r.elem_size
         lo, mid, hi = r.start, r.start + n * e, r.start + r.size
-        if forward and e in _WORDS and n > 0 and sys.byteorder == "little":
+        if fast and e in _WORDS and n > 0:
             _split_planes(src[lo:mid], out[lo:mid].reshape(e, n))
         elif e > 1 and n > 0:
             # One strided copy per byte plane: ~3x faster than a transposed assignment.
@@ -138,12 +197,12 @@ def unshuffle(data: Buffer, regions: list[Region]) -> np.ndarray:
     return _planes(data, regions, forward=False)
 
 
-def xor(a: Buffer, b: Buffer) -> np.ndarray:
-    """Bitwise XOR of two equal-length buffers (uint8 result)."""
+def xor(a: Buffer, b: Buffer, out: np.ndarray | None = None) -> np.ndarray:
+    """Bitwise XOR of two equal-length buffers (uint8 result, into `out` if given)."""
     x, y = _u8(a), _u8(b)
     if x.size != y.size:
         raise CodecError(f"delta of {x.size} bytes against a reference of {y.size} bytes")
-    out = np.empty_like(x)
+    out = np.empty_like(x) if out is None else out
     whole = x.size - x.size % 8  # 8-byte words are several times faster than bytes
     np.bitwise_xor(x[:whole].view(np.uint64), y[:whole].view(np.uint64),
                    out=out[:whole].view(np.uint64))
@@ -162,10 +221,15 @@ def _unzstd(payload: Buffer, size: int) -> np.ndarray:
     return _u8(raw)
 
 
+def _shuffled(data: Buffer, regions: list[Region]) -> np.ndarray:
+    """`shuffle` into this thread's scratch: valid until its next call on this thread."""
+    return _planes(data, regions, True, scratch(len(_u8(data)), np.uint8, "planes"))
+
+
 def encode_full(data: Buffer, regions: list[Region], *, level: int = DEFAULT_LEVEL,
                 threads: int = 0) -> bytes:
     """A self-contained base chunk: shuffle + zstd."""
-    return _zstd(shuffle(data, regions), level, threads)
+    return _zstd(_shuffled(data, regions), level, threads)
 
 
 def decode_full(payload: Buffer, regions: list[Region], size: int) -> np.ndarray:
@@ -175,7 +239,8 @@ def decode_full(payload: Buffer, regions: list[Region], size: int) -> np.ndarray
 def encode_xor(data: Buffer, reference: Buffer, regions: list[Region], *,
                level: int = DEFAULT_LEVEL, threads: int = 0) -> bytes:
     """A lossless delta chunk: XOR against `reference`, shuffle, zstd."""
-    return _zstd(shuffle(xor(data, reference), regions), level, threads)
+    delta = xor(data, reference, scratch(len(_u8(data)), np.uint8, "xor"))
+    return _zstd(_shuffled(delta, regions), level, threads)
 
 
 def decode_xor(payload: Buffer, reference: Buffer, regions: list[Region], size: int) -> np.ndarray:
