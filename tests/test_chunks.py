@@ -9,7 +9,13 @@ from snapshot_states import state, tensors
 
 from stalwart.core.manifest import DTYPE_SIZE
 from stalwart.daemon.snapshot.checksum import crc32c
-from stalwart.daemon.snapshot.chunks import chunk_regions, decode_rank, encode_rank, plan_chunks
+from stalwart.daemon.snapshot.chunks import (
+    chunk_regions,
+    decode_rank,
+    encode_rank,
+    plan_chunks,
+    planned_chunks,
+)
 from stalwart.v1 import common_pb2, manifest_pb2
 
 
@@ -39,6 +45,18 @@ def test_chunks_tile_the_buffer_and_cut_only_at_element_boundaries(layout, chunk
         for t in metas:
             if t.offset < cut < t.offset + t.nbytes:
                 assert (cut - t.offset) % DTYPE_SIZE[t.dtype] == 0
+
+
+@settings(max_examples=50, deadline=None)
+@given(layouts(), layouts())
+def test_a_kept_chunk_plan_is_the_plan_of_the_same_layout(first, second) -> None:
+    # Plans are kept per serialised layout: asked again, or after another layout's, the
+    # plan is the one plan_chunks makes of that layout.
+    def key(metas: list) -> bytes:
+        return b"".join(t.SerializeToString(deterministic=True) for t in metas)
+
+    for metas, total in (first, second, first):
+        assert planned_chunks(key(metas), metas, total, 1000) == plan_chunks(metas, total, 1000)
 
 
 def test_a_tensor_that_fits_a_chunk_is_never_split() -> None:

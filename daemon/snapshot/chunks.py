@@ -8,6 +8,8 @@ unit the erasure coder and the tiers see; its ChunkRecord says how to decode it.
 from __future__ import annotations
 
 import bisect
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -100,6 +102,30 @@ def plan_chunks(tensors: Sequence[common_pb2.TensorMeta], total_bytes: int,
             for i, (lo, hi) in enumerate(zip(cuts, cuts[1:], strict=False))]
 
 
+_PLANS_KEPT = 16  # layouts whose chunk plans are kept (a daemon's ranks, a relayout)
+_plans: OrderedDict[tuple[bytes, int, int], list[ChunkSpan]] = OrderedDict()
+_plans_lock = threading.Lock()
+
+
+def planned_chunks(layout: bytes, tensors: Sequence[common_pb2.TensorMeta],
+                   total_bytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+                   ) -> list[ChunkSpan]:
+    """`plan_chunks`, kept per `layout` (the tensors' serialised metadata, which the
+    plan is a function of): a rank's layout is the same every step, and planning a
+    model's hundreds of tensors cost about a millisecond per capture."""
+    key = (layout, total_bytes, chunk_bytes)
+    with _plans_lock:
+        if (spans := _plans.get(key)) is not None:
+            _plans.move_to_end(key)
+            return spans
+    spans = plan_chunks(tensors, total_bytes, chunk_bytes)
+    with _plans_lock:
+        _plans[key] = spans
+        while len(_plans) > _PLANS_KEPT:
+            _plans.popitem(last=False)
+    return spans
+
+
 class RegionIndex:
     """Typed regions of any byte range of a rank's buffer, found by bisection (a model has
     thousands of tensors and chunks; a linear scan per chunk would be quadratic)."""
@@ -134,12 +160,14 @@ def encode_rank(step: int, rank: int, data: Buffer, tensors: Sequence[common_pb2
                 reference_step: int | None = None, lossy: bool = False,
                 level: int = codecs.DEFAULT_LEVEL,
                 adamw: Sequence[manifest_pb2.AdamWHint] = (),
-                executor: Executor | None = None) -> EncodedRank:
+                executor: Executor | None = None, layout: bytes | None = None
+                ) -> EncodedRank:
     """Encode a rank's buffer: a base when `reference` is None, else a delta against it.
 
     `reference` is the decoded buffer of `reference_step` (same size, same layout).
     `adamw` hints select ADAM_PREDICTED_XOR_ZSTD (lossless, several times smaller on
-    AdamW state); `lossy=True` selects the opt-in QUANT_DELTA codec instead.
+    AdamW state); `lossy=True` selects the opt-in QUANT_DELTA codec instead. `layout`:
+    the tensors' serialised metadata, when the caller has it (their chunk plan is kept).
     """
     buf = np.frombuffer(data, dtype=np.uint8)
     if reference is not None:
@@ -147,7 +175,8 @@ def encode_rank(step: int, rank: int, data: Buffer, tensors: Sequence[common_pb2
         if ref.size != buf.size or reference_step is None or reference_step >= step:
             raise ValueError(f"step {step} rank {rank}: reference of step {reference_step} "
                              f"({ref.size} bytes) does not fit a {buf.size}-byte buffer")
-    spans = plan_chunks(tensors, buf.size, chunk_bytes)
+    spans = plan_chunks(tensors, buf.size, chunk_bytes) if layout is None else \
+        planned_chunks(layout, tensors, buf.size, chunk_bytes)
     decoded = buf if not (lossy and reference is not None) else buf.copy()
     delta_codec = manifest_pb2.XOR_DELTA_ZSTD
     if reference is not None and adamw and not lossy:

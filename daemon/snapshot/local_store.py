@@ -148,7 +148,7 @@ class LocalStore(Catalogue):
             reference_step=None if fresh_base else ref.step, lossy=self.lossy,
             # The prediction models one optimizer step; older references only waste work.
             adamw=adamw if not fresh_base and ref.step == step - 1 else (),
-            executor=self.executor)
+            executor=self.executor, layout=layout)
         size = encoded.stored_bytes
         if fresh_base:
             nxt = _Reference(step, encoded.decoded, step, 0, 0, size, layout)
