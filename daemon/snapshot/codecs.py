@@ -107,10 +107,11 @@ def _split_planes(elems: np.ndarray, planes: np.ndarray) -> None:
     vectorised pass per plane (faster than a strided byte copy, same bytes)."""
     e, n = planes.shape
     words = elems.view(_WORDS[e])
+    planes[0] = words  # the assignment keeps the low byte
     shifted = scratch(n, _WORDS[e])
-    for k in range(e):
+    for k in range(1, e):
         np.right_shift(words, 8 * k, out=shifted)
-        planes[k] = shifted  # the assignment keeps the low byte
+        planes[k] = shifted
 
 
 def _runs(regions: list[Region]) -> list[list[Region]]:
