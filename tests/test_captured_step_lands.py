@@ -447,10 +447,11 @@ def test_a_daemon_does_not_hold_a_step_a_rank_of_it_never_captured(tmp_path: Pat
     assert asyncio.run(main()) == (False, False, False)
 
 
-def test_a_failure_reports_only_a_capture_of_its_own_plan() -> None:
+def test_a_failure_reports_no_capture_of_a_step_its_plan_trains_again() -> None:
     # A rank whose newest capture (step 7) was taken in under plan 1 dies under plan 2,
-    # which resumed from step 4: the report names no captured step, so the coordinator
-    # does not wait for a step 7 the new plan has not reached.
+    # which resumed from step 4 before the rank captured anything: the report names
+    # step 4, which it holds and is committed, so the coordinator does not wait for a
+    # step 7 the new plan has not reached.
     now = [0.0]
 
     def dies_silent(plan_generation: int) -> int:
@@ -461,10 +462,10 @@ def test_a_failure_reports_only_a_capture_of_its_own_plan() -> None:
         registry.install_plan(common_pb2.Plan(generation=1))
         record.captured = (1, 7)  # what the intake records as it takes a capture in
         if plan_generation > 1:
-            registry.install_plan(common_pb2.Plan(generation=plan_generation))
+            registry.install_plan(common_pb2.Plan(generation=plan_generation, resume_step=4))
         now[0] += 10.0
         [failure] = registry.check()
         return failure.captured_step
 
     assert dies_silent(1) == 7
-    assert dies_silent(2) == 0
+    assert dies_silent(2) == 4

@@ -290,11 +290,13 @@ class Registry:
     def _declare_dead(self, record: RankRecord, kind: FailureKind, evidence: str) -> Failure:
         record.state, record.cause = DEAD, f"{kind.name.lower()}: {evidence}"
         self._forget_series(record.rank_id)
-        # A capture of an older plan's step says nothing of this plan's progress.
         generation, captured = record.captured
+        if generation != self.generation and self.plan is not None:
+            # Captured under an older plan: past this plan's resume step, that step is
+            # being trained again, and the capture says nothing of it.
+            captured = min(captured, self.plan.resume_step)
         return self.report(Failure(kind, record.rank_id, evidence, generation=self.generation,
-                                   reporter=self.node,
-                                   captured_step=captured if generation == self.generation else 0,
+                                   reporter=self.node, captured_step=captured,
                                    details={"pid": record.pid}))
 
     def _forget_series(self, rank_id: str) -> None:
