@@ -12,9 +12,10 @@ class Daemons:
         self.committed: list[int] = []
         self.hurried: list[tuple[str, int]] = []  # (node, step)
         self.holding = False  # what each daemon answers a hurry
+        self.live = ["n0", "n1"]
 
     def nodes(self) -> list[str]:
-        return ["n0", "n1"]
+        return self.live
 
     def holds_seat(self) -> bool:
         return True

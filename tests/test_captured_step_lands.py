@@ -370,6 +370,28 @@ def test_a_step_every_daemon_holds_is_waited_for_past_the_jobs_pace() -> None:
     assert plan.generation == 2 and plan.resume_step == JOB_STEPS + 1
 
 
+def test_the_longer_wait_needs_every_node_of_the_plan_and_ends_at_the_next_failure() -> None:
+    # Past the job's pace the coordinator waits for the captured step only while the
+    # daemon of every node the plan gives a role holds it: not when n1 has left the
+    # live daemons (its loss not handled yet), and no longer once another failure is
+    # queued. Either way it re-plans from the last committed step well before the
+    # longest wait (5 s).
+    async def main(case: str) -> int:
+        c, daemons = await running_job()
+        daemons.holding = True
+        if case == "a node left":
+            daemons.live = ["n0"]
+        replan = asyncio.create_task(c.on_failures([killed("n0/1", captured=JOB_STEPS + 1)]))
+        await waiting(c)
+        if case == "news":
+            c.failure_queued()
+        await asyncio.wait_for(replan, 3.0)
+        return daemons.plans[-1].resume_step
+
+    assert asyncio.run(main("a node left")) == JOB_STEPS
+    assert asyncio.run(main("news")) == JOB_STEPS
+
+
 class Holders:
     """A real Intake on n0 at plan 1: ranks a and b hold roles on n0 (c on n1, and a
     spare on n0), and each has taken in its capture of step 2."""
@@ -430,21 +452,27 @@ def test_a_daemon_holds_a_step_once_each_of_its_ranks_captures_of_it_is_taken_in
 
 
 def test_a_daemon_does_not_hold_a_step_a_rank_of_it_never_captured(tmp_path: Path) -> None:
-    # b's capture of step 3 never comes (its wait ends), b left without it (answered at
-    # once), or b's newest capture is of a later step in an older plan.
-    async def main() -> tuple[bool, bool, bool]:
+    # b's capture of step 3 never comes (its wait ends), b leaves without it while the
+    # daemon waits (answered once b is forgotten here) or had left (answered at once),
+    # or b's newest capture is of a later step in an older plan.
+    async def main() -> tuple[bool, bool, bool, bool]:
         h = await Holders().start(tmp_path)
         await h.capture(h.a, 3)
         timed_out = await asyncio.wait_for(h.intake.hurry_step(1, 3, wait_s=0.05), 30.0)
+        answer = asyncio.create_task(h.intake.hurry_step(1, 3, wait_s=60.0))
+        for _ in range(20):
+            await asyncio.sleep(0)
         h.registry.heartbeat(h.b, 1, 2, 0.1, leaving=True)
+        await h.intake.forget_rank(h.b)
+        leaving = await asyncio.wait_for(answer, 30.0)
         left = await asyncio.wait_for(h.intake.hurry_step(1, 3, wait_s=60.0), 30.0)
         h.registry.install_plan(common_pb2.Plan(generation=2, assignments=[
             common_pb2.RankAssignment(rank_id=h.a, node="n0")]))
         older = await asyncio.wait_for(h.intake.hurry_step(2, 3, wait_s=0.05), 30.0)
         h.pool.close()
-        return timed_out, left, older
+        return timed_out, leaving, left, older
 
-    assert asyncio.run(main()) == (False, False, False)
+    assert asyncio.run(main()) == (False, False, False, False)
 
 
 def test_a_failure_reports_no_capture_of_a_step_its_plan_trains_again() -> None:

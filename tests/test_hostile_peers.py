@@ -77,10 +77,12 @@ def test_a_plan_that_jumps_generations_is_refused_and_real_plans_still_install(
 def test_only_the_coordinator_hurries_a_step_and_only_for_this_job_and_plan(
         tmp_path: Path) -> None:
     # A hurry drops the captures waiting before its step: from anyone but the
-    # coordinator, for another job or another plan, it drops nothing.
-    def hurry(step: int, job_id: str = "default", generation: int = 1
+    # coordinator, for another job or another plan, it drops nothing; nor may it hold
+    # its answer longer than a minute.
+    def hurry(step: int, job_id: str = "default", generation: int = 1, wait_s: float = 0.0
               ) -> peer_pb2.HurryStepRequest:
-        return peer_pb2.HurryStepRequest(job_id=job_id, generation=generation, step=step)
+        return peer_pb2.HurryStepRequest(job_id=job_id, generation=generation, step=step,
+                                         wait_s=wait_s)
 
     async def body(daemon: Daemon) -> dict[str, object]:
         intake = daemon.job.snapshots.intake
@@ -96,6 +98,8 @@ def test_only_the_coordinator_hurries_a_step_and_only_for_this_job_and_plan(
             other_plan = await stub.HurryStep(hurry(9, generation=3), timeout=5,
                                               metadata=as_node("n1"))
             out["other plan"] = other_plan.message
+            out["an hour"] = await code_of(stub.HurryStep(
+                hurry(9, wait_s=3600.0), timeout=5, metadata=as_node("n1")))
             out["before"] = intake._hurry  # noqa: SLF001 - what a hurry changes
             taken = await stub.HurryStep(hurry(7), timeout=5, metadata=as_node("n1"))
             out["after"] = (taken.accepted, intake._hurry)  # noqa: SLF001
@@ -108,6 +112,7 @@ def test_only_the_coordinator_hurries_a_step_and_only_for_this_job_and_plan(
     assert str(seen["other job"]).startswith("PERMISSION_DENIED: step message of job "
                                              "'other' sent to a daemon of job 'default'")
     assert seen["other plan"] == "hurry is for generation 3; this daemon is at generation 1"
+    assert str(seen["an hour"]) == "INVALID_ARGUMENT: wait_s must be in [0.0, 60.0], got 3600.0"
     assert seen["before"] == (0, 0) and seen["after"] == (True, (1, 7))
 
 

@@ -87,6 +87,9 @@ class Coordinator:
     _installed_at: float = field(default_factory=time.monotonic)  # of the newest plan
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _hurrying: Background = field(default_factory=Background)  # hurries still being sent
+    # Set when a failure is queued while this one is handled: a wait for a captured
+    # step past the job's pace ends then (the news may be that the step cannot land).
+    _news: asyncio.Event = field(default_factory=asyncio.Event)
     commits: StepCommits = field(init=False)
 
     def __post_init__(self) -> None:
@@ -311,6 +314,7 @@ class Coordinator:
         if pace is None:  # no two commits yet: the plan's steps so far set the pace
             pace = (time.monotonic() - self._installed_at) / max(1, step - plan.resume_step)
         t0 = time.monotonic()
+        self._news.clear()  # what was queued before is in this batch
         worth = min((step - since) * pace, LAND_WAIT_MAX_S)
         # The daemons store that step next, dropping the earlier captures still waiting
         # (the wait is then one step's storing, not the whole backlog's), and answer
@@ -319,16 +323,21 @@ class Coordinator:
             job_id=self.job_id, generation=plan.generation, step=step, wait_s=worth)))
         landed, held = await self.commits.landed(step, worth), False
         if not landed:
-            held = await _within(answers, worth + HURRY_ANSWER_GRACE_S - (time.monotonic() - t0))
+            answered = await _within(answers, worth + HURRY_ANSWER_GRACE_S -
+                                     (time.monotonic() - t0))
+            # Held by the daemon of every node the plan gives a role: a node that left
+            # (its loss not handled yet) holds nothing.
+            held = answered is not None and {m.node for m in plan.members} <= answered
             if held:
-                landed = await self.commits.landed(
+                landed = await self._landed_unless_news(
                     step, LAND_WAIT_MAX_S - (time.monotonic() - t0))
         log.info("captured step %s before re-planning", "committed" if landed else
                  "did not commit", extra={"step": step, "waited_s": time.monotonic() - t0,
                                           "worth_s": worth, "held_everywhere": held})
 
-    async def _hurry(self, request: peer_pb2.HurryStepRequest) -> bool:
-        """Hurry every daemon; whether each one holds its ranks' captures of the step."""
+    async def _hurry(self, request: peer_pb2.HurryStepRequest) -> set[str]:
+        """Hurry every live daemon; the nodes whose daemon holds its ranks' captures of
+        the step."""
         nodes = self.links.nodes()
         results = await asyncio.gather(*(self.links.hurry_step(n, request) for n in nodes),
                                        return_exceptions=True)
@@ -336,7 +345,23 @@ class Coordinator:
             if isinstance(result, BaseException):  # it only makes that daemon slower
                 log.info("hurry not delivered", extra={"node": node, "error": str(result),
                                                        "step": request.step})
-        return all(result is True for result in results)
+        return {node for node, result in zip(nodes, results, strict=True) if result is True}
+
+    def failure_queued(self) -> None:
+        """Another failure waits to be handled (see `_news`)."""
+        self._news.set()
+
+    async def _landed_unless_news(self, step: int, timeout_s: float) -> bool:
+        """`commits.landed`, ended early (False) by a failure queued meanwhile."""
+        landing = asyncio.ensure_future(self.commits.landed(step, timeout_s))
+        news = asyncio.ensure_future(self._news.wait())
+        try:
+            await asyncio.wait({landing, news}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            news.cancel()
+            if not landing.done():
+                landing.cancel()
+        return landing.done() and not landing.cancelled() and landing.result()
 
     async def _decide(self, failures: list[Failure], committed: int,
                       planner: ElasticPlanner | None, stopped: StopDecision | None
@@ -454,9 +479,9 @@ class Coordinator:
         log.info("job completed", extra={"step": step})
 
 
-async def _within(answer: asyncio.Task[bool], timeout_s: float) -> bool:
-    """`answer`'s result if it comes within `timeout_s` (it goes on running), else False."""
+async def _within(answer: asyncio.Task[set[str]], timeout_s: float) -> set[str] | None:
+    """`answer`'s result if it comes within `timeout_s` (it goes on running), else None."""
     try:
         return await asyncio.wait_for(asyncio.shield(answer), max(0.0, timeout_s))
     except TimeoutError:
-        return False
+        return None

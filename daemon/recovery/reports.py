@@ -49,6 +49,7 @@ class FailureReports:
 
     def put(self, failure: Failure) -> None:
         self._queue.put_nowait(failure)
+        self.coordinator.failure_queued()
 
     def redeliver(self) -> None:
         """A new coordinator: what the old one never received goes to it."""

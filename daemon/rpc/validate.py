@@ -30,6 +30,7 @@ MAX_EXTRA_BYTES = 4 << 20      # JSON side data of a capture (RNG states, data p
 MAX_SLOT_BYTES = 1 << 40       # one shared-memory slot
 MAX_LIST = 1 << 16             # entries of any other repeated field (peers, rank ids, labels)
 MAX_WAIT_S = 3600.0            # longest a caller may ask the daemon to wait (seconds)
+MAX_HURRY_WAIT_S = 60.0        # longest a hurry may hold its answer (the coordinator: 5 s)
 MAX_RANKS_PER_NODE = 4096      # registrations one daemon keeps (a GPU node has a handful)
 MAX_LIVE_RANKS_PER_NODE = 1024 # live ranks and spares of one node (gossip, prepares)
 MAX_PEERS = 4096               # daemons one daemon gossips with
@@ -378,7 +379,7 @@ def _hurry(r: peer_pb2.HurryStepRequest) -> None:
     text(r.job_id, "job_id", MAX_NAME)
     in_range(r.step, 1, MAX_STEP, "step")
     in_range(r.generation, 0, MAX_GENERATION, "generation")
-    in_range(r.wait_s, 0.0, MAX_WAIT_S, "wait_s")
+    in_range(r.wait_s, 0.0, MAX_HURRY_WAIT_S, "wait_s")
 
 
 def _get_record(r: peer_pb2.GetStepRecordRequest) -> None:

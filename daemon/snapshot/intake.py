@@ -129,6 +129,8 @@ class Intake:
         taking = self._taking_of.pop(rank_id, None)
         if taking is not None:
             await asyncio.gather(taking, return_exceptions=True)
+        async with self._taken:  # a hurry waiting for its capture answers now
+            self._taken.notify_all()
         await asyncio.to_thread(self.pool.drop_rank, rank_id)
 
     async def _take_in(self, request: rank_pb2.CaptureRequest, slot: Slot, total: int
@@ -148,10 +150,10 @@ class Intake:
             # (a capture still waiting for room is left out: counting it made that wait
             # outlast what the step saves, and the plan resume before it).
             record.captured = (request.generation, request.step)
-        async with self._taken:
-            self._taken.notify_all()
         self._tail[rank] = _Work(request.generation, request.step, asyncio.create_task(
             self._after(self._tail.get(rank), request, owned)))
+        async with self._taken:
+            self._taken.notify_all()
 
     def hurry(self, generation: int, step: int) -> None:
         """Store `step` of plan `generation` next: that plan's earlier steps are moot
@@ -164,7 +166,7 @@ class Intake:
         """`hurry`, then whether every rank of plan `generation` on this node has had its
         capture of `step` (or a later one) taken in: the step then commits unless
         something else fails. Waits at most `wait_s` for captures still being copied;
-        False at once when a rank that lacks it has ended."""
+        False as soon as a rank that lacks it has ended (and been forgotten here)."""
         self.hurry(generation, step)
         plan = self.registry.plan
         if plan is None or plan.generation != generation:
