@@ -26,6 +26,9 @@ class Coordinator(SimpleNamespace):
     def take_over(self, plan: common_pb2.Plan) -> bool:
         return False
 
+    def failure_queued(self) -> None:
+        pass
+
     async def on_failures(self, failures: list[Failure]) -> None:
         self.decided.append([f.subject for f in failures])
         self.deciding.set()
