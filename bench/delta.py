@@ -116,7 +116,7 @@ def _variants(cur: np.ndarray, prev: np.ndarray, base: np.ndarray, metas: list,
     predicted = encode_rank(2, 0, cur, metas, chunk_bytes=CHUNK_BYTES, reference=prev,
                             reference_step=1, adamw=hints)
     return {
-        "adamw_predicted_xor_prev_zstd1": predicted.stored_bytes,
+        "adamw_predicted_xor_prev_default_level": predicted.stored_bytes,
         "base_only_zstd1": _chunked(cur, metas, full(1)),
         "xor_prev_shuffle_zstd1": _chunked(cur, metas, xor(prev, 1)),
         "xor_base_shuffle_zstd1": _chunked(cur, metas, xor(base, 1)),
@@ -187,7 +187,7 @@ def _preset(preset: str, warmup: int, steps: int, after: int, repeats: int) -> d
     per_step = [_variants(cur, prev, captures[0], metas, h)
                 for prev, cur, h in zip(captures, captures[1:], hints[1:], strict=False)]
     full_bytes = int(captures[0].size)
-    default = [v["adamw_predicted_xor_prev_zstd1"] for v in per_step]
+    default = [v["adamw_predicted_xor_prev_default_level"] for v in per_step]
     plain = [v["xor_prev_shuffle_zstd1"] for v in per_step]
     base_only = [v["base_only_zstd1"] for v in per_step]
     lossy_sizes, recon = _lossy(captures, metas)
@@ -246,7 +246,8 @@ def run(quick: bool) -> dict:
         "chunk_bytes": CHUNK_BYTES,
         "codec": "ADAM_PREDICTED_XOR_ZSTD: XOR against the previous step, parameters and "
                  "second moments against their AdamW update predicted from it; byte-plane "
-                 "shuffle; zstd level 1",
+                 f"shuffle; zstd level {codecs.DEFAULT_LEVEL} (the daemon's); the other "
+                 "variants use the levels their names give",
         "baseline": "base_only: byte-plane shuffle + zstd level 1 of the full state",
         "presets": results,
     }
