@@ -39,8 +39,8 @@ log = logging.getLogger("stalwart.daemon.recovery.coordinator")
 
 # The longest a re-plan waits for a step the failed ranks captured to commit. It waits as
 # long as training the steps it saves took (measured) and, once every daemon answered
-# that it holds its ranks' captures of the step, until the step commits: never longer
-# than this.
+# that it holds its ranks' captures of the step, as long again (waiting on costs more
+# than training them again from there): never longer than this.
 LAND_WAIT_MAX_S = 5.0
 # How much later than the daemons' own wait their answers to a hurry may come (a round
 # trip on a loaded machine); an answer not in by then counts as "not held".
@@ -297,10 +297,11 @@ class Coordinator:
         once the survivors' captures of it are stored too: wait for it, so the plan
         resumes from it instead of redoing it. The wait lasts as long as the training it
         saves took (measured: the job's pace between commits, or since the plan began);
-        past that, only while every daemon holds its ranks' captures of the step (then
-        nothing but storing stands between the step and its commit), up to
-        LAND_WAIT_MAX_S. Nothing is awaited for a lost node (its captures went with it)
-        or a failure that says nothing of captures."""
+        past that, as long again while every daemon holds its ranks' captures of the
+        step (then nothing but storing stands between the step and its commit; beyond
+        twice, waiting on costs more than training the steps again). Nothing is awaited
+        for a lost node (its captures went with it) or a failure that says nothing of
+        captures."""
         if not failures or any(f.names_node or f.captured_step <= 0 for f in failures):
             return
         plan, latest = self.plan, self.latest_committed()
@@ -330,7 +331,7 @@ class Coordinator:
             held = answered is not None and {m.node for m in plan.members} <= answered
             if held:
                 landed = await self._landed_unless_news(
-                    step, LAND_WAIT_MAX_S - (time.monotonic() - t0))
+                    step, min(2 * worth, LAND_WAIT_MAX_S) - (time.monotonic() - t0))
         log.info("captured step %s before re-planning", "committed" if landed else
                  "did not commit", extra={"step": step, "waited_s": time.monotonic() - t0,
                                           "worth_s": worth, "held_everywhere": held})
