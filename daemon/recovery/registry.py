@@ -360,6 +360,13 @@ class Registry:
     def current_plan(self) -> common_pb2.Plan:
         return self.plan if self.plan is not None else common_pb2.Plan(generation=self.generation)
 
+    def roles_here(self, generation: int) -> list[str] | None:
+        """The ranks holding a role on this node in plan `generation`; None unless that
+        is the current plan."""
+        if self.plan is None or self.plan.generation != generation:
+            return None
+        return [a.rank_id for a in self.plan.assignments if a.node == self.node and not a.spare]
+
     async def plan_after(self, known_generation: int, timeout_s: float) -> common_pb2.Plan | None:
         """The plan if its generation exceeds `known_generation`, waiting up to timeout_s.
 

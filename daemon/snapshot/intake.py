@@ -129,8 +129,7 @@ class Intake:
         taking = self._taking_of.pop(rank_id, None)
         if taking is not None:
             await asyncio.gather(taking, return_exceptions=True)
-        async with self._taken:  # a hurry waiting for its capture answers now
-            self._taken.notify_all()
+        await self._took_in()  # a hurry waiting for its capture answers now
         await asyncio.to_thread(self.pool.drop_rank, rank_id)
 
     async def _take_in(self, request: rank_pb2.CaptureRequest, slot: Slot, total: int
@@ -152,6 +151,10 @@ class Intake:
             record.captured = (request.generation, request.step)
         self._tail[rank] = _Work(request.generation, request.step, asyncio.create_task(
             self._after(self._tail.get(rank), request, owned)))
+        await self._took_in()
+
+    async def _took_in(self) -> None:
+        """A rank's captures changed (one taken in, or the rank forgotten): wake hurries."""
         async with self._taken:
             self._taken.notify_all()
 
@@ -168,10 +171,9 @@ class Intake:
         something else fails. Waits at most `wait_s` for captures still being copied;
         False as soon as a rank that lacks it has ended (and been forgotten here)."""
         self.hurry(generation, step)
-        plan = self.registry.plan
-        if plan is None or plan.generation != generation:
+        ranks = self.registry.roles_here(generation)
+        if ranks is None:
             return False
-        ranks = [a.rank_id for a in plan.assignments if a.node == self.node and not a.spare]
 
         def held(rank_id: str) -> bool:
             record = self.registry.get(rank_id)

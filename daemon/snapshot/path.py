@@ -253,10 +253,8 @@ class SnapshotPath:
 
     def _local_ranks(self, generation: int) -> int:
         """Ranks the plan of `generation` places on this node (1 before any plan)."""
-        plan = self.registry.current_plan()
-        if plan.generation != generation:
-            return 1
-        return max(1, sum(1 for a in plan.assignments if not a.spare and a.node == self.node))
+        ranks = self.registry.roles_here(generation)
+        return 1 if ranks is None else max(1, len(ranks))
 
     async def _encode(self, request: rank_pb2.CaptureRequest, owned: bytes) -> Any:
         """Delta-encode one capture (None if its generation is over)."""
