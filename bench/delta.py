@@ -244,7 +244,7 @@ def run(quick: bool) -> dict:
         results[name] = _preset(name, warmup, steps, after, 1 if quick else 3)
     return {
         "chunk_bytes": CHUNK_BYTES,
-        "codec": "ADAM_PREDICTED_XOR_ZSTD: XOR against the previous step, parameters and "
+        "codec": "ADAM_PREDICTED_XOR_ZSTD_V2: XOR against the previous step, parameters and "
                  "second moments against their AdamW update predicted from it; byte-plane "
                  f"shuffle; zstd level {codecs.DEFAULT_LEVEL} (the daemon's); the other "
                  "variants use the levels their names give",

@@ -81,7 +81,7 @@ def realistic_record(rank: int = 0, step: int = 100) -> manifest_pb2.RankState:
         chunk = state.chunks.add(chunk_id=f"s{step}-r{rank}-c{c}", offset=c * CHUNK_BYTES,
                                  size=CHUNK_BYTES, stored_size=CHUNK_BYTES // 3,
                                  crc32c=0x9E3779B9 ^ c, stored_crc32c=0x7F4A7C15 ^ c,
-                                 codec=manifest_pb2.ADAM_PREDICTED_XOR_ZSTD,
+                                 codec=manifest_pb2.ADAM_PREDICTED_XOR_ZSTD_V2,
                                  base_step=step - 1, k=K, m=M)
         for i in range(K + M):
             chunk.shards.add(index=i, node=f"node-{(rank + 7 * c + i) % 2048:04d}",

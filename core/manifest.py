@@ -32,6 +32,9 @@ DTYPE_SIZE: dict[int, int] = {
 
 # Codecs whose chunk stands alone; every other codec applies to its base_step.
 BASE_CODECS = frozenset({manifest_pb2.RAW, manifest_pb2.ZSTD})
+# Codecs whose hinted tensors decode against an AdamW prediction (RankState.adamw).
+PREDICTED_CODECS = frozenset({manifest_pb2.ADAM_PREDICTED_XOR_ZSTD,
+                              manifest_pb2.ADAM_PREDICTED_XOR_ZSTD_V2})
 
 
 class ManifestError(ValueError):

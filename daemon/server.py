@@ -41,6 +41,7 @@ from stalwart.daemon.rpc.shard_service import ShardServicer
 from stalwart.daemon.security.auth import Authenticator, job_token, stamp
 from stalwart.daemon.security.tls import ReloadingServerCredentials, TlsError
 from stalwart.daemon.security.tls import enabled as tls_enabled
+from stalwart.daemon.snapshot import codecs
 from stalwart.v1 import operator_pb2, operator_pb2_grpc, peer_pb2, peer_pb2_grpc, rank_pb2_grpc
 
 log = logging.getLogger("stalwart.daemon")
@@ -348,7 +349,12 @@ async def serve(config: DaemonConfig) -> int:
     log.info("daemon ready", extra={
         "node": config.node, "address": daemon.address, "unix_socket": str(daemon.unix_socket),
         "metrics_port": config.metrics_port, "peers": list(config.peers),
-        "startup_s": round(time.monotonic() - begun, 3)})
+        "startup_s": round(time.monotonic() - begun, 3),
+        "encode_loops": "C" if codecs.native is not None else "numpy"})
+    if codecs.native is None:
+        log.warning("daemon/snapshot/_kernels.c was not built where stalwart was installed "
+                    "(no C compiler?): snapshots are encoded with numpy, "
+                    "more slowly; reinstall with a C compiler to get the C loops")
     await stop.wait()
     log.info("daemon stopping", extra={"grace_s": GRACE_S})
     await daemon.stop()

@@ -268,7 +268,7 @@ def test_adamw_hints_shrink_deltas_and_restore_bitwise(tmp_path: Path) -> None:
         sizes[adamw] = sum(c.stored_size for c in m.ranks[0].chunks)
         fresh = LocalStore(tmp_path / str(adamw), **SMALL)
         assert [fresh.read_rank(s, 0) for s in (1, 2, 3, 4)] == buffers
-    assert {c.codec for c in m.ranks[0].chunks} == {manifest_pb2.ADAM_PREDICTED_XOR_ZSTD}
+    assert {c.codec for c in m.ranks[0].chunks} == {manifest_pb2.ADAM_PREDICTED_XOR_ZSTD_V2}
     assert list(fresh.load_manifest(4).ranks[0].adamw) == hints[3]
     assert sizes[True] < sizes[False] / 2
 
@@ -283,7 +283,7 @@ def test_adamw_hints_are_used_only_against_the_previous_step(tmp_path: Path) -> 
         store.commit(split(build_manifest(job_id="default", step=step, generation=1,
                                     layout=common_pb2.ParallelLayout(dp=1, pp=1, tp=1),
                                     ranks=[store.prepare(step, prepared)])))
-    assert codecs[1] == {manifest_pb2.ADAM_PREDICTED_XOR_ZSTD}  # step 2 against step 1
+    assert codecs[1] == {manifest_pb2.ADAM_PREDICTED_XOR_ZSTD_V2}  # step 2 against step 1
     assert codecs[2] == {manifest_pb2.XOR_DELTA_ZSTD}  # step 3 against base step 1
     assert [store.read_rank(s, 0) for s in range(1, 6)] == buffers
 

@@ -80,7 +80,7 @@ def trained(tmp_path: Path) -> tuple[Path, dict[int, bytes]]:
     states = _train(store, 7)
     codecs = {c.codec for s in store.committed_steps()
               for c in store.rank_record(s, 0).chunks}
-    assert manifest_pb2.ADAM_PREDICTED_XOR_ZSTD in codecs  # the predicted path is covered
+    assert manifest_pb2.ADAM_PREDICTED_XOR_ZSTD_V2 in codecs  # the predicted path is covered
     return tmp_path, states
 
 

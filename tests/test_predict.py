@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stalwart.daemon.snapshot.chunks import decode_rank, encode_rank
+from stalwart.daemon.snapshot import codecs, predict
+from stalwart.daemon.snapshot.chunks import RegionIndex, decode_rank, encode_rank
 from stalwart.v1 import common_pb2, manifest_pb2
 
 F32 = common_pb2.FLOAT32
@@ -76,3 +77,38 @@ def test_real_torch_adamw_states_shrink_several_times_over_plain_xor() -> None:
     assert decoded == cur
     _, plain = round_trip(prev, cur, metas, [])
     assert predicted < plain / 2
+
+
+def test_chunks_written_before_one_nan_still_decode() -> None:
+    # ADAM_PREDICTED_XOR_ZSTD (5) predicted NaNs with numpy's payloads; a step stored by
+    # an older daemon decodes with that prediction, not V2's one NaN.
+    rng = np.random.default_rng(3)
+    n = 256
+    metas = layout(n)
+    prev = rng.integers(0, 2**32, 4 * n, dtype=np.uint64).astype(np.uint32)
+    prev[::7] = 0x7FC00000 | rng.integers(1, 2**22, prev[::7].size).astype(np.uint32)
+    cur = prev ^ np.where(np.arange(4 * n) % 5 == 0, 0x7F812345, 0).astype(np.uint32)
+    prev_u8, cur_u8 = prev.view(np.uint8), cur.view(np.uint8)
+    h = hint()
+    old_ref = prev_u8.copy()  # what the older daemon XORed against
+    f32 = {m.name: slice(m.offset, m.offset + m.nbytes) for m in metas}
+    as_f32 = lambda buf, name: buf[f32[name]].view(np.float32)  # noqa: E731
+    predict.predict_second_moment(as_f32(prev_u8, "w/exp_avg_sq"), as_f32(prev_u8, "w/exp_avg"),
+                                  as_f32(cur_u8, "w/exp_avg"), h, one_nan=False,
+                                  out=as_f32(old_ref, "w/exp_avg_sq"))
+    predict.predict_param(as_f32(prev_u8, "w"), as_f32(cur_u8, "w/exp_avg"),
+                          as_f32(cur_u8, "w/exp_avg_sq"), h, one_nan=False,
+                          out=as_f32(old_ref, "w"))
+    assert not np.array_equal(old_ref, predict.reference(prev_u8, cur_u8, metas, [h])), \
+        "the case must tell the two predictions apart"
+    encoded = encode_rank(2, 0, cur_u8, metas, chunk_bytes=1024, reference=prev_u8,
+                          reference_step=1, adamw=[h])
+    payloads = []
+    for c in encoded.chunks:
+        regions = RegionIndex(metas).regions(c.offset, c.size)
+        payloads.append(codecs.encode_xor(cur_u8[c.offset:c.offset + c.size],
+                                          old_ref[c.offset:c.offset + c.size], regions))
+        c.codec = manifest_pb2.ADAM_PREDICTED_XOR_ZSTD
+    record = manifest_pb2.RankState(tensors=metas, chunks=encoded.chunks,
+                                    total_bytes=cur_u8.size, adamw=[h])
+    assert decode_rank(record, payloads, {1: prev_u8}).tobytes() == cur_u8.tobytes()

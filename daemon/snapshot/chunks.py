@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from stalwart.core.manifest import BASE_CODECS, element_size
+from stalwart.core.manifest import BASE_CODECS, PREDICTED_CODECS, element_size
 from stalwart.daemon.config_schema import default
 from stalwart.daemon.snapshot import codecs, predict
 from stalwart.daemon.snapshot.checksum import Buffer, crc32c
@@ -165,7 +165,7 @@ def encode_rank(step: int, rank: int, data: Buffer, tensors: Sequence[common_pb2
     """Encode a rank's buffer: a base when `reference` is None, else a delta against it.
 
     `reference` is the decoded buffer of `reference_step` (same size, same layout).
-    `adamw` hints select ADAM_PREDICTED_XOR_ZSTD (lossless, several times smaller on
+    `adamw` hints select ADAM_PREDICTED_XOR_ZSTD_V2 (lossless, several times smaller on
     AdamW state); `lossy=True` selects the opt-in QUANT_DELTA codec instead. `layout`:
     the tensors' serialised metadata, when the caller has it (their chunk plan is kept).
     """
@@ -180,7 +180,7 @@ def encode_rank(step: int, rank: int, data: Buffer, tensors: Sequence[common_pb2
     decoded = buf if not (lossy and reference is not None) else buf.copy()
     delta_codec = manifest_pb2.XOR_DELTA_ZSTD
     if reference is not None and adamw and not lossy:
-        delta_codec = manifest_pb2.ADAM_PREDICTED_XOR_ZSTD
+        delta_codec = manifest_pb2.ADAM_PREDICTED_XOR_ZSTD_V2
         ref = predict.reference(ref, buf, tensors, adamw)
 
     def one(span: ChunkSpan) -> tuple[manifest_pb2.ChunkRecord, bytes]:
@@ -223,7 +223,7 @@ def decode_rank(state: manifest_pb2.RankState, payloads: Sequence[Buffer],
     """
     out = np.empty(state.total_bytes, dtype=np.uint8)
     index = RegionIndex(state.tensors)
-    predicted_from = None
+    predicted_from, one_nan = None, True
     chunks = state.chunks if positions is None else [state.chunks[i] for i in positions]
     for c, payload in zip(chunks, payloads, strict=True):
         ref = None
@@ -233,11 +233,12 @@ def decode_rank(state: manifest_pb2.RankState, payloads: Sequence[Buffer],
                                "whose decoded buffer was not supplied")
             ref = references[c.base_step][c.offset:c.offset + c.size]
         codec = c.codec
-        if codec == manifest_pb2.ADAM_PREDICTED_XOR_ZSTD:
-            codec, predicted_from = manifest_pb2.XOR_DELTA_ZSTD, c.base_step
+        if codec in PREDICTED_CODECS:
+            predicted_from, one_nan = c.base_step, codec == manifest_pb2.ADAM_PREDICTED_XOR_ZSTD_V2
+            codec = manifest_pb2.XOR_DELTA_ZSTD
         regions = index.regions(c.offset, c.size)
         out[c.offset:c.offset + c.size] = codecs.decode(codec, payload, regions, c.size, ref)
     if predicted_from is not None:
         predict.correct(out, references[predicted_from], state.tensors,
-                        state.adamw if adamw is None else adamw)
+                        state.adamw if adamw is None else adamw, one_nan=one_nan)
     return out

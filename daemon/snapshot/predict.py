@@ -9,11 +9,13 @@ costs compression: decoding recomputes the same prediction and XORs it back out.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from stalwart.daemon.snapshot import codecs
 from stalwart.v1 import common_pb2, manifest_pb2
 
 
@@ -50,8 +52,8 @@ def _scalars(h: manifest_pb2.AdamWHint) -> tuple[float, float] | None:
         step_size = h.lr / (1 - h.beta1 ** h.step)
     except (ZeroDivisionError, OverflowError):
         return None
-    if isinstance(bc2_sqrt, complex) or not np.isfinite([step_size, bc2_sqrt]).all() or \
-            not np.isfinite([h.beta1, h.beta2, h.eps, h.weight_decay, h.lr]).all():
+    if isinstance(bc2_sqrt, complex) or not all(map(math.isfinite, (
+            step_size, bc2_sqrt, h.beta1, h.beta2, h.eps, h.weight_decay, h.lr))):
         return None
     return step_size, bc2_sqrt
 
@@ -61,15 +63,31 @@ def _f32(buf: np.ndarray, meta: common_pb2.TensorMeta) -> np.ndarray:
 
 
 # Both predictions run the same float32 operations in the same order wherever they write
-# (a fresh array, or `out` in place): encoder and decoder must agree to the bit.
+# (a fresh array, or `out` in place) and whichever loops run them (numpy's, or the C of
+# `codecs.native`, which returns False for float32 it cannot address aligned): encoder
+# and decoder must agree to the bit. `one_nan` (ADAM_PREDICTED_XOR_ZSTD_V2) makes every
+# NaN predicted the quiet NaN ONE_NAN; without it (ADAM_PREDICTED_XOR_ZSTD, decode only)
+# NaN payloads are those numpy's loops keep, so only numpy's loops may run it.
+
+ONE_NAN = np.uint32(0x7FC00000)
+
+
+def _one_nan(result: np.ndarray) -> np.ndarray:
+    result.view(np.uint32)[np.isnan(result)] = ONE_NAN
+    return result
 
 
 def predict_second_moment(v0: np.ndarray, m0: np.ndarray, m1: np.ndarray,
-                          h: manifest_pb2.AdamWHint, out: np.ndarray | None = None
-                          ) -> np.ndarray:
+                          h: manifest_pb2.AdamWHint, out: np.ndarray | None = None, *,
+                          one_nan: bool = True) -> np.ndarray:
     """exp_avg_sq after the step, from the gradient recovered out of the two first moments:
     v0 * beta2 + ((1 - beta2) * grad) * grad, grad = m0 + (m1 - m0) / (1 - beta1) (m1 is
     lerp(m0, grad, 1 - beta1)). `out` (not an input) receives it."""
+    if one_nan and codecs.native is not None:
+        into = np.empty_like(v0) if out is None else out
+        if codecs.native.second_moment(v0, m0, m1, into, np.float32(1 - h.beta1),
+                                       np.float32(1 - h.beta2), np.float32(h.beta2)):
+            return into
     with np.errstate(all="ignore"):
         grad = np.subtract(m1, m0)
         np.divide(grad, np.float32(1 - h.beta1), out=grad)
@@ -77,15 +95,22 @@ def predict_second_moment(v0: np.ndarray, m0: np.ndarray, m1: np.ndarray,
         term = np.multiply(np.float32(1 - h.beta2), grad)
         np.multiply(term, grad, out=term)
         result = np.multiply(v0, np.float32(h.beta2), out=out)
-        return np.add(result, term, out=result)
+        np.add(result, term, out=result)
+    return _one_nan(result) if one_nan else result
 
 
 def predict_param(p0: np.ndarray, m1: np.ndarray, v1: np.ndarray,
-                  h: manifest_pb2.AdamWHint, out: np.ndarray | None = None) -> np.ndarray:
+                  h: manifest_pb2.AdamWHint, out: np.ndarray | None = None, *,
+                  one_nan: bool = True) -> np.ndarray:
     """The parameter after a torch AdamW step with moments m1, v1 (exact when they are):
     p0 * (1 - lr * wd) + (-step_size) * (m1 / (sqrt(v1) / bc2_sqrt + eps)). `out` (not
     an input) receives it."""
     step_size, bc2_sqrt = _scalars(h)
+    if one_nan and codecs.native is not None:
+        into = np.empty_like(p0) if out is None else out
+        if codecs.native.param(p0, m1, v1, into, np.float32(bc2_sqrt), np.float32(h.eps),
+                               np.float32(-step_size), np.float32(1 - h.lr * h.weight_decay)):
+            return into
     with np.errstate(all="ignore"):
         term = np.sqrt(v1)
         np.divide(term, np.float32(bc2_sqrt), out=term)
@@ -93,7 +118,8 @@ def predict_param(p0: np.ndarray, m1: np.ndarray, v1: np.ndarray,
         np.divide(m1, term, out=term)
         np.multiply(np.float32(-step_size), term, out=term)
         result = np.multiply(p0, np.float32(1 - h.lr * h.weight_decay), out=out)
-        return np.add(result, term, out=result)
+        np.add(result, term, out=result)
+    return _one_nan(result) if one_nan else result
 
 
 def reference(previous: np.ndarray, current: np.ndarray,
@@ -113,19 +139,21 @@ def reference(previous: np.ndarray, current: np.ndarray,
 
 
 def correct(out: np.ndarray, previous: np.ndarray, tensors: Sequence[common_pb2.TensorMeta],
-            hints: Sequence[manifest_pb2.AdamWHint]) -> None:
+            hints: Sequence[manifest_pb2.AdamWHint], *, one_nan: bool = True) -> None:
     """Decoder side: `out` holds residual XOR previous everywhere; swap `previous` for the
-    prediction in hinted tensors, in place. Second moments first: params need them."""
+    prediction in hinted tensors, in place. Second moments first: params need them.
+    `one_nan`: False for chunks of ADAM_PREDICTED_XOR_ZSTD, written before V2."""
     triples = _triples(tensors, hints)
     for t in triples:
         v = _f32(out, t.exp_avg_sq)
         predicted = predict_second_moment(
-            _f32(previous, t.exp_avg_sq), _f32(previous, t.exp_avg), _f32(out, t.exp_avg), t.hint)
+            _f32(previous, t.exp_avg_sq), _f32(previous, t.exp_avg), _f32(out, t.exp_avg), t.hint,
+            one_nan=one_nan)
         v.view(np.uint32)[...] ^= _f32(previous, t.exp_avg_sq).view(np.uint32) ^ \
             predicted.view(np.uint32)
     for t in triples:
         p = _f32(out, t.param)
         predicted = predict_param(_f32(previous, t.param), _f32(out, t.exp_avg),
-                                  _f32(out, t.exp_avg_sq), t.hint)
+                                  _f32(out, t.exp_avg_sq), t.hint, one_nan=one_nan)
         p.view(np.uint32)[...] ^= _f32(previous, t.param).view(np.uint32) ^ \
             predicted.view(np.uint32)

@@ -40,6 +40,13 @@ class _ChunkCodecEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ChunkCodec
     RankState.adamw are XORed against the AdamW update predicted from the base and this
     step's first moment (decode needs the whole rank, not one chunk alone).
     """
+    ADAM_PREDICTED_XOR_ZSTD_V2: _ChunkCodec.ValueType  # 6
+    """As ADAM_PREDICTED_XOR_ZSTD, with every NaN the prediction yields replaced by the
+    quiet NaN 0x7FC00000: which payload an operation on two NaNs keeps differs between
+    correct IEEE 754 implementations (numpy's loops, the daemon's C), so only a
+    prediction with one NaN decodes the same wherever it is recomputed. Written since
+    the daemon's encode loops moved to C; 5 is still decoded (with numpy's loops).
+    """
 
 class ChunkCodec(_ChunkCodec, metaclass=_ChunkCodecEnumTypeWrapper): ...
 
@@ -56,6 +63,13 @@ ADAM_PREDICTED_XOR_ZSTD: ChunkCodec.ValueType  # 5
 """Lossless: XOR against the base, except that parameters and second moments named in
 RankState.adamw are XORed against the AdamW update predicted from the base and this
 step's first moment (decode needs the whole rank, not one chunk alone).
+"""
+ADAM_PREDICTED_XOR_ZSTD_V2: ChunkCodec.ValueType  # 6
+"""As ADAM_PREDICTED_XOR_ZSTD, with every NaN the prediction yields replaced by the
+quiet NaN 0x7FC00000: which payload an operation on two NaNs keeps differs between
+correct IEEE 754 implementations (numpy's loops, the daemon's C), so only a
+prediction with one NaN decodes the same wherever it is recomputed. Written since
+the daemon's encode loops moved to C; 5 is still decoded (with numpy's loops).
 """
 Global___ChunkCodec: _TypeAlias = ChunkCodec  # noqa: Y015
 
