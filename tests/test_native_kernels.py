@@ -32,11 +32,16 @@ def test_the_c_loops_were_built_by_the_install() -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(typed_buffers(), st.booleans())
-def test_planes_of_data_xor_reference_match_numpys(case, against_reference: bool) -> None:
+def test_planes_of_data_xor_reference_and_back_match_numpys(case, against_reference: bool
+                                                            ) -> None:
     cur, ref, regions = case
     ref = ref if against_reference else None
     got = codecs._shuffled(cur, regions, ref).tobytes()
     assert got == numpy_only(lambda: codecs._shuffled(cur, regions, ref).tobytes())
+    # ...and back: the elements out of those planes, XOR the reference again.
+    back = codecs._planes(got, regions, False, None, ref)
+    assert back.tobytes() == cur
+    assert numpy_only(codecs._planes, got, regions, False, None, ref).tobytes() == cur
 
 
 def test_planes_of_long_regions_match_numpys() -> None:
@@ -56,6 +61,10 @@ def test_planes_of_long_regions_match_numpys() -> None:
     payload = codecs.encode_xor(cur, ref, regions)
     assert payload == numpy_only(codecs.encode_xor, cur, ref, regions)
     assert numpy_only(codecs.decode_xor, payload, ref, regions, offset).tobytes() == cur
+    assert codecs.decode_xor(payload, ref, regions, offset).tobytes() == cur
+    base = codecs.encode_full(cur, regions)
+    assert base == numpy_only(codecs.encode_full, cur, regions)
+    assert codecs.decode_full(base, regions, offset).tobytes() == cur
 
 
 def _nan_heavy(n: int, shift: int, rng: np.random.Generator) -> np.ndarray:

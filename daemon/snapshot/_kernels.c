@@ -116,6 +116,71 @@ static void split(const uint8_t *src, const uint8_t *ref, uint8_t *out, int64_t 
     }
 }
 
+/* The inverse of split: n e-byte elements out of their byte planes (planes[k * n + i] is
+ * byte k of element i), XORed with ref (when not NULL) in element order. */
+static void join(const uint8_t *planes, const uint8_t *ref, uint8_t *out, int64_t n, int64_t e)
+{
+    if (e == 4) {
+        const uint8_t *p0 = planes, *p1 = planes + n, *p2 = planes + 2 * n, *p3 = planes + 3 * n;
+        int64_t i = 0;
+#ifdef __SSE2__
+        for (; i + 16 <= n; i += 16) {  /* byte pairs, then pairs of pairs: 16 elements */
+            __m128i a = _mm_loadu_si128((const __m128i *)(p0 + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(p1 + i));
+            __m128i c = _mm_loadu_si128((const __m128i *)(p2 + i));
+            __m128i d = _mm_loadu_si128((const __m128i *)(p3 + i));
+            __m128i ab_lo = _mm_unpacklo_epi8(a, b), cd_lo = _mm_unpacklo_epi8(c, d);
+            __m128i ab_hi = _mm_unpackhi_epi8(a, b), cd_hi = _mm_unpackhi_epi8(c, d);
+            __m128i x[4] = {_mm_unpacklo_epi16(ab_lo, cd_lo), _mm_unpackhi_epi16(ab_lo, cd_lo),
+                            _mm_unpacklo_epi16(ab_hi, cd_hi), _mm_unpackhi_epi16(ab_hi, cd_hi)};
+            for (int j = 0; j < 4; j++) {
+                if (ref)
+                    x[j] = _mm_xor_si128(x[j], _mm_loadu_si128((const __m128i *)(ref + 4 * i + 16 * j)));
+                _mm_storeu_si128((__m128i *)(out + 4 * i + 16 * j), x[j]);
+            }
+        }
+#endif
+        for (; i < n; i++) {
+            uint32_t w = (uint32_t)p0[i] | (uint32_t)p1[i] << 8 | (uint32_t)p2[i] << 16 |
+                         (uint32_t)p3[i] << 24, r = 0;
+            if (ref) memcpy(&r, ref + 4 * i, 4);
+            w ^= r;
+            memcpy(out + 4 * i, &w, 4);
+        }
+        return;
+    }
+    if (e == 2) {
+        const uint8_t *p0 = planes, *p1 = planes + n;
+        int64_t i = 0;
+#ifdef __SSE2__
+        for (; i + 16 <= n; i += 16) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(p0 + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(p1 + i));
+            __m128i x[2] = {_mm_unpacklo_epi8(a, b), _mm_unpackhi_epi8(a, b)};
+            for (int j = 0; j < 2; j++) {
+                if (ref)
+                    x[j] = _mm_xor_si128(x[j], _mm_loadu_si128((const __m128i *)(ref + 2 * i + 16 * j)));
+                _mm_storeu_si128((__m128i *)(out + 2 * i + 16 * j), x[j]);
+            }
+        }
+#endif
+        for (; i < n; i++) {
+            uint16_t w = (uint16_t)(p0[i] | p1[i] << 8), r = 0;
+            if (ref) memcpy(&r, ref + 2 * i, 2);
+            w ^= r;
+            memcpy(out + 2 * i, &w, 2);
+        }
+        return;
+    }
+    for (int64_t k = 0; k < e; k++) {  /* any other width: one strided pass per plane */
+        const uint8_t *p = planes + k * n;
+        uint8_t *o = out + k;
+        const uint8_t *r = ref ? ref + k : NULL;
+        for (int64_t i = 0; i < n; i++)
+            o[i * e] = p[i] ^ (r ? r[i * e] : 0);
+    }
+}
+
 static void xor_copy(const uint8_t *src, const uint8_t *ref, uint8_t *out, int64_t n)
 {
     if (!ref) {
@@ -127,9 +192,11 @@ static void xor_copy(const uint8_t *src, const uint8_t *ref, uint8_t *out, int64
 }
 
 /* planes(data, reference or None, out, regions): the byte planes of data ^ reference,
- * region by region. `regions` holds int64 (start, size, element size) triples tiling
- * [0, len(data)) in order; bytes past a region's last whole element are copied. */
-static PyObject *planes(PyObject *self, PyObject *args)
+ * region by region; unplanes(planes, reference or None, out, regions) the inverse, the
+ * reference XORed in element order. `regions` holds int64 (start, size, element size)
+ * triples tiling [0, len(data)) in order; bytes past a region's last whole element are
+ * copied (and XORed). */
+static PyObject *by_regions(PyObject *args, int forward)
 {
     Py_buffer src, out, regs, ref = {0};
     PyObject *ref_obj;
@@ -168,8 +235,12 @@ static PyObject *planes(PyObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t j = 0; j < count; j++) {
         int64_t lo = r[j].start, e = r[j].elem, n = e > 1 ? r[j].size / e : 0;
-        if (n > 0)
-            split(s + lo, f ? f + lo : NULL, o + lo, n, e);
+        if (n > 0) {
+            if (forward)
+                split(s + lo, f ? f + lo : NULL, o + lo, n, e);
+            else
+                join(s + lo, f ? f + lo : NULL, o + lo, n, e);
+        }
         int64_t mid = lo + n * e;
         xor_copy(s + mid, f ? f + mid : NULL, o + mid, lo + r[j].size - mid);
     }
@@ -182,6 +253,16 @@ done:
     if (has_ref && ref.obj)
         PyBuffer_Release(&ref);
     return result;
+}
+
+static PyObject *planes(PyObject *self, PyObject *args)
+{
+    return by_regions(args, 1);
+}
+
+static PyObject *unplanes(PyObject *self, PyObject *args)
+{
+    return by_regions(args, 0);
 }
 
 /* 0: b holds n float32 at an aligned address; 1: misaligned (the caller answers False and
@@ -288,6 +369,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"planes", planes, METH_VARARGS, "Byte planes of data ^ reference, region by region."},
+    {"unplanes", unplanes, METH_VARARGS, "Elements out of their byte planes, ^ reference."},
     {"second_moment", second_moment, METH_VARARGS, "AdamW's second moment after a step."},
     {"param", param, METH_VARARGS, "A parameter after an AdamW step."},
     {NULL, NULL, 0, NULL},

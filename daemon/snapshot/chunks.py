@@ -237,7 +237,7 @@ def decode_rank(state: manifest_pb2.RankState, payloads: Sequence[Buffer],
             predicted_from, one_nan = c.base_step, codec == manifest_pb2.ADAM_PREDICTED_XOR_ZSTD_V2
             codec = manifest_pb2.XOR_DELTA_ZSTD
         regions = index.regions(c.offset, c.size)
-        out[c.offset:c.offset + c.size] = codecs.decode(codec, payload, regions, c.size, ref)
+        codecs.decode(codec, payload, regions, c.size, ref, out[c.offset:c.offset + c.size])
     if predicted_from is not None:
         predict.correct(out, references[predicted_from], state.tensors,
                         state.adamw if adamw is None else adamw, one_nan=one_nan)

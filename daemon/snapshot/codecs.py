@@ -171,15 +171,17 @@ def _table(tiled: list[Region]) -> np.ndarray:
 
 def _planes(data: Buffer, regions: list[Region], forward: bool,
             out: np.ndarray | None = None, reference: Buffer | None = None) -> np.ndarray:
-    """Byte planes of `data` (XOR `reference` when given: forward only) into `out`, or
-    the inverse (`forward` False)."""
+    """Into `out`: the byte planes of `data` XOR `reference`, or (`forward` False) the
+    elements of planes `data`, XOR `reference`. `reference` (optional) is in element
+    order either way."""
     src = _u8(data)
     out = np.empty_like(src) if out is None else out
     tiled = tile(regions, src.size)
-    if forward and native is not None:
-        native.planes(src, None if reference is None else _u8(reference), out, _table(tiled))
+    if native is not None:
+        (native.planes if forward else native.unplanes)(
+            src, None if reference is None else _u8(reference), out, _table(tiled))
         return out
-    if reference is not None:
+    if forward and reference is not None:
         src = xor(src, reference, scratch(src.size, np.uint8, "xor"))
     fast = forward and sys.byteorder == "little"
     for run in (_runs(tiled) if fast else [[r] for r in tiled]):
@@ -204,7 +206,7 @@ def _planes(data: Buffer, regions: list[Region], forward: bool,
         else:
             mid = lo
         out[mid:hi] = src[mid:hi]
-    return out
+    return out if forward or reference is None else xor(out, reference, out)
 
 
 def shuffle(data: Buffer, regions: list[Region]) -> np.ndarray:
@@ -234,6 +236,11 @@ def _zstd(data: np.ndarray, level: int, threads: int) -> bytes:
     return _compressor(level, threads).compress(data)
 
 
+def _into(out: np.ndarray, data: np.ndarray) -> np.ndarray:
+    out[...] = data
+    return out
+
+
 def _unzstd(payload: Buffer, size: int) -> np.ndarray:
     raw = _decompressor().decompress(payload, max_output_size=size)
     if len(raw) != size:
@@ -255,8 +262,9 @@ def encode_full(data: Buffer, regions: list[Region], *, level: int = DEFAULT_LEV
     return _zstd(_shuffled(data, regions), level, threads)
 
 
-def decode_full(payload: Buffer, regions: list[Region], size: int) -> np.ndarray:
-    return unshuffle(_unzstd(payload, size), regions)
+def decode_full(payload: Buffer, regions: list[Region], size: int,
+                out: np.ndarray | None = None) -> np.ndarray:
+    return _planes(_unzstd(payload, size), regions, False, out)
 
 
 def encode_xor(data: Buffer, reference: Buffer, regions: list[Region], *,
@@ -268,8 +276,12 @@ def encode_xor(data: Buffer, reference: Buffer, regions: list[Region], *,
     return _zstd(_shuffled(data, regions, reference), level, threads)
 
 
-def decode_xor(payload: Buffer, reference: Buffer, regions: list[Region], size: int) -> np.ndarray:
-    return xor(unshuffle(_unzstd(payload, size), regions), reference)
+def decode_xor(payload: Buffer, reference: Buffer, regions: list[Region], size: int,
+               out: np.ndarray | None = None) -> np.ndarray:
+    if len(_u8(reference)) != size:
+        raise CodecError(f"delta of {size} bytes against a reference of "
+                         f"{len(_u8(reference))} bytes")
+    return _planes(_unzstd(payload, size), regions, False, out, reference)
 
 
 def encode(codec: int, data: Buffer, regions: list[Region], reference: Buffer | None = None, *,
@@ -285,19 +297,21 @@ def encode(codec: int, data: Buffer, regions: list[Region], reference: Buffer | 
 
 
 def decode(codec: int, payload: Buffer, regions: list[Region], size: int,
-           reference: Buffer | None = None) -> np.ndarray:
-    """Decode one chunk of `size` bytes; deltas need the reference's bytes of the same range."""
+           reference: Buffer | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """Decode one chunk of `size` bytes (into `out` when given, and returned); deltas need
+    the reference's bytes of the same range, in a buffer other than `out`."""
     if codec == manifest_pb2.RAW:
         raw = _u8(payload)
         if raw.size != size:
             raise CodecError(f"raw chunk holds {raw.size} bytes, record says {size}")
-        return raw
+        return raw if out is None else _into(out, raw)
     if codec == manifest_pb2.ZSTD:
-        return decode_full(payload, regions, size)
+        return decode_full(payload, regions, size, out)
     if codec == manifest_pb2.XOR_DELTA_ZSTD:
-        return decode_xor(payload, reference, regions, size)
+        return decode_xor(payload, reference, regions, size, out)
     if codec == manifest_pb2.QUANT_DELTA:
-        return decode_quant(payload, reference, regions, size)
+        decoded = decode_quant(payload, reference, regions, size)
+        return decoded if out is None else _into(out, decoded)
     raise CodecError(f"unknown chunk codec {codec}; a newer stalwart wrote this step")
 
 
