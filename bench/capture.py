@@ -218,13 +218,38 @@ def _pin(pid: int, cores: set[int]) -> None:
             pass  # a thread that ended meanwhile
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU time (user + system) process `pid` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _BusyNeighbour:
+    """A process that spins on `core`, touching no memory: what any busy process beside
+    training costs this machine's training core (shared caches, memory, or a sibling
+    hardware thread that the virtual topology does not show)."""
+
+    def __init__(self, core: int) -> None:
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        _pin(self.proc.pid, {core})
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
 def _own_cores_overhead(rank: _DaemonRank, model, opt, step: Callable[[], float],
                         blocks: int) -> dict[str, Any]:
     """The tiny model's step overhead with the rank's training thread (one torch thread)
     on one core and its daemon on another, as a deployment that gives the daemon a core
     has it: the capture threads run on the daemon's core (`stalwart run --capture-cpus`)
-    in one set of blocks and beside the training thread in the other, interleaved. None
-    where the machine has fewer than two cores to give."""
+    in one set of blocks and beside the training thread in the other, interleaved, and a
+    third set trains without capture beside a busy neighbour on the daemon's core (the
+    machine's floor for any work there). None where the machine has fewer than two cores
+    to give."""
     import torch
 
     cores = sorted(os.sched_getaffinity(0))
@@ -248,12 +273,21 @@ def _own_cores_overhead(rank: _DaemonRank, model, opt, step: Callable[[], float]
                 capturer.cpus = frozenset({cores[1]}) if apart and capture else None
             return before_block  # ...or, `apart`, on the daemon's core
 
-        plain, apart, beside = [], [], []
+        plain, apart, beside, neighbour, daemon_cpu_s = [], [], [], [], []
         for _ in range(blocks):  # interleaved: drift hits every arm
             for arm, out in ((True, apart), (False, beside)):
+                cpu_before, captures = _cpu_s(daemon.pid), rank.step
                 more_plain, captured = _sustained(rank, model, opt, step, 1, place(arm))
+                if arm:  # includes the plain block, when the daemon has nothing to do
+                    daemon_cpu_s.append((_cpu_s(daemon.pid) - cpu_before)
+                                        / (rank.step - captures - SUSTAINED_STEPS // 4))
                 plain += more_plain
                 out += captured
+            busy = _BusyNeighbour(cores[1])
+            try:
+                neighbour += rank.train(model, opt, step, SUSTAINED_STEPS // 2, capture=False)
+            finally:
+                busy.close()
     finally:
         capturer.cpus = None
         for pid, allowed in before.items():
@@ -264,7 +298,10 @@ def _own_cores_overhead(rank: _DaemonRank, model, opt, step: Callable[[], float]
         return round(100 * (median(times) / median(plain) - 1), 2)
 
     return {"overhead_pct": pct(apart), "overhead_pct_capture_threads_on_rank_core":
-            pct(beside), "rank_core": cores[0], "daemon_core": cores[1],
+            pct(beside), "busy_neighbour_overhead_pct": pct(neighbour),
+            "daemon_cpu_s_per_capture": round(median(daemon_cpu_s), 6),
+            "daemon_core_busy_fraction": round(median(daemon_cpu_s) / median(apart), 3),
+            "rank_core": cores[0], "daemon_core": cores[1],
             "torch_threads": 1, "steps_each": len(plain),
             "captured_back_to_back": SUSTAINED_STEPS, "counted_from": SUSTAINED_STEPS // 2,
             "step_s_without_capture": round(median(plain), 6),
@@ -357,6 +394,11 @@ def run(quick: bool) -> dict:
                  "copy and hand-over threads to another (stalwart run --capture-cpus); "
                  "own_cores.overhead_pct_capture_threads_on_rank_core: the capture "
                  "threads left beside the training thread, blocks interleaved. "
+                 "own_cores.busy_neighbour_overhead_pct: no capture, a process spinning "
+                 "on the daemon's core instead (this machine's cost of any work there). "
+                 "own_cores.daemon_cpu_s_per_capture: the daemon's CPU time over a "
+                 "captured block, per capture; daemon_core_busy_fraction: that over the "
+                 "captured step time (above 1 the daemon sets the pace). "
                  "handoff_s: the rest (describe the state, hand the slot over). "
                  "stall_waiting_for_copy_s: part of the stall spent before optimizer.step() "
                  "waiting for the copy, which itself waits for a slot the daemon has not "
