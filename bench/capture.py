@@ -191,6 +191,11 @@ a few captures) fills within them when encoding is slower than a step, so the bl
 second half trains at the pace the daemon keeps (a short block would hide it)."""
 
 
+OVERHEAD_BLOCKS, OVERHEAD_BLOCKS_QUICK = 5, 1
+"""Pairs of blocks (plain, captured) per overhead figure: this machine's speed drifts by
+several percent between blocks, more than the effect on its good days."""
+
+
 def _sustained(rank: _DaemonRank, model, opt, step: Callable[[], float], blocks: int,
                before_block: Callable[[bool], None] = lambda capture: None
                ) -> tuple[list[float], list[float]]:
@@ -207,6 +212,14 @@ def _sustained(rank: _DaemonRank, model, opt, step: Callable[[], float], blocks:
         rank.capturer.drain()
         rank.wait_committed(rank.step)
     return plain, captured
+
+
+def _paired_pct(pairs: list[tuple[list[float], list[float]]]) -> float:
+    """Median over blocks of how much slower (%) each block's steps were than those of
+    the plain block beside it: a machine whose speed drifts between blocks moves both
+    sides of a pair."""
+    return round(median(100 * (median(other) / median(plain) - 1) for plain, other in pairs),
+                 2)
 
 
 def _pin(pid: int, cores: set[int]) -> None:
@@ -282,10 +295,11 @@ def _own_cores_overhead(rank: _DaemonRank, model, opt, step: Callable[[], float]
                     daemon_cpu_s.append((_cpu_s(daemon.pid) - cpu_before)
                                         / (rank.step - captures - SUSTAINED_STEPS // 4))
                 plain += more_plain
-                out += captured
+                out.append((more_plain, captured))
             busy = _BusyNeighbour(cores[1])
             try:
-                neighbour += rank.train(model, opt, step, SUSTAINED_STEPS // 2, capture=False)
+                neighbour.append((out[-1][0], rank.train(model, opt, step,
+                                                         SUSTAINED_STEPS // 2, capture=False)))
             finally:
                 busy.close()
     finally:
@@ -294,19 +308,19 @@ def _own_cores_overhead(rank: _DaemonRank, model, opt, step: Callable[[], float]
             _pin(pid, allowed)
         torch.set_num_threads(threads)
 
-    def pct(times: list[float]) -> float:
-        return round(100 * (median(times) / median(plain) - 1), 2)
-
-    return {"overhead_pct": pct(apart), "overhead_pct_capture_threads_on_rank_core":
-            pct(beside), "busy_neighbour_overhead_pct": pct(neighbour),
+    captured = [t for _, block in apart for t in block]
+    return {"overhead_pct": _paired_pct(apart), "overhead_pct_capture_threads_on_rank_core":
+            _paired_pct(beside), "busy_neighbour_overhead_pct": _paired_pct(neighbour),
+            "overhead_pct_by_block": [_paired_pct([pair]) for pair in apart],
             "daemon_cpu_s_per_capture": round(median(daemon_cpu_s), 6),
-            "daemon_core_busy_fraction": round(median(daemon_cpu_s) / median(apart), 3),
+            "daemon_core_busy_fraction": round(median(daemon_cpu_s) / median(captured), 3),
             "rank_core": cores[0], "daemon_core": cores[1],
             "torch_threads": 1, "steps_each": len(plain),
             "captured_back_to_back": SUSTAINED_STEPS, "counted_from": SUSTAINED_STEPS // 2,
             "step_s_without_capture": round(median(plain), 6),
-            "step_s_with_capture": round(median(apart), 6),
-            "step_s_with_capture_threads_on_rank_core": round(median(beside), 6)}
+            "step_s_with_capture": round(median(captured), 6),
+            "step_s_with_capture_threads_on_rank_core":
+                round(median(t for _, block in beside for t in block), 6)}
 
 
 def run(quick: bool) -> dict:
@@ -344,10 +358,14 @@ def run(quick: bool) -> dict:
         rank.train(tiny_model, tiny_opt, tiny_step, 5, capture=False)  # warm-up
         before = len(rank.capturer.stats.stalls_s)
         # Interleaved blocks: drift hits both sides.
-        plain, captured = _sustained(rank, tiny_model, tiny_opt, tiny_step, 1 if quick else 3)
+        pairs = [_sustained(rank, tiny_model, tiny_opt, tiny_step, 1)
+                 for _ in range(OVERHEAD_BLOCKS_QUICK if quick else OVERHEAD_BLOCKS)]
+        plain = [t for block, _ in pairs for t in block]
+        captured = [t for _, block in pairs for t in block]
         tiny_stalls = rank.capturer.stats.stalls_s[before:]
         tiny_bytes = rank.capturer.stats.bytes_per_capture
-        own = _own_cores_overhead(rank, tiny_model, tiny_opt, tiny_step, 1 if quick else 3)
+        own = _own_cores_overhead(rank, tiny_model, tiny_opt, tiny_step,
+                                  OVERHEAD_BLOCKS_QUICK if quick else OVERHEAD_BLOCKS)
     finally:
         rank.close()
         shutil.rmtree(folder, ignore_errors=True)
@@ -376,7 +394,7 @@ def run(quick: bool) -> dict:
                  "step_s_without_capture": round(median(plain), 6),
                  "step_s_with_capture": round(median(captured), 6),
                  "stall_s": round(median(tiny_stalls), 6)},
-        "step_overhead_pct": round(100 * (median(captured) / median(plain) - 1), 2),
+        "step_overhead_pct": _paired_pct(pairs),
         "step_overhead_pct_own_cores": own["overhead_pct"],
         "own_cores": own,
         "torch_threads": torch.get_num_threads(),
@@ -384,9 +402,10 @@ def run(quick: bool) -> dict:
                  "(capture() call plus the wait before the next optimizer.step()), real "
                  "Capturer -> daemon subprocess, first capture (slot set-up) excluded "
                  "(tiny.stall_s: every capture of the tiny model's captured blocks). "
-                 "step_overhead_pct: tiny GPT, capture every step vs none, interleaved "
-                 f"blocks in one process, each captured block {SUSTAINED_STEPS} steps back "
-                 f"to back of which the last {SUSTAINED_STEPS // 2} count (the pace once "
+                 "step_overhead_pct: tiny GPT, capture every step vs none, median over "
+                 f"{OVERHEAD_BLOCKS} pairs of blocks in one process of each pair's ratio, "
+                 f"each captured block {SUSTAINED_STEPS} steps back to back of which "
+                 f"the last {SUSTAINED_STEPS // 2} count (the pace once "
                  "the daemon's slack is used up); the daemon's encoding shares the "
                  "machine's cores. "
                  "step_overhead_pct_own_cores: the same with the training thread (one "
