@@ -138,11 +138,19 @@ class _DaemonRank:
         self.capturer = Capturer(transport, token=self.client.token)
         self.step = 0  # step numbers keep rising across phases, as the daemon expects
         self.copy_waits_s: list[float] = []  # blocked in before_update, per optimizer step
+        self.registries: dict[tuple[int, int], Any] = {}
 
     def train(self, model, opt, step: Callable[[], float], steps: int, capture: bool,
               every: int = 1) -> list[float]:
-        """Wall time of each training step (capture, every `every` steps, included), s."""
-        state = _state(model, opt)
+        """Wall time of each training step (capture, every `every` steps, included), s:
+        the state and AdamW hints come from a StateRegistry of the model and optimizer
+        at every capture, as `stalwart.run()` takes them from a user's training."""
+        from stalwart.client.user_state import StateRegistry
+
+        key = (id(model), id(opt))
+        if key not in self.registries:
+            self.registries[key] = StateRegistry({"model": model, "optimizer": opt})
+        registry = self.registries[key]
 
         def wait_for_copy(*_: Any) -> None:
             # The optimizer is about to overwrite what is being copied.
@@ -156,8 +164,8 @@ class _DaemonRank:
                 step()
                 self.step += 1
                 if capture and self.step % every == 0:
-                    self.capturer.capture(self.step, _state_tensors(state),
-                                          {"step": self.step})
+                    tensors, extra = registry.capture(self.step)
+                    self.capturer.capture(self.step, tensors, extra, registry.adamw_hints())
                 times.append(time.perf_counter() - t0)
             if capture:
                 self.capturer.before_update()  # the last copy's wait belongs to its step
@@ -402,7 +410,9 @@ def run(quick: bool) -> dict:
                  "(capture() call plus the wait before the next optimizer.step()), real "
                  "Capturer -> daemon subprocess, first capture (slot set-up) excluded "
                  "(tiny.stall_s: every capture of the tiny model's captured blocks). "
-                 "step_overhead_pct: tiny GPT, capture every step vs none, median over "
+                 "step_overhead_pct: tiny GPT, capture every step vs none (the state and "
+                 "AdamW hints taken by a StateRegistry at each capture, as stalwart.run() "
+                 "takes them, and counted in the step), median over "
                  f"{OVERHEAD_BLOCKS} pairs of blocks in one process of each pair's ratio, "
                  f"each captured block {SUSTAINED_STEPS} steps back to back of which "
                  f"the last {SUSTAINED_STEPS // 2} count (the pace once "

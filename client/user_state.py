@@ -106,6 +106,8 @@ class StateRegistry:
         """The tensors of one job keep their names, dtypes and shapes from step to step
         (optimizer state appears at the first step and may not change after)."""
         layout = [(t.name, t.tensor.dtype, tuple(t.tensor.shape)) for t in tensors]
+        if layout == self._layout:
+            return  # the usual step: checked when it first appeared
         for name, dtype, _ in layout:
             try:
                 dtype_to_proto(dtype)
@@ -193,13 +195,14 @@ def _flatten(value: Any, path: str, out: list[StateTensor], *,
     if isinstance(value, torch.Tensor):
         if not tensors_allowed:
             raise StateError(f"{path!r} holds a tensor where Stalwart expects a plain value")
-        out.append(StateTensor(path, value.detach()))
+        # state_dict() hands out detached tensors: only one that tracks gradients needs it.
+        out.append(StateTensor(path, value.detach() if value.requires_grad else value))
         return {_TENSOR: path}
-    if isinstance(value, float) and not math.isfinite(value):
-        return {"__stalwart_float__": repr(value)}
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"__stalwart_float__": repr(value)}
     if isinstance(value, _PLAIN):
         return value
-    if isinstance(value, Mapping):
+    if isinstance(value, dict | Mapping):
         result = {}
         for k, v in value.items():
             if not isinstance(k, str | int):
