@@ -115,3 +115,35 @@ def test_adamw_predictions_match_numpys_bit_for_bit(arrays, beta1, beta2, lr, wd
         got = fn(a, b, c, h).view(np.uint32)
         expected = numpy_only(fn, a, b, c, h).view(np.uint32)
         assert np.array_equal(got, expected), fn.__name__
+
+
+def test_a_hostile_region_table_is_refused_not_followed() -> None:
+    # Sizes that overflow int64 when added must not let a region outside the data through.
+    data, out = bytes(16), bytearray(16)
+    wrap = lambda x: (x + 2**63) % 2**64 - 2**63  # noqa: E731
+    table = np.array([(0, 8, 1), (8, 2**63 - 1, 1), (wrap(8 + 2**63 - 1), 2**63 - 1, 1),
+                      (6, 10, 1)], dtype=np.int64)
+    for fn in (codecs.native.planes, codecs.native.unplanes):
+        with pytest.raises(ValueError, match="tile"):
+            fn(data, None, out, table)
+    with pytest.raises(ValueError, match="aligned"):  # int64 rows read at an odd address
+        codecs.native.planes(data, None, out, memoryview(bytes(25))[1:])
+
+
+def test_predictions_of_other_dtypes_are_refused() -> None:
+    # Equal byte lengths (float64 x n == float32 x 2n) must not pass for float32.
+    x = np.linspace(0.1, 1, 8)
+    for fn in (predict.predict_second_moment, predict.predict_param):
+        with pytest.raises(TypeError, match="float32"):
+            fn(x, x, x, hint())
+        with pytest.raises(TypeError, match="float32"):
+            numpy_only(fn, x, x, x, hint())
+
+
+def test_a_delta_cannot_decode_into_its_reference() -> None:
+    rng = np.random.default_rng(5)
+    regions = [codecs.Region(0, 4096, codecs.common_pb2.FLOAT32)]
+    cur, ref = rng.bytes(4096), np.frombuffer(rng.bytes(4096), np.uint8).copy()
+    payload = codecs.encode_xor(cur, ref, regions)
+    with pytest.raises(codecs.CodecError, match="reference"):
+        codecs.decode_xor(payload, ref, regions, 4096, out=ref)

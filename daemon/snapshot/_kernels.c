@@ -211,16 +211,19 @@ static PyObject *by_regions(PyObject *args, int forward)
                      src.len, has_ref ? ref.len : src.len, out.len);
         goto done;
     }
-    if (regs.len % (Py_ssize_t)sizeof(region_t)) {
-        PyErr_SetString(PyExc_ValueError, "planes: regions must be int64 (start, size, elem) triples");
+    if (regs.len % (Py_ssize_t)sizeof(region_t) || (uintptr_t)regs.buf % sizeof(int64_t)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "planes: regions must be an aligned array of int64 (start, size, elem) triples");
         goto done;
     }
     const region_t *r = regs.buf;
     Py_ssize_t count = regs.len / (Py_ssize_t)sizeof(region_t);
     int64_t cursor = 0;
     for (Py_ssize_t j = 0; j < count; j++) {
+        /* start == cursor keeps start in [0, len]: len - start cannot overflow, and
+         * neither can cursor, which never passes len. */
         if (r[j].start != cursor || r[j].size < 0 || r[j].elem < 1 ||
-                r[j].start + r[j].size > src.len) {
+                r[j].size > (int64_t)src.len - r[j].start) {
             PyErr_Format(PyExc_ValueError, "planes: region %zd does not tile the data", j);
             goto done;
         }

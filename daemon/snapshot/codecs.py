@@ -281,6 +281,8 @@ def decode_xor(payload: Buffer, reference: Buffer, regions: list[Region], size: 
     if len(_u8(reference)) != size:
         raise CodecError(f"delta of {size} bytes against a reference of "
                          f"{len(_u8(reference))} bytes")
+    if out is not None and np.may_share_memory(out, _u8(reference)):
+        raise CodecError("a delta cannot decode into its own reference's memory")
     return _planes(_unzstd(payload, size), regions, False, out, reference)
 
 

@@ -72,6 +72,14 @@ def _f32(buf: np.ndarray, meta: common_pb2.TensorMeta) -> np.ndarray:
 ONE_NAN = np.uint32(0x7FC00000)
 
 
+def _require_f32(*arrays: np.ndarray | None) -> None:
+    """Predictions are of float32 tensors (`_triples` admits no others); the C loops read
+    any bytes as float32, so another dtype is refused here, not reinterpreted."""
+    for a in arrays:
+        if a is not None and a.dtype != np.float32:
+            raise TypeError(f"AdamW predictions take float32 arrays, not {a.dtype}")
+
+
 def _one_nan(result: np.ndarray) -> np.ndarray:
     result.view(np.uint32)[np.isnan(result)] = ONE_NAN
     return result
@@ -83,6 +91,7 @@ def predict_second_moment(v0: np.ndarray, m0: np.ndarray, m1: np.ndarray,
     """exp_avg_sq after the step, from the gradient recovered out of the two first moments:
     v0 * beta2 + ((1 - beta2) * grad) * grad, grad = m0 + (m1 - m0) / (1 - beta1) (m1 is
     lerp(m0, grad, 1 - beta1)). `out` (not an input) receives it."""
+    _require_f32(v0, m0, m1, out)
     if one_nan and codecs.native is not None:
         into = np.empty_like(v0) if out is None else out
         if codecs.native.second_moment(v0, m0, m1, into, np.float32(1 - h.beta1),
@@ -106,6 +115,7 @@ def predict_param(p0: np.ndarray, m1: np.ndarray, v1: np.ndarray,
     p0 * (1 - lr * wd) + (-step_size) * (m1 / (sqrt(v1) / bc2_sqrt + eps)). `out` (not
     an input) receives it."""
     step_size, bc2_sqrt = _scalars(h)
+    _require_f32(p0, m1, v1, out)
     if one_nan and codecs.native is not None:
         into = np.empty_like(p0) if out is None else out
         if codecs.native.param(p0, m1, v1, into, np.float32(bc2_sqrt), np.float32(h.eps),
