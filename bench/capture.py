@@ -204,21 +204,18 @@ OVERHEAD_BLOCKS, OVERHEAD_BLOCKS_QUICK = 5, 1
 several percent between blocks, more than the effect on its good days."""
 
 
-def _sustained(rank: _DaemonRank, model, opt, step: Callable[[], float], blocks: int,
+def _sustained(rank: _DaemonRank, model, opt, step: Callable[[], float],
                before_block: Callable[[bool], None] = lambda capture: None
                ) -> tuple[list[float], list[float]]:
-    """Step times (s) without capture and with a capture every step, in interleaved
-    blocks: a plain block of SUSTAINED_STEPS // 4 steps, then SUSTAINED_STEPS captured,
-    of which the last half count (the daemon's backlog drained before each block)."""
-    plain, captured = [], []
-    for _ in range(blocks):
-        before_block(False)
-        plain += rank.train(model, opt, step, SUSTAINED_STEPS // 4, capture=False)
-        before_block(True)
-        captured += rank.train(model, opt, step, SUSTAINED_STEPS,
-                               capture=True)[SUSTAINED_STEPS // 2:]
-        rank.capturer.drain()
-        rank.wait_committed(rank.step)
+    """One pair of blocks' step times (s): SUSTAINED_STEPS // 4 steps without capture,
+    then SUSTAINED_STEPS with a capture every step, of which the last half count (the
+    daemon's backlog drained after the pair)."""
+    before_block(False)
+    plain = rank.train(model, opt, step, SUSTAINED_STEPS // 4, capture=False)
+    before_block(True)
+    captured = rank.train(model, opt, step, SUSTAINED_STEPS, capture=True)[SUSTAINED_STEPS // 2:]
+    rank.capturer.drain()
+    rank.wait_committed(rank.step)
     return plain, captured
 
 
@@ -298,7 +295,7 @@ def _own_cores_overhead(rank: _DaemonRank, model, opt, step: Callable[[], float]
         for _ in range(blocks):  # interleaved: drift hits every arm
             for arm, out in ((True, apart), (False, beside)):
                 cpu_before, captures = _cpu_s(daemon.pid), rank.step
-                more_plain, captured = _sustained(rank, model, opt, step, 1, place(arm))
+                more_plain, captured = _sustained(rank, model, opt, step, place(arm))
                 if arm:  # includes the plain block, when the daemon has nothing to do
                     daemon_cpu_s.append((_cpu_s(daemon.pid) - cpu_before)
                                         / (rank.step - captures - SUSTAINED_STEPS // 4))
@@ -366,7 +363,7 @@ def run(quick: bool) -> dict:
         rank.train(tiny_model, tiny_opt, tiny_step, 5, capture=False)  # warm-up
         before = len(rank.capturer.stats.stalls_s)
         # Interleaved blocks: drift hits both sides.
-        pairs = [_sustained(rank, tiny_model, tiny_opt, tiny_step, 1)
+        pairs = [_sustained(rank, tiny_model, tiny_opt, tiny_step)
                  for _ in range(OVERHEAD_BLOCKS_QUICK if quick else OVERHEAD_BLOCKS)]
         plain = [t for block, _ in pairs for t in block]
         captured = [t for _, block in pairs for t in block]

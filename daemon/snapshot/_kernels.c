@@ -279,95 +279,84 @@ static int floats(Py_buffer *b, Py_ssize_t n, const char *what)
     return ((uintptr_t)b->buf % sizeof(float)) != 0;
 }
 
-static int all_floats(Py_buffer *b[4], Py_ssize_t n, const char *const what[4])
+static void second_moment_loop(const float *v0, const float *m0, const float *m1, float *o,
+                               Py_ssize_t n, const float c[4])
 {
+    const float one_minus_beta1 = c[0], one_minus_beta2 = c[1], beta2 = c[2];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float grad = m1[i] - m0[i];
+        grad = grad / one_minus_beta1;
+        grad = m0[i] + grad;
+        float term = one_minus_beta2 * grad;
+        term = term * grad;
+        float r = v0[i] * beta2;
+        o[i] = one_nan(r + term);
+    }
+}
+
+static void param_loop(const float *p0, const float *m1, const float *v1, float *o,
+                       Py_ssize_t n, const float c[4])
+{
+    const float bc2_sqrt = c[0], eps = c[1], minus_step_size = c[2], decay = c[3];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float term = sqrtf(v1[i]);
+        term = term / bc2_sqrt;
+        term = term + eps;
+        term = m1[i] / term;
+        term = minus_step_size * term;
+        float r = p0[i] * decay;
+        o[i] = one_nan(r + term);
+    }
+}
+
+typedef void (*predict_loop)(const float *, const float *, const float *, float *, Py_ssize_t,
+                             const float[4]);
+
+/* A prediction over three float32 inputs into `out`: True, or False (nothing written)
+ * where a buffer is not float32-aligned; ValueError where the sizes differ. */
+static PyObject *predict(PyObject *args, predict_loop loop, const char *format)
+{
+    Py_buffer in[3], out;
+    float c[4] = {0};
+    if (!PyArg_ParseTuple(args, format, &in[0], &in[1], &in[2], &out, &c[0], &c[1], &c[2], &c[3]))
+        return NULL;
+    Py_ssize_t n = out.len / (Py_ssize_t)sizeof(float);
+    static const char *const names[4] = {"first input", "second input", "third input", "out"};
+    Py_buffer *bufs[4] = {&in[0], &in[1], &in[2], &out};
     int misaligned = 0;
+    PyObject *result = NULL;
     for (int j = 0; j < 4; j++) {
-        int got = floats(b[j], n, what[j]);
+        int got = floats(bufs[j], n, names[j]);
         if (got < 0)
-            return -1;
+            goto done;
         misaligned |= got;
     }
-    return misaligned;
+    if (misaligned) {
+        result = Py_NewRef(Py_False);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    loop(in[0].buf, in[1].buf, in[2].buf, out.buf, n, c);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_True);
+done:
+    for (int j = 0; j < 4; j++)
+        PyBuffer_Release(bufs[j]);
+    return result;
 }
 
 /* second_moment(v0, m0, m1, out, one_minus_beta1, one_minus_beta2, beta2):
- * predict.predict_second_moment's operations in its order, NaNs made one; True, or False (nothing
- * written) where a buffer is not float32-aligned. */
+ * predict.predict_second_moment's operations in its order, NaNs made one. */
 static PyObject *second_moment(PyObject *self, PyObject *args)
 {
-    Py_buffer v0, m0, m1, out;
-    float c1, c2, b2;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*fff", &v0, &m0, &m1, &out, &c1, &c2, &b2))
-        return NULL;
-    PyObject *result = NULL;
-    Py_ssize_t n = out.len / (Py_ssize_t)sizeof(float);
-    Py_buffer *bufs[4] = {&v0, &m0, &m1, &out};
-    static const char *const names[4] = {"v0", "m0", "m1", "out"};
-    int checked = all_floats(bufs, n, names);
-    if (checked != 0) {
-        result = checked < 0 ? NULL : Py_NewRef(Py_False);
-        goto done;
-    }
-    const float *v = v0.buf, *a = m0.buf, *b = m1.buf;
-    float *o = out.buf;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        float grad = b[i] - a[i];
-        grad = grad / c1;
-        grad = a[i] + grad;
-        float term = c2 * grad;
-        term = term * grad;
-        float r = v[i] * b2;
-        o[i] = one_nan(r + term);
-    }
-    Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_True);
-done:
-    PyBuffer_Release(&v0);
-    PyBuffer_Release(&m0);
-    PyBuffer_Release(&m1);
-    PyBuffer_Release(&out);
-    return result;
+    return predict(args, second_moment_loop, "y*y*y*w*fff");
 }
 
 /* param(p0, m1, v1, out, bc2_sqrt, eps, minus_step_size, decay):
- * predict.predict_param's operations in its order, NaNs made one; True or False as above. */
+ * predict.predict_param's operations in its order, NaNs made one. */
 static PyObject *param(PyObject *self, PyObject *args)
 {
-    Py_buffer p0, m1, v1, out;
-    float bc2, eps, step, decay;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*ffff", &p0, &m1, &v1, &out, &bc2, &eps, &step, &decay))
-        return NULL;
-    PyObject *result = NULL;
-    Py_ssize_t n = out.len / (Py_ssize_t)sizeof(float);
-    Py_buffer *bufs[4] = {&p0, &m1, &v1, &out};
-    static const char *const names[4] = {"p0", "m1", "v1", "out"};
-    int checked = all_floats(bufs, n, names);
-    if (checked != 0) {
-        result = checked < 0 ? NULL : Py_NewRef(Py_False);
-        goto done;
-    }
-    const float *p = p0.buf, *m = m1.buf, *v = v1.buf;
-    float *o = out.buf;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        float term = sqrtf(v[i]);
-        term = term / bc2;
-        term = term + eps;
-        term = m[i] / term;
-        term = step * term;
-        float r = p[i] * decay;
-        o[i] = one_nan(r + term);
-    }
-    Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_True);
-done:
-    PyBuffer_Release(&p0);
-    PyBuffer_Release(&m1);
-    PyBuffer_Release(&v1);
-    PyBuffer_Release(&out);
-    return result;
+    return predict(args, param_loop, "y*y*y*w*ffff");
 }
 
 static PyMethodDef methods[] = {

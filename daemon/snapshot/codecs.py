@@ -267,20 +267,22 @@ def decode_full(payload: Buffer, regions: list[Region], size: int,
     return _planes(_unzstd(payload, size), regions, False, out)
 
 
+def _check_reference(size: int, reference: Buffer) -> None:
+    if len(_u8(reference)) != size:
+        raise CodecError(f"delta of {size} bytes against a reference of "
+                         f"{len(_u8(reference))} bytes")
+
+
 def encode_xor(data: Buffer, reference: Buffer, regions: list[Region], *,
                level: int = DEFAULT_LEVEL, threads: int = 0) -> bytes:
     """A lossless delta chunk: XOR against `reference`, shuffle, zstd."""
-    if len(_u8(data)) != len(_u8(reference)):
-        raise CodecError(f"delta of {len(_u8(data))} bytes against a reference of "
-                         f"{len(_u8(reference))} bytes")
+    _check_reference(len(_u8(data)), reference)
     return _zstd(_shuffled(data, regions, reference), level, threads)
 
 
 def decode_xor(payload: Buffer, reference: Buffer, regions: list[Region], size: int,
                out: np.ndarray | None = None) -> np.ndarray:
-    if len(_u8(reference)) != size:
-        raise CodecError(f"delta of {size} bytes against a reference of "
-                         f"{len(_u8(reference))} bytes")
+    _check_reference(size, reference)
     if out is not None and np.may_share_memory(out, _u8(reference)):
         raise CodecError("a delta cannot decode into its own reference's memory")
     return _planes(_unzstd(payload, size), regions, False, out, reference)
