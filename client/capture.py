@@ -16,7 +16,6 @@ off the training thread.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -29,6 +28,7 @@ from typing import Any, Protocol
 import torch
 
 from stalwart.client.daemon_env import CPUS_ENV
+from stalwart.client.record_json import RecordEncoder
 from stalwart.client.shm import MappedSlot
 from stalwart.client.state_layout import StateTensor, byte_view, copy_into, describe
 from stalwart.v1 import common_pb2
@@ -98,6 +98,7 @@ class Capturer:
         # state keeps its names, dtypes and shapes, so its metas (and each slot's views
         # of them) are made once, not every step.
         self._described: tuple[tuple[Any, ...], list[common_pb2.TensorMeta], int] | None = None
+        self._records = RecordEncoder()
         self._opening: Future[None] | None = None  # slots being opened ahead (`open_ahead`)
 
     def open_ahead(self, tensors: Sequence[StateTensor]) -> None:
@@ -162,7 +163,7 @@ class Capturer:
         # Round robin, not step parity: captures every k steps must not share one slot.
         slot = self._slots[self._next_slot % len(self._slots)]
         self._next_slot += 1
-        payload = json.dumps(extra, sort_keys=True).encode()
+        payload = self._records.encode(extra)
         on_cuda = any(t.tensor.is_cuda for t in tensors)
         if on_cuda:
             self._prepare_cuda(slot)

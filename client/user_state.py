@@ -9,11 +9,13 @@ keyed by parameter name rather than by position, so a layout change needs no ren
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from stalwart.client.record_json import Frozen
 from stalwart.client.state_layout import StateTensor, dtype_to_proto
 from stalwart.v1 import manifest_pb2
 
@@ -43,6 +45,7 @@ class StateRegistry:
         self.objects = dict(objects)
         self._names = self._param_names()
         self._layout: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None
+        self._reuse = _Reuse()
 
     def _param_names(self) -> dict[int, str]:
         """id(parameter) -> '<module key>/<parameter name>' over the registered modules."""
@@ -74,7 +77,8 @@ class StateRegistry:
             if isinstance(obj, torch.optim.Optimizer):
                 record[key] = self._optimizer_state(key, obj, tensors)
             else:
-                record[key] = _flatten(obj.state_dict(), key, tensors)
+                record[key] = _flatten(_state_dict(obj), key, tensors, reuse=self._reuse)
+        self._reuse.turn()
         tensors.append(StateTensor("rng/cpu", torch.get_rng_state()))
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             tensors.append(StateTensor("rng/cuda", torch.cuda.get_rng_state()))
@@ -93,7 +97,7 @@ class StateRegistry:
                                  f"{tuple(p.shape)}) of no registered module; register the "
                                  "model that owns it")
             names.append(name)
-        state = {names[i]: _flatten(s, f"{key}/{names[i]}", out)
+        state = {names[i]: _flatten(s, f"{key}/{names[i]}", out, reuse=self._reuse)
                  for i, s in sd["state"].items()}
         groups = []
         for g in sd["param_groups"]:
@@ -189,27 +193,78 @@ class StateRegistry:
         return hints
 
 
+def _state_dict(obj: Any) -> Mapping[str, Any]:
+    """`obj.state_dict()`; a module's with its parameters and buffers themselves
+    (`keep_vars`), which stay the same objects from step to step, unless the module
+    overrides `state_dict`. The capture copies them without recording gradients."""
+    if isinstance(obj, torch.nn.Module) and \
+            type(obj).state_dict is torch.nn.Module.state_dict:
+        return obj.state_dict(keep_vars=True)
+    return obj.state_dict()
+
+
+class _Flattened(NamedTuple):
+    keys: tuple[Any, ...]
+    values: tuple[torch.Tensor, ...]
+    record: Frozen
+    tensors: list[StateTensor]
+
+
+class _Reuse:
+    """The last capture's flattening of each mapping of tensors, by path. The usual step
+    hands over the same tensor objects under the same keys (a module's parameters, an
+    optimizer's moments): their records and StateTensors are then reused, not rebuilt.
+    A StateTensor refers to the live tensor, so a reused one still reads today's values."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, _Flattened] = {}
+        self._now: dict[str, _Flattened] = {}
+
+    def get(self, path: str, value: Mapping[Any, Any], out: list[StateTensor]
+            ) -> Frozen | None:
+        hit = self._last.get(path)
+        if hit is None or len(value) != len(hit.values) or \
+                not all(map(operator.is_, value.values(), hit.values)) or \
+                tuple(value) != hit.keys:
+            return None
+        out.extend(hit.tensors)
+        self._now[path] = hit
+        return hit.record
+
+    def keep(self, path: str, value: Mapping[Any, torch.Tensor], record: Frozen,
+             tensors: list[StateTensor]) -> None:
+        self._now[path] = _Flattened(tuple(value), tuple(value.values()), record, tensors)
+
+    def turn(self) -> None:
+        """One capture is done: what it did not use is forgotten."""
+        self._last, self._now = self._now, {}
+
+
 def _flatten(value: Any, path: str, out: list[StateTensor], *,
-             tensors_allowed: bool = True) -> Any:
+             tensors_allowed: bool = True, reuse: _Reuse | None = None) -> Any:
     """A JSON-able copy of `value` with each tensor moved to `out` under its path."""
     if isinstance(value, torch.Tensor):
         if not tensors_allowed:
             raise StateError(f"{path!r} holds a tensor where Stalwart expects a plain value")
-        # state_dict() hands out detached tensors: only one that tracks gradients needs it.
-        out.append(StateTensor(path, value.detach() if value.requires_grad else value))
+        out.append(StateTensor(path, value))
         return {_TENSOR: path}
     if isinstance(value, float):
         return value if math.isfinite(value) else {"__stalwart_float__": repr(value)}
     if isinstance(value, _PLAIN):
         return value
     if isinstance(value, dict | Mapping):
-        result = {}
+        if reuse is not None and (same := reuse.get(path, value, out)) is not None:
+            return same
+        start, result = len(out), {}
         for k, v in value.items():
             if not isinstance(k, str | int):
                 raise StateError(f"{path!r} has a key {k!r} of type {type(k).__name__}; "
                                  "state keys must be strings or integers")
             result[str(k) if isinstance(k, str) else f"__int__{k}"] = _flatten(
-                v, f"{path}/{k}", out, tensors_allowed=tensors_allowed)
+                v, f"{path}/{k}", out, tensors_allowed=tensors_allowed, reuse=reuse)
+        if reuse is not None and all(isinstance(v, torch.Tensor) for v in value.values()):
+            result = Frozen(result)  # reused as it is while the same tensors are
+            reuse.keep(path, value, result, out[start:])
         return result
     if isinstance(value, list | tuple):
         items = [_flatten(v, f"{path}/{i}", out, tensors_allowed=tensors_allowed)

@@ -138,6 +138,47 @@ def test_optimizer_state_is_keyed_by_parameter_name():
     assert extra["objects"]["optimizer"]["param_groups"][0]["params"][0] == "model/0.weight"
 
 
+def test_each_capture_reads_the_tensors_a_parameter_and_a_buffer_hold_now():
+    model, opt, sched, ema = _job()
+    _train_a_step(model, opt, sched, ema)
+    registry = StateRegistry({"model": model, "optimizer": opt, "ema": ema})
+    first, _ = registry.capture(step=1)
+    weight, running = model[0].weight, model[1].running_mean
+    with torch.no_grad():
+        weight.data = torch.full_like(weight, 7.0)  # the same Parameter, other memory
+        model[1].running_mean = torch.full_like(running, 3.0)  # another buffer object
+        opt.state[model[3].bias]["momentum_buffer"] = torch.full_like(model[3].bias, 5.0)
+    second, _ = registry.capture(step=2)
+    now = {t.name: t.tensor for t in second}
+    assert torch.equal(now["model/0.weight"], torch.full_like(weight, 7.0))
+    assert torch.equal(now["model/1.running_mean"], torch.full_like(running, 3.0))
+    assert torch.equal(now["optimizer/model/3.bias/momentum_buffer"],
+                       torch.full_like(model[3].bias, 5.0))
+    assert [t.name for t in first] == [t.name for t in second]
+
+
+def test_a_capture_of_unchanged_state_reuses_the_records_of_its_tensors():
+    """The usual step: the same tensors under the same names. Their records are the last
+    capture's objects (so their JSON need not be encoded again); a replaced tensor's
+    record is new."""
+    model, opt, sched, ema = _job()
+    _train_a_step(model, opt, sched, ema)
+    registry = StateRegistry({"model": model, "optimizer": opt})
+    _, a = registry.capture(step=1)
+    _train_a_step(model, opt, sched, ema)
+    _, b = registry.capture(step=2)
+    assert b["objects"]["model"] is a["objects"]["model"]
+    state_a, state_b = a["objects"]["optimizer"]["state"], b["objects"]["optimizer"]["state"]
+    assert all(state_b[name] is state_a[name] for name in state_a)
+    opt.state[model[0].weight] = {"momentum_buffer": torch.zeros_like(model[0].weight),
+                                  "extra": torch.zeros(1)}
+    _, c = registry.capture(step=3)
+    assert c["objects"]["optimizer"]["state"]["model/0.weight"] == {
+        "momentum_buffer": {"__stalwart_tensor__": "optimizer/model/0.weight/momentum_buffer"},
+        "extra": {"__stalwart_tensor__": "optimizer/model/0.weight/extra"}}
+    assert c["objects"]["optimizer"]["state"]["model/3.bias"] is state_a["model/3.bias"]
+
+
 def test_adam_hints_name_the_parameters_and_moments():
     model = nn.Linear(3, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
