@@ -133,9 +133,9 @@ class _DaemonRank:
         generation = wait_until(lambda: self.client.status().generation, 60.0,
                                 "the daemon's first plan")
         self.client.generation = generation
-        transport = GrpcCaptureTransport(self.client, common_pb2.RankCoord(rank=0), layout,
-                                         generation)
-        self.capturer = Capturer(transport, token=self.client.token)
+        self.transport = GrpcCaptureTransport(self.client, common_pb2.RankCoord(rank=0),
+                                              layout, generation)
+        self.capturer = Capturer(self.transport, token=self.client.token)
         self.step = 0  # step numbers keep rising across phases, as the daemon expects
         self.copy_waits_s: list[float] = []  # blocked in before_update, per optimizer step
         self.registries: dict[tuple[int, int], Any] = {}
@@ -173,6 +173,13 @@ class _DaemonRank:
             if hook is not None:
                 hook.remove()
         return times
+
+    def fresh_capturer(self) -> None:
+        """Close the Capturer and start another (new capture threads, new slots)."""
+        from stalwart.client.capture import Capturer
+
+        self.capturer.close()
+        self.capturer = Capturer(self.transport, token=self.client.token)
 
     def wait_committed(self, step: int, timeout_s: float = 300.0) -> None:
         """Until the daemon has committed `step`."""
@@ -242,16 +249,38 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-class _BusyNeighbour:
-    """A process that spins on `core`, touching no memory: what any busy process beside
-    training costs this machine's training core (shared caches, memory, or a sibling
-    hardware thread that the virtual topology does not show)."""
+_SPIN = "while True: pass"
+_STREAM = """
+import sys, numpy as np, zstandard
+n, level = int(sys.argv[1]) // 4, int(sys.argv[2])
+rng = np.random.default_rng(0)
+state = rng.standard_normal(n, dtype=np.float32)
+before = state + rng.standard_normal(n, dtype=np.float32) * np.float32(1e-3)
+delta = np.empty(n, dtype=np.uint32)
+compress = zstandard.ZstdCompressor(level=level).compress
+while True:
+    np.bitwise_xor(state.view(np.uint32), before.view(np.uint32), out=delta)
+    compress(delta)
+    np.copyto(before, state)
+"""
 
-    def __init__(self, core: int) -> None:
+
+class _BusyNeighbour:
+    """A process busy on `core` with no capture: spinning and touching no memory (what
+    any busy process costs the training core: shared caches or a sibling hardware thread
+    the virtual topology does not show), or, given `state_bytes`, streaming the daemon's
+    kind of work over a state that size without pause (XOR against the last state,
+    zstd, copy): what the memory traffic of a delta encode costs it."""
+
+    def __init__(self, core: int, state_bytes: int = 0) -> None:
         import subprocess
         import sys
 
-        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        from stalwart.daemon.snapshot.codecs import DEFAULT_LEVEL
+
+        self.proc = subprocess.Popen([sys.executable, "-c", _STREAM, str(state_bytes),
+                                      str(DEFAULT_LEVEL)] if state_bytes else
+                                     [sys.executable, "-c", _SPIN])
         _pin(self.proc.pid, {core})
 
     def close(self) -> None:
@@ -264,10 +293,10 @@ def _own_cores_overhead(rank: _DaemonRank, model, opt, step: Callable[[], float]
     """The tiny model's step overhead with the rank's training thread (one torch thread)
     on one core and its daemon on another, as a deployment that gives the daemon a core
     has it: the capture threads run on the daemon's core (`stalwart run --capture-cpus`)
-    in one set of blocks and beside the training thread in the other, interleaved, and a
-    third set trains without capture beside a busy neighbour on the daemon's core (the
-    machine's floor for any work there). None where the machine has fewer than two cores
-    to give."""
+    in one set of blocks and beside the training thread in the other, interleaved, and
+    two more sets train without capture beside a busy neighbour on the daemon's core
+    (the machine's floor for any work there, and for a delta encode's memory traffic).
+    None where the machine has fewer than two cores to give."""
     import torch
 
     cores = sorted(os.sched_getaffinity(0))
@@ -281,8 +310,14 @@ def _own_cores_overhead(rank: _DaemonRank, model, opt, step: Callable[[], float]
     assert daemon is not None
     threads = torch.get_num_threads()
     before = {os.getpid(): set(cores), daemon.pid: os.sched_getaffinity(daemon.pid)}
-    capturer = rank.capturer
+    state = rank.capturer.stats.bytes_per_capture  # the model's, captured before
+    assert state > 0, "the own-cores blocks follow captures of the same model"
     torch.set_num_threads(1)
+    # Capture threads that start under one torch thread: a copy thread started earlier
+    # keeps the OpenMP helper its first copy made, which the pin below would put beside
+    # training (a deployment's threads start where --capture-cpus puts them).
+    rank.fresh_capturer()
+    capturer = rank.capturer
     _pin(daemon.pid, {cores[1]})
     try:
         def place(apart: bool) -> Callable[[bool], None]:
@@ -291,7 +326,8 @@ def _own_cores_overhead(rank: _DaemonRank, model, opt, step: Callable[[], float]
                 capturer.cpus = frozenset({cores[1]}) if apart and capture else None
             return before_block  # ...or, `apart`, on the daemon's core
 
-        plain, apart, beside, neighbour, daemon_cpu_s = [], [], [], [], []
+        plain, apart, beside, daemon_cpu_s = [], [], [], []
+        neighbours: dict[int, list[tuple[list[float], list[float]]]] = {0: [], state: []}
         for _ in range(blocks):  # interleaved: drift hits every arm
             for arm, out in ((True, apart), (False, beside)):
                 cpu_before, captures = _cpu_s(daemon.pid), rank.step
@@ -301,12 +337,13 @@ def _own_cores_overhead(rank: _DaemonRank, model, opt, step: Callable[[], float]
                                         / (rank.step - captures - SUSTAINED_STEPS // 4))
                 plain += more_plain
                 out.append((more_plain, captured))
-            busy = _BusyNeighbour(cores[1])
-            try:
-                neighbour.append((out[-1][0], rank.train(model, opt, step,
-                                                         SUSTAINED_STEPS // 2, capture=False)))
-            finally:
-                busy.close()
+            for streamed, neighbour in neighbours.items():
+                busy = _BusyNeighbour(cores[1], streamed)
+                try:
+                    neighbour.append((out[-1][0], rank.train(
+                        model, opt, step, SUSTAINED_STEPS // 2, capture=False)))
+                finally:
+                    busy.close()
     finally:
         capturer.cpus = None
         for pid, allowed in before.items():
@@ -315,7 +352,8 @@ def _own_cores_overhead(rank: _DaemonRank, model, opt, step: Callable[[], float]
 
     captured = [t for _, block in apart for t in block]
     return {"overhead_pct": _paired_pct(apart), "overhead_pct_capture_threads_on_rank_core":
-            _paired_pct(beside), "busy_neighbour_overhead_pct": _paired_pct(neighbour),
+            _paired_pct(beside), "busy_neighbour_overhead_pct": _paired_pct(neighbours[0]),
+            "streaming_neighbour_overhead_pct": _paired_pct(neighbours[state]),
             "overhead_pct_by_block": [_paired_pct([pair]) for pair in apart],
             "daemon_cpu_s_per_capture": round(median(daemon_cpu_s), 6),
             "daemon_core_busy_fraction": round(median(daemon_cpu_s) / median(captured), 3),
@@ -421,7 +459,11 @@ def run(quick: bool) -> dict:
                  "own_cores.overhead_pct_capture_threads_on_rank_core: the capture "
                  "threads left beside the training thread, blocks interleaved. "
                  "own_cores.busy_neighbour_overhead_pct: no capture, a process spinning "
-                 "on the daemon's core instead (this machine's cost of any work there). "
+                 "on the daemon's core instead (this machine's cost of any work there); "
+                 "streaming_neighbour_overhead_pct: no capture, a process on the daemon's "
+                 "core streaming a delta encode's memory traffic over a state of the "
+                 "tiny model's size without pause (XOR against the last state, zstd, "
+                 "copy): this machine's cost of the daemon's kind of work there. "
                  "own_cores.daemon_cpu_s_per_capture: the daemon's CPU time over a "
                  "captured block, per capture; daemon_core_busy_fraction: that over the "
                  "captured step time (above 1 the daemon sets the pace). "

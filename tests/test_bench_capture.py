@@ -31,6 +31,7 @@ def test_the_capture_benchmark_reports_the_stall_and_both_overheads(tmp_path: Pa
         assert own["rank_core"] != own["daemon_core"] and own["torch_threads"] == 1
         assert isinstance(own["overhead_pct_capture_threads_on_rank_core"], float)
         assert isinstance(own["busy_neighbour_overhead_pct"], float)
+        assert isinstance(own["streaming_neighbour_overhead_pct"], float)
         assert 0 < own["daemon_cpu_s_per_capture"] < 10 and own["daemon_core_busy_fraction"] > 0
     else:
         assert figures["step_overhead_pct_own_cores"] is None and own["why"]
