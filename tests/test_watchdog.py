@@ -191,6 +191,10 @@ def hung_then_lost_peer(ctx) -> dict:
     reports: list[Failure] = []
 
     def build(generation: int) -> ParallelDims:
+        # Both ranks arrive before the 1 s deadline starts: on a loaded machine one
+        # rank's start-up (importing torch) can lag the other's by more than that.
+        ctx.store.set(f"arrived{generation}/{ctx.rank}", "1")
+        ctx.store.wait([f"arrived{generation}/{r}" for r in range(2)], wait)
         dog = Watchdog(reports.append, deadline_s=1.0, subject=f"r{ctx.rank}",
                        generation=generation)
         return ParallelDims(Layout(dp=2)).build(ctx.store, ctx.rank, generation, timeout_s=1.0,
