@@ -155,15 +155,19 @@ def test_a_second_failure_during_recovery_is_folded_in(tmp_path: Path) -> None:
             "train": {"global_batch": 4, "seed": 0}, "layout": {"dp": 2, "pp": 1, "tp": 1},
             "steps": STEPS, "collective_timeout_s": 4.0,
             "faults": [{"kind": "kill", "target": "rank", "index": 0, "step": 4}]}
-    cluster = LocalCluster(nodes=2, workdir=tmp_path / "fold")
+    # Rank 1 stays frozen through both decisions; a heartbeat timeout longer than any
+    # loaded machine's recovery keeps it a survivor (its peers' deaths are seen as
+    # process exits, which need no heartbeat).
+    cluster = LocalCluster(nodes=2, workdir=tmp_path / "fold",
+                           daemon_settings={"heartbeat_timeout_s": 60.0})
     cluster.env["STALWART_FAULT_LOG"] = str(tmp_path)  # rank 0 says when it kills itself
     try:
         cluster.start_daemons()
         cluster.launch(spec, world=2, spares=2, ranks_per_node=1)
         coordinator = cluster.coordinator()
         survivor = next(r for r in cluster.ranks if r.rank == 1)
-        # Generation 2 cannot train its first step while rank 1 is frozen (well inside its
-        # heartbeat timeout), so the heir dies while the recovery is still in flight. It
+        # Generation 2 cannot train its first step while rank 1 is frozen, so the heir
+        # dies while the recovery is still in flight. It
         # is frozen the moment rank 0 dies: a recovery takes a tenth of a second here.
         wait_until(lambda: next(tmp_path.glob("fault-*.json"), None), 120,
                    "rank 0 to kill itself", every_s=0.002)
