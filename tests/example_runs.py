@@ -25,7 +25,8 @@ class Run:
     losses: dict[int, float] = field(default_factory=dict)
     """Step -> job-wide loss, from every rank's log (killed ones included)."""
     committed_at_kill: int | None = None
-    """The coordinator's latest committed step read right after the kill."""
+    """The coordinator's latest committed step when the rank was killed (read just
+    before the kill and, while no new plan has come, right after it)."""
     plans: list[Any] = field(default_factory=list)
     """Every plan generation the coordinator showed, in order (resume_step, layout)."""
     exit_codes: list[int | None] = field(default_factory=list)
@@ -64,10 +65,16 @@ def run_example(tmp_path: Path, script: str, *args: str, nodes: int = 2, world: 
                 return any(s >= kill_after_step for s, _ in follow.seen.get(victim.log_path, []))
 
             wait_until(reached, timeout_s, f"rank {kill_rank} to take step {kill_after_step}")
-            os.kill(victim.proc.pid, signal.SIGKILL)
             coordinator = cluster.coordinator()
-            status = coordinator.status() if coordinator else None
-            out.committed_at_kill = status.latest_committed_step if status else None
+            before = coordinator.status() if coordinator else None
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            after = coordinator.status() if coordinator else None
+            # Read again after the kill (a step may commit in between), unless the new
+            # plan has come meanwhile: then its commits count too, and the look before
+            # the kill is the one that says what the kill could lose.
+            look = after if after is not None and before is not None and \
+                after.generation == before.generation else before
+            out.committed_at_kill = look.latest_committed_step if look else None
         seen = [0]  # the newest generation recorded
 
         def record_plans_until_done() -> bool:
