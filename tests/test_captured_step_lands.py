@@ -9,6 +9,7 @@ Intake)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -507,3 +508,45 @@ def test_a_failure_reports_no_capture_of_a_step_its_plan_trains_again() -> None:
 
     assert dies_silent(1) == 7
     assert dies_silent(2) == 4
+
+
+def test_a_step_that_completes_while_the_plan_is_decided_commits_only_if_the_plan_stays(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Step 5's last prepare arrives while the coordinator decides from step 4 (late on a
+    # loaded machine, after the wait for it gave up): committing it then would leave a
+    # plan resuming below a committed step. It commits after all when the decision
+    # keeps the plan (a spare was lost).
+    from stalwart.daemon.recovery import coordinator as coordinator_module
+
+    real = coordinator_module.decide
+    deciding, decide_on = threading.Event(), threading.Event()
+
+    def slow_decide(*args, **kwargs):
+        deciding.set()
+        decide_on.wait(10.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(coordinator_module, "decide", slow_decide)
+
+    async def main(rank_id: str) -> tuple[list[int], common_pb2.Plan]:
+        deciding.clear(), decide_on.clear()
+        c, daemons = await running_job()
+        await c.prepared(prepare("n1", 1, JOB_STEPS + 1))
+        replan = asyncio.create_task(c.on_failures([killed(rank_id, captured=0)]))
+        assert await asyncio.to_thread(deciding.wait, 10.0)
+        # Step 5 is complete now (its delivery may then wait for the decision to end).
+        delivered = asyncio.create_task(c.prepared(prepare("n0", 0, JOB_STEPS + 1)))
+        for _ in range(100):
+            if (step := c.commits.steps.get(JOB_STEPS + 1)) and step.complete:
+                break
+            await asyncio.sleep(0)
+        held = list(daemons.committed)
+        decide_on.set()
+        await asyncio.wait_for(asyncio.gather(replan, delivered), 10.0)
+        assert held == list(range(1, JOB_STEPS + 1))  # not while the plan was decided
+        return daemons.committed, daemons.plans[-1]
+
+    committed, plan = asyncio.run(main("n0/1"))  # a role lost: a new plan from step 4
+    assert plan.generation == 2 and plan.resume_step == committed[-1] == JOB_STEPS
+    committed, plan = asyncio.run(main("n1/3"))  # the spare lost: the plan stays
+    assert plan.generation == 1 and committed[-1] == JOB_STEPS + 1

@@ -273,24 +273,35 @@ class Coordinator:
                             extra={"failures": [f.describe() for f in failures]})
                 return
             committed = self.latest_committed() or 0
-            planner = self._shrink_planner()
-            stopped = self._stopped
-            # On a thread: a shrink of thousands of GPUs searches for a fraction of a
-            # second, and heartbeats and commits must not wait for it.
-            decision = await self._decide(failures, committed, planner, stopped)
-            if isinstance(decision, NoChange):
-                self.plan = decision.plan
-                return
-            if stopped is not None and isinstance(decision, StopDecision):
-                if decision.failed <= stopped.failed:
-                    return  # nothing lost that the stop did not know of: it stands
-                # The stop stands for the reason it came; say what was lost since.
-                lost = [m for m in self.plan.members if m.rank_id in decision.failed]
-                since = ", ".join(sorted(decision.failed - stopped.failed))
-                decision = dataclasses.replace(decision, message=(
-                    f"{stopped.message} Lost since the stop: {since}; {len(lost)} role(s) "
-                    "now wait for a spare."))
-            await self._carry_out(decision, [f.describe() for f in failures], t0, planner)
+            # The plan resumes from `committed`: a step of the old plan that completes
+            # while it is decided and installed must not commit past it.
+            self.commits.hold(committed)
+            try:
+                await self._decide_and_carry_out(failures, committed, t0)
+            finally:
+                await self.commits.release()
+
+    async def _decide_and_carry_out(self, failures: list[Failure], committed: int,
+                                    t0: float) -> None:
+        assert self.plan is not None
+        planner = self._shrink_planner()
+        stopped = self._stopped
+        # On a thread: a shrink of thousands of GPUs searches for a fraction of a second,
+        # and heartbeats and commits must not wait for it.
+        decision = await self._decide(failures, committed, planner, stopped)
+        if isinstance(decision, NoChange):
+            self.plan = decision.plan
+            return
+        if stopped is not None and isinstance(decision, StopDecision):
+            if decision.failed <= stopped.failed:
+                return  # nothing lost that the stop did not know of: it stands
+            # The stop stands for the reason it came; say what was lost since.
+            lost = [m for m in self.plan.members if m.rank_id in decision.failed]
+            since = ", ".join(sorted(decision.failed - stopped.failed))
+            decision = dataclasses.replace(decision, message=(
+                f"{stopped.message} Lost since the stop: {since}; {len(lost)} role(s) "
+                "now wait for a spare."))
+        await self._carry_out(decision, [f.describe() for f in failures], t0, planner)
 
     async def _let_captured_land(self, failures: list[Failure]) -> None:
         """A step every failed rank's daemon took a capture of before the failure commits

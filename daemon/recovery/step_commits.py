@@ -153,6 +153,9 @@ class StepCommits:
     _commit_times: deque[tuple[float, int]] = field(
         default_factory=lambda: deque(maxlen=INTERVALS_KEPT + 1))
     _landed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    # While the coordinator decides a plan from the committed step it read: no later step
+    # commits (its plan would resume below a committed step); see `hold`.
+    _held_above: int | None = None
 
     def seconds_per_step(self) -> float | None:
         """Median seconds of training per step between the recent commits (None before
@@ -219,6 +222,18 @@ class StepCommits:
         pending.add(p)
         return pending.complete
 
+    def hold(self, step: int) -> None:
+        """Commit nothing after `step` until `release`: the step a plan being decided
+        resumes from. Prepares are still taken; what the plan abandons is dropped."""
+        self._held_above = step
+
+    async def release(self) -> None:
+        """End `hold`; a later step that became complete meanwhile (the plan kept its
+        generation) commits now."""
+        self._held_above = None
+        if self.steps:
+            await self._commit_ready()
+
     def abandon_after(self, step: int) -> None:
         """Steps prepared by an old generation after the resume point will not commit."""
         self.steps = {s: p for s, p in self.steps.items() if s <= step}
@@ -245,6 +260,8 @@ class StepCommits:
                 if latest is not None and step <= latest:
                     del self.steps[step]
                     continue
+                if self._held_above is not None and step > self._held_above:
+                    return  # a plan is being decided from an earlier step
                 pending = self.steps[step]
                 if not pending.complete:
                     if self._complete_after(step):
