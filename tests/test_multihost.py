@@ -210,8 +210,11 @@ def inject(fault: str, job: list[Host], launchers: dict[str, subprocess.Popen],
                                        else "-o", "lo", "-j", "DROP"), check=True)
     else:
         victim.kill_all()
+    # What the fault could lose: read again after it (a step may commit in between),
+    # from the survivors still in the plan of before (a new plan's commits do not count).
     committed = max((st.latest_committed_step for h in survivors
-                     if (st := h.status()) is not None), default=0)
+                     if (st := h.status()) is not None and st.generation == before.generation),
+                    default=before.latest_committed_step)
     out: dict = {"victim": victim.name, "committed_at_fault": committed}
 
     def replanned() -> operator_pb2.StatusReply | None:
