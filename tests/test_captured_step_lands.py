@@ -550,3 +550,31 @@ def test_a_step_that_completes_while_the_plan_is_decided_commits_only_if_the_pla
     assert plan.generation == 2 and plan.resume_step == committed[-1] == JOB_STEPS
     committed, plan = asyncio.run(main("n1/3"))  # the spare lost: the plan stays
     assert plan.generation == 1 and committed[-1] == JOB_STEPS + 1
+
+
+def test_a_step_whose_commit_is_under_way_when_a_failure_comes_is_resumed_from() -> None:
+    # Step 5's commit is being written on the coordinator's own store when a rank dies
+    # (a failure saying nothing of captures: nothing to wait for). The plan is decided
+    # once that write is done, from step 5, and the commit ends cleanly.
+    class SlowStore(Daemons):
+        async def commit_step(self, node: str, request) -> None:
+            if node == "n0":
+                await asyncio.sleep(0.05)  # the store's write, on an executor
+            await super().commit_step(node, request)
+
+    async def main() -> tuple[list[int], common_pb2.Plan]:
+        c, daemons = await running_job()
+        daemons.__class__ = SlowStore
+        delivered = asyncio.create_task(c.prepared(prepare("n0", 0, JOB_STEPS + 1),
+                                                   prepare("n1", 1, JOB_STEPS + 1)))
+        for _ in range(100):
+            if c.commits._local is not None:  # noqa: SLF001 - the window the test needs
+                break
+            await asyncio.sleep(0)
+        assert c.commits._local is not None and daemons.committed[-1] == JOB_STEPS  # noqa: SLF001
+        await asyncio.wait_for(c.on_failures([killed("n0/1", captured=0)]), 10.0)
+        await asyncio.wait_for(delivered, 10.0)
+        return daemons.committed, daemons.plans[-1]
+
+    committed, plan = asyncio.run(main())
+    assert plan.generation == 2 and plan.resume_step == committed[-1] == JOB_STEPS + 1

@@ -272,10 +272,9 @@ class Coordinator:
                 log.warning("failure before the first plan; nothing to re-plan",
                             extra={"failures": [f.describe() for f in failures]})
                 return
-            committed = self.latest_committed() or 0
             # The plan resumes from `committed`: a step of the old plan that completes
             # while it is decided and installed must not commit past it.
-            self.commits.hold(committed)
+            committed = await self.commits.hold()
             try:
                 await self._decide_and_carry_out(failures, committed, t0)
             finally:

@@ -12,6 +12,7 @@ fails on the coordinator itself is retried.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import statistics
 import time
@@ -153,9 +154,12 @@ class StepCommits:
     _commit_times: deque[tuple[float, int]] = field(
         default_factory=lambda: deque(maxlen=INTERVALS_KEPT + 1))
     _landed: asyncio.Condition = field(default_factory=asyncio.Condition)
-    # While the coordinator decides a plan from the committed step it read: no later step
-    # commits (its plan would resume below a committed step); see `hold`.
+    # While the coordinator decides a plan from the committed step: no later step commits
+    # (its plan would resume below a committed step); see `hold`.
     _held_above: int | None = None
+    # The commit on this daemon's own store of the step being committed: once it is done,
+    # that step is committed (the other daemons' acknowledgements may still be on their way).
+    _local: asyncio.Future[None] | None = None
 
     def seconds_per_step(self) -> float | None:
         """Median seconds of training per step between the recent commits (None before
@@ -222,10 +226,16 @@ class StepCommits:
         pending.add(p)
         return pending.complete
 
-    def hold(self, step: int) -> None:
-        """Commit nothing after `step` until `release`: the step a plan being decided
-        resumes from. Prepares are still taken; what the plan abandons is dropped."""
-        self._held_above = step
+    async def hold(self) -> int:
+        """The committed step a plan is to be decided from; nothing after it commits until
+        `release`. A commit already on its way to this daemon's store ends first (a
+        lost peer's acknowledgement is not waited for). Prepares are still taken; what
+        the plan abandons is dropped."""
+        while self._local is not None and not self._local.done():
+            with contextlib.suppress(Exception):  # a failed commit is retried, held
+                await asyncio.shield(self._local)
+        self._held_above = step = self.latest_committed() or 0
+        return step
 
     async def release(self) -> None:
         """End `hold`; a later step that became complete meanwhile (the plan kept its
@@ -296,10 +306,14 @@ class StepCommits:
         t0 = time.monotonic()
         nodes = sorted(pending.seals)  # the record's, as commit_tree.nodes_of gives them
         request, targets = self._phase_two(record, nodes)
-        mine, missed = await asyncio.gather(
-            self.links.commit_step(self.node, request),
-            commit_tree.pass_on(request, targets, self.links.commit_step, nodes),
-            return_exceptions=True)
+        local = self._local = asyncio.ensure_future(self.links.commit_step(self.node, request))
+        try:
+            mine, missed = await asyncio.gather(
+                local, commit_tree.pass_on(request, targets, self.links.commit_step, nodes),
+                return_exceptions=True)
+        finally:
+            if self._local is local:
+                self._local = None
         if isinstance(mine, BaseException):
             # Not committed here means not committed: keep it pending and retry soon,
             # since the last prepares of a job may already be in.
@@ -317,7 +331,7 @@ class StepCommits:
         generation = self.generation()
         if generation is not None and pending.generation >= generation:
             self.committed(pending.generation)
-        del self.steps[step]
+        self.steps.pop(step, None)  # a plan decided meanwhile may have abandoned it
         self._built = {s: m for s, m in self._built.items() if s in self.steps}
         return True
 
