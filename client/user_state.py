@@ -9,7 +9,6 @@ keyed by parameter name rather than by position, so a layout change needs no ren
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -77,7 +76,7 @@ class StateRegistry:
             if isinstance(obj, torch.optim.Optimizer):
                 record[key] = self._optimizer_state(key, obj, tensors)
             else:
-                record[key] = _flatten(_state_dict(obj), key, tensors, reuse=self._reuse)
+                record[key] = _flatten(obj.state_dict(), key, tensors, reuse=self._reuse)
         self._reuse.turn()
         tensors.append(StateTensor("rng/cpu", torch.get_rng_state()))
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -193,16 +192,6 @@ class StateRegistry:
         return hints
 
 
-def _state_dict(obj: Any) -> Mapping[str, Any]:
-    """`obj.state_dict()`; a module's with its parameters and buffers themselves
-    (`keep_vars`), which stay the same objects from step to step, unless the module
-    overrides `state_dict`. The capture copies them without recording gradients."""
-    if isinstance(obj, torch.nn.Module) and \
-            type(obj).state_dict is torch.nn.Module.state_dict:
-        return obj.state_dict(keep_vars=True)
-    return obj.state_dict()
-
-
 class _Flattened(NamedTuple):
     keys: tuple[Any, ...]
     values: tuple[torch.Tensor, ...]
@@ -212,9 +201,10 @@ class _Flattened(NamedTuple):
 
 class _Reuse:
     """The last capture's flattening of each mapping of tensors, by path. The usual step
-    hands over the same tensor objects under the same keys (a module's parameters, an
-    optimizer's moments): their records and StateTensors are then reused, not rebuilt.
-    A StateTensor refers to the live tensor, so a reused one still reads today's values."""
+    hands over the same tensors under the same keys: an optimizer's moments themselves,
+    a module's parameters and buffers as new detached views of the same memory. Their
+    records and StateTensors are then reused, not rebuilt: a reused StateTensor is a view
+    of the same memory as the one handed over now, so it reads today's values."""
 
     def __init__(self) -> None:
         self._last: dict[str, _Flattened] = {}
@@ -223,9 +213,8 @@ class _Reuse:
     def get(self, path: str, value: Mapping[Any, Any], out: list[StateTensor]
             ) -> Frozen | None:
         hit = self._last.get(path)
-        if hit is None or len(value) != len(hit.values) or \
-                not all(map(operator.is_, value.values(), hit.values)) or \
-                tuple(value) != hit.keys:
+        if hit is None or len(value) != len(hit.values) or tuple(value) != hit.keys or \
+                not all(map(_same_view, value.values(), hit.values)):
             return None
         out.extend(hit.tensors)
         self._now[path] = hit
@@ -236,8 +225,20 @@ class _Reuse:
         self._now[path] = _Flattened(tuple(value), tuple(value.values()), record, tensors)
 
     def turn(self) -> None:
-        """One capture is done: what it did not use is forgotten."""
+        """One capture is done: what it did not use is forgotten (and freed)."""
         self._last, self._now = self._now, {}
+
+
+def _same_view(now: Any, last: torch.Tensor) -> bool:
+    """`now` reads what `last` (kept alive since the last capture, so its memory cannot
+    have been handed to another tensor) reads: the same tensor, or a view of the same
+    address with the same dtype, shape and strides."""
+    if now is last:
+        return True
+    return (type(now) is type(last) and now.layout == torch.strided == last.layout
+            and now.data_ptr() == last.data_ptr() and now.dtype == last.dtype
+            and now.shape == last.shape and now.stride() == last.stride()
+            and now.device == last.device)
 
 
 def _flatten(value: Any, path: str, out: list[StateTensor], *,
@@ -246,7 +247,8 @@ def _flatten(value: Any, path: str, out: list[StateTensor], *,
     if isinstance(value, torch.Tensor):
         if not tensors_allowed:
             raise StateError(f"{path!r} holds a tensor where Stalwart expects a plain value")
-        out.append(StateTensor(path, value))
+        # state_dict() hands out detached tensors: only one that tracks gradients needs it.
+        out.append(StateTensor(path, value.detach() if value.requires_grad else value))
         return {_TENSOR: path}
     if isinstance(value, float):
         return value if math.isfinite(value) else {"__stalwart_float__": repr(value)}

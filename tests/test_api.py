@@ -157,6 +157,34 @@ def test_each_capture_reads_the_tensors_a_parameter_and_a_buffer_hold_now():
     assert [t.name for t in first] == [t.name for t in second]
 
 
+def test_a_captures_tensors_keep_reading_what_the_state_held_when_it_was_taken():
+    """Until its copy is made (while the next step runs), a capture reads the memory its
+    tensors had: a parameter whose `.data` is swapped meanwhile (an EMA swap for an
+    evaluation) leaves the capture as it was."""
+    model, opt, sched, ema = _job()
+    _train_a_step(model, opt, sched, ema)
+    registry = StateRegistry({"model": model, "optimizer": opt})
+    registry.capture(step=1)
+    taken, _ = registry.capture(step=2)  # reuses the first capture's views
+    weight = model[0].weight
+    held = weight.detach().clone()
+    with torch.no_grad():
+        weight.data = torch.full_like(weight, 9.0)
+    assert torch.equal(next(t.tensor for t in taken if t.name == "model/0.weight"), held)
+
+
+def test_state_dict_hooks_and_a_replaced_state_dict_get_what_state_dict_gives():
+    model = nn.Linear(2, 2)
+    seen = []
+    model._register_state_dict_hook(  # noqa: SLF001 - the hook torch's own modules use
+        lambda module, sd, prefix, meta: seen.extend(v.numpy().sum() for v in sd.values()))
+    other = nn.Linear(2, 2)
+    other.state_dict = lambda: {"w": other.weight.detach()}  # no keep_vars parameter
+    opt = torch.optim.SGD([*model.parameters(), *other.parameters()], lr=0.1)
+    tensors, _ = StateRegistry({"model": model, "other": other, "opt": opt}).capture(step=1)
+    assert len(seen) == 2 and {"model/weight", "other/w"} <= {t.name for t in tensors}
+
+
 def test_a_capture_of_unchanged_state_reuses_the_records_of_its_tensors():
     """The usual step: the same tensors under the same names. Their records are the last
     capture's objects (so their JSON need not be encoded again); a replaced tensor's
