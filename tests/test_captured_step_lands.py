@@ -9,6 +9,7 @@ Intake)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -31,9 +32,10 @@ STEP_S = 0.2  # the job's pace: one step (and one commit) every STEP_S
 JOB_STEPS = 4  # committed before the failure
 
 
-def prepare(node: str, rank: int, step: int) -> peer_pb2.PrepareStepRequest:
+def prepare(node: str, rank: int, step: int, generation: int = 1
+            ) -> peer_pb2.PrepareStepRequest:
     return peer_pb2.PrepareStepRequest(
-        job_id="job", step=step, generation=1, node=node, layout=LAYOUT,
+        job_id="job", step=step, generation=generation, node=node, layout=LAYOUT,
         seal=seal(node, [manifest_pb2.RankState(rank=rank, node=node)]))
 
 
@@ -578,3 +580,22 @@ def test_a_step_whose_commit_is_under_way_when_a_failure_comes_is_resumed_from()
 
     committed, plan = asyncio.run(main())
     assert plan.generation == 2 and plan.resume_step == committed[-1] == JOB_STEPS + 1
+
+
+def test_a_step_prepared_under_two_plans_commits_only_from_the_newer_ones_prepares(
+        ) -> None:
+    # n0 prepared step 5 under plan 1; a newer plan (here, one that widened the job)
+    # resumes from step 4 and trains step 5 again. n1's prepare of it under plan 2 does
+    # not complete it with n0's old one: n0's prepare under plan 2 must come too.
+    async def main() -> tuple[list[int], list[int]]:
+        c, daemons = await running_job()
+        await c.prepared(prepare("n0", 0, JOB_STEPS + 1))
+        assert c.plan is not None
+        c.plan = dataclasses.replace(c.plan, generation=2, resume_step=JOB_STEPS)
+        await c.prepared(prepare("n1", 1, JOB_STEPS + 1, generation=2))
+        held = list(daemons.committed)
+        await c.prepared(prepare("n0", 0, JOB_STEPS + 1, generation=2))
+        return held, daemons.committed
+
+    held, committed = asyncio.run(main())
+    assert held[-1] == JOB_STEPS and committed[-1] == JOB_STEPS + 1

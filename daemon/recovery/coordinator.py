@@ -195,6 +195,7 @@ class Coordinator:
             return
         previous = self.plan
         self.plan = grown
+        self.commits.abandon_after(committed)  # the wider plan trains them again
         await self._install(grown.to_proto())
         self.metrics.plan_changes.labels("grow").inc()
         self.recoveries.append(RecoveryRecord(

@@ -220,7 +220,9 @@ class StepCommits:
             check_generation(p.generation, generation, f"prepare of step {step}")
         if latest is not None and step <= latest:
             return None
-        if (pending := self.steps.get(step)) is None:
+        pending = self.steps.get(step)
+        if pending is None or pending.generation < p.generation:
+            # A newer plan trains the step again: the older plan's prepares of it are moot.
             pending = self.steps[step] = PendingStep(p.layout, p.generation,
                                                      world_of(p.layout))
         pending.add(p)
