@@ -279,7 +279,7 @@ class Coordinator:
             try:
                 await self._decide_and_carry_out(failures, committed, t0)
             finally:
-                await self.commits.release()
+                self.commits.release()
 
     async def _decide_and_carry_out(self, failures: list[Failure], committed: int,
                                     t0: float) -> None:

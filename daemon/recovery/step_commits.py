@@ -160,6 +160,7 @@ class StepCommits:
     # The commit on this daemon's own store of the step being committed: once it is done,
     # that step is committed (the other daemons' acknowledgements may still be on their way).
     _local: asyncio.Future[None] | None = None
+    _released: asyncio.Future[None] | None = None  # the commits `release` started
 
     def seconds_per_step(self) -> float | None:
         """Median seconds of training per step between the recent commits (None before
@@ -239,12 +240,13 @@ class StepCommits:
         self._held_above = step = self.latest_committed() or 0
         return step
 
-    async def release(self) -> None:
+    def release(self) -> None:
         """End `hold`; a later step that became complete meanwhile (the plan kept its
-        generation) commits now."""
+        generation) commits now, in the background: a commit still waiting for a lost
+        daemon's acknowledgement must not hold up the coordinator."""
         self._held_above = None
         if self.steps:
-            await self._commit_ready()
+            self._released = asyncio.ensure_future(self._commit_ready())
 
     def abandon_after(self, step: int) -> None:
         """Steps prepared by an old generation after the resume point will not commit."""
