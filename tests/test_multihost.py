@@ -243,8 +243,11 @@ def inject(fault: str, job: list[Host], launchers: dict[str, subprocess.Popen],
 
         def readmitted() -> bool:
             mine, theirs = victim.status(), newest(survivors)
+            # Its spare waits for a role, or (on a loaded machine the job can end first)
+            # left when the job's completion reached its daemon.
             return (mine is not None and theirs is not None
-                    and any(r.spare and r.state == "spare" for r in mine.ranks)
+                    and any(r.spare and (r.state == "spare" or r.state == "left"
+                                         and theirs.plan.completed) for r in mine.ranks)
                     and mine.generation == theirs.generation  # it installed the plan
                     and any(d.node == victim.name and d.state == "up" for d in theirs.daemons))
         try:
