@@ -11,7 +11,7 @@ overwrite the memory being copied.
 The copier and sender threads may run on CPUs of their own (`cpus`, or
 STALWART_CAPTURE_CPUS where the library makes the Capturer): a host that gives its
 daemon cores gives the capture's copy those cores too, as a GPU's copy engine takes it
-off the training thread.
+off the training thread, and the hand-over's gRPC threads with it.
 """
 
 from __future__ import annotations
@@ -75,6 +75,49 @@ class _SlotState:
         return self._views
 
 
+class GrpcThreads:
+    """The threads gRPC's core library runs in this process, found by their names.
+
+    They carry every call's socket work, the capture hand-over's included, and start
+    where the thread that made them was allowed to run: beside the training thread, on a
+    rank pinned to its cores. Left there, they wake several times a capture and preempt
+    training; moved to the capture's CPUs, that work runs beside the daemon's instead.
+    """
+
+    NAMES = ("event_engine", "grpc_global_tim", "lifeguard")
+    """Thread names (as the kernel keeps them, 15 characters at most) of the event-engine
+    pool, the timer thread and the pool's lifeguard, as grpcio 1.85 names them; a name
+    not listed only leaves that thread where it was."""
+
+    def __init__(self) -> None:
+        self._named: dict[int, bool] = {}  # thread id: whether it is one of gRPC's
+
+    def ids(self) -> list[int]:
+        """gRPC's threads in this process now (none where /proc is not there)."""
+        try:
+            present = [int(name) for name in os.listdir("/proc/self/task")]
+        except OSError:
+            return []
+        named = {}
+        for tid in present:  # a thread's name is read once, when it is first seen
+            if tid not in self._named:
+                try:
+                    with open(f"/proc/self/task/{tid}/comm") as f:
+                        self._named[tid] = f.read().strip().startswith(self.NAMES)
+                except OSError:  # the thread ended meanwhile
+                    continue
+            named[tid] = self._named[tid]
+        self._named = named
+        return [tid for tid, grpc_own in named.items() if grpc_own]
+
+    def move_to(self, cpus: frozenset[int]) -> None:
+        for tid in self.ids():
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except ProcessLookupError:
+                pass  # the thread ended meanwhile
+
+
 class Capturer:
     """Double-buffered, asynchronous capture of one rank's state."""
 
@@ -100,6 +143,7 @@ class Capturer:
         self._described: tuple[tuple[Any, ...], list[common_pb2.TensorMeta], int] | None = None
         self._records = RecordEncoder()
         self._opening: Future[None] | None = None  # slots being opened ahead (`open_ahead`)
+        self._grpc_threads = GrpcThreads()
 
     def open_ahead(self, tensors: Sequence[StateTensor]) -> None:
         """Open and map the slots that captures of `tensors` need, in the background.
@@ -210,7 +254,7 @@ class Capturer:
 
     def _send(self, step: int, slot: _SlotState, metas: list[common_pb2.TensorMeta],
               extra: bytes, hints: list[Any], final: bool) -> None:
-        self._pin()
+        self._pin(with_grpc=True)
         try:
             stall = self.stats.stalls_s[-2] if len(self.stats.stalls_s) > 1 else 0.0
             self.transport.send_capture(step, slot.mapped.slot_id, metas, extra, hints, stall,
@@ -218,13 +262,16 @@ class Capturer:
         finally:
             slot.free.set()
 
-    def _pin(self) -> None:
-        """This capture thread onto `cpus` (a syscall of microseconds)."""
+    def _pin(self, with_grpc: bool = False) -> None:
+        """This capture thread onto `cpus`, and `with_grpc` (the hand-over thread, the
+        one that calls the daemon) gRPC's own threads too: syscalls of microseconds."""
         cpus = self.cpus
         if cpus is None:
             return
         try:
             os.sched_setaffinity(0, cpus)
+            if with_grpc:
+                self._grpc_threads.move_to(cpus)
         except OSError as exc:  # outside this process's cpuset: it only costs speed
             self.cpus = None
             log.warning("capture threads stay where the rank runs: cannot move them to "

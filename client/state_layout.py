@@ -83,10 +83,17 @@ def byte_view(buffer: torch.Tensor, meta: common_pb2.TensorMeta) -> torch.Tensor
 
 def copy_into(views: Sequence[torch.Tensor], tensors: Iterable[StateTensor],
               non_blocking: bool = False) -> None:
-    """Copy every tensor into its view of a state buffer (`byte_view`s, in order)."""
-    with torch.no_grad():
-        for view, st in zip(views, tensors, strict=True):
-            view.copy_(st.tensor, non_blocking=non_blocking)
+    """Copy every tensor into its view of a state buffer (`byte_view`s, in order).
+
+    One call for all of them: the GIL is let go once for the whole copy, not once per
+    tensor, so a copy on a capture thread does not trade the GIL with the training
+    thread a few hundred times a step."""
+    sources = [st.tensor for st in tensors]
+    if len(sources) != len(views):
+        raise ValueError(f"{len(sources)} tensors for {len(views)} views of the buffer")
+    if sources:
+        with torch.no_grad():
+            torch._foreach_copy_(list(views), sources, non_blocking=non_blocking)
 
 
 def pack_into(buffer: torch.Tensor, tensors: Iterable[StateTensor],
