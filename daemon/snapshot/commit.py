@@ -97,6 +97,13 @@ class Committer:
 Deliver = Callable[[peer_pb2.PrepareStepRequest], Awaitable[None]]
 
 
+def _left_behind(exc: Exception) -> bool:
+    """Whether a prepare was refused for its generation, by this daemon's coordinator
+    (StaleGeneration) or another's (ABORTED, the peer service's one status for it)."""
+    return isinstance(exc, StaleGeneration) or (
+        isinstance(exc, grpc.aio.AioRpcError) and exc.code() is grpc.StatusCode.ABORTED)
+
+
 class PrepareOutbox:
     """Phase one from this daemon: prepares to the coordinator, kept until their step
     commits here, so a coordinator that takes over gets them again."""
@@ -114,7 +121,14 @@ class PrepareOutbox:
         self._pending.setdefault(req.step, []).append(req)
         try:
             await self.deliver(req)
-        except (grpc.aio.AioRpcError, LookupError) as exc:
+        except (grpc.aio.AioRpcError, LookupError, StaleGeneration) as exc:
+            if _left_behind(exc):
+                # A newer plan resumes before this step: it will never commit. Expected
+                # after every re-plan that caught a step in flight.
+                self._pending[req.step].remove(req)
+                log.info("prepare dropped: a newer plan left its step behind",
+                         extra={"step": req.step, "generation": req.generation})
+                return
             # The coordinator may be the thing that died: its successor gets it.
             log.warning("prepare not delivered; will resend to the next coordinator",
                         extra={"step": req.step, "error": str(exc)})
