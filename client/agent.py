@@ -25,7 +25,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from stalwart.client.daemon_client import DaemonClient, DaemonUnavailable
-from stalwart.client.generation import Generation, PlanChanged
+from stalwart.client.generation import Generation, PlanChanged, RestoreAhead
 from stalwart.client.link_bytes import LinkBytes
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.watchdog import GroupFailure, Watchdog
@@ -87,6 +87,12 @@ class Program(Protocol):
 
     def train(self, gen: Generation) -> None:
         """Run generation `gen` to the end of training; raise on a broken group."""
+
+    def restore_request(self, plan: common_pb2.Plan, role: common_pb2.RankAssignment
+                        ) -> tuple[int, tuple[int, int] | None]:
+        """The old rank and layers this role restores first when `plan` resumes from a
+        committed step (as its `train` asks `gen.restore_rank`): fetched while the
+        generation's groups are built. Optional; a program without it restores after."""
 
 
 class ElasticAgent:
@@ -281,6 +287,14 @@ class ElasticAgent:
                 if time.monotonic() >= give_up:
                     raise
 
+    def _restore_ahead(self, plan: common_pb2.Plan, role: common_pb2.RankAssignment
+                       ) -> RestoreAhead | None:
+        ask = getattr(self.program, "restore_request", None)
+        if plan.resume_step <= 0 or ask is None:
+            return None
+        rank, layers = ask(plan, role)
+        return RestoreAhead(self.daemon, plan.resume_step, rank, layers)
+
     def _report_hang(self, failure: Failure) -> None:
         """The watchdog's hang, told to the daemon unless the job already moved on."""
         if self.superseded(failure.generation):
@@ -299,6 +313,7 @@ class ElasticAgent:
         self.daemon.generation = plan.generation
         node_of = {a.coord.rank: a.node for a in plan.assignments if not a.spare}
         t_build = time.monotonic()
+        ahead = self._restore_ahead(plan, role)
         store = self._store_of(plan)
         watchdog = Watchdog(self._report_hang, deadline_s=cfg.collective_timeout_s,
                             subject=self.daemon.rank_id, generation=plan.generation)
@@ -312,11 +327,12 @@ class ElasticAgent:
         record = {"generation": plan.generation, "resume_step": plan.resume_step,
                   "layout": {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp,
                              "grad_accum": lay.grad_accum},
-                  "rebuild_s": None, "restore_s": None, "first_step_s": None,
+                  "rebuild_s": None, "restore_s": None, "restored_ahead": False,
+                  "first_step_s": None,
                   "reason": plan.reason, "plan_received_unix": received_unix,
                   "first_step_unix": None, "t_build": t_build}
         self.result.generations.append(record)
-        gen = Generation(plan, role, dims, self, record, store)
+        gen = Generation(plan, role, dims, self, record, store, ahead=ahead)
         broke = True
         try:
             self.program.train(gen)

@@ -376,6 +376,9 @@ def _summarise(cluster: Any, args: argparse.Namespace, faults: list[dict[str, An
             "detect_plan_s": round(planned - fault["time_unix"], 3),
             "rebuild_s": max((g["rebuild_s"] for g in gens), default=None),
             "restore_s": max((g["restore_s"] for g in gens), default=None),
+            # Roles whose state was fetched while their groups were built.
+            "restored_ahead": sum(bool(g.get("restored_ahead")) for g in gens),
+            "roles": len(gens),
             "mttr_s": round(first - fault["time_unix"], 3) if first else None,
             "reason": plan["reason"]})
     completed = bool(losses) and max(losses) == args.steps and len(losses) == args.steps

@@ -5,8 +5,10 @@ the way out when a newer plan arrives (`PlanChanged`)."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -60,6 +62,40 @@ class GrpcCaptureTransport:
             raise
 
 
+Restored = tuple[list[common_pb2.TensorMeta], dict[str, Any], dict[str, Any]]
+"""A rank's state at a committed step: its metas, its tensors by name, its extra."""
+
+
+def fetch_rank(daemon: DaemonClient, step: int, rank: int,
+               layers: tuple[int, int] | None = None) -> Restored:
+    """Committed `step` as old rank `rank` captured it (with `layers`, of those layers
+    alone: `DaemonClient.restore`), each tensor a copy of its own."""
+    record, data = daemon.restore(step, rank, layers=layers)
+    metas = list(record.tensors)
+    return metas, unpack(data, metas), json.loads(record.extra.decode())
+
+
+class RestoreAhead:
+    """A restore started as the plan arrives, on a thread of its own, while the rank
+    builds its process groups and trainer: the two took turns before, each tens of
+    milliseconds of a recovery's critical path. The program's own restore takes it
+    when it asks for the same step, rank and layers; otherwise it is let go."""
+
+    def __init__(self, daemon: DaemonClient, step: int, rank: int,
+                 layers: tuple[int, int] | None) -> None:
+        self.request = (step, rank, layers)
+        self.result: Future[Restored] = Future()
+
+        def fetch() -> None:
+            try:
+                self.result.set_result(fetch_rank(daemon, step, rank, layers))
+            except BaseException as exc:  # raised where the program takes it
+                self.result.set_exception(exc)
+
+        threading.Thread(target=fetch, name=f"stalwart-restore-ahead-{step}",
+                         daemon=True).start()
+
+
 @dataclass
 class Generation:
     """One generation as a program sees it: the plan, this rank's role, its process
@@ -74,6 +110,8 @@ class Generation:
     """The store this generation's groups started from (the job's, for programs)."""
     abandoned: bool = False
     """A step of this generation is stuck in a collective: its groups are left alone."""
+    ahead: RestoreAhead | None = None
+    """The resume step's state, being fetched since the plan came (`RestoreAhead`)."""
 
     @property
     def daemon(self) -> DaemonClient:
@@ -108,12 +146,15 @@ class Generation:
             raise PlanChanged() from None
 
     def restore_rank(self, step: int, rank: int, layers: tuple[int, int] | None = None
-                     ) -> tuple[list[common_pb2.TensorMeta], dict[str, Any], dict[str, Any]]:
+                     ) -> Restored:
         """Committed `step` as old rank `rank` captured it: metas, tensors by name, extra
-        (with `layers`, of those layers alone: `DaemonClient.restore`)."""
-        record, data = self.daemon.restore(step, rank, layers=layers)
-        metas = list(record.tensors)
-        return metas, unpack(data, metas), json.loads(record.extra.decode())
+        (with `layers`, of those layers alone: `DaemonClient.restore`). The restore
+        started ahead is taken, once, where it asked for the same."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead.request == (step, rank, layers):
+            self.record["restored_ahead"] = True
+            return ahead.result.result()
+        return fetch_rank(self.daemon, step, rank, layers)
 
     def report_rebuilt(self, rebuild_s: float, restore_s: float) -> None:
         if self.plan.generation > 1:

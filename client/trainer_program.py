@@ -19,7 +19,7 @@ from stalwart.client.digest import param_digest
 from stalwart.client.generation import Generation, PlanChanged
 from stalwart.client.layers import BlockProbe, Layers, probe
 from stalwart.client.relayout import Role, captured_layout, fetch_and_assemble
-from stalwart.client.trainer import TrainConfig, Trainer
+from stalwart.client.trainer import TrainConfig, Trainer, uniform_bounds
 from stalwart.client.trainer_state import adamw_hints, load_state, state_tensors
 from stalwart.client.user_data import Data
 from stalwart.v1 import common_pb2
@@ -60,6 +60,14 @@ class TrainerProgram:
 
     def warm_up(self) -> None:
         self._probe()
+
+    def restore_request(self, plan: common_pb2.Plan, role: common_pb2.RankAssignment
+                        ) -> tuple[int, tuple[int, int] | None]:
+        """Its own rank's record of the role's layers, as `_restore` asks first."""
+        lay = plan.layout
+        bounds = [(s.first_layer, s.last_layer) for s in lay.stages] or \
+            uniform_bounds(len(self.layers), max(1, lay.pp))
+        return role.coord.rank, bounds[role.coord.pp]
 
     def train(self, gen: Generation) -> None:
         lay = gen.plan.layout

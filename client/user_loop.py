@@ -168,6 +168,11 @@ class _UserLoopProgram:
     def warm_up(self) -> None:
         pass
 
+    def restore_request(self, plan: common_pb2.Plan, role: common_pb2.RankAssignment
+                        ) -> tuple[int, tuple[int, int] | None]:
+        """This replica's own record, as `_restore` asks first."""
+        return role.coord.rank, None
+
     # one generation --------------------------------------------------------------
 
     def train(self, gen: Generation) -> None:

@@ -44,6 +44,10 @@ def test_a_killed_rank_is_replaced_by_a_spare_bitwise(tmp_path: Path, uninterrup
     resumed = run.plans[-1].resume_step
     assert run.committed_at_kill is not None and resumed >= run.committed_at_kill  # 0 lost
     assert run.plans[-1].layout.dp == 2  # the spare took the dead rank's place
+    # Each role of the new plan fetched the state it resumed from while building its groups.
+    resumed_in = [g for r in run.results for g in r.get("generations", [])
+                  if g["resume_step"] > 0]
+    assert resumed_in and all(g["restored_ahead"] for g in resumed_in), resumed_in
     assert run.digest() == uninterrupted.digest()
     assert run.losses == uninterrupted.losses
 

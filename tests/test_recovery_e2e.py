@@ -63,6 +63,8 @@ def test_a_killed_rank_in_each_pipeline_stage_is_replaced(tmp_path: Path) -> Non
     assert_recovered(summary, uninterrupted(tmp_path, *layout), 3)
     waits = land_waits(work)
     for r in summary["recoveries"]:
+        # Every role fetched its state while it built its groups.
+        assert r["resume_step"] == 0 or r["restored_ahead"] == r["roles"] > 0, r
         # The killed rank's daemon had taken in its capture of step N - 1 (the copy of
         # step N runs during step N + 1) or of step N.
         assert r["captured_step"] is not None and 1 <= r["captured_step"] <= r["fault_step"], r
