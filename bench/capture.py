@@ -210,6 +210,10 @@ OVERHEAD_BLOCKS, OVERHEAD_BLOCKS_QUICK = 5, 1
 """Pairs of blocks (plain, captured) per overhead figure: this machine's speed drifts by
 several percent between blocks, more than the effect on its good days."""
 
+OWN_CORES_BLOCKS_SMALL = 2
+"""Sets of blocks for the own-cores overhead on the `small` model (full runs only): its
+steps are about 9x the tiny model's, so each set trains for over a minute."""
+
 
 def _sustained(rank: _DaemonRank, model, opt, step: Callable[[], float],
                before_block: Callable[[bool], None] = lambda capture: None
@@ -409,6 +413,12 @@ def run(quick: bool) -> dict:
         tiny_bytes = rank.capturer.stats.bytes_per_capture
         own = _own_cores_overhead(rank, tiny_model, tiny_opt, tiny_step,
                                   OVERHEAD_BLOCKS_QUICK if quick else OVERHEAD_BLOCKS)
+        if quick:
+            own_small = {"overhead_pct": None, "why": "measured in full runs only (minutes)"}
+        else:
+            say(f"step overhead with a core each on the {preset} model")
+            rank.train(model, opt, step, 2, capture=True)  # its size is what is captured
+            own_small = _own_cores_overhead(rank, model, opt, step, OWN_CORES_BLOCKS_SMALL)
     finally:
         rank.close()
         shutil.rmtree(folder, ignore_errors=True)
@@ -440,6 +450,8 @@ def run(quick: bool) -> dict:
         "step_overhead_pct": _paired_pct(pairs),
         "step_overhead_pct_own_cores": own["overhead_pct"],
         "own_cores": own,
+        "step_overhead_pct_own_cores_small": own_small["overhead_pct"],
+        "own_cores_small": own_small,
         "torch_threads": torch.get_num_threads(),
         "notes": "stall_s: median time the training thread is blocked per capture "
                  "(capture() call plus the wait before the next optimizer.step()), real "
@@ -456,6 +468,9 @@ def run(quick: bool) -> dict:
                  "step_overhead_pct_own_cores: the same with the training thread (one "
                  "torch thread) pinned to one core, and the daemon and the capture's "
                  "copy and hand-over threads to another (stalwart run --capture-cpus); "
+                 "step_overhead_pct_own_cores_small: the same on the small model "
+                 f"(full runs; {OWN_CORES_BLOCKS_SMALL} sets of blocks), whose step is "
+                 "long against the per-capture work of the training thread. "
                  "own_cores.overhead_pct_capture_threads_on_rank_core: the capture "
                  "threads left beside the training thread, blocks interleaved. "
                  "own_cores.busy_neighbour_overhead_pct: no capture, a process spinning "

@@ -35,3 +35,6 @@ def test_the_capture_benchmark_reports_the_stall_and_both_overheads(tmp_path: Pa
         assert 0 < own["daemon_cpu_s_per_capture"] < 10 and own["daemon_core_busy_fraction"] > 0
     else:
         assert figures["step_overhead_pct_own_cores"] is None and own["why"]
+    # The small model's own-cores figure takes minutes: full runs only, and said so.
+    assert figures["step_overhead_pct_own_cores_small"] is None
+    assert figures["own_cores_small"]["why"]
