@@ -294,7 +294,7 @@ class _BusyNeighbour:
 
 def _own_cores_overhead(rank: _DaemonRank, model, opt, step: Callable[[], float],
                         blocks: int) -> dict[str, Any]:
-    """The tiny model's step overhead with the rank's training thread (one torch thread)
+    """A model's step overhead with the rank's training thread (one torch thread)
     on one core and its daemon on another, as a deployment that gives the daemon a core
     has it: the capture threads run on the daemon's core (`stalwart run --capture-cpus`)
     in one set of blocks and beside the training thread in the other, interleaved, and

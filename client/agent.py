@@ -89,10 +89,11 @@ class Program(Protocol):
         """Run generation `gen` to the end of training; raise on a broken group."""
 
     def restore_request(self, plan: common_pb2.Plan, role: common_pb2.RankAssignment
-                        ) -> tuple[int, tuple[int, int] | None]:
+                        ) -> tuple[int, tuple[int, int] | None] | None:
         """The old rank and layers this role restores first when `plan` resumes from a
         committed step (as its `train` asks `gen.restore_rank`): fetched while the
-        generation's groups are built. Optional; a program without it restores after."""
+        generation's groups are built. Optional; without it, or with None, the program
+        restores after."""
 
 
 class ElasticAgent:
@@ -292,7 +293,14 @@ class ElasticAgent:
         ask = getattr(self.program, "restore_request", None)
         if plan.resume_step <= 0 or ask is None:
             return None
-        rank, layers = ask(plan, role)
+        try:
+            request = ask(plan, role)
+        except Exception as exc:  # only costs the head start: the program restores itself
+            log.warning("no restore ahead for generation %d: %s", plan.generation, exc)
+            return None
+        if request is None:
+            return None
+        rank, layers = request
         return RestoreAhead(self.daemon, plan.resume_step, rank, layers)
 
     def _report_hang(self, failure: Failure) -> None:
@@ -314,14 +322,19 @@ class ElasticAgent:
         node_of = {a.coord.rank: a.node for a in plan.assignments if not a.spare}
         t_build = time.monotonic()
         ahead = self._restore_ahead(plan, role)
-        store = self._store_of(plan)
-        watchdog = Watchdog(self._report_hang, deadline_s=cfg.collective_timeout_s,
-                            subject=self.daemon.rank_id, generation=plan.generation)
-        dims = ParallelDims(Layout.from_proto(lay)).build(
-            store, role.coord.rank, plan.generation, backend=cfg.backend,
-            timeout_s=cfg.collective_timeout_s, node_of=node_of, links=self.links,
-            watchdog=watchdog, superseded=partial(self.superseded, plan.generation),
-            news=self.news)
+        try:
+            store = self._store_of(plan)
+            watchdog = Watchdog(self._report_hang, deadline_s=cfg.collective_timeout_s,
+                                subject=self.daemon.rank_id, generation=plan.generation)
+            dims = ParallelDims(Layout.from_proto(lay)).build(
+                store, role.coord.rank, plan.generation, backend=cfg.backend,
+                timeout_s=cfg.collective_timeout_s, node_of=node_of, links=self.links,
+                watchdog=watchdog, superseded=partial(self.superseded, plan.generation),
+                news=self.news)
+        except BaseException:
+            if ahead is not None:  # a newer plan (or a broken build) ended it first
+                ahead.cancel()
+            raise
         self.result.coord = {"rank": role.coord.rank, "dp": role.coord.dp,
                              "pp": role.coord.pp, "tp": role.coord.tp}
         record = {"generation": plan.generation, "resume_step": plan.resume_step,
@@ -338,6 +351,8 @@ class ElasticAgent:
             self.program.train(gen)
             broke = False
         finally:
+            if gen.ahead is not None:  # the program never asked for it
+                gen.ahead.cancel()
             record.pop("t_build", None)
             record.pop("t_trained_from", None)
             if gen.abandoned and cfg.backend == "nccl":

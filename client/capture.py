@@ -91,6 +91,7 @@ class GrpcThreads:
 
     def __init__(self) -> None:
         self._named: dict[int, bool] = {}  # thread id: whether it is one of gRPC's
+        self._before: dict[int, set[int]] = {}  # thread id: where it ran before the move
 
     def ids(self) -> list[int]:
         """gRPC's threads in this process now (none where /proc is not there)."""
@@ -113,8 +114,19 @@ class GrpcThreads:
     def move_to(self, cpus: frozenset[int]) -> None:
         for tid in self.ids():
             try:
+                self._before.setdefault(tid, os.sched_getaffinity(tid))
                 os.sched_setaffinity(tid, cpus)
-            except ProcessLookupError:
+            except OSError as exc:  # ended meanwhile, or kept out of `cpus`: stays put
+                log.debug("gRPC thread %d not moved: %s", tid, exc)
+
+    def move_back(self) -> None:
+        """Each moved thread back where it ran before (the capture is over: the rank's
+        other gRPC calls, and any of its own, run where the rank does again)."""
+        before, self._before = self._before, {}
+        for tid, cpus in before.items():
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except OSError:
                 pass  # the thread ended meanwhile
 
 
@@ -304,6 +316,7 @@ class Capturer:
         finally:
             self._copier.shutdown(wait=True)
             self._sender.shutdown(wait=True)
+            self._grpc_threads.move_back()
             for s in self._slots:
                 if s.pinned:
                     torch.cuda.cudart().cudaHostUnregister(s.buffer.data_ptr())

@@ -259,7 +259,8 @@ class DaemonClient:
         return self._call(what, getattr(self._rank_stub(), method), request, **kwargs)
 
     def restore(self, step: int, rank: int, timeout_s: float = 300.0, *,
-                into_slot: bool = True, layers: tuple[int, int] | None = None
+                into_slot: bool = True, layers: tuple[int, int] | None = None,
+                on_call: Callable[[Any], None] | None = None
                 ) -> tuple[manifest_pb2.RankState, RestoredBytes]:
         """A committed step's record and state bytes for `rank` (in that step's layout),
         in a buffer of the caller's own (`state_layout.unpack` copies each tensor out): a
@@ -267,7 +268,8 @@ class DaemonClient:
         where the daemon has no room for a slot or this process cannot map it) the bytes
         streamed over the socket. With `layers` (first, last), only the tensors of those
         layers and of no layer: the record lists just them, and only the chunks that
-        hold them are read."""
+        hold them are read. `on_call` is handed the streaming call as it starts (for a
+        caller on another thread to `cancel()`)."""
         request = rank_pb2.RestoreRequest(rank_id=self.rank_id, step=step, rank=rank,
                                           into_slot=into_slot)
         if layers is not None:
@@ -276,8 +278,11 @@ class DaemonClient:
         data = bytearray()
         slot, restored = ("", ""), step
         try:
-            for piece in self._rank_stub().Restore(request, timeout=timeout_s,
-                                                   metadata=self._metadata()):
+            call = self._rank_stub().Restore(request, timeout=timeout_s,
+                                             metadata=self._metadata())
+            if on_call is not None:
+                on_call(call)
+            for piece in call:
                 if piece.HasField("state"):
                     state, slot = piece.state, (piece.slot_id, piece.fd_socket)
                     restored = piece.step or step
@@ -297,7 +302,8 @@ class DaemonClient:
         except (OSError, SlotRefused) as exc:
             log.warning("restore slot %s could not be mapped (%s); streaming the state",
                         slot[0], exc)
-            return self.restore(restored, rank, timeout_s, into_slot=False, layers=layers)
+            return self.restore(restored, rank, timeout_s, into_slot=False, layers=layers,
+                                on_call=on_call)
         return state, mapped.view  # the tensors viewing it keep the mapping alive
 
     def watch_plan(self, known_generation: int | None = None) -> Iterator[rank_pb2.PlanEvent]:

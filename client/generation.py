@@ -67,10 +67,11 @@ Restored = tuple[list[common_pb2.TensorMeta], dict[str, Any], dict[str, Any]]
 
 
 def fetch_rank(daemon: DaemonClient, step: int, rank: int,
-               layers: tuple[int, int] | None = None) -> Restored:
+               layers: tuple[int, int] | None = None,
+               on_call: Callable[[Any], None] | None = None) -> Restored:
     """Committed `step` as old rank `rank` captured it (with `layers`, of those layers
     alone: `DaemonClient.restore`), each tensor a copy of its own."""
-    record, data = daemon.restore(step, rank, layers=layers)
+    record, data = daemon.restore(step, rank, layers=layers, on_call=on_call)
     metas = list(record.tensors)
     return metas, unpack(data, metas), json.loads(record.extra.decode())
 
@@ -79,21 +80,38 @@ class RestoreAhead:
     """A restore started as the plan arrives, on a thread of its own, while the rank
     builds its process groups and trainer: the two took turns before, each tens of
     milliseconds of a recovery's critical path. The program's own restore takes it
-    when it asks for the same step, rank and layers; otherwise it is let go."""
+    when it asks for the same step, rank and layers; otherwise it is cancelled, as it is
+    when a newer plan ends the generation first (the daemon then stops streaming it)."""
 
     def __init__(self, daemon: DaemonClient, step: int, rank: int,
                  layers: tuple[int, int] | None) -> None:
         self.request = (step, rank, layers)
         self.result: Future[Restored] = Future()
+        self._lock = threading.Lock()
+        self._call: Any = None
+        self._cancelled = False
+
+        def started(call: Any) -> None:
+            with self._lock:
+                self._call = call
+                if self._cancelled:
+                    call.cancel()
 
         def fetch() -> None:
             try:
-                self.result.set_result(fetch_rank(daemon, step, rank, layers))
+                self.result.set_result(fetch_rank(daemon, step, rank, layers, started))
             except BaseException as exc:  # raised where the program takes it
                 self.result.set_exception(exc)
 
         threading.Thread(target=fetch, name=f"stalwart-restore-ahead-{step}",
                          daemon=True).start()
+
+    def cancel(self) -> None:
+        """Not wanted after all: the stream is cancelled if it is still running."""
+        with self._lock:
+            self._cancelled = True
+            if self._call is not None and not self.result.done():
+                self._call.cancel()
 
 
 @dataclass
@@ -152,8 +170,11 @@ class Generation:
         started ahead is taken, once, where it asked for the same."""
         ahead, self.ahead = self.ahead, None
         if ahead is not None and ahead.request == (step, rank, layers):
+            restored = ahead.result.result()
             self.record["restored_ahead"] = True
-            return ahead.result.result()
+            return restored
+        if ahead is not None:
+            ahead.cancel()
         return fetch_rank(self.daemon, step, rank, layers)
 
     def report_rebuilt(self, rebuild_s: float, restore_s: float) -> None:

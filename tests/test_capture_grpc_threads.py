@@ -1,5 +1,6 @@
 """With capture CPUs given, the hand-over's gRPC threads leave the training thread's
-cores too. A real daemon over gRPC; this process is its registered rank."""
+cores too, while the capture runs. A real daemon over gRPC; this process is its
+registered rank."""
 
 from __future__ import annotations
 
@@ -36,5 +37,7 @@ def test_the_hand_overs_grpc_threads_run_on_the_capture_cpus(tmp_path: Path) -> 
         assert {tid: os.sched_getaffinity(tid) for tid in moved} == {tid: own for tid in moved}
         assert os.sched_getaffinity(0) == set(allowed)  # the training thread stays
         rank.wait_committed(3)
+        rank.capturer.close()  # the capture is over: gRPC's threads go back
+        assert all(os.sched_getaffinity(tid) == set(allowed) for tid in GrpcThreads().ids())
     finally:
         rank.close()

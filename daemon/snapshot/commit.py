@@ -125,7 +125,11 @@ class PrepareOutbox:
             if _left_behind(exc):
                 # A newer plan resumes before this step: it will never commit. Expected
                 # after every re-plan that caught a step in flight.
-                self._pending[req.step].remove(req)
+                waiting = self._pending.get(req.step, [])
+                if req in waiting:  # a concurrent send may have let the step go
+                    waiting.remove(req)
+                if not waiting:
+                    self._pending.pop(req.step, None)
                 log.info("prepare dropped: a newer plan left its step behind",
                          extra={"step": req.step, "generation": req.generation})
                 return
