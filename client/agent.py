@@ -89,11 +89,10 @@ class Program(Protocol):
         """Run generation `gen` to the end of training; raise on a broken group."""
 
     def restore_request(self, plan: common_pb2.Plan, role: common_pb2.RankAssignment
-                        ) -> tuple[int, tuple[int, int] | None] | None:
+                        ) -> tuple[int, tuple[int, int] | None]:
         """The old rank and layers this role restores first when `plan` resumes from a
         committed step (as its `train` asks `gen.restore_rank`): fetched while the
-        generation's groups are built. Optional; without it, or with None, the program
-        restores after."""
+        generation's groups are built."""
 
 
 class ElasticAgent:
@@ -290,17 +289,13 @@ class ElasticAgent:
 
     def _restore_ahead(self, plan: common_pb2.Plan, role: common_pb2.RankAssignment
                        ) -> RestoreAhead | None:
-        ask = getattr(self.program, "restore_request", None)
-        if plan.resume_step <= 0 or ask is None:
+        if plan.resume_step <= 0:
             return None
         try:
-            request = ask(plan, role)
+            rank, layers = self.program.restore_request(plan, role)
         except Exception as exc:  # only costs the head start: the program restores itself
             log.warning("no restore ahead for generation %d: %s", plan.generation, exc)
             return None
-        if request is None:
-            return None
-        rank, layers = request
         return RestoreAhead(self.daemon, plan.resume_step, rank, layers)
 
     def _report_hang(self, failure: Failure) -> None:

@@ -114,7 +114,8 @@ class GrpcThreads:
     def move_to(self, cpus: frozenset[int]) -> None:
         for tid in self.ids():
             try:
-                self._before.setdefault(tid, os.sched_getaffinity(tid))
+                if tid not in self._before:  # read once: later captures only re-apply
+                    self._before[tid] = os.sched_getaffinity(tid)
                 os.sched_setaffinity(tid, cpus)
             except OSError as exc:  # ended meanwhile, or kept out of `cpus`: stays put
                 log.debug("gRPC thread %d not moved: %s", tid, exc)
