@@ -16,8 +16,6 @@ from pathlib import Path
 
 import grpc
 
-from stalwart.core import manifest as mf
-from stalwart.core import step_record as sr
 from stalwart.core.failures import Failure, FailureKind
 from stalwart.daemon.background import Background
 from stalwart.daemon.config import DaemonConfig
@@ -84,7 +82,8 @@ class Job:
                             commit=self.snapshots.committer.commit,
                             records=self.snapshots.records, nodes=self.links.nodes,
                             stub=self.links.stub, me=lambda: self.me(),
-                            pass_on=self.links.pass_on, relay=self.relay,
+                            pass_on=self.links.pass_on, take_commit=self.links.take_commit,
+                            relay=self.relay,
                             hurry=self.snapshots.intake.hurry_step)
         self.reports = FailureReports(self.coordinator, registry, metrics,
                                       self.leadership.is_leader, self.links.coordinator,
@@ -205,14 +204,7 @@ class Job:
         first = max(own + 1, source.latest_committed - self.config.snapshot.retain + 1)
         for step in range(first, source.latest_committed + 1):
             try:
-                record = await self.links.stub(source.node).GetStepRecord(
-                    peer_pb2.GetStepRecordRequest(job_id=self.config.job_id, step=step),
-                    timeout=RPC_TIMEOUT_S)
-                if record.step != step or record.job_id != self.config.job_id:
-                    raise mf.ManifestError(f"{source.node} answered with step {record.step} "
-                                           f"of job {record.job_id!r}")
-                sr.verify(record)
-                await self.snapshots.committer.commit(record, verified=True)
+                await self.links.take_commit(source.node, self.config.job_id, step)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     continue  # skipped there too (its prepares were lost)

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from stalwart.core import step_record as sr
 from stalwart.daemon.background import Background
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.peers import Peer, PeerChannels
@@ -115,6 +116,19 @@ class Links:
             await self.commit(request.record)
             return
         await self.commits.send(self.channel(node), request, RPC_TIMEOUT_S)
+
+    async def take_commit(self, node: str, job_id: str, step: int) -> None:
+        """Commit here the committed `step` that daemon `node` holds, its record checked
+        first. Raises LookupError (`node` is no live member), grpc.aio.AioRpcError
+        (NOT_FOUND: not committed there) or ValueError (not that step's record, or one
+        that fails its check)."""
+        record = await self.stub(node).GetStepRecord(
+            peer_pb2.GetStepRecordRequest(job_id=job_id, step=step), timeout=RPC_TIMEOUT_S)
+        if record.step != step or record.job_id != job_id:
+            raise ValueError(f"{node} answered with step {record.step} of job "
+                             f"{record.job_id!r}")
+        sr.verify(record)
+        await self.commit(record, verified=True)
 
     async def relay_prepares(self, node: str, batch: peer_pb2.PrepareBatch) -> None:
         """A batch of prepares to `node` (a daemon, or the coordinator) on the step

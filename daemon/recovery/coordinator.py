@@ -235,11 +235,9 @@ class Coordinator:
         plan.commit_fanout = self.commit_fanout
         if not plan.stop:
             self._name_store(plan)
+        # A daemon without the step the plan resumes from (its coordinator died while
+        # sending phase two) takes it from this one before adopting the plan (JobGate).
         nodes = self.links.nodes()
-        if plan.resume_step and not plan.stop:
-            # A coordinator that dies while sending phase two leaves the step committed on
-            # some daemons only: re-send it (a daemon that has it acknowledges unchanged).
-            await self.commits.resend(plan.resume_step, nodes)
         results = await asyncio.gather(*(self.links.install_plan(n, plan) for n in nodes),
                                        return_exceptions=True)
         self.commits.keyed = True

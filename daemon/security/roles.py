@@ -62,6 +62,7 @@ class JobGate:
                  stub: Callable[[str], peer_pb2_grpc.PeerServiceStub],
                  me: Callable[[], peer_pb2.PeerInfo],
                  pass_on: Callable[[peer_pb2.CommitStepRequest], None],
+                 take_commit: Callable[[str, str, int], Awaitable[None]],
                  relay: PrepareRelay,
                  hurry: Callable[[int, int, float], Awaitable[bool]]) -> None:
         self.node, self.registry, self.membership = node, registry, membership
@@ -69,6 +70,7 @@ class JobGate:
         self.adopt_plan, self.commit, self.nodes = adopt_plan, commit, nodes
         self.records = records
         self.stub, self.me, self.pass_on, self.relay = stub, me, pass_on, relay
+        self.take_commit = take_commit
         self.hurry = hurry
         # The plan the prepare rule last derived from, its ranks by node and their seats.
         self._placed: tuple[PlanState | None, dict[str, frozenset[int]], dict[bytes, Seat]] = (
@@ -89,7 +91,29 @@ class JobGate:
     async def install_from(self, caller: str, plan: common_pb2.Plan) -> common_pb2.Ack:
         await self._coordinator(caller, "a plan")
         self._generation_bound(plan.generation, "plan")
+        await self._take_resume_step(caller, plan)
         return self.adopt_plan(plan)
+
+    async def _take_resume_step(self, coordinator: str, plan: common_pb2.Plan) -> None:
+        """The step `plan` resumes from, committed here before the plan is adopted (this
+        node's ranks restore from it): a coordinator that died while sending its phase
+        two left it on some daemons only, and a daemon that was away missed it. The
+        coordinator has it (it catches up before deciding); only a daemon without it
+        asks, so a plan reaches the daemons that have it (nearly always all) without a
+        round trip more."""
+        step = plan.resume_step
+        if plan.stop or step <= 0 or step in self.store.committed_steps():
+            return
+        try:
+            await self.take_commit(coordinator, self.store.job_id, step)
+        except (grpc.aio.AioRpcError, LookupError, ValueError) as exc:
+            details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            log.error("plan adopted without the step it resumes from: ranks of this node "
+                      "cannot restore until it is committed here",
+                      extra={"step": step, "coordinator": coordinator, "error": details})
+            return
+        log.warning("took the committed step a plan resumes from, which this daemon missed",
+                    extra={"step": step, "coordinator": coordinator})
 
     async def hurry_from(self, caller: str, request: peer_pb2.HurryStepRequest
                          ) -> peer_pb2.HurryStepReply:
