@@ -182,12 +182,6 @@ class Capturer:
         except Exception as exc:  # the capture opens them itself and raises what it meets
             log.debug("slots opened ahead failed (%s); the capture opens them", exc)
 
-    def _ensure_slots(self, nbytes: int) -> None:
-        if self._slots and self._size >= nbytes:
-            return
-        self.drain()
-        self._open(nbytes)
-
     def _open(self, nbytes: int, populate: bool = False) -> None:
         """Map `nbytes` slots in place of the current ones; `populate`: fault their pages
         in now (off the training thread), not in the first copy."""
@@ -206,27 +200,27 @@ class Capturer:
         """Schedule a snapshot of `tensors` (and the small JSON-able `extra`) for step.
 
         `hints` (stalwart.v1 AdamWHint) describe the optimizer update; they only make
-        the daemon's deltas smaller. `final` marks the job's last step.
+        the daemon's deltas smaller. `final` marks the job's last step. Slots still
+        being opened (`open_ahead`, or a state that outgrew its slots) are waited for
+        by the copy, not here: the training thread waits, if at all, in the next
+        `before_update`.
         """
         started = time.perf_counter()
-        self._await_opening()
         self.before_update()
         for f in [f for f in self._sent if f.done()]:
             self._sent.remove(f)
             f.result()  # surface a failed hand-over at the next capture
         metas, nbytes = self._describe(tensors)
-        self._ensure_slots(nbytes)
         self.stats.bytes_per_capture = nbytes
-        # Round robin, not step parity: captures every k steps must not share one slot.
-        slot = self._slots[self._next_slot % len(self._slots)]
-        self._next_slot += 1
         payload = self._records.encode(extra)
         on_cuda = any(t.tensor.is_cuda for t in tensors)
         if on_cuda:
-            self._prepare_cuda(slot)
-        snapshot = list(tensors)
-        self._copied = self._copier.submit(self._copy_then_send, step, slot, snapshot, metas,
-                                           payload, on_cuda, list(hints), final)
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            # The side stream must see the optimizer's writes before copying them.
+            self._stream.wait_stream(torch.cuda.current_stream())
+        self._copied = self._copier.submit(self._copy_then_send, step, nbytes, list(tensors),
+                                           metas, payload, on_cuda, list(hints), final)
         self.stats.stalls_s.append(time.perf_counter() - started)
 
     def _describe(self, tensors: Sequence[StateTensor]
@@ -237,20 +231,30 @@ class Capturer:
             self._described = (key, *describe(tensors))
         return self._described[1], self._described[2]
 
-    def _prepare_cuda(self, slot: _SlotState) -> None:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        if not slot.pinned:
-            # Page-lock the shared mapping so device-to-host copies run by DMA.
-            torch.cuda.cudart().cudaHostRegister(slot.buffer.data_ptr(), slot.buffer.numel(), 0)
+    def _slot_for(self, nbytes: int, on_cuda: bool) -> _SlotState:
+        """On the copy thread: the next slot, round robin (not step parity: captures every
+        k steps must not share one), its slots opened first where there are none yet (an
+        opening ahead failed) or the state outgrew them."""
+        if not self._slots or self._size < nbytes:
+            for f in list(self._sent):  # the daemon is done with the slots being replaced
+                f.result()
+            self._open(nbytes)
+        slot = self._slots[self._next_slot % len(self._slots)]
+        self._next_slot += 1
+        if on_cuda and not slot.pinned:
+            # Page-lock the shared mapping so device-to-host copies run by DMA; registered
+            # from the device the copies run on.
+            with torch.cuda.device(self._stream.device):
+                torch.cuda.cudart().cudaHostRegister(slot.buffer.data_ptr(),
+                                                     slot.buffer.numel(), 0)
             slot.pinned = True
-        # The side stream must see the optimizer's writes before copying them.
-        self._stream.wait_stream(torch.cuda.current_stream())
+        return slot
 
-    def _copy_then_send(self, step: int, slot: _SlotState, tensors: list[StateTensor],
+    def _copy_then_send(self, step: int, nbytes: int, tensors: list[StateTensor],
                         metas: list[common_pb2.TensorMeta], extra: bytes, on_cuda: bool,
                         hints: list[Any], final: bool) -> None:
         self._pin()
+        slot = self._slot_for(nbytes, on_cuda)
         if not slot.free.wait(timeout=600):
             raise TimeoutError(f"daemon did not consume slot {slot.mapped.slot_id} in 600 s")
         slot.free.clear()
@@ -296,8 +300,8 @@ class Capturer:
         if self._copied is None:
             return 0.0
         t0 = time.perf_counter()
-        self._copied.result()  # re-raises a copy failure in the training thread
-        self._copied = None
+        copied, self._copied = self._copied, None
+        copied.result()  # re-raises a copy failure in the training thread, once
         waited = time.perf_counter() - t0
         if self.stats.stalls_s:
             self.stats.stalls_s[-1] += waited

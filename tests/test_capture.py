@@ -137,9 +137,28 @@ def test_slots_that_failed_to_open_ahead_are_opened_by_the_capture(transport):
     assert len(transport.opened_on) == 2 and 1 in transport.received
     transport.refuse_opens = 1
     cap = Capturer(transport)
+    cap.capture(2, _state(2), {})  # no opening ahead: the copy opens them, and fails
     with pytest.raises(ConnectionError, match="daemon unavailable"):
-        cap.capture(2, _state(2), {})  # no opening ahead: the capture's own error
+        cap.before_update()  # where a failed copy reaches the training thread
     cap.close()
+
+
+def test_the_first_capture_does_not_wait_for_slots_still_being_opened(transport):
+    # The step that ends a recovery must not wait for a busy daemon to make its slots:
+    # the copy waits for them, and training only in the next before_update.
+    cap = Capturer(transport)
+    transport.open_gate.clear()
+    cap.open_ahead(_state(0))
+    assert transport.opening.wait(timeout=30)
+    returned = threading.Event()
+    threading.Thread(target=lambda: (cap.capture(5, _state(5), {}), returned.set()),
+                     daemon=True).start()
+    assert returned.wait(timeout=30) and not transport.open_gate.is_set()
+    transport.open_gate.set()
+    cap.close()
+    data, metas, _ = transport.received[5]
+    assert len(transport.opened_on) == 1
+    assert torch.equal(unpack(data, metas)["w"], _state(5)[0].tensor)
 
 
 def test_a_slow_daemon_blocks_only_when_both_slots_are_in_use(transport):
