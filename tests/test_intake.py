@@ -3,13 +3,15 @@ each refusal is the status code of its kind, with a message that says what to do
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
 import grpc
-from fixtures_hostile import TOKEN, config, run
+from fixtures_hostile import TOKEN, code_of, config, run, until
 
 from stalwart.daemon.server import Daemon
+from stalwart.daemon.snapshot.intake import MAX_BACKLOG
 from stalwart.v1 import common_pb2, rank_pb2, rank_pb2_grpc
 
 META = (("stalwart-token", TOKEN),)
@@ -80,3 +82,38 @@ async def open_for_a_stranger(daemon: Daemon) -> str:
 def test_a_slot_is_only_for_a_registered_rank(tmp_path: Path) -> None:
     assert run(config(tmp_path), open_for_a_stranger) == (
         "NOT_FOUND: rank 'n1/1' is not registered with n1; call Register first")
+
+
+async def slots_freed_under_a_waiting_capture(daemon: Daemon) -> tuple[str, int]:
+    """A rank dies with a capture in flight: the capture waits for room behind a full
+    backlog while the rank's slots are freed (what forget_rank does once its death is
+    seen), then gets its turn."""
+    async with grpc.aio.insecure_channel(daemon.address) as ch:
+        stub = rank_pb2_grpc.RankServiceStub(ch)
+        reply = await stub.Register(rank_pb2.RegisterRequest(pid=os.getpid(), rank=0,
+                                                             world_size=1),
+                                    metadata=META, timeout=10)
+        rank = reply.rank_id
+        slot = await stub.OpenSlot(rank_pb2.OpenSlotRequest(rank_id=rank, nbytes=4096),
+                                   metadata=META, timeout=10)
+        daemon.registry.install_plan(common_pb2.Plan(generation=2))
+        intake = daemon.job.snapshots.intake
+        intake._backlog[rank] = MAX_BACKLOG  # encoding is a full backlog behind
+        call = asyncio.ensure_future(stub.Capture(rank_pb2.CaptureRequest(
+            rank_id=rank, generation=2, step=7, slot_id=slot.slot_id,
+            tensors=[common_pb2.TensorMeta(name="w", offset=0, nbytes=4096)]),
+            metadata=META, timeout=10))
+        await until(lambda: rank in intake._taking_of, "the capture to wait for room")
+        await asyncio.to_thread(daemon.job.snapshots.pool.drop_rank, rank)
+        async with intake._encoded:
+            intake._backlog[rank] = 0
+            intake._encoded.notify_all()
+        return await code_of(call), intake._backlog[rank]
+
+
+def test_a_capture_whose_rank_died_and_slots_were_freed_is_dropped_with_its_reason(
+        tmp_path: Path) -> None:
+    code, backlog = run(config(tmp_path), slots_freed_under_a_waiting_capture)
+    assert code.startswith("NOT_FOUND: rank ") and code.endswith(
+        "is gone and its slots are freed; its capture of step 7 was not taken")
+    assert backlog == 0  # its room in the backlog is given back

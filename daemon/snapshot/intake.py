@@ -141,7 +141,18 @@ class Intake:
         async with self._encoded:
             await self._encoded.wait_for(lambda: self._backlog.get(rank, 0) < MAX_BACKLOG)
             self._backlog[rank] = self._backlog.get(rank, 0) + 1
-        owned = await asyncio.to_thread(_copy_out, slot, total)
+        try:
+            owned = await asyncio.to_thread(_copy_out, slot, total)
+        except ValueError:
+            if not slot.view.closed:
+                raise
+            # The rank died with this capture in flight, and its slots were freed
+            # (forget_rank) while the capture waited for room: nothing of it can commit.
+            async with self._encoded:
+                self._backlog[rank] -= 1
+                self._encoded.notify_all()
+            raise NotFound(f"rank {rank} is gone and its slots are freed; its capture of "
+                           f"step {request.step} was not taken") from None
         self.metrics.captured_bytes.inc(total)
         if (record := self.registry.get(rank)) is not None:
             # Once taken in, the step commits even if the rank dies now: a failure
