@@ -1,5 +1,6 @@
 """Phase one's outbox: a prepare the coordinator could not take is kept for the next
-coordinator, unless a newer plan left its step behind (then it is dropped, quietly)."""
+coordinator, unless a newer plan left its step behind (then it is dropped, quietly); and
+a capture that a newer plan left behind fails to store quietly too."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import logging
 
 import grpc
 import pytest
+from fixtures_hostile import config, run
 
 from stalwart.core.generation import StaleGeneration, check_generation
 from stalwart.daemon.snapshot.commit import PrepareOutbox
-from stalwart.v1 import peer_pb2
+from stalwart.v1 import common_pb2, peer_pb2
 
 
 class Coordinator:
@@ -73,3 +75,31 @@ def test_a_prepare_a_newer_plan_left_behind_is_dropped_without_alarm(caplog,
     coordinator.taken.clear()
     asyncio.run(box.resend())  # the dropped one is not sent again
     assert coordinator.taken == [(16, 2)]
+
+
+def test_a_store_that_a_newer_plan_left_behind_fails_quietly_and_a_current_one_loudly(
+        tmp_path, caplog) -> None:
+    """Adopting a plan removes the files of the steps it redoes; an older generation's
+    write into them then fails (FileNotFoundError, as seen in a recovery trace): that is
+    the plan at work, logged at info. The same failure in the current generation is an
+    error that says the step will not commit."""
+    async def body(daemon):
+        path = daemon.job.snapshots
+        daemon.registry.install_plan(common_pb2.Plan(generation=2))
+
+        async def write_into_removed_step() -> None:
+            raise FileNotFoundError(2, "No such file or directory",
+                                    str(tmp_path / "steps/000000000016/r1/rank.pb.tmp"))
+
+        with caplog.at_level(logging.INFO, logger="stalwart.daemon.snapshot.path"):
+            left = await path._retrying(write_into_removed_step, 0.0, 1, 16, 1)
+            current = await path._retrying(write_into_removed_step, 0.0, 2, 16, 1)
+        return left, current
+
+    left, current = run(config(tmp_path / "d"), body)
+    assert (left, current) == (False, False)
+    records = [(r.levelname, r.getMessage(), r.exc_info is not None) for r in caplog.records
+               if r.name == "stalwart.daemon.snapshot.path"]
+    assert records == [
+        ("INFO", "capture not stored: a newer plan left its step behind", False),
+        ("ERROR", "step could not be made durable; it will not commit", True)]

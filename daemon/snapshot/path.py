@@ -237,13 +237,21 @@ class SnapshotPath:
     async def _retrying(self, work: Callable[[], Awaitable[None]], give_up: float,
                         generation: int, step: int, rank: object) -> bool:
         """`work` until it succeeds (True), or, once past `give_up` or the generation,
-        logs why the step will not commit (False)."""
+        logs why the step will not commit (False): an error, unless a newer plan left
+        the step behind (it is redone; its files here may be gone under the write)."""
         while True:
             try:
                 await work()
                 return True
-            except Exception:
-                if time.monotonic() >= give_up or generation < self.registry.generation:
+            except Exception as exc:
+                if generation < self.registry.generation:
+                    # A newer plan redoes the step, and adopting it removed the step's
+                    # files here (discard_after) under this write: not a fault.
+                    log.info("capture not stored: a newer plan left its step behind",
+                             extra={"step": step, "rank": rank, "generation": generation,
+                                    "error": str(exc)})
+                    return False
+                if time.monotonic() >= give_up:
                     log.exception("step could not be made durable; it will not commit",
                                   extra={"step": step, "rank": rank})
                     return False
