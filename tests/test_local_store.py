@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -395,3 +396,33 @@ def test_the_daemon_sizes_its_slot_pool_and_ram_tier_from_their_own_keys(
         assert (path.pool.budget_bytes, path.store.ram.budget) == (64 << 20, 123456)
     finally:
         path.pool.close()
+
+
+def test_a_reader_checking_records_waits_while_a_commit_walks_them(tmp_path: Path) -> None:
+    # A commit's garbage collection walks the map of checked records under the store's
+    # lock while status and restores read records on other threads; a reader that added
+    # to the map meanwhile made a coordinator's commit fail ("dictionary changed size
+    # during iteration", seen in a recovery trace).
+    store = LocalStore(tmp_path, **SMALL)
+    commit_step(store, 1)
+    seal = store.load_record(1).seals[0]
+    store._checked.clear()  # as after a restart: the next read checks them again
+    walking, done = threading.Event(), threading.Event()
+
+    def commit_walking() -> None:
+        with store._lock:
+            walking.set()
+            done.wait(timeout=60)
+
+    walker = threading.Thread(target=commit_walking)
+    walker.start()
+    assert walking.wait(timeout=60)
+    reader = threading.Thread(target=store.records, args=(1, seal))
+    reader.start()
+    reader.join(timeout=0.5)
+    changed_while_walking = bool(store._checked)
+    done.set()
+    walker.join(timeout=60)
+    reader.join(timeout=60)
+    assert not changed_while_walking
+    assert set(store._checked) == {(1, r) for r in seal.ranks}  # checked, once free

@@ -162,7 +162,8 @@ class Catalogue:
                 if fetch is None:
                     raise
             else:
-                self._checked.update(((step, h.rank), h) for h in held)
+                with self._lock:  # a commit's garbage collection walks this map
+                    self._checked.update(((step, h.rank), h) for h in held)
                 return held
         if fetch is None:
             raise sr.MissingRecords(step, ranks)
