@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 from pathlib import Path
 
@@ -89,6 +90,28 @@ def test_a_step_the_dead_rank_captured_commits_before_the_plan_resumes_from_it()
     committed, plan = asyncio.run(main())
     assert committed[-1] == JOB_STEPS + 1
     assert plan.generation == 2 and plan.resume_step == JOB_STEPS + 1  # nothing redone
+
+
+def test_a_step_the_hurry_made_moot_is_skipped_as_such_not_as_lost_prepares(caplog) -> None:
+    # The hurry names step 6: every daemon drops its captures of step 5 still waiting,
+    # so step 5 never completes (n0's prepare of it never comes) and step 6 commits over
+    # it. That is the hurry at work, not prepares lost with a coordinator.
+    async def main() -> tuple[list[int], common_pb2.Plan]:
+        c, daemons = await running_job()
+        await c.prepared(prepare("n1", 1, JOB_STEPS + 1))
+        replan = asyncio.create_task(c.on_failures([killed("n0/1", captured=JOB_STEPS + 2)]))
+        await waiting(c)
+        await c.prepared(prepare("n0", 0, JOB_STEPS + 2), prepare("n1", 1, JOB_STEPS + 2))
+        await asyncio.wait_for(replan, 10.0)
+        return daemons.committed, daemons.plans[-1]
+
+    with caplog.at_level(logging.INFO, logger="stalwart.daemon.recovery.step_commits"):
+        committed, plan = asyncio.run(main())
+    assert committed[-1] == JOB_STEPS + 2 and JOB_STEPS + 1 not in committed
+    assert plan.resume_step == JOB_STEPS + 2
+    assert [(r.levelname, r.getMessage()) for r in caplog.records
+            if "skipped" in r.getMessage()] == [
+        ("INFO", "step skipped: a hurry before a re-plan made it moot")]
 
 
 def test_a_captured_step_that_does_not_land_in_the_jobs_pace_is_given_up() -> None:

@@ -329,6 +329,7 @@ class Coordinator:
         # The daemons store that step next, dropping the earlier captures still waiting
         # (the wait is then one step's storing, not the whole backlog's), and answer
         # whether they hold their ranks' captures of it.
+        self.commits.hurried = max(self.commits.hurried, (plan.generation, step))
         answers = self._hurrying.start(self._hurry(peer_pb2.HurryStepRequest(
             job_id=self.job_id, generation=plan.generation, step=step, wait_s=worth)))
         landed, held = await self.commits.landed(step, worth), False

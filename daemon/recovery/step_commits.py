@@ -142,6 +142,9 @@ class StepCommits:
     key: CommitKey = field(default_factory=CommitKey)
     relay_keys: RelayKeys = field(default_factory=RelayKeys)  # tags of relayed prepares
     keyed: bool = False  # a plan with `key` went out
+    # (generation, step) the coordinator last hurried: that plan's earlier steps are moot
+    # on every daemon, so a step of them that never completes is no loss (`_commit_ready`)
+    hurried: tuple[int, int] = (0, 0)
     steps: dict[int, PendingStep] = field(default_factory=dict)  # awaiting their commit
     _committing: asyncio.Lock = field(default_factory=asyncio.Lock)
     # The record first sent for each pending step: a retry sends the same bytes, so a
@@ -281,9 +284,15 @@ class StepCommits:
                     if self._complete_after(step):
                         # Every rank prepares in step order, so a complete later step means
                         # this one's missing prepares are lost (they went to a coordinator
-                        # that died): skip it instead of blocking every later commit.
-                        log.warning("step skipped: some ranks' prepares were lost",
-                                    extra={"step": step, "have": pending.covered})
+                        # that died, or a hurry made the step moot and the daemons dropped
+                        # its captures): skip it instead of blocking every later commit.
+                        if (pending.generation == self.hurried[0]
+                                and step < self.hurried[1]):
+                            log.info("step skipped: a hurry before a re-plan made it moot",
+                                     extra={"step": step, "have": pending.covered})
+                        else:
+                            log.warning("step skipped: some ranks' prepares were lost",
+                                        extra={"step": step, "have": pending.covered})
                         del self.steps[step]
                         continue
                     return  # steps commit in order; a later one waits for this one
