@@ -15,6 +15,8 @@ steps (a survivor's, taken in after that step) wait for the re-plan, which redoe
 and drops them here: stored now, they would only take the cores the hurried step needs.
 Each daemon answers whether it holds its ranks' captures of the hurried step (taken in,
 so they will be stored): the coordinator waits longer for a step every daemon holds.
+Once a newer plan is adopted, every capture of an older one is moot the same way: the
+new plan resumes from a committed step and redoes the later ones.
 """
 
 from __future__ import annotations
@@ -201,8 +203,10 @@ class Intake:
         return all(map(held, ranks))
 
     def moot(self, request: rank_pb2.CaptureRequest) -> bool:
-        """Whether a hurry made this capture's step moot: its work stops where it is."""
-        return self._moot(request.generation, request.step)
+        """Whether this capture's step will not commit, so its work stops where it is: a
+        newer plan redoes it, or a hurry named a later step of its plan."""
+        return request.generation < self.registry.generation or \
+            self._moot(request.generation, request.step)
 
     def _moot(self, generation: int, step: int) -> bool:
         return generation == self._hurry[0] and step < self._hurry[1]
@@ -259,8 +263,10 @@ class Intake:
                     self._encoded.notify_all()
         try:
             if self.moot(request):
-                log.info("capture dropped: a later step is stored first, for a re-plan",
-                         extra={"step": request.step, "rank_id": request.rank_id})
+                log.info("capture dropped: " + (
+                    "a newer plan redoes its step" if request.generation <
+                    self.registry.generation else "a later step is stored first, for a "
+                    "re-plan"), extra={"step": request.step, "rank_id": request.rank_id})
             else:
                 await self.durable(request, owned, release)
         finally:

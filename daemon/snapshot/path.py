@@ -186,8 +186,7 @@ class SnapshotPath:
             return
         finally:
             await encoded()
-        if prepared is None or generation < self.registry.generation or \
-                self.intake.moot(request):
+        if prepared is None or self.intake.moot(request):
             # The job moved on while this capture waited or encoded, or a hurry made its
             # step moot; it will not commit, and its record must not replace the one the
             # new plan makes of its step.
