@@ -13,12 +13,13 @@ class Daemons:
         self.hurried: list[tuple[str, int]] = []  # (node, step)
         self.holding = False  # what each daemon answers a hurry
         self.live = ["n0", "n1"]
+        self.seated = True  # n0 holds the coordinator seat
 
     def nodes(self) -> list[str]:
         return self.live
 
     def holds_seat(self) -> bool:
-        return True
+        return self.seated
 
     async def install_plan(self, node: str, plan: common_pb2.Plan) -> None:
         if node == "n0":

@@ -28,6 +28,9 @@ class Links:
     def nodes(self) -> list[str]:
         return ["n0", "n1"]
 
+    def holds_seat(self) -> bool:
+        return True
+
     async def commit_step(self, node: str, request: peer_pb2.CommitStepRequest | bytes
                           ) -> None:
         if isinstance(request, bytes):  # what goes to another daemon is sent as bytes

@@ -296,6 +296,13 @@ class StepCommits:
                         del self.steps[step]
                         continue
                     return  # steps commit in order; a later one waits for this one
+                if not self.links.holds_seat():
+                    # Deposed (its etcd seat lapsed): the successor commits this step. A
+                    # commit from here would be on this daemon alone, and later steps'
+                    # deltas there would need a step no other daemon has.
+                    log.warning("step not committed: this daemon no longer holds the "
+                                "coordinator seat", extra={"step": step})
+                    return
                 if not await self._commit(step, pending):
                     return
                 latest = step
