@@ -150,9 +150,7 @@ class Intake:
                 raise
             # The rank died with this capture in flight, and its slots were freed
             # (forget_rank) while the capture waited for room: nothing of it can commit.
-            async with self._encoded:
-                self._backlog[rank] -= 1
-                self._encoded.notify_all()
+            await self._give_room(rank)
             raise NotFound(f"rank {rank} is gone and its slots are freed; its capture of "
                            f"step {request.step} was not taken") from None
         self.metrics.captured_bytes.inc(total)
@@ -165,6 +163,12 @@ class Intake:
         self._tail[rank] = _Work(request.generation, request.step, asyncio.create_task(
             self._after(self._tail.get(rank), request, owned)))
         await self._took_in()
+
+    async def _give_room(self, rank: str) -> None:
+        """A capture of `rank` left the backlog (encoded, dropped or never taken)."""
+        async with self._encoded:
+            self._backlog[rank] -= 1
+            self._encoded.notify_all()
 
     async def _took_in(self) -> None:
         """A rank's captures changed (one taken in, or the rank forgotten): wake hurries."""
@@ -203,12 +207,17 @@ class Intake:
         return all(map(held, ranks))
 
     def moot(self, request: rank_pb2.CaptureRequest) -> bool:
-        """Whether this capture's step will not commit, so its work stops where it is: a
-        newer plan redoes it, or a hurry named a later step of its plan."""
-        return request.generation < self.registry.generation or \
-            self._moot(request.generation, request.step)
+        """Whether this capture's step will not commit, so its work stops where it is."""
+        return self._why_moot(request) is not None
 
-    def _moot(self, generation: int, step: int) -> bool:
+    def _why_moot(self, request: rank_pb2.CaptureRequest) -> str | None:
+        if request.generation < self.registry.generation:
+            return "a newer plan redoes its step"
+        if self._hurried_past(request.generation, request.step):
+            return "a later step is stored first, for a re-plan"
+        return None
+
+    def _hurried_past(self, generation: int, step: int) -> bool:
         return generation == self._hurry[0] and step < self._hurry[1]
 
     async def _turn(self, previous: _Work | None, request: rank_pb2.CaptureRequest) -> None:
@@ -216,7 +225,7 @@ class Intake:
         either one is moot: a hurried step waits for no earlier step of its plan, and a
         moot one is dropped at once, freeing its room in the backlog."""
         while previous is not None and not previous.task.done():
-            if self.moot(request) or self._moot(previous.generation, previous.step):
+            if self.moot(request) or self._hurried_past(previous.generation, previous.step):
                 return
             await self._until_hurried_or(previous.task)
 
@@ -258,15 +267,11 @@ class Intake:
             nonlocal released
             if not released:
                 released = True
-                async with self._encoded:
-                    self._backlog[request.rank_id] -= 1
-                    self._encoded.notify_all()
+                await self._give_room(request.rank_id)
         try:
-            if self.moot(request):
-                log.info("capture dropped: " + (
-                    "a newer plan redoes its step" if request.generation <
-                    self.registry.generation else "a later step is stored first, for a "
-                    "re-plan"), extra={"step": request.step, "rank_id": request.rank_id})
+            if (why := self._why_moot(request)) is not None:
+                log.info("capture dropped: %s", why,
+                         extra={"step": request.step, "rank_id": request.rank_id})
             else:
                 await self.durable(request, owned, release)
         finally:

@@ -264,8 +264,8 @@ class SnapshotPath:
         return 1 if ranks is None else max(1, len(ranks))
 
     async def _encode(self, request: rank_pb2.CaptureRequest, owned: bytes) -> Any:
-        """Delta-encode one capture (None if its generation is over)."""
-        if request.generation < self.registry.generation:
+        """Delta-encode one capture (None if its step became moot meanwhile)."""
+        if self.intake.moot(request):
             return None
         return await self._run(
             self.store.encode, request.step, request.coord.rank, owned,
