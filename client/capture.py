@@ -6,7 +6,9 @@ while the next forward/backward runs, and a sender thread hands the filled slot
 to the daemon (phase one of the commit). The training thread blocks only in
 `before_update()` — called before the next `optimizer.step()` — and only if the
 copy of the previous step is still running, because the optimizer is about to
-overwrite the memory being copied.
+overwrite the memory being copied. Tensors that change before that (`staged`: module
+buffers, which the next forward updates) are copied in `capture` itself, to a staging
+copy the copier then reads.
 
 The copier and sender threads may run on CPUs of their own (`cpus`, or
 STALWART_CAPTURE_CPUS where the library makes the Capturer): a host that gives its
@@ -22,7 +24,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -157,6 +159,9 @@ class Capturer:
         self._records = RecordEncoder()
         self._opening: Future[None] | None = None  # slots being opened ahead (`open_ahead`)
         self._grpc_threads = GrpcThreads()
+        # Where `staged` tensors are copied at the capture: (their dtypes, shapes and
+        # devices, the copies), kept while the state keeps its layout.
+        self._staging: tuple[tuple[Any, ...], list[torch.Tensor]] = ((), [])
 
     def open_ahead(self, tensors: Sequence[StateTensor]) -> None:
         """Open and map the slots that captures of `tensors` need, in the background.
@@ -214,14 +219,36 @@ class Capturer:
         self.stats.bytes_per_capture = nbytes
         payload = self._records.encode(extra)
         on_cuda = any(t.tensor.is_cuda for t in tensors)
+        tensors = self._stage(tensors)
         if on_cuda:
             if self._stream is None:
                 self._stream = torch.cuda.Stream()
-            # The side stream must see the optimizer's writes before copying them.
+            # The side stream must see the optimizer's writes (and the staging copies,
+            # made on the current stream) before copying them.
             self._stream.wait_stream(torch.cuda.current_stream())
         self._copied = self._copier.submit(self._copy_then_send, step, nbytes, list(tensors),
                                            metas, payload, on_cuda, list(hints), final)
         self.stats.stalls_s.append(time.perf_counter() - started)
+
+    def _stage(self, tensors: Sequence[StateTensor]) -> Sequence[StateTensor]:
+        """`tensors` with each `staged` one's values copied now, in one call, into a
+        staging tensor of its own (reused from capture to capture: the last copy has read
+        it by now, `before_update`); the rest stay live references."""
+        staged = [i for i, st in enumerate(tensors) if st.staged]
+        if not staged:
+            return tensors
+        sources = [tensors[i].tensor for i in staged]
+        key = tuple((t.dtype, t.shape, t.device) for t in sources)
+        if self._staging[0] != key:
+            self._staging = (key, [torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                                   for t in sources])
+        copies = self._staging[1]
+        with torch.no_grad():
+            torch._foreach_copy_(copies, sources)
+        out = list(tensors)
+        for i, copy in zip(staged, copies, strict=True):
+            out[i] = replace(tensors[i], tensor=copy)
+        return out
 
     def _describe(self, tensors: Sequence[StateTensor]
                   ) -> tuple[list[common_pb2.TensorMeta], int]:

@@ -41,6 +41,10 @@ class StateTensor:
     layer: int = -1
     global_shape: tuple[int, ...] | None = None  # None: not a TP shard
     offsets: tuple[int, ...] | None = None
+    staged: bool = False
+    """Copied at the capture itself, on the training thread, not beside the next step:
+    it may change before the next optimizer.step() (a module buffer such as BatchNorm's
+    running statistics, which the next forward updates in place)."""
 
 
 def dtype_to_proto(dtype: torch.dtype) -> int:

@@ -43,6 +43,12 @@ class StateRegistry:
                                      "load_state_dict(), or wrap the value in one")
         self.objects = dict(objects)
         self._names = self._param_names()
+        # A registered module's parameters change only in optimizer.step(): their copy
+        # runs beside the next step. Every other tensor (a module's buffers, which the
+        # next forward updates; another object's) is copied at the capture (`staged`).
+        self._param_paths = frozenset(
+            f"{key}/{name}" for key, module in self.modules()
+            for name, _ in module.named_parameters(remove_duplicate=False))
         self._layout: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None
         self._reuse = _Reuse()
 
@@ -76,7 +82,8 @@ class StateRegistry:
             if isinstance(obj, torch.optim.Optimizer):
                 record[key] = self._optimizer_state(key, obj, tensors)
             else:
-                record[key] = _flatten(obj.state_dict(), key, tensors, reuse=self._reuse)
+                record[key] = _flatten(obj.state_dict(), key, tensors, reuse=self._reuse,
+                                       settled=self._param_paths)
         self._reuse.turn()
         tensors.append(StateTensor("rng/cpu", torch.get_rng_state()))
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -242,13 +249,17 @@ def _same_view(now: Any, last: torch.Tensor) -> bool:
 
 
 def _flatten(value: Any, path: str, out: list[StateTensor], *,
-             tensors_allowed: bool = True, reuse: _Reuse | None = None) -> Any:
-    """A JSON-able copy of `value` with each tensor moved to `out` under its path."""
+             tensors_allowed: bool = True, reuse: _Reuse | None = None,
+             settled: frozenset[str] | None = None) -> Any:
+    """A JSON-able copy of `value` with each tensor moved to `out` under its path.
+    With `settled` (the paths of tensors only optimizer.step() changes), every tensor at
+    another path is `staged`: copied at the capture, not beside the next step."""
     if isinstance(value, torch.Tensor):
         if not tensors_allowed:
             raise StateError(f"{path!r} holds a tensor where Stalwart expects a plain value")
         # state_dict() hands out detached tensors: only one that tracks gradients needs it.
-        out.append(StateTensor(path, value.detach() if value.requires_grad else value))
+        out.append(StateTensor(path, value.detach() if value.requires_grad else value,
+                               staged=settled is not None and path not in settled))
         return {_TENSOR: path}
     if isinstance(value, float):
         return value if math.isfinite(value) else {"__stalwart_float__": repr(value)}
@@ -263,14 +274,15 @@ def _flatten(value: Any, path: str, out: list[StateTensor], *,
                 raise StateError(f"{path!r} has a key {k!r} of type {type(k).__name__}; "
                                  "state keys must be strings or integers")
             result[str(k) if isinstance(k, str) else f"__int__{k}"] = _flatten(
-                v, f"{path}/{k}", out, tensors_allowed=tensors_allowed, reuse=reuse)
+                v, f"{path}/{k}", out, tensors_allowed=tensors_allowed, reuse=reuse,
+                settled=settled)
         if reuse is not None and all(isinstance(v, torch.Tensor) for v in value.values()):
             result = Frozen(result)  # reused as it is while the same tensors are
             reuse.keep(path, value, result, out[start:])
         return result
     if isinstance(value, list | tuple):
-        items = [_flatten(v, f"{path}/{i}", out, tensors_allowed=tensors_allowed)
-                 for i, v in enumerate(value)]
+        items = [_flatten(v, f"{path}/{i}", out, tensors_allowed=tensors_allowed,
+                          settled=settled) for i, v in enumerate(value)]
         return {_TUPLE: items} if isinstance(value, tuple) else items
     raise StateError(f"{path!r} is a {type(value).__name__}, which Stalwart cannot capture: "
                      "state_dict() may hold tensors and plain values (numbers, strings, bools, "

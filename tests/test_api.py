@@ -138,6 +138,18 @@ def test_optimizer_state_is_keyed_by_parameter_name():
     assert extra["objects"]["optimizer"]["param_groups"][0]["params"][0] == "model/0.weight"
 
 
+def test_only_tensors_the_optimizer_alone_changes_are_copied_beside_the_next_step():
+    # A buffer changes in the next forward and another object's tensors whenever the
+    # loop changes them: both are copied at the capture (`staged`), parameters and
+    # optimizer state (changed only by optimizer.step()) beside the next step.
+    model, opt, sched, ema = _job()
+    _train_a_step(model, opt, sched, ema)
+    tensors, _ = StateRegistry({"model": model, "optimizer": opt, "ema": ema}).capture(1)
+    staged = {t.name for t in tensors if t.staged}
+    assert staged == {"model/1.running_mean", "model/1.running_var",
+                      "model/1.num_batches_tracked", "ema/shadow"}
+
+
 def test_each_capture_reads_the_tensors_a_parameter_and_a_buffer_hold_now():
     model, opt, sched, ema = _job()
     _train_a_step(model, opt, sched, ema)

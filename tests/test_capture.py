@@ -267,3 +267,27 @@ def test_a_wrong_capture_cpu_list_is_refused_naming_it(text, message):
     with pytest.raises(ValueError, match=message) as info:
         parse_cpus(text)
     assert "STALWART_CAPTURE_CPUS" in str(info.value)
+
+
+def test_a_staged_tensor_is_captured_as_it_was_when_the_next_forward_changes_it(
+        transport):
+    # A module buffer (BatchNorm's running statistics) changes in the next forward, before
+    # the optimizer step the copy must end by: it is copied at the capture itself.
+    cap = Capturer(transport)
+    transport.open_gate.clear()  # the copy waits for its slots to open
+    weights, running = torch.ones(1000), torch.zeros(64)
+    cap.capture(3, [StateTensor("w", weights), StateTensor("running", running, staged=True)],
+                {})
+    assert transport.opening.wait(timeout=30)  # the copy has not begun
+    running.add_(1.0)  # the next forward's update
+    transport.open_gate.set()
+    cap.before_update()
+    weights.add_(1.0)  # the next optimizer step's
+    cap.capture(4, [StateTensor("w", weights), StateTensor("running", running, staged=True)],
+                {})
+    cap.close()
+    third, fourth = (unpack(*transport.received[s][:2]) for s in (3, 4))
+    assert torch.equal(third["running"], torch.zeros(64))
+    assert torch.equal(third["w"], torch.ones(1000))
+    assert torch.equal(fourth["running"], torch.ones(64))  # the staging copy is reused
+    assert torch.equal(fourth["w"], torch.full((1000,), 2.0))

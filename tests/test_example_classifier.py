@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from example_runs import REPO, run_example
 
 import stalwart
@@ -50,6 +51,13 @@ def test_a_killed_rank_is_replaced_by_a_spare_bitwise(tmp_path: Path, uninterrup
     assert resumed_in and all(g["restored_ahead"] for g in resumed_in), resumed_in
     assert run.digest() == uninterrupted.digest()
     assert run.losses == uninterrupted.losses
+    # The whole model, BatchNorm's running statistics included: the step resumed from
+    # held them as they were after its own forward, not the next one's.
+    mine, theirs = (_exported(r, tmp_path / name) for r, name in
+                    ((run, "run.pt"), (uninterrupted, "uninterrupted.pt")))
+    model = sorted(k for k in theirs if k.startswith("model/"))
+    assert any("running_mean" in k for k in model)
+    assert [k for k in model if not torch.equal(mine[k], theirs[k])] == []
 
 
 def test_without_a_spare_the_survivor_trains_on_with_accumulation(tmp_path: Path,
@@ -81,20 +89,23 @@ def test_adopting_stalwart_adds_the_lines_docs_api_says() -> None:
     assert claim and int(claim[1]) == added <= 15
 
 
-def test_an_export_of_the_jobs_store_holds_the_trained_model(tmp_path: Path,
-                                                            uninterrupted) -> None:
-    import torch
-
+def _exported(run, path: Path) -> dict:
+    """The job's last committed step as `stalwart export` writes it, offline, from the
+    job's data dirs (chunks are kept as erasure shards across them)."""
     from stalwart.cli import main
-    from stalwart.client.digest import tensor_sha256
 
-    path = tmp_path / "classifier.pt"
-    # Offline, from the job's data dirs: chunks are kept as erasure shards across them.
-    dirs = sorted(uninterrupted.workdir.glob("node-*"))
+    dirs = sorted(run.workdir.glob("node-*"))
     assert len(dirs) == 2
     assert main(["export", *(a for d in dirs for a in ("--data-dir", str(d))),
                  str(path)]) == 0
-    state = torch.load(path, weights_only=True)
+    return torch.load(path, weights_only=True)
+
+
+def test_an_export_of_the_jobs_store_holds_the_trained_model(tmp_path: Path,
+                                                            uninterrupted) -> None:
+    from stalwart.client.digest import tensor_sha256
+
+    state = _exported(uninterrupted, tmp_path / "classifier.pt")
     params = {k: tensor_sha256(v) for k, v in state.items() if k.startswith("model/")
               and "running_" not in k and "num_batches" not in k}
     assert stalwart.param_digest(params) == uninterrupted.digest()
