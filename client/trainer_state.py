@@ -51,6 +51,10 @@ def state_tensors(trainer: Trainer) -> tuple[list[StateTensor], dict[str, Any]]:
                 out.append(StateTensor(f"optim/{name}/{key}", value, layer, gshape, offs))
             else:  # per-parameter scalars such as Adam's step count
                 out.append(StateTensor(f"optim/{name}/{key}", value, layer))
+    for name in trainer.buffer_names:  # the next forward updates them: `staged`
+        b = trainer.stage.get_buffer(name)
+        gshape, offs = _shard_info(trainer, name, b)
+        out.append(StateTensor(f"model/{name}", b, _layer_of(name), gshape, offs, staged=True))
     out.append(StateTensor("rng/cpu", torch.get_rng_state()))
     if trainer.device.type == "cuda":
         out.append(StateTensor("rng/cuda", torch.cuda.get_rng_state(trainer.device)))
@@ -88,11 +92,12 @@ def load_state(trainer: Trainer, tensors: dict[str, torch.Tensor], extra: dict[s
         raise ValueError(f"state format {extra.get('format')} is not {STATE_FORMAT}; "
                          "this client cannot read it")
     names = [n for n, _ in trainer.stage.named_parameters()]
-    missing = [n for n in names if f"model/{n}" not in tensors]
+    missing = [n for n in (*names, *trainer.buffer_names) if f"model/{n}" not in tensors]
     if missing:
-        raise ValueError(f"restored state lacks parameters {missing[:3]}... for stage "
-                         f"{trainer.dims.my.pp}; was it captured with another partition?")
-    model = {n: tensors[f"model/{n}"] for n in names}
+        raise ValueError(f"restored state lacks parameters or buffers {missing[:3]}... for "
+                         f"stage {trainer.dims.my.pp}; was it captured with another "
+                         "partition or another model?")
+    model = {n: tensors[f"model/{n}"] for n in (*names, *trainer.buffer_names)}
     opt_state: dict[int, dict[str, Any]] = {}
     for i, n in enumerate(names):
         prefix = f"optim/{n}/"

@@ -71,3 +71,55 @@ def test_adamw_hints_name_captured_tensors_with_the_step_lr():
     for h in hints:
         assert {h.param, h.exp_avg, h.exp_avg_sq} <= names
         assert h.step == 2 and h.lr == CFG.lr_at(1)
+
+
+class _Normed(torch.nn.Module):
+    """A block with persistent buffers that every training forward updates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.norm = torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.norm(self.fc(x)))
+
+
+class _Points(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 256
+
+    def __getitem__(self, i: int):
+        x = torch.randn(8, generator=torch.Generator().manual_seed(i))
+        return x, int(x.sum() > 0)
+
+
+def _normed_trainer(generation: int) -> Trainer:
+    import stalwart
+
+    layers = stalwart.Layers(blocks=[("a", _Normed), ("b", _Normed),
+                                     ("head", lambda: torch.nn.Linear(8, 2))],
+                             loss=torch.nn.functional.cross_entropy)
+    data = stalwart.Data(_Points(), global_batch=8, seed=1)
+    return Trainer(ParallelDims().build(dist.HashStore(), 0, generation), layers, data, CFG,
+                   act_shape=(8,))  # a probe's micro-batch of 1 is too few for BatchNorm
+
+
+def test_block_buffers_are_captured_at_the_capture_and_restored_with_the_parameters():
+    a = _normed_trainer(0)
+    for _ in range(3):
+        a.step()
+    tensors, extra = state_tensors(a)
+    staged = {t.name for t in tensors if t.staged}
+    assert staged == {f"model/layers.{i}.norm.{b}" for i in (0, 1)
+                      for b in ("running_mean", "running_var", "num_batches_tracked")}
+    assert all(t.layer in (0, 1) for t in tensors if t.name in staged)
+    snapshot = {t.name: t.tensor.clone() for t in tensors}
+    expected = [a.step() for _ in range(2)]
+
+    b = _normed_trainer(1)
+    load_state(b, snapshot, extra)
+    assert [b.step() for _ in range(2)] == expected
+    for (name, ta), (_, tb) in zip(a.stage.state_dict().items(), b.stage.state_dict().items(),
+                                   strict=True):
+        assert torch.equal(ta, tb), name  # buffers included: 5 forwards each
+    assert int(b.stage.get_buffer("layers.0.norm.num_batches_tracked")) == 5
