@@ -18,6 +18,7 @@ from stalwart.client.capture import Capturer
 from stalwart.client.daemon_client import DaemonClient, DaemonUnavailable
 from stalwart.client.daemon_env import capture_cpus
 from stalwart.client.parallel_dims import ParallelDims
+from stalwart.client.pipeline import StepInterrupted
 from stalwart.client.state_layout import unpack
 from stalwart.client.watchdog import Abandoned, run_unless
 from stalwart.v1 import common_pb2, rank_pb2
@@ -159,7 +160,7 @@ class Generation:
         try:
             return run_unless(fn, self.newer_plan_waiting,
                               f"stalwart-{what}-g{self.plan.generation}", self.agent.news)
-        except Abandoned:
+        except (Abandoned, StepInterrupted):  # the step may have sends in flight: left too
             self.abandoned = True
             raise PlanChanged() from None
 

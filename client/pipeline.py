@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SCHEDULES", "PipelineStats", "run_schedule", "schedule"]
+__all__ = ["SCHEDULES", "PipelineStats", "StepInterrupted", "run_schedule", "schedule"]
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -53,6 +53,11 @@ class PipelineStats:
     _per_mb: dict[int, int] = field(default_factory=dict)
 
 
+class StepInterrupted(Exception):
+    """A step left between two of its actions because `interrupted()` became true (a
+    newer plan: the generation's step is abandoned, and its compute is not wanted)."""
+
+
 def _tag(microbatch: int, backward: bool) -> int:
     return 2 * microbatch + int(backward)
 
@@ -62,8 +67,10 @@ def run_schedule(stage: torch.nn.Module, actions: list[tuple[str, int]], pp: Any
                  act_shape: tuple[int, ...], device: torch.device | str = "cpu",
                  autocast: Callable[[], AbstractContextManager] = nullcontext,
                  before_last_backward: Callable[[], None] | None = None,
-                 stats: PipelineStats | None = None) -> list[float]:
+                 stats: PipelineStats | None = None,
+                 interrupted: Callable[[], bool] | None = None) -> list[float]:
     """Run one round of micro-batches through this stage; returns the last stage's losses.
+    Before each forward or backward, `interrupted()` true raises StepInterrupted.
 
     `pp` is the pipeline Group (index = stage number). The first stage reads micro-batch i
     from `inputs[i]`; the last calls `loss_fn(output, i)` which returns (tensor to
@@ -79,6 +86,8 @@ def run_schedule(stage: torch.nn.Module, actions: list[tuple[str, int]], pp: Any
     params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
     started = time.perf_counter()
     for kind, i in actions:
+        if interrupted is not None and interrupted():
+            raise StepInterrupted(f"left before {kind}{i}")
         if kind == "F":
             if first:
                 x = inputs[i]

@@ -8,7 +8,7 @@ rebuilt with another plan in the same process.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -21,7 +21,7 @@ from stalwart.client.digest import tensor_sha256
 from stalwart.client.dp import GradReducer, ReduceFn
 from stalwart.client.layers import Layers, Stage, probe
 from stalwart.client.parallel_dims import ParallelDims
-from stalwart.client.pipeline import PipelineStats, run_schedule
+from stalwart.client.pipeline import PipelineStats, StepInterrupted, run_schedule
 from stalwart.client.user_data import Data
 from stalwart.core.layout import Layout
 
@@ -139,6 +139,10 @@ class Trainer:
         self.scaler = LossScaler(enabled=precision == "fp16")
         self.actions = pipeline.schedule(schedule, dims.layout.pp, me.pp, microbatches)
         self.step_count = 0
+        # True once the step being taken is no longer wanted (a newer plan abandoned it):
+        # the step then ends at its next forward or backward (StepInterrupted) instead
+        # of computing on beside the next generation's build.
+        self.interrupted: Callable[[], bool] | None = None
         self.last_grad_norm: float | None = None  # before clipping, when grad_clip > 0
         self.stats: PipelineStats | None = None
 
@@ -177,9 +181,12 @@ class Trainer:
                 self.stage, self.actions, self.dims.pp_group, inputs=mb_ids,
                 loss_fn=partial(self._loss, mb_targets, scale), act_shape=act_shape,
                 device=self.device, autocast=self._autocast, stats=self.stats,
-                before_last_backward=self.reducer.arm if a == self.grad_accum - 1 else None)
+                before_last_backward=self.reducer.arm if a == self.grad_accum - 1 else None,
+                interrupted=self.interrupted)
             local_loss += sum(losses)
         self.reducer.finish()
+        if self.interrupted is not None and self.interrupted():
+            raise StepInterrupted("left before the optimizer step")
         cfg = self.cfg
         if self.scaler.unscale_and_check(self.params, self.dims.world):
             if cfg.grad_clip > 0:

@@ -80,6 +80,7 @@ class TrainerProgram:
                               microbatches=lay.microbatches or 1,
                               grad_accum=lay.grad_accum or 1, device=self.device,
                               act_shape=self._act_shape)
+            trainer.interrupted = gen.newer_plan_waiting  # an abandoned step stops computing
             rebuild_s = time.monotonic() - gen.record["t_build"]
             t_restore = time.monotonic()
             if gen.plan.resume_step > 0:

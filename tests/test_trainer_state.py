@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -123,3 +124,25 @@ def test_block_buffers_are_captured_at_the_capture_and_restored_with_the_paramet
                                    strict=True):
         assert torch.equal(ta, tb), name  # buffers included: 5 forwards each
     assert int(b.stage.get_buffer("layers.0.norm.num_batches_tracked")) == 5
+
+
+def test_a_step_no_longer_wanted_stops_at_its_next_forward_or_backward_without_updating():
+    # A newer plan abandons the step (its thread cannot be stopped from outside): the
+    # step stops computing at its next action instead of running on beside the rebuild.
+    from stalwart.client.pipeline import StepInterrupted
+
+    t = _trainer(0)
+    t.step()
+    before = {n: p.detach().clone() for n, p in t.stage.named_parameters()}
+    looks: list[bool] = []
+
+    def interrupted() -> bool:
+        looks.append(len(looks) >= 1)  # wanted for its first forward only
+        return looks[-1]
+
+    t.interrupted = interrupted
+    with pytest.raises(StepInterrupted):
+        t.step()
+    assert looks == [False, True] and t.step_count == 1
+    for name, p in t.stage.named_parameters():
+        assert torch.equal(p, before[name]), name
