@@ -99,3 +99,36 @@ async def _hangs_wait() -> None:
         assert coordinator.decided == [["node-0/1", "node-1/7"]]
     finally:
         task.cancel()
+
+
+def test_a_report_held_by_a_frozen_coordinator_goes_to_its_successor():
+    asyncio.run(_frozen_coordinator())
+
+
+async def _frozen_coordinator() -> None:
+    # A SIGSTOPped coordinator accepts the call and never answers: the report must not
+    # wait for that call's deadline, nor hold up the reports queued behind it.
+    failures, coordinator = _reports()
+    leader = {"here": False}
+    frozen = asyncio.Event()  # never set: the old coordinator's answer
+    calls: list[str] = []
+
+    async def report_failure(proto, timeout: float) -> None:
+        calls.append(proto.subject)
+        await frozen.wait()
+
+    failures.is_leader = lambda: leader["here"]
+    failures.stub = lambda: SimpleNamespace(ReportFailure=report_failure)
+    task = asyncio.create_task(failures.forever())
+    try:
+        failures.put(exit_of("node-0/1"))
+        failures.put(exit_of("node-0/2"))
+        await _turns(10)
+        assert calls == ["node-0/1", "node-0/2"]  # each on its way, neither waits for the other
+        leader["here"] = True  # the seat moved to this daemon
+        failures.redeliver()
+        await asyncio.wait_for(coordinator.deciding.wait(), 30)
+        assert sorted(s for batch in coordinator.decided for s in batch) == [
+            "node-0/1", "node-0/2"]
+    finally:
+        task.cancel()

@@ -46,13 +46,22 @@ class FailureReports:
         self.interval_s = heartbeat_interval_s
         self._queue: asyncio.Queue[Failure] = asyncio.Queue()
         self._unsent: list[Failure] = []  # reports the coordinator never received
+        # Reports on their way to the coordinator, by the task sending them: a frozen
+        # coordinator (SIGSTOP, a hung host) holds its calls open until their deadline,
+        # and they must not hold up the queue, nor stay with it once the seat moves.
+        self._sending: dict[asyncio.Task[None], list[Failure]] = {}
 
     def put(self, failure: Failure) -> None:
         self._queue.put_nowait(failure)
         self.coordinator.failure_queued()
 
     def redeliver(self) -> None:
-        """A new coordinator: what the old one never received goes to it."""
+        """A new coordinator: what the old one never received goes to it, and so do the
+        reports still on their way to the old one (called back)."""
+        sending, self._sending = self._sending, {}
+        for task, failures in sending.items():
+            task.cancel()
+            self._unsent.extend(failures)
         unsent, self._unsent = self._unsent, []
         for failure in unsent:
             self._queue.put_nowait(failure)
@@ -64,7 +73,7 @@ class FailureReports:
                 # Only the coordinator batches: a second window here would deliver these
                 # reports after the coordinator's own window closed, and a hang it sees
                 # reported by fewer ranks blames every silent one.
-                await self._forward([first])
+                self._forward_soon([first])
                 continue
             batch = [first]
             if first.kind is FailureKind.COLLECTIVE_HANG:
@@ -86,7 +95,7 @@ class FailureReports:
 
     async def _decide(self, failures: list[Failure]) -> None:
         if not self.is_leader():
-            await self._forward(failures)  # the seat moved during the window
+            self._forward_soon(failures)  # the seat moved during the window
             return
         failures = [f for f in failures if await self._believed(f)]
         if not failures:
@@ -99,6 +108,12 @@ class FailureReports:
             await asyncio.sleep(wait)
         await self.catch_up()
         await self.coordinator.on_failures(failures)
+
+    def _forward_soon(self, failures: list[Failure]) -> None:
+        """`failures` to the coordinator on a task of their own (`_sending`)."""
+        task = asyncio.get_running_loop().create_task(self._forward(failures))
+        self._sending[task] = failures
+        task.add_done_callback(lambda done: self._sending.pop(done, None))
 
     async def _forward(self, failures: list[Failure]) -> None:
         for i, f in enumerate(failures):
