@@ -88,7 +88,7 @@ class Job:
         self.reports = FailureReports(self.coordinator, registry, metrics,
                                       self.leadership.is_leader, self.links.coordinator,
                                       self.gate.confirmed, self._catch_up,
-                                      config.heartbeat_interval_s)
+                                      config.heartbeat_interval_s, self._live_ranks)
         self.announcer = Announcer(self.node, registry, self.leadership, self.coordinator,
                                    address, self.links.stub, self._redeliver,
                                    config.heartbeat_interval_s)
@@ -123,6 +123,14 @@ class Job:
         out = [Peer(self.node, self.address(), labels)]
         out += [Peer(p.node, p.address, dict(p.labels)) for p in self.membership.peers()
                 if p.node and p.state in (UP, SUSPECT)]
+        return out
+
+    def _live_ranks(self) -> set[str]:
+        """The live ranks of this node and of the live peers (as their heartbeats say)."""
+        out = {r.rank_id for r in self.registry.ranks() if r.state != "dead"}
+        for p in self.membership.peers():
+            if p.node and p.state in (UP, SUSPECT):
+                out.update(p.rank_ids)
         return out
 
     def _latest_committed(self) -> int | None:

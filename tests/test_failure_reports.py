@@ -6,6 +6,7 @@ logic with stand-ins for the coordinator and the registry."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -130,5 +131,35 @@ async def _frozen_coordinator() -> None:
         await asyncio.wait_for(coordinator.deciding.wait(), 30)
         assert sorted(s for batch in coordinator.decided for s in batch) == [
             "node-0/1", "node-0/2"]
+    finally:
+        task.cancel()
+
+
+def test_a_new_coordinator_decides_once_the_live_ranks_are_announced_again():
+    asyncio.run(_settles_on_announcements())
+
+
+async def _settles_on_announcements() -> None:
+    # A new coordinator knows only the installed plan; the other daemons re-announce
+    # their live ranks (spares the plan does not name, the stores ranks serve) within a
+    # heartbeat of seeing the seat move. It decides once they have, not after a fixed
+    # wait (three heartbeats at most: 30 s here).
+    failures, coordinator = _reports()
+    failures.interval_s = 10.0
+    failures.live_ranks = lambda: {"node-1/1", "node-2/2"}
+    coordinator.took_over_at = time.monotonic()
+    coordinator.announced, coordinator.heard = {}, asyncio.Event()
+    task = asyncio.create_task(failures.forever())
+    try:
+        failures.put(exit_of("node-0/1"))
+        await _turns(10)
+        coordinator.announced["node-1/1"] = object()
+        coordinator.heard.set()
+        await _turns(10)
+        assert coordinator.decided == []  # node-2's spare is still to come
+        coordinator.announced["node-2/2"] = object()
+        coordinator.heard.set()
+        await asyncio.wait_for(coordinator.deciding.wait(), 5)
+        assert coordinator.decided == [["node-0/1"]]
     finally:
         task.cancel()

@@ -90,6 +90,8 @@ class Coordinator:
     # Set when a failure is queued while this one is handled: a wait for a captured
     # step past the job's pace ends then (the news may be that the step cannot land).
     _news: asyncio.Event = field(default_factory=asyncio.Event)
+    heard: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set by every rank announcement (`announced` has grown or changed)."""
     commits: StepCommits = field(init=False)
 
     def __post_init__(self) -> None:
@@ -137,6 +139,7 @@ class Coordinator:
         """A rank registered with some daemon: form the first plan once the world is here."""
         async with self._lock:
             self.announced[a.rank_id] = a
+            self.heard.set()
             if self.profile is None and a.profile.costs:
                 self.profile = a.profile
                 if self._stopped is not None:

@@ -10,6 +10,7 @@ what it could not deliver for the next coordinator.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -39,10 +40,14 @@ class FailureReports:
                  is_leader: Callable[[], bool],
                  stub: Callable[[], peer_pb2_grpc.PeerServiceStub],
                  confirmed: Callable[[Failure], Awaitable[bool]],
-                 catch_up: Callable[[], Awaitable[None]], heartbeat_interval_s: float) -> None:
+                 catch_up: Callable[[], Awaitable[None]], heartbeat_interval_s: float,
+                 live_ranks: Callable[[], set[str]] = set) -> None:
         self.coordinator, self.registry, self.metrics = coordinator, registry, metrics
         self.is_leader, self.stub, self.confirmed = is_leader, stub, confirmed
         self.catch_up = catch_up  # commits the predecessor did not finish sending
+        # The live ranks of the live daemons, as their heartbeats name them: those a new
+        # coordinator waits to hear re-announced before it decides.
+        self.live_ranks = live_ranks
         self.interval_s = heartbeat_interval_s
         self._queue: asyncio.Queue[Failure] = asyncio.Queue()
         self._unsent: list[Failure] = []  # reports the coordinator never received
@@ -101,13 +106,24 @@ class FailureReports:
         if not failures:
             return
         self.coordinator.take_over(self.registry.current_plan())
-        # A new coordinator knows only the installed plan: give the other daemons a few
-        # heartbeats to re-announce their spares before deciding.
-        settle = self.coordinator.took_over_at + 3 * self.interval_s
-        if (wait := settle - time.monotonic()) > 0:
-            await asyncio.sleep(wait)
+        await self._settle()
         await self.catch_up()
         await self.coordinator.on_failures(failures)
+
+    async def _settle(self) -> None:
+        """A new coordinator knows only the installed plan: it decides once every live
+        rank the live daemons' heartbeats name (spares that came after that plan, and
+        the store each rank serves) has been re-announced to it, which each daemon does
+        within a heartbeat of seeing the seat move; at most 3 heartbeats after it took
+        the seat (a rank that died meanwhile is never announced)."""
+        until = self.coordinator.took_over_at + 3 * self.interval_s
+        while (left := until - time.monotonic()) > 0:
+            self.coordinator.heard.clear()
+            if self.live_ranks() <= set(self.coordinator.announced):
+                return
+            with contextlib.suppress(TimeoutError):  # heartbeats may change the set too
+                await asyncio.wait_for(self.coordinator.heard.wait(),
+                                       min(left, self.interval_s))
 
     def _forward_soon(self, failures: list[Failure]) -> None:
         """`failures` to the coordinator on a task of their own (`_sending`)."""
