@@ -223,6 +223,15 @@ class Job:
                 log.warning("commit not caught up", extra={"step": step, "from": source.node,
                                                            "error": str(exc)})
                 return
+            except OSError as exc:
+                # This daemon's own store cannot take it (a full disk): the plan resumes
+                # from the newest step committed here, and the other daemons drop the
+                # steps after it when they adopt that plan. Not deciding at all would
+                # leave the job waiting for a plan that frees nothing.
+                log.error("commit not caught up: this daemon's store refused it; the plan "
+                          "resumes from the newest step committed here",
+                          extra={"step": step, "from": source.node, "error": str(exc)})
+                return
             log.warning("caught up on a commit the old coordinator did not finish sending",
                         extra={"step": step, "from": source.node})
 

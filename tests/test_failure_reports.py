@@ -163,3 +163,27 @@ async def _settles_on_announcements() -> None:
         assert coordinator.decided == [["node-0/1"]]
     finally:
         task.cancel()
+
+
+def test_a_batch_whose_handling_failed_is_handled_again_not_dropped():
+    asyncio.run(_handled_again())
+
+
+async def _handled_again() -> None:
+    failures, coordinator = _reports()
+    failures.interval_s = 0.01  # the first pause before trying again
+    tries = []
+
+    async def catch_up() -> None:
+        tries.append(1)
+        if len(tries) == 1:
+            raise OSError(28, "No space left on device")
+
+    failures.catch_up = catch_up
+    task = asyncio.create_task(failures.forever())
+    try:
+        failures.put(exit_of("node-0/1"))
+        await asyncio.wait_for(coordinator.deciding.wait(), 30)
+        assert coordinator.decided == [["node-0/1"]] and len(tries) == 2
+    finally:
+        task.cancel()

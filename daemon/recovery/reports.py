@@ -27,6 +27,7 @@ log = logging.getLogger("stalwart.daemon.recovery.reports")
 
 RPC_TIMEOUT_S = 10.0
 HANG_WINDOW_S = 1.5   # collect hang reports this long before deciding (seconds)
+RETRY_MAX_S = 10.0  # the longest pause before a batch whose handling failed is retried
 # Other failures are facts, decided on at once with whatever else is queued by then: a
 # daemon's liveness check reports every rank of its node it finds gone together, and a
 # fact that comes later is met by a second plan. Waiting for a burst to pause would put
@@ -55,6 +56,7 @@ class FailureReports:
         # coordinator (SIGSTOP, a hung host) holds its calls open until their deadline,
         # and they must not hold up the queue, nor stay with it once the seat moves.
         self._sending: dict[asyncio.Task[None], list[Failure]] = {}
+        self._retry_in = 0.0  # the pause before a batch whose handling failed is retried
 
     def put(self, failure: Failure) -> None:
         self._queue.put_nowait(failure)
@@ -95,8 +97,14 @@ class FailureReports:
             try:
                 await self._decide(batch)
             except Exception:
-                log.exception("failure handling failed",
-                              extra={"failures": [f.describe() for f in batch]})
+                # Dropping the batch would leave its failures unhandled until another
+                # came: it is queued again after a pause that grows while this lasts.
+                self._retry_in = min(RETRY_MAX_S, max(self.interval_s, 2 * self._retry_in))
+                log.exception("failure handling failed; trying again in %.1f s",
+                              self._retry_in, extra={"failures": [f.describe() for f in batch]})
+                asyncio.get_running_loop().call_later(self._retry_in, self._requeue, batch)
+            else:
+                self._retry_in = 0.0
 
     async def _decide(self, failures: list[Failure]) -> None:
         if not self.is_leader():
@@ -124,6 +132,10 @@ class FailureReports:
             with contextlib.suppress(TimeoutError):  # heartbeats may change the set too
                 await asyncio.wait_for(self.coordinator.heard.wait(),
                                        min(left, self.interval_s))
+
+    def _requeue(self, failures: list[Failure]) -> None:
+        for f in failures:
+            self.put(f)
 
     def _forward_soon(self, failures: list[Failure]) -> None:
         """`failures` to the coordinator on a task of their own (`_sending`)."""
