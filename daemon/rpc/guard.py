@@ -46,6 +46,12 @@ async def _refuse_undecodable(context: grpc.aio.ServicerContext, method: str,
 
 
 async def _internal(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
+    if context.cancelled():
+        # The caller cancelled or went away (a killed rank, a peer that gave up): what
+        # failed after that, an abort included, has no one to answer.
+        log.info("%s ended after its caller went away (%s: %s)", method,
+                 type(exc).__name__, exc)
+        return
     log.exception("unexpected error in %s", method, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL,
                         f"{method} failed inside the daemon ({type(exc).__name__}: {exc}); "
