@@ -128,9 +128,8 @@ class Trainer:
         self.params = list(self.stage.parameters())
         # The blocks' persistent buffers (BatchNorm's running statistics, ...), which the
         # stage's state holds beside its parameters: snapshotted and restored with them.
-        params = {n for n, _ in self.stage.named_parameters(remove_duplicate=False)}
-        self.buffer_names = [n for n in self.stage.state_dict(keep_vars=True)
-                             if n not in params]
+        kept = set(self.stage.state_dict(keep_vars=True))  # persistent ones only
+        self.buffer_names = [n for n, _ in self.stage.named_buffers() if n in kept]
         self.reducer = GradReducer(self.params, dims.dp_group, bucket_bytes=cfg.bucket_bytes,
                                    compress=cfg.compress, reduce_fn=reduce_fn)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr_at(0), betas=(0.9, 0.95),
