@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from programs.normed_layers import Normed, Points
 
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.trainer import TrainConfig, Trainer
@@ -74,35 +75,15 @@ def test_adamw_hints_name_captured_tensors_with_the_step_lr():
         assert h.step == 2 and h.lr == CFG.lr_at(1)
 
 
-class _Normed(torch.nn.Module):
-    """A block with persistent buffers that every training forward updates."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc, self.norm = torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.norm(self.fc(x)))
-
-
-class _Points(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return 256
-
-    def __getitem__(self, i: int):
-        x = torch.randn(8, generator=torch.Generator().manual_seed(i))
-        return x, int(x.sum() > 0)
-
-
 def _normed_trainer(generation: int) -> Trainer:
     import stalwart
 
-    layers = stalwart.Layers(blocks=[("a", _Normed), ("b", _Normed),
-                                     ("head", lambda: torch.nn.Linear(8, 2))],
+    layers = stalwart.Layers(blocks=[("a", Normed), ("b", Normed),
+                                     ("head", lambda: torch.nn.Linear(16, 2))],
                              loss=torch.nn.functional.cross_entropy)
-    data = stalwart.Data(_Points(), global_batch=8, seed=1)
+    data = stalwart.Data(Points(), global_batch=8, seed=1)
     return Trainer(ParallelDims().build(dist.HashStore(), 0, generation), layers, data, CFG,
-                   act_shape=(8,))  # a probe's micro-batch of 1 is too few for BatchNorm
+                   act_shape=(16,))  # a probe's micro-batch of 1 is too few for BatchNorm
 
 
 def test_block_buffers_are_captured_at_the_capture_and_restored_with_the_parameters():
