@@ -41,6 +41,9 @@ log = logging.getLogger("stalwart.daemon.security.roles")
 
 MAX_GENERATION_JUMP = 64   # a plan or commit may be at most this many generations ahead
 CONFIRM_TIMEOUT_S = 2.0    # how long the subject's daemon gets to vouch for its rank
+# How often a confirmation of a lost peer looks whether this daemon's own heartbeat
+# timeout has declared it lost meanwhile (which confirms the report without its answer).
+CONFIRM_LOOK_S = 0.05
 _CONFIRMED_BY_LIVENESS = (FailureKind.PROCESS_EXIT, FailureKind.HEARTBEAT_MISSED)
 
 
@@ -292,10 +295,25 @@ class JobGate:
         return alive is None or failure.subject not in alive
 
     async def _silent(self, node: str) -> bool:
-        peer = next((p for p in self.membership.peers() if p.node == node), None)
-        if peer is None or peer.state == LOST:
+        """Whether `node` is silent: lost here too, or no answer to a Gossip. Another
+        daemon's timeout usually runs out a few milliseconds before this one's, and a
+        frozen node (SIGSTOP) holds the Gossip until its deadline: this daemon's own
+        verdict, the moment it comes, ends the wait."""
+        if self._lost_here(node):
             return True
-        return await self._alive_ranks(node) is None
+        asking = asyncio.ensure_future(self._alive_ranks(node))
+        try:
+            while not asking.done():
+                await asyncio.wait({asking}, timeout=CONFIRM_LOOK_S)
+                if self._lost_here(node):
+                    return True
+            return asking.result() is None
+        finally:
+            asking.cancel()
+
+    def _lost_here(self, node: str) -> bool:
+        peer = next((p for p in self.membership.peers() if p.node == node), None)
+        return peer is None or peer.state == LOST
 
     async def _alive_ranks(self, node: str) -> set[str] | None:
         """The live rank ids `node`'s daemon reports now, None when it does not answer."""
