@@ -92,12 +92,13 @@ def load_state(trainer: Trainer, tensors: dict[str, torch.Tensor], extra: dict[s
         raise ValueError(f"state format {extra.get('format')} is not {STATE_FORMAT}; "
                          "this client cannot read it")
     names = [n for n, _ in trainer.stage.named_parameters()]
-    missing = [n for n in (*names, *trainer.buffer_names) if f"model/{n}" not in tensors]
+    wanted = [*names, *trainer.buffer_names]
+    missing = [n for n in wanted if f"model/{n}" not in tensors]
     if missing:
         raise ValueError(f"restored state lacks parameters or buffers {missing[:3]}... for "
                          f"stage {trainer.dims.my.pp}; was it captured with another "
                          "partition or another model?")
-    model = {n: tensors[f"model/{n}"] for n in (*names, *trainer.buffer_names)}
+    model = {n: tensors[f"model/{n}"] for n in wanted}
     opt_state: dict[int, dict[str, Any]] = {}
     for i, n in enumerate(names):
         prefix = f"optim/{n}/"

@@ -6,7 +6,9 @@ logic with stand-ins for the coordinator and the registry."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 import pytest
@@ -51,6 +53,16 @@ def _reports() -> tuple[FailureReports, Coordinator]:
     return out, coordinator
 
 
+@contextlib.asynccontextmanager
+async def _handling(failures: FailureReports) -> AsyncIterator[None]:
+    """`failures.forever()` running for the block's length."""
+    task = asyncio.create_task(failures.forever())
+    try:
+        yield
+    finally:
+        task.cancel()
+
+
 def exit_of(subject: str) -> Failure:
     return Failure(FailureKind.PROCESS_EXIT, subject, "process exited", generation=1)
 
@@ -67,8 +79,7 @@ def test_a_fact_is_decided_on_at_once_with_what_was_queued_beside_it():
 
 async def _decided_at_once() -> None:
     failures, coordinator = _reports()
-    task = asyncio.create_task(failures.forever())
-    try:
+    async with _handling(failures):
         failures.put(exit_of("node-0/1"))
         failures.put(exit_of("node-0/2"))  # the same liveness check found both
         await _turns(10)
@@ -76,8 +87,6 @@ async def _decided_at_once() -> None:
         failures.put(exit_of("node-1/7"))  # later: a decision (a plan) of its own
         await _turns(10)
         assert coordinator.decided == [["node-0/1", "node-0/2"], ["node-1/7"]]
-    finally:
-        task.cancel()
 
 
 def test_hang_reports_wait_their_window_for_every_ranks_word(
@@ -88,8 +97,7 @@ def test_hang_reports_wait_their_window_for_every_ranks_word(
 
 async def _hangs_wait() -> None:
     failures, coordinator = _reports()
-    task = asyncio.create_task(failures.forever())
-    try:
+    async with _handling(failures):
         failures.put(Failure(FailureKind.COLLECTIVE_HANG, "node-0/1", "dp all_reduce hung",
                              generation=1))
         await _turns(10)
@@ -98,8 +106,6 @@ async def _hangs_wait() -> None:
                              generation=1))
         await asyncio.wait_for(coordinator.deciding.wait(), 30)
         assert coordinator.decided == [["node-0/1", "node-1/7"]]
-    finally:
-        task.cancel()
 
 
 def test_a_report_held_by_a_frozen_coordinator_goes_to_its_successor():
@@ -120,8 +126,7 @@ async def _frozen_coordinator() -> None:
 
     failures.is_leader = lambda: leader["here"]
     failures.stub = lambda: SimpleNamespace(ReportFailure=report_failure)
-    task = asyncio.create_task(failures.forever())
-    try:
+    async with _handling(failures):
         failures.put(exit_of("node-0/1"))
         failures.put(exit_of("node-0/2"))
         await _turns(10)
@@ -131,8 +136,6 @@ async def _frozen_coordinator() -> None:
         await asyncio.wait_for(coordinator.deciding.wait(), 30)
         assert sorted(s for batch in coordinator.decided for s in batch) == [
             "node-0/1", "node-0/2"]
-    finally:
-        task.cancel()
 
 
 def test_a_new_coordinator_decides_once_the_live_ranks_are_announced_again():
@@ -149,8 +152,7 @@ async def _settles_on_announcements() -> None:
     failures.live_ranks = lambda: {"node-1/1", "node-2/2"}
     coordinator.took_over_at = time.monotonic()
     coordinator.announced, coordinator.heard = {}, asyncio.Event()
-    task = asyncio.create_task(failures.forever())
-    try:
+    async with _handling(failures):
         failures.put(exit_of("node-0/1"))
         await _turns(10)
         coordinator.announced["node-1/1"] = object()
@@ -161,8 +163,6 @@ async def _settles_on_announcements() -> None:
         coordinator.heard.set()
         await asyncio.wait_for(coordinator.deciding.wait(), 5)
         assert coordinator.decided == [["node-0/1"]]
-    finally:
-        task.cancel()
 
 
 def test_a_batch_whose_handling_failed_is_handled_again_not_dropped():
@@ -180,10 +180,7 @@ async def _handled_again() -> None:
             raise OSError(28, "No space left on device")
 
     failures.catch_up = catch_up
-    task = asyncio.create_task(failures.forever())
-    try:
+    async with _handling(failures):
         failures.put(exit_of("node-0/1"))
         await asyncio.wait_for(coordinator.deciding.wait(), 30)
         assert coordinator.decided == [["node-0/1"]] and len(tries) == 2
-    finally:
-        task.cancel()
