@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,23 @@ def test_the_captured_step_travels_with_the_failure_report() -> None:
     assert Failure.from_proto(f.to_proto()).captured_step == 17
 
 
+class OneRank:
+    """A real Intake with one rank, r0, whose captures `durable` stores."""
+
+    def __init__(self, tmp_path: Path, durable: Callable[..., Awaitable[None]]) -> None:
+        self.pool = SlotPool(budget_bytes=1 << 20)
+        self.registry = Registry(node="n0", heartbeat_interval_s=1.0,
+                                 heartbeat_timeout_s=60.0, metrics=Metrics())
+        self.intake = Intake(self.pool, FdServer(self.pool, tmp_path / "fd.sock"),
+                             self.registry, Metrics(), "n0", durable)
+        self.slot = self.pool.open("r0", 64)[0]
+
+    async def capture(self, step: int, generation: int = 1) -> None:
+        await self.intake.capture(rank_pb2.CaptureRequest(
+            rank_id="r0", slot_id=self.slot.slot_id, step=step, generation=generation,
+            tensors=[common_pb2.TensorMeta(name="x", nbytes=8, offset=0)]))
+
+
 def test_a_hurried_step_is_stored_without_waiting_for_the_earlier_ones(tmp_path: Path
                                                                         ) -> None:
     # A rank's captures of steps 1-3 wait in its daemon's intake, step 1 being stored;
@@ -166,9 +184,6 @@ def test_a_hurried_step_is_stored_without_waiting_for_the_earlier_ones(tmp_path:
     # stage); the rank's backlog is free again. Step 4 still waits for step 3, and a
     # capture of another plan is not touched.
     async def main() -> tuple[list[tuple[int, int]], list[bool], int]:
-        pool = SlotPool(budget_bytes=1 << 20)
-        registry = Registry(node="n0", heartbeat_interval_s=1.0, heartbeat_timeout_s=60.0,
-                            metrics=Metrics())
         stored: list[tuple[int, int]] = []
         moot_when_done: list[bool] = []
         storing, step_one, step_three = asyncio.Event(), asyncio.Event(), asyncio.Event()
@@ -178,21 +193,14 @@ def test_a_hurried_step_is_stored_without_waiting_for_the_earlier_ones(tmp_path:
             storing.set()
             if request.step == 1:
                 await step_one.wait()  # step 1 takes its time
-                moot_when_done.append(intake.moot(request))
+                moot_when_done.append(r0.intake.moot(request))
             if request.step == 3:
                 three_begun.set()
                 await step_three.wait()
             stored.append((request.generation, request.step))
 
-        intake = Intake(pool, FdServer(pool, tmp_path / "fd.sock"), registry, Metrics(),
-                        "n0", durable)
-        slot = pool.open("r0", 64)[0]
-
-        async def capture(step: int, generation: int = 1) -> None:
-            await intake.capture(rank_pb2.CaptureRequest(
-                rank_id="r0", slot_id=slot.slot_id, step=step, generation=generation,
-                tensors=[common_pb2.TensorMeta(name="x", nbytes=8, offset=0)]))
-
+        r0 = OneRank(tmp_path, durable)
+        intake, capture = r0.intake, r0.capture
         for step in (1, 2, 3):
             await capture(step)
         await storing.wait()
@@ -210,13 +218,51 @@ def test_a_hurried_step_is_stored_without_waiting_for_the_earlier_ones(tmp_path:
         await capture(2, generation=2)  # a new plan redoes step 2: stored
         await intake._tail["r0"].task  # noqa: SLF001
         backlog = intake._backlog["r0"]  # noqa: SLF001
-        pool.close()
+        r0.pool.close()
         return stored, moot_when_done, backlog
 
     stored, moot_when_done, backlog = asyncio.run(main())
     assert stored == [(1, 3), (1, 4), (1, 1), (2, 2)]
     assert moot_when_done == [True]
     assert backlog == 0
+
+
+def test_a_new_plan_drops_the_old_plans_captures_waiting_behind_one_still_stored(
+        tmp_path: Path) -> None:
+    # The rank's capture of step 1 is being stored, its shards' peer frozen; steps 2 and
+    # 3 wait behind it and the backlog is full. A new plan makes them moot: they are
+    # dropped at once, so the rank's first capture of the new plan is taken in and
+    # stored while step 1 is still being stored (not once its peer wakes).
+    async def main() -> tuple[list[tuple[int, int]], int]:
+        stored: list[tuple[int, int]] = []
+        frozen = asyncio.Event()
+
+        async def durable(request: rank_pb2.CaptureRequest, owned: bytes, release) -> None:
+            if request.step == 1:
+                await frozen.wait()
+            stored.append((request.generation, request.step))
+
+        r0 = OneRank(tmp_path, durable)
+        intake, capture = r0.intake, r0.capture
+        r0.registry.install_plan(common_pb2.Plan(generation=1))
+        for step in range(1, MAX_BACKLOG + 1):
+            await capture(step)
+        r0.registry.install_plan(common_pb2.Plan(generation=2))
+        try:
+            await asyncio.wait_for(capture(2, generation=2), 30)
+            await asyncio.wait_for(intake._tail["r0"].task, 30)  # noqa: SLF001
+        except TimeoutError:
+            raise AssertionError("the old plan's moot captures held the backlog until "
+                                 "the capture ahead of them was stored") from None
+        backlog = intake._backlog["r0"]  # noqa: SLF001 - step 1's room, still held
+        frozen.set()
+        await intake.stop()
+        r0.pool.close()
+        return stored, backlog
+
+    stored, backlog = asyncio.run(main())
+    assert stored[0] == (2, 2)
+    assert backlog == 1
 
 
 class Hurried:

@@ -381,6 +381,10 @@ class Registry:
             return None
         return self.plan
 
+    async def next_plan(self) -> None:
+        """Until the next plan is installed (or watchers are woken at shutdown)."""
+        await self._plan_changed.wait()
+
     def wake_watchers(self) -> None:
         """Wake plan watchers without a change (used at shutdown so streams end at once)."""
         self._plan_changed.set()

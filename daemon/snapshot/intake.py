@@ -227,7 +227,7 @@ class Intake:
         while previous is not None and not previous.task.done():
             if self.moot(request) or self._hurried_past(previous.generation, previous.step):
                 return
-            await self._until_hurried_or(previous.task)
+            await self._until_news_or(previous.task)
 
     async def _hold(self, request: rank_pb2.CaptureRequest) -> None:
         """While a hurry of this capture's plan names an earlier step: until the next
@@ -245,17 +245,22 @@ class Intake:
             planned = asyncio.ensure_future(
                 self.registry.plan_after(request.generation, left))
             try:
-                await self._until_hurried_or(planned)
+                await self._until_news_or(planned)
             finally:
                 planned.cancel()
 
-    async def _until_hurried_or(self, other: asyncio.Future[Any]) -> None:
-        """Until the next hurry, or `other` is done (it is left running)."""
-        hurried = asyncio.ensure_future(self._hurried.wait())
+    async def _until_news_or(self, other: asyncio.Future[Any]) -> None:
+        """Until the next hurry or plan, or `other` is done (it is left running). A
+        plan matters as much as a hurry: it makes every capture of an older plan moot,
+        and one waiting behind a capture still being stored (its shards' peer frozen)
+        would otherwise hold its room in the rank's backlog until that one ends."""
+        news = [asyncio.ensure_future(self._hurried.wait()),
+                asyncio.ensure_future(self.registry.next_plan())]
         try:
-            await asyncio.wait({other, hurried}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({other, *news}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            hurried.cancel()
+            for waiter in news:
+                waiter.cancel()
 
     async def _after(self, previous: _Work | None, request: rank_pb2.CaptureRequest,
                      owned: bytes) -> None:
