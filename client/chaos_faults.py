@@ -201,13 +201,14 @@ def fill(data_dir: Path) -> Path:
     """Take every free byte of the filesystem holding `data_dir`; returns the ballast."""
     ballast = data_dir / "ballast"
     st = os.statvfs(data_dir)
-    with open(ballast, "wb") as f:
+    # Unbuffered: a buffered file would hold the bytes the full disk refused and raise
+    # ENOSPC again when closed, outside the suppress (it ended a chaos campaign once).
+    with open(ballast, "wb", buffering=0) as f:
         with contextlib.suppress(OSError):
             os.posix_fallocate(f.fileno(), 0, st.f_bavail * st.f_frsize)
         with contextlib.suppress(OSError):  # the last blocks, in case fallocate fell short
             while True:
                 f.write(b"\0" * (1 << 20))
-                f.flush()
     return ballast
 
 

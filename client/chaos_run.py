@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+import traceback
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +88,10 @@ def run_job(schedule: Schedule, *, steps: int, timeout_s: float, workdir: Path) 
         _watch(cluster, injector, out, steps, time.monotonic() + timeout_s)
     except ClusterError as exc:
         out.error = str(exc)
+    except Exception as exc:  # the harness's own fault: this run fails, the campaign goes on
+        (workdir / "harness-error.txt").write_text(traceback.format_exc())
+        out.error = (f"the harness failed: {type(exc).__name__}: {exc} (traceback in "
+                     f"{workdir / 'harness-error.txt'})")
     finally:
         injector.release()
         cluster.close(keep_workdir=True)

@@ -80,3 +80,22 @@ def test_the_table_gives_each_kind_its_runs_and_median_time() -> None:
     text = table(rows)
     assert "| hang | 3 | 1 | 3 | 3 | 0 | 6.00 (9.00) |" in text
     assert "| gpu | 1 | 1 | 1 | 0 | 0 | - |" in text
+
+
+def test_a_run_the_harness_itself_fails_is_reported_and_the_campaign_goes_on(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One run's unexpected error (here its daemons cannot start: the disk is full) makes
+    # that run fail with the error and a traceback beside its logs; it does not end the
+    # campaign's other runs.
+    from stalwart.client import chaos_run
+    from stalwart.client.local_cluster import LocalCluster
+
+    def full_disk(self: LocalCluster) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(LocalCluster, "start_daemons", full_disk)
+    schedule = generate(1, 1)[0]
+    out = chaos_run.run_job(schedule, steps=4, timeout_s=10, workdir=tmp_path)
+    assert not out.completed
+    assert out.error.startswith("the harness failed: OSError: [Errno 28] No space left")
+    assert "full_disk" in (tmp_path / "harness-error.txt").read_text()
