@@ -1,12 +1,14 @@
 """Work a daemon starts and does not wait for (a commit passed down the tree, a batch of
 prepares sent up it): the event loop keeps only weak references to its tasks, so each
-one is held here until it ends."""
+one is held here until it ends. And work that stops waiting at an event (`until`)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import Awaitable, Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class Background:
@@ -36,3 +38,19 @@ class Background:
 
     def __len__(self) -> int:
         return len(self._tasks)
+
+
+async def until(work: Awaitable[T], event: Awaitable[Any]) -> asyncio.Future[T]:
+    """Runs `work` until it ends or `event` comes, whichever is first, and returns the
+    work's future: done, or cancelled when the event came first. `event` is cancelled
+    once work ends."""
+    running = asyncio.ensure_future(work)
+    came = asyncio.ensure_future(event)
+    try:
+        await asyncio.wait({running, came}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        came.cancel()
+        if not running.done():
+            running.cancel()
+    await asyncio.gather(running, return_exceptions=True)  # until a cancelled one ends
+    return running

@@ -62,14 +62,15 @@ class Job:
         self.relay = PrepareRelay(self.node, config.job_id, registry.current_plan,
                                   self._send_batch, metrics)
         self.snapshots = SnapshotPath(config, registry, metrics, data_dir, self.peers,
-                                      channels, self.outbox.send, self.leadership.is_leader)
+                                      channels, self.outbox.send, self.leadership.is_leader,
+                                      membership.until_lost)
         store = self.snapshots.store
         self.processes = RankProcesses(registry)  # which local ranks may be fenced
         self.plans = Plans(registry, self.processes, store.discard_after,
                            self.leadership.is_leader, config.heartbeat_interval_s)
         self.links = Links(self.node, self.peers, channels, self.leadership, self.plans.adopt,
                            self.snapshots.committer.commit, self.snapshots.intake.hurry_step,
-                           metrics)
+                           metrics, membership.until_lost)
         self.plans.send = self.links.install_plan
         membership.on_peer_up = self.plans.on_peer_up
         self.coordinator = Coordinator(config.node, config.job_id, metrics, self.links,

@@ -16,7 +16,7 @@ import grpc
 from stalwart.core import step_record as sr
 from stalwart.daemon.background import Background
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.peers import Peer, PeerChannels
+from stalwart.daemon.peers import Peer, PeerChannels, UntilLost, never_lost, unless_lost
 from stalwart.daemon.recovery.election import Leadership
 from stalwart.daemon.rpc.step_stream import COMMIT, PREPARES, StepStreams
 from stalwart.daemon.snapshot import commit_tree
@@ -55,8 +55,9 @@ class Links:
                  adopt_plan: Callable[[common_pb2.Plan], common_pb2.Ack],
                  commit: Callable[[manifest_pb2.StepRecord], Awaitable[None]],
                  hurry: Callable[[int, int, float], Awaitable[bool]],
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, until_lost: UntilLost = never_lost) -> None:
         self.node, self.peers, self.channels, self.leadership = node, peers, channels, leadership
+        self.until_lost = until_lost  # a commit to a peer declared lost is not waited for
         self.adopt_plan, self.commit, self.hurry = adopt_plan, commit, hurry
         self.streams = StepStreams()  # commits down and prepares up, per peer
         self.commits = CommitSender(self.streams)
@@ -115,7 +116,8 @@ class Links:
                 request = peer_pb2.CommitStepRequest.FromString(request)
             await self.commit(request.record)
             return
-        await self.commits.send(self.channel(node), request, RPC_TIMEOUT_S)
+        await unless_lost(self.commits.send(self.channel(node), request, RPC_TIMEOUT_S), node,
+                          self.until_lost)
 
     async def take_commit(self, node: str, job_id: str, step: int) -> None:
         """Commit here the committed `step` that daemon `node` holds, its record checked

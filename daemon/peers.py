@@ -6,12 +6,20 @@ manifests) goes through `PeerChannels`, so a daemon holds one connection per pee
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
+from stalwart.daemon.background import until
 from stalwart.daemon.security.tls import TlsConfig, aio_channel
+
+T = TypeVar("T")
+
+UntilLost = Callable[[str], Awaitable[None]]
+"""`until_lost(node)` returns once membership declares that peer lost."""
 
 
 @dataclass(frozen=True)
@@ -21,6 +29,26 @@ class Peer:
     node: str
     address: str
     labels: dict[str, str]
+
+
+class PeerLost(ConnectionError):
+    """A call to a peer given up because membership declared the peer lost meanwhile."""
+
+
+async def never_lost(node: str) -> None:
+    """An `UntilLost` for callers without a membership (tools, tests): never returns."""
+    await asyncio.Event().wait()
+
+
+async def unless_lost(call: Awaitable[T], node: str, until_lost: UntilLost) -> T:
+    """`call`'s result, or PeerLost as soon as `until_lost(node)` returns (the call is
+    cancelled). A frozen peer (SIGSTOP, a hung host) keeps its socket open and answers
+    nothing: a call to it would wait out its whole deadline, with the work behind it,
+    though the peer is already known lost."""
+    done = await until(call, until_lost(node))
+    if done.cancelled():
+        raise PeerLost(f"daemon {node} was declared lost during the call")
+    return done.result()
 
 
 class PeerChannels:

@@ -183,6 +183,32 @@ def test_peers_move_from_up_to_suspect_to_lost_with_one_failure() -> None:
     assert table.peers()[0].state == LOST and failures_of(metrics, "peer_lost") == 1.0
 
 
+def test_a_wait_for_a_peers_loss_ends_when_it_is_declared_lost_and_not_before() -> None:
+    # What a put to a frozen peer races against: it ends at the loss (or at once while
+    # the peer is lost), and waits again once the peer is back.
+    async def main() -> list[bool]:
+        clock = Clock()
+        table = Membership("a", "h:1", 1.0, 5.0, Metrics(), lambda f: f, clock=clock)
+        table.observe(peer_pb2.PeerInfo(node="b", address="h:2"))
+        wait = asyncio.ensure_future(table.until_lost("b"))
+        clock.now += 3
+        table.check()  # suspect only
+        await asyncio.sleep(0)
+        seen = [wait.done()]
+        clock.now += 3
+        table.check()  # lost
+        await asyncio.wait_for(wait, 5)
+        await asyncio.wait_for(table.until_lost("b"), 5)  # lost now: at once
+        table.observe(peer_pb2.PeerInfo(node="b", address="h:2"))  # back
+        again = asyncio.ensure_future(table.until_lost("b"))
+        await asyncio.sleep(0)
+        seen.append(again.done())
+        again.cancel()
+        return seen
+
+    assert asyncio.run(main()) == [False, False]
+
+
 def test_a_seed_stays_a_target_and_its_responder_is_kept_under_its_own_address() -> None:
     table = Membership("a", "127.0.0.1:1", 1.0, 5.0, Metrics(), lambda f: f, clock=Clock(),
                        seeds=("peers.example:2", "127.0.0.1:1"))

@@ -13,7 +13,7 @@ import pytest
 
 from stalwart.daemon.config import DaemonConfig, ErasureConfig
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.peers import Peer
+from stalwart.daemon.peers import Peer, UntilLost, never_lost
 from stalwart.daemon.snapshot.coder import ZfecCodec
 from stalwart.daemon.snapshot.place import ShardPlacer
 from stalwart.daemon.snapshot.shard_client import ShardTransferError
@@ -25,10 +25,11 @@ K, M = 4, 2
 class Holders:
     """Each node's shards as put, and the threads that encoded (seen through the puts)."""
 
-    def __init__(self, refuse: str = "") -> None:
+    def __init__(self, refuse: str = "", frozen: str = "") -> None:
         self.stored: dict[tuple[str, str], bytes] = {}
-        self.refuse = refuse
+        self.refuse, self.frozen = refuse, frozen
         self.in_flight = self.most_in_flight = 0
+        self.frozen_called = asyncio.Event()  # a put reached the frozen peer
 
     def client(self, node: str) -> Holders.Client:
         return Holders.Client(self, node)
@@ -42,6 +43,9 @@ class Holders:
             h.in_flight += 1
             h.most_in_flight = max(h.most_in_flight, h.in_flight)
             try:
+                if self.node == h.frozen:  # the peer's process is stopped: no answer
+                    h.frozen_called.set()
+                    await asyncio.Event().wait()
                 await asyncio.sleep(0.01)  # a network put takes a while
                 if self.node == h.refuse:
                     raise ShardTransferError(self.node, sid, "put", "disk full")
@@ -50,10 +54,11 @@ class Holders:
                 h.in_flight -= 1
 
 
-def placer(holders: Holders, threads: int, node: str = "n0") -> ShardPlacer:
+def placer(holders: Holders, threads: int, node: str = "n0", nodes: int = K + M,
+           until_lost: UntilLost = never_lost) -> ShardPlacer:
     config = DaemonConfig(node=node, erasure=ErasureConfig(k=K, m=M, encode_threads=threads))
-    peers = [Peer(f"n{i}", f"127.0.0.1:{9000 + i}", {}) for i in range(K + M)]
-    return ShardPlacer(config, Metrics(), holders, None, lambda: peers)
+    peers = [Peer(f"n{i}", f"127.0.0.1:{9000 + i}", {}) for i in range(nodes)]
+    return ShardPlacer(config, Metrics(), holders, None, lambda: peers, until_lost)
 
 
 def capture(chunks: list[bytes]) -> manifest_pb2.RankState:
@@ -127,3 +132,34 @@ def test_once_the_step_is_moot_no_further_chunk_is_placed() -> None:
     begun = [c for c in placed.chunks if c.shards]
     assert 0 < len(begun) < len(chunks)
     assert len(holders.stored) == len(begun) * (K + M)
+
+
+def test_a_put_to_a_peer_declared_lost_goes_to_another_daemon_at_once() -> None:
+    # A peer's process is stopped (SIGSTOP): its socket is open but a put never ends.
+    # Once membership declares it lost, the puts waiting on it stop and their shards go
+    # to a daemon holding none of the chunk's, without waiting out the put's deadline.
+    chunks = [os.urandom(20_000) for _ in range(8)]
+    holders = Holders(frozen="n3")
+
+    async def until_lost(node: str) -> None:
+        if node == "n3":
+            await holders.frozen_called.wait()  # declared lost once it is seen frozen
+        else:
+            await asyncio.Event().wait()
+
+    async def main() -> manifest_pb2.RankState:
+        return await asyncio.wait_for(p.place(3, 1, capture(chunks), chunks), 30)
+
+    p = placer(holders, threads=2, nodes=K + M + 1, until_lost=until_lost)
+    try:
+        placed = asyncio.run(main())
+    finally:
+        p.close()
+    assert holders.frozen_called.is_set()
+    codec = ZfecCodec(K, M)
+    for chunk, record in zip(chunks, placed.chunks, strict=True):
+        nodes = [s.node for s in record.shards]
+        assert "n3" not in nodes and len(set(nodes)) == K + M
+        expected = codec.encode(chunk)
+        for s in record.shards:
+            assert holders.stored[(s.node, s.location)] == bytes(expected[s.index])

@@ -29,7 +29,7 @@ from stalwart.core.failures import Failure
 from stalwart.core.grow import GrowPolicy
 from stalwart.core.layout import Layout
 from stalwart.core.shrink import ElasticConfig, ElasticPlanner
-from stalwart.daemon.background import Background
+from stalwart.daemon.background import Background, until
 from stalwart.daemon.config import ElasticSettings
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.step_commits import PeerLinks, Prepared, StepCommits
@@ -367,15 +367,8 @@ class Coordinator:
 
     async def _landed_unless_news(self, step: int, timeout_s: float) -> bool:
         """`commits.landed`, ended early (False) by a failure queued meanwhile."""
-        landing = asyncio.ensure_future(self.commits.landed(step, timeout_s))
-        news = asyncio.ensure_future(self._news.wait())
-        try:
-            await asyncio.wait({landing, news}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            news.cancel()
-            if not landing.done():
-                landing.cancel()
-        return landing.done() and not landing.cancelled() and landing.result()
+        landing = await until(self.commits.landed(step, timeout_s), self._news.wait())
+        return not landing.cancelled() and landing.result()
 
     async def _decide(self, failures: list[Failure], committed: int,
                       planner: ElasticPlanner | None, stopped: StopDecision | None

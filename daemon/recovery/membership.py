@@ -19,6 +19,7 @@ large the job is.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import hashlib
 import logging
@@ -83,6 +84,8 @@ class Membership:
     _resumed_at: float | None = None  # set after a pause until every live peer answered
     _view: bytes | None = None  # view(), until the daemons reached change
     _watched: set[str] = field(default_factory=set)  # sampled: the neighbours, by address
+    _lost_nodes: set[str] = field(default_factory=set)  # the peers now lost, by node name
+    _lost_waiters: dict[str, asyncio.Event] = field(default_factory=dict)  # until_lost()
 
     def __post_init__(self) -> None:
         self._update_gauges()  # every state shows from the first scrape, at 0
@@ -147,6 +150,7 @@ class Membership:
         record.generation, record.rank_ids = info.generation, tuple(info.rank_ids)
         record.latest_committed = info.latest_committed
         record.last_seen, record.state = self.clock(), UP
+        self._lost_nodes.discard(info.node)
         record.heard_at = record.last_seen
         record.skew_ms = info.time_unix_ms - int(self.wall() * 1000) if info.time_unix_ms else 0
         self._update_gauges()
@@ -187,12 +191,14 @@ class Membership:
         if info.lost and not lost:
             log.info("peer lost, as its neighbours tell", extra={"peer": record.node})
             record.state, self._view = LOST, None
+            self._declare_lost(record.node)
         elif not info.lost:
             now = self.clock()
             if record.last_seen is None or lost:
                 self._view = None
             record.last_seen = record.heard_at = now
             record.state = UP
+            self._lost_nodes.discard(record.node)
             if lost:
                 log.info("peer up again, as its neighbours tell", extra={"peer": record.node})
                 self.on_peer_up(record.node)
@@ -241,10 +247,23 @@ class Membership:
                 # it says if it comes back.
                 record.beat = max(record.beat, int(self.wall() * 1000) + record.skew_ms)
                 self._view = None
+                self._declare_lost(record.node or record.address)
             record.state, changed = state, True
         if changed:
             self._update_gauges()
         return found
+
+    def _declare_lost(self, node: str) -> None:
+        self._lost_nodes.add(node)
+        if (waiter := self._lost_waiters.pop(node, None)) is not None:
+            waiter.set()
+
+    async def until_lost(self, node: str) -> None:
+        """Until peer `node` is declared lost; at once if it is lost now. A call to a
+        frozen peer waits out its deadline otherwise, though the peer is known lost."""
+        if node in self._lost_nodes:
+            return
+        await self._lost_waiters.setdefault(node, asyncio.Event()).wait()
 
     def peers(self) -> list[PeerRecord]:
         """Known peers, plus (as "unknown") configured seeds that never answered."""

@@ -48,6 +48,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
+from stalwart.daemon.peers import PeerLost
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2
 
 log = logging.getLogger("stalwart.daemon.snapshot.commit_tree")
@@ -202,7 +203,7 @@ async def pass_on(request: peer_pb2.CommitStepRequest, targets: list[str], send:
         try:
             await send(node, data)
             return
-        except (grpc.aio.AioRpcError, LookupError) as exc:
+        except (grpc.aio.AioRpcError, LookupError, PeerLost) as exc:
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             log.warning("commit not delivered" + (
                 "; its children in the commit tree get it from here" if request.fanout else ""),

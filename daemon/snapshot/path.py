@@ -25,7 +25,7 @@ from stalwart.core import step_record as sr
 from stalwart.core.placement import S3, Node
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.peers import Peer, PeerChannels
+from stalwart.daemon.peers import Peer, PeerChannels, UntilLost, never_lost
 from stalwart.daemon.recovery.registry import Registry
 from stalwart.daemon.snapshot import repair
 from stalwart.daemon.snapshot.atomic import EACH_WRITE, IN_BACKGROUND, sync_filesystem
@@ -59,7 +59,9 @@ class SnapshotPath:
 
     def __init__(self, config: DaemonConfig, registry: Registry, metrics: Metrics,
                  data_dir: Path, peers: Callable[[], list[Peer]], channels: PeerChannels,
-                 send_prepare: PrepareSender, is_leader: Callable[[], bool]) -> None:
+                 send_prepare: PrepareSender, is_leader: Callable[[], bool],
+                 until_lost: UntilLost = never_lost) -> None:
+        """`until_lost`: calls to a peer declared lost stop waiting for it."""
         self.config, self.registry, self.metrics = config, registry, metrics
         self.node, self.peers, self.send_prepare = config.node, peers, send_prepare
         snap = config.snapshot
@@ -87,9 +89,9 @@ class SnapshotPath:
         self.holders = ShardHolders(config, metrics, local, channels, peers)
         self.intake = Intake(self.pool, self.fd_server, registry, metrics, self.node,
                              self._make_durable)
-        self.placer = ShardPlacer(config, metrics, self.holders, self.s3, peers)
+        self.placer = ShardPlacer(config, metrics, self.holders, self.s3, peers, until_lost)
         self.records = RecordHolders(self.node, config.job_id, self.store, self.s3, peers,
-                                     channels, self._copies)
+                                     channels, self._copies, until_lost)
         self.committer = Committer(self.node, self.store, self.s3, is_leader)
         self.repairer = repair.Repairer(
             node=self.node, store=self.store, metrics=metrics, live=self._live_nodes,

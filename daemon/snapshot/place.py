@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from stalwart.core.placement import S3, Node, place_chunk
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.peers import Peer
+from stalwart.daemon.peers import Peer, PeerLost, UntilLost, never_lost, unless_lost
 from stalwart.daemon.snapshot.checksum import crc32c
 from stalwart.daemon.snapshot.coder import Buffer, ZfecCodec, default_km
 from stalwart.daemon.snapshot.holders import ShardHolders
@@ -37,9 +37,12 @@ class ShardPlacer:
     """Erasure-codes and places one rank's chunks for a step."""
 
     def __init__(self, config: DaemonConfig, metrics: Metrics, holders: ShardHolders,
-                 s3: S3Tier | None, peers: Callable[[], list[Peer]]) -> None:
+                 s3: S3Tier | None, peers: Callable[[], list[Peer]],
+                 until_lost: UntilLost = never_lost) -> None:
+        """`until_lost`: a put to a peer declared lost stops waiting and goes to another
+        daemon."""
         self.config, self.metrics, self.holders, self.s3 = config, metrics, holders, s3
-        self.node, self.peers = config.node, peers
+        self.node, self.peers, self.until_lost = config.node, peers, until_lost
         threads = config.erasure.encode_threads
         self._encoders = ThreadPoolExecutor(threads, thread_name_prefix="stalwart-encode")
         self._in_flight = threads * IN_FLIGHT_PER_THREAD
@@ -129,10 +132,11 @@ class ShardPlacer:
             chosen.add(node)
         while True:
             try:
-                await self.holders.client(node).put(record.location, body, step=step,
+                put = self.holders.client(node).put(record.location, body, step=step,
                                                     generation=generation, crc=record.crc32c)
+                await (put if node == self.node else unless_lost(put, node, self.until_lost))
                 break
-            except (ShardTransferError, LookupError) as exc:
+            except (ShardTransferError, LookupError, PeerLost) as exc:
                 if node == self.node:
                     raise  # this daemon's own shard store failed: nothing else to try
                 unreachable.add(node)
