@@ -134,11 +134,13 @@ class Links:
 
     async def relay_prepares(self, node: str, batch: peer_pb2.PrepareBatch) -> None:
         """A batch of prepares to `node` (a daemon, or the coordinator) on the step
-        stream; LookupError when it is not a live member, AioRpcError when refused."""
+        stream; LookupError when it is not a live member, AioRpcError when refused,
+        PeerLost when it is declared lost before it answers."""
         if not node:
             raise LookupError("no coordinator is known yet (the etcd seat is empty)")
-        await self.streams.send(self.channel(node), PREPARES, batch.SerializeToString(),
-                                RPC_TIMEOUT_S)
+        await unless_lost(self.streams.send(self.channel(node), PREPARES,
+                                            batch.SerializeToString(), RPC_TIMEOUT_S),
+                          node, self.until_lost)
 
     def pass_on(self, request: peer_pb2.CommitStepRequest) -> None:
         """A commit that reached this daemon through the commit tree goes on to this

@@ -22,6 +22,7 @@ from snapshot_states import state, tensors
 
 from stalwart.core import step_record as sr
 from stalwart.daemon.config_schema import default
+from stalwart.daemon.peers import PeerLost
 from stalwart.daemon.server import Daemon
 from stalwart.daemon.snapshot import commit_tree
 from stalwart.daemon.snapshot.prepare_relay import PrepareRelay
@@ -127,6 +128,35 @@ def test_a_relay_sends_its_subtrees_seals_up_in_one_batch_once_all_are_in() -> N
         assert c.tags == b"".join(commit_tree.tag(keys.key_for(n), identity, seal)
                                   for n, seal in zip(nodes, c.seals, strict=True))
         assert [manifest_pb2.RankSeal.FromString(x).node for x in c.seals] == nodes
+
+
+def test_prepares_whose_parent_is_declared_lost_go_to_the_coordinator() -> None:
+    # n2's parent in the prepare tree is n0; n0 is frozen and, before it answers, declared
+    # lost (Links.relay_prepares raises PeerLost): the batch goes to the coordinator.
+    plan = common_pb2.Plan(generation=1, coordinator="c", commit_fanout=2, assignments=[
+        common_pb2.RankAssignment(node=f"n{i}") for i in range(6)])
+    keys = commit_tree.RelayKeys()
+
+    async def scenario() -> list[str | None]:
+        tried: list[str | None] = []
+        delivered = asyncio.Event()
+
+        async def send(target: str | None, batch: peer_pb2.PrepareBatch) -> None:
+            tried.append(target)
+            if target == "n0":
+                raise PeerLost("daemon n0 was declared lost during the call")
+            delivered.set()
+
+        relay = PrepareRelay("n2", "j", lambda: plan, send)
+        relay.key = ("c", keys.key_for("n2"))
+        r = peer_pb2.PrepareStepRequest(job_id="j", step=5, generation=1, node="n2",
+                                        layout=LAYOUT)
+        r.seal.node, r.seal.digest = "n2", b"n2".ljust(32, b"-")
+        relay.own(r)
+        await asyncio.wait_for(delivered.wait(), 10)
+        return tried
+
+    assert asyncio.run(scenario()) == ["n0", None]
 
 
 # --- the trust -----------------------------------------------------------------------

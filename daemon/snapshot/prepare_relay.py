@@ -25,6 +25,7 @@ import grpc
 
 from stalwart.daemon.background import Background
 from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.peers import PeerLost
 from stalwart.daemon.snapshot import commit_tree
 from stalwart.v1 import common_pb2, peer_pb2
 
@@ -138,7 +139,7 @@ class PrepareRelay:
             try:
                 await self.send(target, batch)
                 return
-            except (grpc.aio.AioRpcError, LookupError) as exc:
+            except (grpc.aio.AioRpcError, LookupError, PeerLost) as exc:
                 detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
                 log.warning("prepares not passed up" + (
                     "; sending them to the coordinator directly" if target else ""),
