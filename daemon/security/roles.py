@@ -18,6 +18,7 @@ import grpc
 from stalwart.core.decide import PlanState
 from stalwart.core.failures import Failure, FailureKind
 from stalwart.daemon.errors import NotFound
+from stalwart.daemon.peers import PeerLost, unless_lost
 from stalwart.daemon.recovery.coordinator import Coordinator
 from stalwart.daemon.recovery.election import Leadership
 from stalwart.daemon.recovery.membership import LOST, Membership
@@ -41,9 +42,6 @@ log = logging.getLogger("stalwart.daemon.security.roles")
 
 MAX_GENERATION_JUMP = 64   # a plan or commit may be at most this many generations ahead
 CONFIRM_TIMEOUT_S = 2.0    # how long the subject's daemon gets to vouch for its rank
-# How often a confirmation of a lost peer looks whether this daemon's own heartbeat
-# timeout has declared it lost meanwhile (which confirms the report without its answer).
-CONFIRM_LOOK_S = 0.05
 _CONFIRMED_BY_LIVENESS = (FailureKind.PROCESS_EXIT, FailureKind.HEARTBEAT_MISSED)
 
 
@@ -301,15 +299,11 @@ class JobGate:
         verdict, the moment it comes, ends the wait."""
         if self._lost_here(node):
             return True
-        asking = asyncio.ensure_future(self._alive_ranks(node))
         try:
-            while not asking.done():
-                await asyncio.wait({asking}, timeout=CONFIRM_LOOK_S)
-                if self._lost_here(node):
-                    return True
-            return asking.result() is None
-        finally:
-            asking.cancel()
+            return await unless_lost(self._alive_ranks(node), node,
+                                     self.membership.until_lost) is None
+        except PeerLost:
+            return True
 
     def _lost_here(self, node: str) -> bool:
         peer = next((p for p in self.membership.peers() if p.node == node), None)
