@@ -35,6 +35,10 @@ class Labels:
     rack: str = default("labels.rack")
     zone: str = default("labels.zone")
 
+    def as_dict(self) -> dict[str, str]:
+        """The labels that are set, as peers and placement see them."""
+        return {k: v for k, v in (("rack", self.rack), ("zone", self.zone)) if v}
+
 
 @dataclass(frozen=True)
 class ElasticSettings:

@@ -119,16 +119,14 @@ class Job:
 
     def peers(self) -> list[Peer]:
         """Live daemons, this one included."""
-        labels = {k: v for k, v in (("rack", self.config.labels.rack),
-                                    ("zone", self.config.labels.zone)) if v}
-        out = [Peer(self.node, self.address(), labels)]
+        out = [Peer(self.node, self.address(), self.config.labels.as_dict())]
         out += [Peer(p.node, p.address, dict(p.labels)) for p in self.membership.peers()
                 if p.node and p.state in (UP, SUSPECT)]
         return out
 
     def _live_ranks(self) -> set[str]:
         """The live ranks of this node and of the live peers (as their heartbeats say)."""
-        out = {r.rank_id for r in self.registry.ranks() if r.state != "dead"}
+        out = set(self.registry.live_rank_ids())
         for p in self.membership.peers():
             if p.node and p.state in (UP, SUSPECT):
                 out.update(p.rank_ids)

@@ -269,13 +269,11 @@ class Daemon:
 
     def peer_info(self) -> peer_pb2.PeerInfo:
         """How this daemon describes itself to peers."""
-        labels = {k: v for k, v in (("rack", self.config.labels.rack),
-                                    ("zone", self.config.labels.zone)) if v}
-        alive = [r.rank_id for r in self.registry.ranks() if r.state != "dead"]
         return peer_pb2.PeerInfo(
-            node=self.config.node, address=self.address, labels=labels,
+            node=self.config.node, address=self.address, labels=self.config.labels.as_dict(),
             generation=self.registry.generation, time_unix_ms=int(time.time() * 1000),
-            rank_ids=alive, latest_committed=self.job.snapshots.store.latest_committed() or 0)
+            rank_ids=self.registry.live_rank_ids(),
+            latest_committed=self.job.snapshots.store.latest_committed() or 0)
 
     def status(self) -> operator_pb2.StatusReply:
         return self.operator.status()

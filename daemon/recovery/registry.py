@@ -201,6 +201,10 @@ class Registry:
     def ranks(self) -> list[RankRecord]:
         return sorted(self._ranks.values(), key=lambda r: (r.spare, r.rank, r.rank_id))
 
+    def live_rank_ids(self) -> list[str]:
+        """The ranks of this node not declared dead, as its heartbeats name them."""
+        return [r.rank_id for r in self.ranks() if r.state != "dead"]
+
     def get(self, rank_id: str) -> RankRecord | None:
         return self._ranks.get(rank_id)
 
