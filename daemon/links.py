@@ -57,7 +57,8 @@ class Links:
                  hurry: Callable[[int, int, float], Awaitable[bool]],
                  metrics: Metrics | None = None, until_lost: UntilLost = never_lost) -> None:
         self.node, self.peers, self.channels, self.leadership = node, peers, channels, leadership
-        self.until_lost = until_lost  # a commit to a peer declared lost is not waited for
+        # Plans, hurries, commits and prepares to a peer declared lost are not waited for.
+        self.until_lost = until_lost
         self.adopt_plan, self.commit, self.hurry = adopt_plan, commit, hurry
         self.streams = StepStreams()  # commits down and prepares up, per peer
         self.commits = CommitSender(self.streams)
@@ -97,14 +98,16 @@ class Links:
             if not ack.accepted:
                 log.info("plan not installed here: %s", ack.message)
             return
-        ack = await self.stub(node).InstallPlan(plan, timeout=RPC_TIMEOUT_S)
+        ack = await unless_lost(self.stub(node).InstallPlan(plan, timeout=RPC_TIMEOUT_S), node,
+                                self.until_lost)
         if not ack.accepted:
             log.warning("plan refused", extra={"node": node, "why": ack.message})
 
     async def hurry_step(self, node: str, request: peer_pb2.HurryStepRequest) -> bool:
         if node == self.node:
             return await self.hurry(request.generation, request.step, request.wait_s)
-        reply = await self.stub(node).HurryStep(request, timeout=RPC_TIMEOUT_S)
+        reply = await unless_lost(self.stub(node).HurryStep(request, timeout=RPC_TIMEOUT_S),
+                                  node, self.until_lost)
         if not reply.accepted:
             log.info("hurry not taken", extra={"node": node, "why": reply.message})
         return reply.accepted and reply.holding
