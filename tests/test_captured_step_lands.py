@@ -46,10 +46,30 @@ def killed(rank_id: str, captured: int) -> Failure:
                    reporter="n0", captured_step=captured)
 
 
-async def running_job(step_s: float = STEP_S) -> tuple[Coordinator, Daemons]:
+class WithAFrozenDaemon(Daemons):
+    """Daemons whose `frozen` one (stopped, not yet declared lost) takes calls and
+    answers none."""
+
+    def __init__(self, live: list[str]) -> None:
+        super().__init__()
+        self.live, self.frozen = live, ""
+
+    async def hurry_step(self, node: str, request: peer_pb2.HurryStepRequest) -> bool:
+        if node == self.frozen:
+            await asyncio.Event().wait()
+        return await super().hurry_step(node, request)
+
+    async def commit_step(self, node: str, request) -> None:
+        if node == self.frozen:
+            await asyncio.Event().wait()
+        await super().commit_step(node, request)
+
+
+async def running_job(step_s: float = STEP_S, daemons: Daemons | None = None
+                      ) -> tuple[Coordinator, Daemons]:
     """Ranks n0/1 (rank 0) and n1/2 (rank 1), a spare on n1, steps 1..JOB_STEPS committed
     one every `step_s` (the training between commits)."""
-    daemons = Daemons()
+    daemons = daemons or Daemons()
     c = Coordinator(node="n0", job_id="job", metrics=Metrics(), links=daemons,
                     latest_committed=lambda: max(daemons.committed, default=None))
     for rank_id, node, rank in (("n0/1", "n0", 0), ("n1/2", "n1", 1), ("n1/3", "n1", 2)):
@@ -450,6 +470,59 @@ def test_a_step_every_daemon_holds_is_waited_for_past_the_jobs_pace() -> None:
     plan, waited = asyncio.run(main(None))  # never stored
     assert 2 * pace <= waited < LAND_WAIT_MAX_S / 2  # not the longest wait
     assert plan.resume_step == JOB_STEPS
+
+
+def test_a_frozen_daemon_without_a_role_holds_up_neither_the_hurry_nor_the_commit(
+        ) -> None:
+    # n2 stores shards only and is frozen (SIGSTOP), not yet declared lost: it takes the
+    # hurry and the commit and answers neither. Only the daemons of the plan's nodes are
+    # asked whether they hold the step, so the coordinator still waits for it past the
+    # job's pace (it lands at 1.8 s, between the pace's 1 s + 0.5 s for answers and twice
+    # the pace); and the step counts as landed once it is committed here, not once n2
+    # answers.
+    async def main() -> tuple[common_pb2.Plan, bool]:
+        daemons = WithAFrozenDaemon(["n0", "n1", "n2"])
+        c, _ = await running_job(daemons=daemons)
+        c.commits.seconds_per_step = lambda: 1.0  # the job's pace
+        daemons.holding, daemons.frozen = True, "n2"
+        replan = asyncio.create_task(c.on_failures([killed("n0/1", captured=JOB_STEPS + 1)]))
+        await waiting(c)
+        await asyncio.sleep(1.8)  # storing the step is slow
+        # Its commit's phase two to n2 never ends (until n2 is declared lost).
+        committing = asyncio.create_task(c.prepared(prepare("n0", 0, JOB_STEPS + 1),
+                                                    prepare("n1", 1, JOB_STEPS + 1)))
+        await asyncio.wait_for(replan, 10.0)
+        committing.cancel()
+        return daemons.plans[-1], JOB_STEPS + 1 in daemons.committed
+
+    plan, committed_here = asyncio.run(main())
+    assert committed_here
+    assert plan.generation == 2 and plan.resume_step == JOB_STEPS + 1
+
+
+def test_a_step_counts_as_landed_once_committed_here_not_once_every_daemon_has_it() -> None:
+    # The captured step's commit reaches n0 (the coordinator) at once, and never frozen
+    # n2: the re-plan waiting for it goes on at once (within 3 s, where the wait for it
+    # would last 5 s), and resumes from it.
+    async def main() -> common_pb2.Plan:
+        daemons = WithAFrozenDaemon(["n0", "n1", "n2"])
+        c, _ = await running_job(daemons=daemons)
+        c.commits.seconds_per_step = lambda: 30.0  # a slow job: worth the longest wait
+        daemons.frozen = "n2"
+        replan = asyncio.create_task(c.on_failures([killed("n0/1", captured=JOB_STEPS + 1)]))
+        await waiting(c)
+        committing = asyncio.create_task(c.prepared(prepare("n0", 0, JOB_STEPS + 1),
+                                                    prepare("n1", 1, JOB_STEPS + 1)))
+        try:
+            await asyncio.wait_for(replan, 3.0)
+        except TimeoutError:
+            raise AssertionError("the re-plan waited for the frozen daemon's "
+                                 "acknowledgement of the step") from None
+        committing.cancel()
+        return daemons.plans[-1]
+
+    plan = asyncio.run(main())
+    assert plan.generation == 2 and plan.resume_step == JOB_STEPS + 1
 
 
 def test_the_longer_wait_needs_every_node_of_the_plan_and_ends_at_the_next_failure() -> None:

@@ -333,15 +333,16 @@ class Coordinator:
         # (the wait is then one step's storing, not the whole backlog's), and answer
         # whether they hold their ranks' captures of it.
         self.commits.hurried = max(self.commits.hurried, (plan.generation, step))
+        members = {m.node for m in plan.members}
         answers = self._hurrying.start(self._hurry(peer_pb2.HurryStepRequest(
-            job_id=self.job_id, generation=plan.generation, step=step, wait_s=worth)))
+            job_id=self.job_id, generation=plan.generation, step=step, wait_s=worth), members))
         landed, held = await self.commits.landed(step, worth), False
         if not landed:
             answered = await _within(answers, worth + HURRY_ANSWER_GRACE_S -
                                      (time.monotonic() - t0))
             # Held by the daemon of every node the plan gives a role: a node that left
             # (its loss not handled yet) holds nothing.
-            held = answered is not None and {m.node for m in plan.members} <= answered
+            held = answered is not None and members <= answered
             if held:
                 landed = await self._landed_unless_news(
                     step, min(2 * worth, LAND_WAIT_MAX_S) - (time.monotonic() - t0))
@@ -349,17 +350,27 @@ class Coordinator:
                  "did not commit", extra={"step": step, "waited_s": time.monotonic() - t0,
                                           "worth_s": worth, "held_everywhere": held})
 
-    async def _hurry(self, request: peer_pb2.HurryStepRequest) -> set[str]:
-        """Hurry every live daemon; the nodes whose daemon holds its ranks' captures of
-        the step."""
-        nodes = self.links.nodes()
-        results = await asyncio.gather(*(self.links.hurry_step(n, request) for n in nodes),
-                                       return_exceptions=True)
-        for node, result in zip(nodes, results, strict=True):
-            if isinstance(result, BaseException):  # it only makes that daemon slower
-                log.info("hurry not delivered", extra={"node": node, "error": str(result),
+    async def _hurry(self, request: peer_pb2.HurryStepRequest, members: set[str]
+                     ) -> set[str]:
+        """Hurry every live daemon; the nodes of `members` (those with a role in the plan)
+        whose daemon holds its ranks' captures of the step. Only their answers are waited
+        for: another daemon stores shards alone, and one frozen (not yet declared lost)
+        would hold the answer until its loss."""
+        async def one(node: str) -> bool:
+            try:
+                return await self.links.hurry_step(node, request)
+            except Exception as exc:  # it only makes that daemon slower
+                log.info("hurry not delivered", extra={"node": node, "error": str(exc),
                                                        "step": request.step})
-        return {node for node, result in zip(nodes, results, strict=True) if result is True}
+                return False
+
+        nodes = self.links.nodes()
+        for node in nodes:
+            if node not in members:
+                self._hurrying.start(one(node))
+        asked = [node for node in nodes if node in members]
+        held = await asyncio.gather(*map(one, asked))
+        return {node for node, holding in zip(asked, held, strict=True) if holding}
 
     def failure_queued(self) -> None:
         """Another failure waits to be handled (see `_news`)."""

@@ -327,30 +327,36 @@ class StepCommits:
         nodes = sorted(pending.seals)  # the record's, as commit_tree.nodes_of gives them
         request, targets = self._phase_two(record, nodes)
         local = self._local = asyncio.ensure_future(self.links.commit_step(self.node, request))
+        passing = asyncio.ensure_future(
+            commit_tree.pass_on(request, targets, self.links.commit_step, nodes))
         try:
-            mine, missed = await asyncio.gather(
-                local, commit_tree.pass_on(request, targets, self.links.commit_step, nodes),
-                return_exceptions=True)
+            [mine] = await asyncio.gather(local, return_exceptions=True)
         finally:
             if self._local is local:
                 self._local = None
         if isinstance(mine, BaseException):
             # Not committed here means not committed: keep it pending and retry soon,
             # since the last prepares of a job may already be in.
+            await asyncio.gather(passing, return_exceptions=True)
             log.error("commit failed on the coordinator itself",
                       extra={"step": step, "error": str(mine)})
             self._retry_later()
             return False
-        if missed:
-            log.warning("commit not acknowledged by every daemon",
-                        extra={"step": step, "missed": missed})
-        self.metrics.commit_seconds.observe(time.monotonic() - t0)
+        # Committed here, so committed: a re-plan waiting for this step goes on now, not
+        # once every daemon has acknowledged it (one that is frozen, not yet declared
+        # lost, would hold it until then); a daemon that lacks the commit takes it from
+        # this one before it adopts a plan resuming from it (JobGate).
         self._commit_times.append((time.monotonic(), step))
         async with self._landed:
             self._landed.notify_all()
         generation = self.generation()
         if generation is not None and pending.generation >= generation:
             self.committed(pending.generation)
+        missed = await passing  # the next step's phase two follows this one's
+        if missed:
+            log.warning("commit not acknowledged by every daemon",
+                        extra={"step": step, "missed": missed})
+        self.metrics.commit_seconds.observe(time.monotonic() - t0)
         self.steps.pop(step, None)  # a plan decided meanwhile may have abandoned it
         self._built = {s: m for s, m in self._built.items() if s in self.steps}
         return True
