@@ -63,7 +63,7 @@ class Job:
                                   self._send_batch, metrics)
         self.snapshots = SnapshotPath(config, registry, metrics, data_dir, self.peers,
                                       channels, self.outbox.send, self.leadership.is_leader,
-                                      membership.until_lost)
+                                      membership.until_silent)
         store = self.snapshots.store
         self.processes = RankProcesses(registry)  # which local ranks may be fenced
         self.plans = Plans(registry, self.processes, store.discard_after,
@@ -165,7 +165,7 @@ class Job:
 
     async def _deliver_prepare(self, req: peer_pb2.PrepareStepRequest) -> None:
         if self.leadership.is_leader():
-            await self.coordinator.prepared(req)
+            self.coordinator.prepared_soon(req)
             return
         leader = self.leadership.leader()
         if self.relay.usable(leader):

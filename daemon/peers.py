@@ -19,7 +19,8 @@ from stalwart.daemon.security.tls import TlsConfig, aio_channel
 T = TypeVar("T")
 
 UntilLost = Callable[[str], Awaitable[None]]
-"""`until_lost(node)` returns once membership declares that peer lost."""
+"""`until_lost(node)` returns once membership declares that peer lost (or, for
+`until_silent`, suspect)."""
 
 
 @dataclass(frozen=True)
@@ -40,15 +41,20 @@ async def never_lost(node: str) -> None:
     await asyncio.Event().wait()
 
 
-async def unless_lost(call: Awaitable[T], node: str, until_lost: UntilLost) -> T:
+async def unless_lost(call: Awaitable[T], node: str, until_lost: UntilLost,
+                      what: str = "was declared lost") -> T:
     """`call`'s result, or PeerLost as soon as `until_lost(node)` returns (the call is
     cancelled). A frozen peer (SIGSTOP, a hung host) keeps its socket open and answers
     nothing: a call to it would wait out its whole deadline, with the work behind it,
-    though the peer is already known lost."""
+    though the peer is already known lost. `until_lost` may also be membership's
+    `until_silent` (`what` then says so)."""
     done = await until(call, until_lost(node))
     if done.cancelled():
-        raise PeerLost(f"daemon {node} was declared lost during the call")
+        raise PeerLost(f"daemon {node} {what} during the call")
     return done.result()
+
+
+QUIET = "went quiet (a heartbeat overdue)"  # `what` for calls given up at a suspicion
 
 
 class PeerChannels:

@@ -525,6 +525,25 @@ def test_a_step_counts_as_landed_once_committed_here_not_once_every_daemon_has_i
     assert plan.generation == 2 and plan.resume_step == JOB_STEPS + 1
 
 
+def test_a_daemons_prepare_is_taken_without_waiting_for_the_commits_phase_two() -> None:
+    # The way a daemon's prepare reaches the coordinator (its own, or by PrepareStep):
+    # taken at once, the commit it completes run behind it, so the capture path that
+    # sent it goes on while phase two waits for frozen n2.
+    async def main() -> tuple[bool, list[int], bool]:
+        daemons = WithAFrozenDaemon(["n0", "n1", "n2"])
+        c, _ = await running_job(daemons=daemons)
+        daemons.frozen = "n2"
+        c.prepared_soon(prepare("n0", 0, JOB_STEPS + 1), prepare("n1", 1, JOB_STEPS + 1))
+        landed = await c.commits.landed(JOB_STEPS + 1, 10.0)
+        c.prepared_soon(prepare("n0", 0, JOB_STEPS + 2))  # taken behind it
+        pending = JOB_STEPS + 2 in c.commits.steps
+        return landed, daemons.committed, pending
+
+    landed, committed, pending = asyncio.run(main())
+    assert landed and committed[-1] == JOB_STEPS + 1
+    assert pending
+
+
 def test_the_longer_wait_needs_every_node_of_the_plan_and_ends_at_the_next_failure() -> None:
     # Past the job's pace the coordinator waits for the captured step only while the
     # daemon of every node the plan gives a role holds it: not when n1 has left the

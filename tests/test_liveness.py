@@ -183,24 +183,29 @@ def test_peers_move_from_up_to_suspect_to_lost_with_one_failure() -> None:
     assert table.peers()[0].state == LOST and failures_of(metrics, "peer_lost") == 1.0
 
 
-def test_a_wait_for_a_peers_loss_ends_when_it_is_declared_lost_and_not_before() -> None:
-    # What a put to a frozen peer races against: it ends at the loss (or at once while
-    # the peer is lost), and waits again once the peer is back.
+@pytest.mark.parametrize(("wait", "early", "late"), [("until_lost", 3, 3),
+                                                      ("until_silent", 1, 2)])
+def test_a_wait_for_a_peer_ends_when_it_goes_lost_or_quiet_and_not_before(
+        wait: str, early: float, late: float) -> None:
+    # What a call to a frozen peer races against: its loss (a commit, a plan), or for
+    # a shard put or a record copy, which have other homes, a suspicion (a heartbeat
+    # overdue). The wait ends when the peer enters that state, at once while it is in
+    # it, and waits again once the peer is heard from.
     async def main() -> list[bool]:
         clock = Clock()
         table = Membership("a", "h:1", 1.0, 5.0, Metrics(), lambda f: f, clock=clock)
         table.observe(peer_pb2.PeerInfo(node="b", address="h:2"))
-        wait = asyncio.ensure_future(table.until_lost("b"))
-        clock.now += 3
-        table.check()  # suspect only
+        waiting = asyncio.ensure_future(getattr(table, wait)("b"))
+        clock.now += early
+        table.check()  # not yet
         await asyncio.sleep(0)
-        seen = [wait.done()]
-        clock.now += 3
-        table.check()  # lost
-        await asyncio.wait_for(wait, 5)
-        await asyncio.wait_for(table.until_lost("b"), 5)  # lost now: at once
-        table.observe(peer_pb2.PeerInfo(node="b", address="h:2"))  # back
-        again = asyncio.ensure_future(table.until_lost("b"))
+        seen = [waiting.done()]
+        clock.now += late
+        table.check()
+        await asyncio.wait_for(waiting, 5)
+        await asyncio.wait_for(getattr(table, wait)("b"), 5)  # in that state now: at once
+        table.observe(peer_pb2.PeerInfo(node="b", address="h:2"))  # heard again
+        again = asyncio.ensure_future(getattr(table, wait)("b"))
         await asyncio.sleep(0)
         seen.append(again.done())
         again.cancel()

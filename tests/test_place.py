@@ -55,10 +55,10 @@ class Holders:
 
 
 def placer(holders: Holders, threads: int, node: str = "n0", nodes: int = K + M,
-           until_lost: UntilLost = never_lost) -> ShardPlacer:
+           until_silent: UntilLost = never_lost) -> ShardPlacer:
     config = DaemonConfig(node=node, erasure=ErasureConfig(k=K, m=M, encode_threads=threads))
     peers = [Peer(f"n{i}", f"127.0.0.1:{9000 + i}", {}) for i in range(nodes)]
-    return ShardPlacer(config, Metrics(), holders, None, lambda: peers, until_lost)
+    return ShardPlacer(config, Metrics(), holders, None, lambda: peers, until_silent)
 
 
 def capture(chunks: list[bytes]) -> manifest_pb2.RankState:
@@ -134,23 +134,24 @@ def test_once_the_step_is_moot_no_further_chunk_is_placed() -> None:
     assert len(holders.stored) == len(begun) * (K + M)
 
 
-def test_a_put_to_a_peer_declared_lost_goes_to_another_daemon_at_once() -> None:
+def test_a_put_to_a_peer_gone_quiet_goes_to_another_daemon_at_once() -> None:
     # A peer's process is stopped (SIGSTOP): its socket is open but a put never ends.
-    # Once membership declares it lost, the puts waiting on it stop and their shards go
-    # to a daemon holding none of the chunk's, without waiting out the put's deadline.
+    # Once membership suspects it (a heartbeat overdue), the puts waiting on it stop and
+    # their shards go to a daemon holding none of the chunk's, without waiting out the
+    # put's deadline.
     chunks = [os.urandom(20_000) for _ in range(8)]
     holders = Holders(frozen="n3")
 
-    async def until_lost(node: str) -> None:
+    async def until_silent(node: str) -> None:
         if node == "n3":
-            await holders.frozen_called.wait()  # declared lost once it is seen frozen
+            await holders.frozen_called.wait()  # suspected once it is seen frozen
         else:
             await asyncio.Event().wait()
 
     async def main() -> manifest_pb2.RankState:
         return await asyncio.wait_for(p.place(3, 1, capture(chunks), chunks), 30)
 
-    p = placer(holders, threads=2, nodes=K + M + 1, until_lost=until_lost)
+    p = placer(holders, threads=2, nodes=K + M + 1, until_silent=until_silent)
     try:
         placed = asyncio.run(main())
     finally:

@@ -86,7 +86,8 @@ class Coordinator:
     took_over_at: float = float("-inf")  # monotonic time this daemon became coordinator
     _installed_at: float = field(default_factory=time.monotonic)  # of the newest plan
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    _hurrying: Background = field(default_factory=Background)  # hurries still being sent
+    # hurries still being sent, and widenings of the plan after a prepare
+    _spawned: Background = field(default_factory=Background)
     # Set when a failure is queued while this one is handled: a wait for a captured
     # step past the job's pace ends then (the news may be that the step cannot land).
     _news: asyncio.Event = field(default_factory=asyncio.Event)
@@ -334,7 +335,7 @@ class Coordinator:
         # whether they hold their ranks' captures of it.
         self.commits.hurried = max(self.commits.hurried, (plan.generation, step))
         members = {m.node for m in plan.members}
-        answers = self._hurrying.start(self._hurry(peer_pb2.HurryStepRequest(
+        answers = self._spawned.start(self._hurry(peer_pb2.HurryStepRequest(
             job_id=self.job_id, generation=plan.generation, step=step, wait_s=worth), members))
         landed, held = await self.commits.landed(step, worth), False
         if not landed:
@@ -367,7 +368,7 @@ class Coordinator:
         nodes = self.links.nodes()
         for node in nodes:
             if node not in members:
-                self._hurrying.start(one(node))
+                self._spawned.start(one(node))
         asked = [node for node in nodes if node in members]
         held = await asyncio.gather(*map(one, asked))
         return {node for node, holding in zip(asked, held, strict=True) if holding}
@@ -476,6 +477,16 @@ class Coordinator:
         """Phase one from daemons (see StepCommits); a joiner that came during a
         recovery may widen the plan afterwards."""
         await self.commits.prepared(*reqs)
+        await self._grow_if_joined()
+
+    def prepared_soon(self, *reqs: peer_pb2.PrepareStepRequest | Prepared) -> None:
+        """`prepared` as a daemon's prepare takes it: the bookkeeping now (raising
+        StaleGeneration), the commit and any widening of the plan in the background."""
+        self.commits.prepared_soon(*reqs)
+        if self.plan is not None and self._joined and self._in_flight is None:
+            self._spawned.start(self._grow_if_joined())
+
+    async def _grow_if_joined(self) -> None:
         if self.plan is not None and self._joined and self._in_flight is None:
             async with self._lock:
                 await self._maybe_grow()

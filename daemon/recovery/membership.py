@@ -42,6 +42,26 @@ _FROM_LIVENESS = {ALIVE: UP, LATE: SUSPECT, DEAD: LOST}
 
 
 @dataclass
+class _Watch:
+    """The peers in one state, by node name, and waiters for one to enter it."""
+
+    now: set[str] = field(default_factory=set)
+    waiters: dict[str, asyncio.Event] = field(default_factory=dict)
+
+    def enter(self, node: str) -> None:
+        self.now.add(node)
+        if (waiter := self.waiters.pop(node, None)) is not None:
+            waiter.set()
+
+    def leave(self, node: str) -> None:
+        self.now.discard(node)
+
+    async def until(self, node: str) -> None:
+        if node not in self.now:
+            await self.waiters.setdefault(node, asyncio.Event()).wait()
+
+
+@dataclass
 class PeerRecord:
     address: str
     node: str = ""
@@ -84,8 +104,8 @@ class Membership:
     _resumed_at: float | None = None  # set after a pause until every live peer answered
     _view: bytes | None = None  # view(), until the daemons reached change
     _watched: set[str] = field(default_factory=set)  # sampled: the neighbours, by address
-    _lost_nodes: set[str] = field(default_factory=set)  # the peers now lost, by node name
-    _lost_waiters: dict[str, asyncio.Event] = field(default_factory=dict)  # until_lost()
+    _lost: _Watch = field(default_factory=_Watch)  # peers lost, by node name
+    _silent: _Watch = field(default_factory=_Watch)  # suspect or lost
 
     def __post_init__(self) -> None:
         self._update_gauges()  # every state shows from the first scrape, at 0
@@ -150,7 +170,7 @@ class Membership:
         record.generation, record.rank_ids = info.generation, tuple(info.rank_ids)
         record.latest_committed = info.latest_committed
         record.last_seen, record.state = self.clock(), UP
-        self._lost_nodes.discard(info.node)
+        self._heard(info.node)
         record.heard_at = record.last_seen
         record.skew_ms = info.time_unix_ms - int(self.wall() * 1000) if info.time_unix_ms else 0
         self._update_gauges()
@@ -191,14 +211,15 @@ class Membership:
         if info.lost and not lost:
             log.info("peer lost, as its neighbours tell", extra={"peer": record.node})
             record.state, self._view = LOST, None
-            self._declare_lost(record.node)
+            self._silent.enter(record.node)
+            self._lost.enter(record.node)
         elif not info.lost:
             now = self.clock()
             if record.last_seen is None or lost:
                 self._view = None
             record.last_seen = record.heard_at = now
             record.state = UP
-            self._lost_nodes.discard(record.node)
+            self._heard(record.node)
             if lost:
                 log.info("peer up again, as its neighbours tell", extra={"peer": record.node})
                 self.on_peer_up(record.node)
@@ -230,6 +251,7 @@ class Membership:
                 # again, and the neighbours' word says only up or lost.
                 if record.state == SUSPECT:
                     record.state, changed = UP, True
+                    self._silent.leave(record.node)
                 continue
             age = self.clock() - record.last_seen
             state = _FROM_LIVENESS[heartbeat_state(age, self.interval_s, self.timeout_s)]
@@ -247,23 +269,30 @@ class Membership:
                 # it says if it comes back.
                 record.beat = max(record.beat, int(self.wall() * 1000) + record.skew_ms)
                 self._view = None
-                self._declare_lost(record.node or record.address)
+                self._lost.enter(record.node or record.address)
+            if state == UP:
+                self._silent.leave(record.node or record.address)
+            else:
+                self._silent.enter(record.node or record.address)
             record.state, changed = state, True
         if changed:
             self._update_gauges()
         return found
 
-    def _declare_lost(self, node: str) -> None:
-        self._lost_nodes.add(node)
-        if (waiter := self._lost_waiters.pop(node, None)) is not None:
-            waiter.set()
+    def _heard(self, node: str) -> None:
+        self._lost.leave(node)
+        self._silent.leave(node)
 
     async def until_lost(self, node: str) -> None:
         """Until peer `node` is declared lost; at once if it is lost now. A call to a
         frozen peer waits out its deadline otherwise, though the peer is known lost."""
-        if node in self._lost_nodes:
-            return
-        await self._lost_waiters.setdefault(node, asyncio.Event()).wait()
+        await self._lost.until(node)
+
+    async def until_silent(self, node: str) -> None:
+        """Until peer `node` is suspect (a heartbeat overdue) or lost; at once if it is
+        now. Work that has somewhere else to go (a shard, a record copy) stops waiting
+        on a peer that has gone quiet, before it is declared lost."""
+        await self._silent.until(node)
 
     def peers(self) -> list[PeerRecord]:
         """Known peers, plus (as "unknown") configured seeds that never answered."""

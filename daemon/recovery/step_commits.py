@@ -25,6 +25,7 @@ from typing import Protocol
 from stalwart.core import step_record as sr
 from stalwart.core.generation import StaleGeneration, check_generation
 from stalwart.core.layout import Layout
+from stalwart.daemon.background import Background
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.snapshot import commit_tree
 from stalwart.daemon.snapshot.commit_tree import CommitKey, RelayKeys
@@ -164,6 +165,7 @@ class StepCommits:
     # that step is committed (the other daemons' acknowledgements may still be on their way).
     _local: asyncio.Future[None] | None = None
     _released: asyncio.Future[None] | None = None  # the commits `release` started
+    _soon: Background = field(default_factory=Background)  # the commits `prepared_soon` started
 
     def seconds_per_step(self) -> float | None:
         """Median seconds of training per step between the recent commits (None before
@@ -192,6 +194,30 @@ class StepCommits:
         of an older generation; otherwise such prepares are skipped and the rest taken.
         The bookkeeping is synchronous; the commit, if one became due, runs once per
         call."""
+        await self._after_taking(*self._take_all(reqs))
+
+    def prepared_soon(self, *reqs: peer_pb2.PrepareStepRequest | Prepared) -> None:
+        """`prepared`, its commit in the background: the bookkeeping now (raising what
+        it raises), the commit it made due, and any commit to send again, after. A
+        prepare's sender (a daemon's snapshot path, behind which its ranks' next
+        captures queue) waits for neither: phase two waits for every daemon's
+        acknowledgement, and a frozen daemon gives none until it is declared lost."""
+        due, again = self._take_all(reqs)
+        if not (due or again):
+            return
+
+        async def after() -> None:
+            try:
+                await self._after_taking(due, again)
+            except Exception:  # no sender is left to tell
+                log.exception("commit after a prepare failed", extra={
+                    "steps": sorted({r.step for r in reqs})[:8]})
+        self._soon.start(after())
+
+    def _take_all(self, reqs: tuple[peer_pb2.PrepareStepRequest | Prepared, ...]
+                  ) -> tuple[bool, list[Prepared]]:
+        """Each prepare into its step: whether a step became complete, and the prepares
+        of steps committed already."""
         again: list[Prepared] = []
         due = False
         generation, latest = self.generation(), self.latest_committed()
@@ -208,6 +234,9 @@ class StepCommits:
             if taken is None:
                 again.append(p)
             due = due or taken is True
+        return due, again
+
+    async def _after_taking(self, due: bool, again: list[Prepared]) -> None:
         for p in again:
             # Sent again after a change of coordinator, by daemons that may have missed
             # the commit: send them the commit.
@@ -347,6 +376,8 @@ class StepCommits:
         # lost, would hold it until then); a daemon that lacks the commit takes it from
         # this one before it adopts a plan resuming from it (JobGate).
         self._commit_times.append((time.monotonic(), step))
+        self.steps.pop(step, None)  # a plan decided meanwhile may have abandoned it
+        self._built = {s: m for s, m in self._built.items() if s in self.steps}
         async with self._landed:
             self._landed.notify_all()
         generation = self.generation()
@@ -357,8 +388,6 @@ class StepCommits:
             log.warning("commit not acknowledged by every daemon",
                         extra={"step": step, "missed": missed})
         self.metrics.commit_seconds.observe(time.monotonic() - t0)
-        self.steps.pop(step, None)  # a plan decided meanwhile may have abandoned it
-        self._built = {s: m for s, m in self._built.items() if s in self.steps}
         return True
 
     def _phase_two(self, record: manifest_pb2.StepRecord, nodes: list[str]

@@ -194,7 +194,7 @@ class JobGate:
 
     async def prepare_from(self, caller: str, req: peer_pb2.PrepareStepRequest) -> None:
         self._admit(caller, req)
-        await self.coordinator.prepared(req)
+        self.coordinator.prepared_soon(req)
 
     def _admit(self, caller: str, req: peer_pb2.PrepareStepRequest) -> None:
         """Raise unless `caller` may prepare what `req` names (see PrepareRule)."""
@@ -232,7 +232,7 @@ class JobGate:
             self.relay.relay(list(batch.columns))
             return
         taken = self._rule().relayed(batch, self.coordinator.commits.relay_keys, caller)
-        await self.coordinator.prepared(*taken)
+        self.coordinator.prepared_soon(*taken)
 
     async def announce_from(self, caller: str, a: peer_pb2.RankAnnouncement) -> None:
         if a.node != caller:

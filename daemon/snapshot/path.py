@@ -60,8 +60,9 @@ class SnapshotPath:
     def __init__(self, config: DaemonConfig, registry: Registry, metrics: Metrics,
                  data_dir: Path, peers: Callable[[], list[Peer]], channels: PeerChannels,
                  send_prepare: PrepareSender, is_leader: Callable[[], bool],
-                 until_lost: UntilLost = never_lost) -> None:
-        """`until_lost`: calls to a peer declared lost stop waiting for it."""
+                 until_silent: UntilLost = never_lost) -> None:
+        """`until_silent`: shard puts and record copies to a peer that has gone quiet
+        (suspect or lost) stop waiting for it and go elsewhere."""
         self.config, self.registry, self.metrics = config, registry, metrics
         self.node, self.peers, self.send_prepare = config.node, peers, send_prepare
         snap = config.snapshot
@@ -89,9 +90,9 @@ class SnapshotPath:
         self.holders = ShardHolders(config, metrics, local, channels, peers)
         self.intake = Intake(self.pool, self.fd_server, registry, metrics, self.node,
                              self._make_durable)
-        self.placer = ShardPlacer(config, metrics, self.holders, self.s3, peers, until_lost)
+        self.placer = ShardPlacer(config, metrics, self.holders, self.s3, peers, until_silent)
         self.records = RecordHolders(self.node, config.job_id, self.store, self.s3, peers,
-                                     channels, self._copies, until_lost)
+                                     channels, self._copies, until_silent)
         self.committer = Committer(self.node, self.store, self.s3, is_leader)
         self.repairer = repair.Repairer(
             node=self.node, store=self.store, metrics=metrics, live=self._live_nodes,

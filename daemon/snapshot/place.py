@@ -20,7 +20,14 @@ from concurrent.futures import ThreadPoolExecutor
 from stalwart.core.placement import S3, Node, place_chunk
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.metrics import Metrics
-from stalwart.daemon.peers import Peer, PeerLost, UntilLost, never_lost, unless_lost
+from stalwart.daemon.peers import (
+    QUIET,
+    Peer,
+    PeerLost,
+    UntilLost,
+    never_lost,
+    unless_lost,
+)
 from stalwart.daemon.snapshot.checksum import crc32c
 from stalwart.daemon.snapshot.coder import Buffer, ZfecCodec, default_km
 from stalwart.daemon.snapshot.holders import ShardHolders
@@ -38,11 +45,11 @@ class ShardPlacer:
 
     def __init__(self, config: DaemonConfig, metrics: Metrics, holders: ShardHolders,
                  s3: S3Tier | None, peers: Callable[[], list[Peer]],
-                 until_lost: UntilLost = never_lost) -> None:
-        """`until_lost`: a put to a peer declared lost stops waiting and goes to another
-        daemon."""
+                 until_silent: UntilLost = never_lost) -> None:
+        """`until_silent`: a put to a peer that has gone quiet (suspect or lost) stops
+        waiting and goes to another daemon."""
         self.config, self.metrics, self.holders, self.s3 = config, metrics, holders, s3
-        self.node, self.peers, self.until_lost = config.node, peers, until_lost
+        self.node, self.peers, self.until_silent = config.node, peers, until_silent
         threads = config.erasure.encode_threads
         self._encoders = ThreadPoolExecutor(threads, thread_name_prefix="stalwart-encode")
         self._in_flight = threads * IN_FLIGHT_PER_THREAD
@@ -134,7 +141,8 @@ class ShardPlacer:
             try:
                 put = self.holders.client(node).put(record.location, body, step=step,
                                                     generation=generation, crc=record.crc32c)
-                await (put if node == self.node else unless_lost(put, node, self.until_lost))
+                await (put if node == self.node else
+                       unless_lost(put, node, self.until_silent, QUIET))
                 break
             except (ShardTransferError, LookupError, PeerLost) as exc:
                 if node == self.node:

@@ -20,7 +20,7 @@ import grpc
 
 from stalwart.core import manifest as mf
 from stalwart.core import step_record as sr
-from stalwart.daemon.peers import Peer, PeerChannels, UntilLost, never_lost, unless_lost
+from stalwart.daemon.peers import QUIET, Peer, PeerChannels, UntilLost, never_lost, unless_lost
 from stalwart.daemon.snapshot.local_store import LocalStore
 from stalwart.daemon.snapshot.s3_tier import S3Tier
 from stalwart.v1 import manifest_pb2, peer_pb2, peer_pb2_grpc
@@ -47,10 +47,10 @@ class RecordHolders:
 
     def __init__(self, node: str, job_id: str, store: LocalStore, s3: S3Tier | None,
                  peers: Callable[[], list[Peer]], channels: PeerChannels,
-                 copies: Callable[[], int], until_lost: UntilLost = never_lost) -> None:
+                 copies: Callable[[], int], until_silent: UntilLost = never_lost) -> None:
         self.node, self.job_id, self.store, self.s3 = node, job_id, store, s3
         self.peers, self.channels, self.copies = peers, channels, copies
-        self.until_lost = until_lost  # a copy to a peer declared lost goes to the next
+        self.until_silent = until_silent  # a copy to a peer gone quiet goes to the next
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def _stub(self, node: str) -> peer_pb2_grpc.PeerServiceStub:
@@ -98,7 +98,7 @@ class RecordHolders:
     async def _put(self, node: str, message: manifest_pb2.RankRecords) -> None:
         try:
             await unless_lost(self._stub(node).PutRecords(message, timeout=COPY_TIMEOUT_S),
-                              node, self.until_lost)
+                              node, self.until_silent, QUIET)
         except grpc.aio.AioRpcError as exc:
             raise RuntimeError(f"{exc.code().name}: {exc.details()}") from None
 
