@@ -63,7 +63,7 @@ class Job:
                                   self._send_batch, metrics)
         self.snapshots = SnapshotPath(config, registry, metrics, data_dir, self.peers,
                                       channels, self.outbox.send, self.leadership.is_leader,
-                                      membership.until_silent)
+                                      membership.until_silent, membership.quiet)
         store = self.snapshots.store
         self.processes = RankProcesses(registry)  # which local ranks may be fenced
         self.plans = Plans(registry, self.processes, store.discard_after,

@@ -141,7 +141,12 @@ def test_unreachable_peer_falls_back_within_the_deadline(tmp_path):
     assert run(scenario()) == DATA
 
 
-def test_peer_that_never_answers_is_hedged_around(tmp_path):
+@pytest.mark.parametrize(("hedge_after_s", "quiet"), [(0.2, ""), (30.0, "a")])
+def test_peer_that_never_answers_is_hedged_around_or_asked_last(tmp_path, hedge_after_s,
+                                                                quiet):
+    # Holder "a" never answers. Not yet suspect, it costs the hedge (0.2 s) before the
+    # next holder is asked too; already suspect (its heartbeats overdue), it is asked
+    # only after every other holder, so it costs nothing (its hedge would be 30 s).
     with socket.socket() as black_hole:
         # Listening but never accepting: TCP connects, gRPC never gets an answer.
         black_hole.bind(("127.0.0.1", 0))
@@ -152,8 +157,10 @@ def test_peer_that_never_answers_is_hedged_around(tmp_path):
                 cl = clients({n: a for n, (a, _) in ps.items()})
                 rec = await store_chunk("c", DATA, 2, 1, ["a", "b", "c"], cl)
                 cl["a"] = ShardClient(f"127.0.0.1:{black_hole.getsockname()[1]}", job_id=JOB)
-                reader = ShardReader(node="me", peers=cl, deadline_s=30, hedge_after_s=0.2)
-                return await reader.read_chunk(rec)
+                reader = ShardReader(node="me", peers=cl, deadline_s=60,
+                                     hedge_after_s=hedge_after_s,
+                                     quiet=lambda node: node == quiet)
+                return await asyncio.wait_for(reader.read_chunk(rec), 10)
 
         assert run(scenario()) == DATA
 

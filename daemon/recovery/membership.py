@@ -288,6 +288,10 @@ class Membership:
         frozen peer waits out its deadline otherwise, though the peer is known lost."""
         await self._lost.until(node)
 
+    def quiet(self, node: str) -> bool:
+        """Whether peer `node` is suspect or lost now."""
+        return node in self._silent.now
+
     async def until_silent(self, node: str) -> None:
         """Until peer `node` is suspect (a heartbeat overdue) or lost; at once if it is
         now. Work that has somewhere else to go (a shard, a record copy) stops waiting

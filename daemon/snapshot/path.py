@@ -60,9 +60,12 @@ class SnapshotPath:
     def __init__(self, config: DaemonConfig, registry: Registry, metrics: Metrics,
                  data_dir: Path, peers: Callable[[], list[Peer]], channels: PeerChannels,
                  send_prepare: PrepareSender, is_leader: Callable[[], bool],
-                 until_silent: UntilLost = never_lost) -> None:
+                 until_silent: UntilLost = never_lost,
+                 quiet: Callable[[str], bool] = lambda node: False) -> None:
         """`until_silent`: shard puts and record copies to a peer that has gone quiet
-        (suspect or lost) stop waiting for it and go elsewhere."""
+        (suspect or lost) stop waiting for it and go elsewhere; `quiet(node)`: whether it
+        has now (reads ask it last)."""
+        self.quiet = quiet
         self.config, self.registry, self.metrics = config, registry, metrics
         self.node, self.peers, self.send_prepare = config.node, peers, send_prepare
         snap = config.snapshot
@@ -172,7 +175,7 @@ class SnapshotPath:
 
     def _reader(self) -> ShardReader:
         return ShardReader(node=self.node, peers=self.holders.live(), s3=self.s3,
-                           metrics=self.metrics)
+                           metrics=self.metrics, quiet=self.quiet)
 
     async def _put_local(self, sid: str, body: bytes, step: int, generation: int) -> None:
         await self.holders.local.put(sid, body, step=step, generation=generation)

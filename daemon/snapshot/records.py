@@ -20,7 +20,15 @@ import grpc
 
 from stalwart.core import manifest as mf
 from stalwart.core import step_record as sr
-from stalwart.daemon.peers import QUIET, Peer, PeerChannels, UntilLost, never_lost, unless_lost
+from stalwart.daemon.peers import (
+    QUIET,
+    Peer,
+    PeerChannels,
+    PeerLost,
+    UntilLost,
+    never_lost,
+    unless_lost,
+)
 from stalwart.daemon.snapshot.local_store import LocalStore
 from stalwart.daemon.snapshot.s3_tier import S3Tier
 from stalwart.v1 import manifest_pb2, peer_pb2, peer_pb2_grpc
@@ -50,7 +58,8 @@ class RecordHolders:
                  copies: Callable[[], int], until_silent: UntilLost = never_lost) -> None:
         self.node, self.job_id, self.store, self.s3 = node, job_id, store, s3
         self.peers, self.channels, self.copies = peers, channels, copies
-        self.until_silent = until_silent  # a copy to a peer gone quiet goes to the next
+        # A copy to a peer gone quiet goes to the next; a read from one is not waited for.
+        self.until_silent = until_silent
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def _stub(self, node: str) -> peer_pb2_grpc.PeerServiceStub:
@@ -130,7 +139,7 @@ class RecordHolders:
                         return task.result()
                     except grpc.aio.AioRpcError as exc:
                         tried.append(f"{node}: {exc.code().name}")
-                    except (LookupError, mf.ManifestError) as exc:
+                    except (LookupError, mf.ManifestError, PeerLost) as exc:
                         tried.append(f"{node}: {exc}")
         finally:
             for task in asking:
@@ -167,7 +176,8 @@ class RecordHolders:
         request = peer_pb2.GetHeldRequest(job_id=self.job_id, step=step, rank=rank,
                                           chunks=positions)
         pieces = []
-        try:
+
+        async def read() -> None:
             call = self._stub(node).GetHeld(request)
             try:
                 # A peer that stops sending (frozen, overloaded) costs HELD_IDLE_S, not
@@ -177,7 +187,10 @@ class RecordHolders:
                     pieces.append(piece.data)
             finally:
                 call.cancel()
-        except (grpc.aio.AioRpcError, LookupError, TimeoutError) as exc:
+        try:
+            # A peer already suspect (its heartbeats overdue) is not waited for at all.
+            await unless_lost(read(), node, self.until_silent, QUIET)
+        except (grpc.aio.AioRpcError, LookupError, TimeoutError, PeerLost) as exc:
             why = (exc.code().name if isinstance(exc, grpc.aio.AioRpcError)
                    else f"no piece for {HELD_IDLE_S:g} s" if isinstance(exc, TimeoutError)
                    else str(exc))
@@ -195,7 +208,8 @@ class RecordHolders:
 
     async def _ask(self, node: str, record: manifest_pb2.StepRecord,
                    request: peer_pb2.GetRecordsRequest) -> list[manifest_pb2.RankState]:
-        reply = await self._stub(node).GetRecords(request, timeout=FETCH_TIMEOUT_S)
+        reply = await unless_lost(self._stub(node).GetRecords(request, timeout=FETCH_TIMEOUT_S),
+                                  node, self.until_silent, QUIET)
         states = list(reply.ranks)
         sr.check(record, states)
         return states

@@ -70,8 +70,12 @@ class ShardReader:
                  local: LocalLookup | None = None, s3: S3Tier | None = None,
                  deadline_s: float = 10.0, hedge_after_s: float = 2.0,
                  metrics: Metrics | None = None,
-                 codec_for: Callable[[int, int], Codec] = ZfecCodec) -> None:
+                 codec_for: Callable[[int, int], Codec] = ZfecCodec,
+                 quiet: Callable[[str], bool] = lambda node: False) -> None:
+        """`quiet(node)`: that peer is suspect (a heartbeat overdue); its shards are asked
+        for only after every other holder's (a frozen peer would take `hedge_after_s`)."""
         self.node = node
+        self.quiet = quiet
         self.peers = peers
         self.local = local
         self.s3 = s3
@@ -96,8 +100,10 @@ class ShardReader:
                 out.append(_Candidate(0, rec.index, rec))
             if rec.node in self.peers:  # this node's own disk is reached as a peer too
                 out.append(_Candidate(1, rec.index, rec))
-        # Cheapest tier first; data shards before parity (no decode work if all k are data).
-        return sorted(out, key=lambda c: (c.tier, c.index))
+        # Cheapest tier first, a quiet peer's after the others'; data shards before
+        # parity (no decode work if all k are data).
+        return sorted(out, key=lambda c: (c.tier, c.tier == 1 and self.quiet(c.record.node),
+                                          c.index))
 
     async def _fetch(self, chunk: manifest_pb2.ChunkRecord, c: _Candidate,
                      timeout_s: float) -> bytes:
