@@ -483,11 +483,14 @@ class Coordinator:
         """`prepared` as a daemon's prepare takes it: the bookkeeping now (raising
         StaleGeneration), the commit and any widening of the plan in the background."""
         self.commits.prepared_soon(*reqs)
-        if self.plan is not None and self._joined and self._in_flight is None:
+        if self._may_grow():  # checked here: no task per prepare when nobody joined
             self._spawned.start(self._grow_if_joined())
 
+    def _may_grow(self) -> bool:
+        return self.plan is not None and bool(self._joined) and self._in_flight is None
+
     async def _grow_if_joined(self) -> None:
-        if self.plan is not None and self._joined and self._in_flight is None:
+        if self._may_grow():
             async with self._lock:
                 await self._maybe_grow()
 

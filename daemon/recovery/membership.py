@@ -169,8 +169,8 @@ class Membership:
         record.node, record.labels = info.node, dict(info.labels)
         record.generation, record.rank_ids = info.generation, tuple(info.rank_ids)
         record.latest_committed = info.latest_committed
-        record.last_seen, record.state = self.clock(), UP
-        self._heard(info.node)
+        record.last_seen = self.clock()
+        self._move(record, UP)
         record.heard_at = record.last_seen
         record.skew_ms = info.time_unix_ms - int(self.wall() * 1000) if info.time_unix_ms else 0
         self._update_gauges()
@@ -210,16 +210,14 @@ class Membership:
         record.latest_committed = max(record.latest_committed, info.latest_committed)
         if info.lost and not lost:
             log.info("peer lost, as its neighbours tell", extra={"peer": record.node})
-            record.state, self._view = LOST, None
-            self._silent.enter(record.node)
-            self._lost.enter(record.node)
+            self._view = None
+            self._move(record, LOST)
         elif not info.lost:
             now = self.clock()
             if record.last_seen is None or lost:
                 self._view = None
             record.last_seen = record.heard_at = now
-            record.state = UP
-            self._heard(record.node)
+            self._move(record, UP)
             if lost:
                 log.info("peer up again, as its neighbours tell", extra={"peer": record.node})
                 self.on_peer_up(record.node)
@@ -250,8 +248,8 @@ class Membership:
                 # or while it was a neighbour) would never clear: nothing here judges it
                 # again, and the neighbours' word says only up or lost.
                 if record.state == SUSPECT:
-                    record.state, changed = UP, True
-                    self._silent.leave(record.node)
+                    self._move(record, UP)
+                    changed = True
                 continue
             age = self.clock() - record.last_seen
             state = _FROM_LIVENESS[heartbeat_state(age, self.interval_s, self.timeout_s)]
@@ -269,19 +267,21 @@ class Membership:
                 # it says if it comes back.
                 record.beat = max(record.beat, int(self.wall() * 1000) + record.skew_ms)
                 self._view = None
-                self._lost.enter(record.node or record.address)
-            if state == UP:
-                self._silent.leave(record.node or record.address)
-            else:
-                self._silent.enter(record.node or record.address)
-            record.state, changed = state, True
+            self._move(record, state)
+            changed = True
         if changed:
             self._update_gauges()
         return found
 
-    def _heard(self, node: str) -> None:
-        self._lost.leave(node)
-        self._silent.leave(node)
+    def _move(self, record: PeerRecord, state: str) -> None:
+        """A peer's new state; whoever waits for it to go quiet or lost is woken."""
+        record.state = state
+        node = record.node or record.address
+        for watch, states in ((self._silent, (SUSPECT, LOST)), (self._lost, (LOST,))):
+            if state in states:
+                watch.enter(node)
+            else:
+                watch.leave(node)
 
     async def until_lost(self, node: str) -> None:
         """Until peer `node` is declared lost; at once if it is lost now. A call to a
