@@ -32,7 +32,13 @@ import torch
 from stalwart.client.daemon_env import CPUS_ENV
 from stalwart.client.record_json import RecordEncoder
 from stalwart.client.shm import MappedSlot
-from stalwart.client.state_layout import StateTensor, byte_view, copy_into, describe
+from stalwart.client.state_layout import (
+    StateTensor,
+    byte_view,
+    copy_into,
+    describe,
+    same_layout,
+)
 from stalwart.v1 import common_pb2
 
 log = logging.getLogger("stalwart.client.capture")
@@ -152,10 +158,10 @@ class Capturer:
         self._sent: list[Future[None]] = []
         self._stream = None  # CUDA side stream, created on first CUDA capture
         self._next_slot = 0
-        # The last layout described: (what it was described from, metas, bytes). A step's
-        # state keeps its names, dtypes and shapes, so its metas (and each slot's views
-        # of them) are made once, not every step.
-        self._described: tuple[tuple[Any, ...], list[common_pb2.TensorMeta], int] | None = None
+        # The last layout described: (the StateTensors it was described from, metas,
+        # bytes). A step's state keeps its names, dtypes and shapes, so its metas (and
+        # each slot's views of them) are made once, not every step.
+        self._described: tuple[list[StateTensor], list[common_pb2.TensorMeta], int] | None = None
         self._records = RecordEncoder()
         self._opening: Future[None] | None = None  # slots being opened ahead (`open_ahead`)
         self._grpc_threads = GrpcThreads()
@@ -252,10 +258,8 @@ class Capturer:
 
     def _describe(self, tensors: Sequence[StateTensor]
                   ) -> tuple[list[common_pb2.TensorMeta], int]:
-        key = tuple((st.name, st.tensor.dtype, st.tensor.shape, st.layer, st.global_shape,
-                     st.offsets) for st in tensors)
-        if self._described is None or self._described[0] != key:
-            self._described = (key, *describe(tensors))
+        if self._described is None or not same_layout(tensors, self._described[0]):
+            self._described = (list(tensors), *describe(tensors))
         return self._described[1], self._described[2]
 
     def _slot_for(self, nbytes: int, on_cuda: bool) -> _SlotState:
@@ -354,3 +358,4 @@ class Capturer:
                     torch.cuda.cudart().cudaHostUnregister(s.buffer.data_ptr())
                 s.mapped.close()
             self._slots = []
+            self._described = None  # its state's tensors are not kept alive by a closed capturer

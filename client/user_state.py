@@ -9,13 +9,14 @@ keyed by parameter name rather than by position, so a layout change needs no ren
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
 
 from stalwart.client.record_json import Frozen
-from stalwart.client.state_layout import StateTensor, dtype_to_proto
+from stalwart.client.state_layout import StateTensor, dtype_to_proto, same_layout
 from stalwart.v1 import manifest_pb2
 
 __all__ = ["StateError", "StateRegistry"]
@@ -50,6 +51,7 @@ class StateRegistry:
             f"{key}/{name}" for key, module in self.modules()
             for name, _ in module.named_parameters(remove_duplicate=False))
         self._layout: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None
+        self._checked: list[StateTensor] = []  # the tensors whose layout was checked last
         self._reuse = _Reuse()
 
     def _param_names(self) -> dict[int, str]:
@@ -103,8 +105,12 @@ class StateRegistry:
                                  f"{tuple(p.shape)}) of no registered module; register the "
                                  "model that owns it")
             names.append(name)
-        state = {names[i]: _flatten(s, f"{key}/{names[i]}", out, reuse=self._reuse)
-                 for i, s in sd["state"].items()}
+        state = self._reuse.whole(key, sd["state"], names, out)
+        if state is None:
+            start = len(out)
+            flat = {names[i]: _flatten(s, f"{key}/{names[i]}", out, reuse=self._reuse)
+                    for i, s in sd["state"].items()}
+            state = self._reuse.keep_whole(key, sd["state"], names, flat, out[start:]) or flat
         groups = []
         for g in sd["param_groups"]:
             rest = {k: v for k, v in g.items() if k != "params"}
@@ -115,9 +121,9 @@ class StateRegistry:
     def _check_layout(self, tensors: list[StateTensor]) -> None:
         """The tensors of one job keep their names, dtypes and shapes from step to step
         (optimizer state appears at the first step and may not change after)."""
-        layout = [(t.name, t.tensor.dtype, tuple(t.tensor.shape)) for t in tensors]
-        if layout == self._layout:
+        if same_layout(tensors, self._checked):
             return  # the usual step: checked when it first appeared
+        layout = [(t.name, t.tensor.dtype, tuple(t.tensor.shape)) for t in tensors]
         for name, dtype, _ in layout:
             try:
                 dtype_to_proto(dtype)
@@ -133,7 +139,7 @@ class StateRegistry:
                         f"state tensor {name!r} changed from {before[name][1]} "
                         f"{before[name][0]} to {shape} {dtype} between steps; Stalwart "
                         "snapshots state whose shapes stay fixed once the first step is taken")
-        self._layout = layout
+        self._layout, self._checked = layout, list(tensors)
 
     # restore ---------------------------------------------------------------------
 
@@ -204,6 +210,7 @@ class _Flattened(NamedTuple):
     values: tuple[torch.Tensor, ...]
     record: Frozen
     tensors: list[StateTensor]
+    parts: dict[str, _Flattened] | None = None  # a whole state's, by path
 
 
 class _Reuse:
@@ -221,7 +228,7 @@ class _Reuse:
             ) -> Frozen | None:
         hit = self._last.get(path)
         if hit is None or len(value) != len(hit.values) or tuple(value) != hit.keys or \
-                not all(map(_same_view, value.values(), hit.values)):
+                not _all_same(value.values(), hit.values):
             return None
         out.extend(hit.tensors)
         self._now[path] = hit
@@ -231,9 +238,54 @@ class _Reuse:
              tensors: list[StateTensor]) -> None:
         self._now[path] = _Flattened(tuple(value), tuple(value.values()), record, tensors)
 
+    def whole(self, key: str, state: Mapping[int, Mapping[str, Any]], names: list[str],
+              out: list[StateTensor]) -> Frozen | None:
+        """Optimizer `key`'s whole per-parameter state at once: the last capture's record
+        where it holds the very same tensors under the same names and keys (an optimizer
+        updates its state in place), checked in one pass rather than parameter by
+        parameter."""
+        hit = self._last.get(f"{key}/state")  # no clash: a parameter's name has a '/'
+        if hit is None or hit.keys != _state_keys(state, names) or \
+                not _all_same(_state_values(state), hit.values):
+            return None
+        out.extend(hit.tensors)
+        self._now[f"{key}/state"] = hit
+        self._now.update(hit.parts or {})  # kept for a capture where one of them changed
+        return hit.record
+
+    def keep_whole(self, key: str, state: Mapping[int, Mapping[str, Any]], names: list[str],
+                   record: dict[str, Any], tensors: list[StateTensor]) -> Frozen | None:
+        """Keep optimizer `key`'s state flattened for `whole`, where it holds only tensors
+        (a value of another kind may change in place: it is flattened at each capture)."""
+        values = _state_values(state)
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            return None
+        frozen = Frozen(record)
+        parts = {path: self._now[path] for path in (f"{key}/{name}" for name in record)
+                 if path in self._now}
+        self._now[f"{key}/state"] = _Flattened(_state_keys(state, names), values, frozen,
+                                               tensors, parts)
+        return frozen
+
     def turn(self) -> None:
         """One capture is done: what it did not use is forgotten (and freed)."""
         self._last, self._now = self._now, {}
+
+
+def _state_keys(state: Mapping[int, Mapping[str, Any]], names: list[str]
+                ) -> tuple[Any, ...]:
+    return tuple((i, names[i], tuple(s)) for i, s in state.items())
+
+
+def _state_values(state: Mapping[int, Mapping[str, Any]]) -> tuple[Any, ...]:
+    return tuple(v for s in state.values() for v in s.values())
+
+
+def _all_same(now: Any, last: tuple[Any, ...]) -> bool:
+    """Each of `now` reads what the same place of `last` did: the same objects (one
+    check for all), else views of the same memory one by one."""
+    now = tuple(now)
+    return all(map(operator.is_, now, last)) or all(map(_same_view, now, last))
 
 
 def _same_view(now: Any, last: torch.Tensor) -> bool:

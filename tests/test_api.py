@@ -219,6 +219,21 @@ def test_a_capture_of_unchanged_state_reuses_the_records_of_its_tensors():
     assert c["objects"]["optimizer"]["state"]["model/3.bias"] is state_a["model/3.bias"]
 
 
+def test_optimizer_state_that_is_not_all_tensors_is_read_again_at_every_capture():
+    """A plain value in an optimizer's state (L-BFGS keeps counters there) may change
+    in place of the same tensors: each capture records its value of the moment."""
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.state[model.weight] = {"calls": 1, "buffer": torch.zeros(2, 2)}
+    registry = StateRegistry({"model": model, "optimizer": opt})
+    _, a = registry.capture(step=1)
+    opt.state[model.weight]["calls"] = 2
+    tensors, b = registry.capture(step=2)
+    assert a["objects"]["optimizer"]["state"]["model/weight"]["calls"] == 1
+    assert b["objects"]["optimizer"]["state"]["model/weight"]["calls"] == 2
+    assert "optimizer/model/weight/buffer" in {t.name for t in tensors}
+
+
 def test_adam_hints_name_the_parameters_and_moments():
     model = nn.Linear(3, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -180,6 +180,21 @@ def test_duplicate_names_are_refused():
         describe([StateTensor("a", torch.zeros(1)), StateTensor("a", torch.zeros(2))])
 
 
+def test_a_layout_is_the_same_only_while_every_name_dtype_shape_and_place_is():
+    from stalwart.client.state_layout import same_layout
+
+    w = torch.zeros(2, 3)
+    last = [StateTensor("w", w), StateTensor("rng/cpu", torch.get_rng_state())]
+    # The usual step: the same StateTensors, and a new RNG state of the same shape.
+    assert same_layout([last[0], StateTensor("rng/cpu", torch.get_rng_state())], last)
+    assert same_layout([StateTensor("w", torch.ones(2, 3)), last[1]], last)
+    for other in (StateTensor("v", w), StateTensor("w", w.double()),
+                  StateTensor("w", torch.zeros(3, 2)), StateTensor("w", w, layer=1),
+                  StateTensor("w", w, global_shape=(4, 3), offsets=(0, 0))):
+        assert not same_layout([other, last[1]], last)
+    assert not same_layout(last[:1], last)
+
+
 def test_offsets_are_aligned_for_every_dtype():
     metas, total = describe(_state(0))
     assert all(m.offset % 64 == 0 for m in metas)
