@@ -1,7 +1,8 @@
 """Seeded fault schedules for the chaos campaign (pure logic, no processes).
 
 A schedule is a setup (the job's layout, spares, nodes) and the faults to inject into
-one run of it. Only schedules the job is expected to survive are generated: after every
+one run of it. A node fault may hit a node that runs no rank or spare: its daemon alone,
+holding shards and records. Only schedules the job is expected to survive are generated: after every
 fault of a schedule, the live ranks and spares that still have a live daemon can run
 some layout with the same TP degree (the planner keeps TP and may span nodes), and at
 most one daemon is lost (erasure coding keeps every committed step through one).
@@ -131,12 +132,11 @@ def feasible(s: Schedule) -> bool:
             return False
         if f.target == "spare" and not 0 <= f.index < run.spares:
             return False
-        if f.target == "node" and (not 0 <= f.index < run.nodes or f.index not in
-                                   set(ranks) | set(spares)):
-            return False  # a fault on an empty node tests nothing
+        if f.target == "node" and not 0 <= f.index < run.nodes:
+            return False
     lost_r, lost_s, lost_n = _lost(run, s.faults)
     survivors = run.world - len(lost_r) + run.spares - len(lost_s)
-    return len(lost_n) <= 1 and survivors >= tp and bool(lost_r | lost_s)
+    return len(lost_n) <= 1 and survivors >= tp and bool(lost_r | lost_s | lost_n)
 
 
 def _setup(rng: random.Random) -> Setup:
@@ -161,8 +161,9 @@ def _faults(kind: str, run: Setup, rng: random.Random, steps: int) -> tuple[Faul
                 Fault("kill-rank", "rank", other, step, after="recovery"))
     if kind == "kill-coordinator":
         return (Fault(kind, "node", 0, step),)  # the default rule: node-0 coordinates
-    hosts = sorted(set(ranks))  # daemons with training ranks, so the fault costs a rank
-    return (Fault(kind, "node", rng.choice(hosts), step),)
+    # Any node: one with ranks or spares loses them too, one with neither only its
+    # daemon, which holds shards and records (the job must go on without a re-plan).
+    return (Fault(kind, "node", rng.randrange(run.nodes), step),)
 
 
 def generate(seed: int, runs: int, *, kinds: list[str] | None = None,

@@ -65,9 +65,15 @@ def test_a_tp_pair_needs_two_survivors() -> None:
     assert feasible(Schedule("kill-node", run, (Fault("kill-node", "node", 1, 3),)))
 
 
-def test_a_fault_on_a_node_that_runs_nothing_is_not_generated() -> None:
+def test_a_node_that_only_stores_is_a_target_too() -> None:
+    """Its daemon holds shards and records: losing it must cost the job no step."""
     run = Setup(Layout(1, 1, 1), spares=0, nodes=4, ranks_per_node=1)
-    assert not feasible(Schedule("kill-node", run, (Fault("kill-node", "node", 3, 3),)))
+    assert feasible(Schedule("kill-node", run, (Fault("kill-node", "node", 3, 3),)))
+    assert not feasible(Schedule("kill-node", run, (Fault("kill-node", "node", 4, 3),)))
+    storage_only = [s for s in generate(0, 60, kinds=["kill-daemon", "kill-node",
+                                                      "stop-daemon"])
+                    if s.faults[0].index not in set().union(*placement(s.setup))]
+    assert storage_only, "some node faults hit a node that runs no rank or spare"
 
 
 def test_the_table_gives_each_kind_its_runs_and_median_time() -> None:
