@@ -41,6 +41,9 @@ class GrpcCaptureTransport:
     def __init__(self, daemon: DaemonClient, coord: common_pb2.RankCoord,
                  layout: common_pb2.ParallelLayout, generation: int) -> None:
         self.daemon, self.coord, self.layout, self.generation = daemon, coord, layout, generation
+        # The metas the daemon holds for this rank (those of its last capture): a capture
+        # of the same layout (the Capturer hands over the same list) leaves them out.
+        self._named: list[common_pb2.TensorMeta] | None = None
 
     def open_slots(self, nbytes: int) -> list[tuple[str, str]]:
         reply = self.daemon.call("open_slot", "OpenSlot", rank_pb2.OpenSlotRequest(
@@ -50,17 +53,32 @@ class GrpcCaptureTransport:
     def send_capture(self, step: int, slot_id: str, metas: list[common_pb2.TensorMeta],
                      extra: bytes, hints: Sequence[Any] = (), stall_s: float = 0.0,
                      final: bool = False) -> None:
+        same = metas is self._named
+        self._named = None  # until the daemon has taken these
         try:
-            self.daemon.call("capture", "Capture", rank_pb2.CaptureRequest(
-                rank_id=self.daemon.rank_id, generation=self.generation, step=step,
-                slot_id=slot_id, tensors=metas, extra=extra, coord=self.coord,
-                layout=self.layout, adamw=hints, stall_s=stall_s, final=final), timeout=120)
+            try:
+                self._capture(step, slot_id, metas, extra, hints, stall_s, final, same)
+            except DaemonUnavailable as exc:
+                if not (same and exc.code is grpc.StatusCode.FAILED_PRECONDITION):
+                    raise
+                # It holds no tensors for this rank (it forgot them): named in full again.
+                self._capture(step, slot_id, metas, extra, hints, stall_s, final, False)
         except DaemonUnavailable as exc:
             # The daemon refuses a capture of an older generation with this code (its one
             # status for a stale generation, daemon/rpc/errors.py).
             if exc.code is grpc.StatusCode.ABORTED:
                 raise PlanChanged() from exc
             raise
+        self._named = metas
+
+    def _capture(self, step: int, slot_id: str, metas: list[common_pb2.TensorMeta],
+                 extra: bytes, hints: Sequence[Any], stall_s: float, final: bool,
+                 same: bool) -> None:
+        self.daemon.call("capture", "Capture", rank_pb2.CaptureRequest(
+            rank_id=self.daemon.rank_id, generation=self.generation, step=step,
+            slot_id=slot_id, tensors=() if same else metas, same_tensors=same, extra=extra,
+            coord=self.coord, layout=self.layout, adamw=hints, stall_s=stall_s, final=final),
+            timeout=120)
 
 
 Restored = tuple[list[common_pb2.TensorMeta], dict[str, Any], dict[str, Any]]

@@ -29,7 +29,7 @@ from typing import Any
 
 from stalwart.core.generation import check_generation
 from stalwart.daemon.background import Background
-from stalwart.daemon.errors import Invalid, NotFound, Refused
+from stalwart.daemon.errors import Invalid, NotFound, NotReady, Refused
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.registry import Registry
 from stalwart.daemon.snapshot.slots import FdServer, Slot, SlotBudgetExceeded, SlotPool
@@ -72,6 +72,9 @@ class Intake:
         self._hurried = asyncio.Event()  # set, and replaced, by each hurry
         self._taking = Background()  # captures being taken in, the rank's call gone or not
         self._taking_of: dict[str, asyncio.Task[None]] = {}  # per rank: its newest take-in
+        # Per rank: the tensors its last capture named, serialised as a CaptureRequest,
+        # for a capture that names them `same_tensors`.
+        self._tensors: dict[str, bytes] = {}
 
     async def open_slot(self, request: rank_pb2.OpenSlotRequest) -> rank_pb2.OpenSlotReply:
         if self.registry.get(request.rank_id) is None:
@@ -112,6 +115,7 @@ class Intake:
         slot = self.pool.get(request.slot_id)
         if slot.rank_id != request.rank_id:
             raise Refused(f"slot {request.slot_id} belongs to another rank")
+        self._name_tensors(request)
         total = max((t.offset + t.nbytes for t in request.tensors), default=0)
         if total > slot.size:
             raise Invalid(f"tensors describe {total} bytes but slot {request.slot_id} "
@@ -124,10 +128,26 @@ class Intake:
             self._take_in(request, slot, total))
         await asyncio.shield(taking)
 
+    def _name_tensors(self, request: rank_pb2.CaptureRequest) -> None:
+        """`request.tensors` filled in from the rank's last capture where it names them
+        `same_tensors`, else kept for its next one."""
+        if not request.same_tensors:
+            self._tensors[request.rank_id] = rank_pb2.CaptureRequest(
+                tensors=request.tensors).SerializeToString()
+            return
+        if request.tensors:
+            raise Invalid("a capture names its tensors or sends same_tensors, not both")
+        known = self._tensors.get(request.rank_id)
+        if known is None:
+            raise NotReady(f"rank {request.rank_id} sent no tensors with an earlier capture "
+                           f"here; send them with step {request.step}")
+        request.MergeFromString(known)
+
     async def forget_rank(self, rank_id: str) -> None:
         """A rank that is gone: once its last capture is out of its slot, its slots are
         freed. They count against this node's slot budget, and a spare taking its
         place needs the room."""
+        self._tensors.pop(rank_id, None)
         taking = self._taking_of.pop(rank_id, None)
         if taking is not None:
             await asyncio.gather(taking, return_exceptions=True)

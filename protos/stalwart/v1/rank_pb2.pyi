@@ -306,6 +306,7 @@ class CaptureRequest(_message.Message):
     ADAMW_FIELD_NUMBER: _builtins.int
     STALL_S_FIELD_NUMBER: _builtins.int
     FINAL_FIELD_NUMBER: _builtins.int
+    SAME_TENSORS_FIELD_NUMBER: _builtins.int
     rank_id: _builtins.str
     generation: _builtins.int
     step: _builtins.int
@@ -316,6 +317,10 @@ class CaptureRequest(_message.Message):
     """how long the previous capture blocked the training step"""
     final: _builtins.bool
     """the job's last step: training ends once it commits"""
+    same_tensors: _builtins.bool
+    """`tensors` left out: they are those this rank's last capture named (a rank's state keeps
+    its layout from step to step, so it names its tensors once per layout, not per step).
+    """
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorMeta]: ...
     @_builtins.property
@@ -340,10 +345,11 @@ class CaptureRequest(_message.Message):
         adamw: _abc.Iterable[_manifest_pb2.AdamWHint] | None = ...,
         stall_s: _builtins.float = ...,
         final: _builtins.bool = ...,
+        same_tensors: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["coord", b"coord", "layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adamw", b"adamw", "coord", b"coord", "extra", b"extra", "final", b"final", "generation", b"generation", "layout", b"layout", "rank_id", b"rank_id", "slot_id", b"slot_id", "stall_s", b"stall_s", "step", b"step", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adamw", b"adamw", "coord", b"coord", "extra", b"extra", "final", b"final", "generation", b"generation", "layout", b"layout", "rank_id", b"rank_id", "same_tensors", b"same_tensors", "slot_id", b"slot_id", "stall_s", b"stall_s", "step", b"step", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
