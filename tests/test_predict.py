@@ -112,3 +112,21 @@ def test_chunks_written_before_one_nan_still_decode() -> None:
     record = manifest_pb2.RankState(tensors=metas, chunks=encoded.chunks,
                                     total_bytes=cur_u8.size, adamw=[h])
     assert decode_rank(record, payloads, {1: prev_u8}).tobytes() == cur_u8.tobytes()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 200), st.data())
+def test_a_range_of_the_reference_has_the_bits_of_the_whole_ones(n, data) -> None:
+    """The encoder predicts chunk by chunk, chunks cut anywhere between elements: each
+    range must equal the same range of the reference made over the whole buffer."""
+    rng = np.random.default_rng(n)
+    metas = layout(n)
+    prev = rng.standard_normal(4 * n, dtype=np.float32).view(np.uint8)
+    cur = rng.standard_normal(4 * n, dtype=np.float32).view(np.uint8)
+    cur[::97] = 0xFF  # NaNs among them
+    whole = predict.reference(prev, cur, metas, [hint()])
+    assert not np.array_equal(whole, prev)  # the prediction replaced something
+    ref = predict.Reference(prev, cur, metas, [hint()])
+    lo = 4 * data.draw(st.integers(0, 4 * n - 1))
+    hi = 4 * data.draw(st.integers(lo // 4 + 1, 4 * n))
+    assert ref.piece(lo, hi - lo).tobytes() == whole[lo:hi].tobytes()

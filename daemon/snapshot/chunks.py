@@ -179,9 +179,10 @@ def encode_rank(step: int, rank: int, data: Buffer, tensors: Sequence[common_pb2
         planned_chunks(layout, tensors, buf.size, chunk_bytes)
     decoded = buf if not (lossy and reference is not None) else buf.copy()
     delta_codec = manifest_pb2.XOR_DELTA_ZSTD
+    predicted = None
     if reference is not None and adamw and not lossy:
         delta_codec = manifest_pb2.ADAM_PREDICTED_XOR_ZSTD_V2
-        ref = predict.reference(ref, buf, tensors, adamw)
+        predicted = predict.Reference(ref, buf, tensors, adamw)
 
     def one(span: ChunkSpan) -> tuple[manifest_pb2.ChunkRecord, bytes]:
         piece = buf[span.offset:span.offset + span.size]
@@ -191,7 +192,8 @@ def encode_rank(step: int, rank: int, data: Buffer, tensors: Sequence[common_pb2
             payload = codecs.encode_full(piece, regions, level=level)
         else:
             base_step = reference_step
-            ref_piece = ref[span.offset:span.offset + span.size]
+            ref_piece = ref[span.offset:span.offset + span.size] if predicted is None \
+                else predicted.piece(span.offset, span.size)
             if lossy:
                 codec = manifest_pb2.QUANT_DELTA
                 payload, recon = codecs.encode_quant(piece, ref_piece, regions, level=level)

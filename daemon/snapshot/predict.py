@@ -9,9 +9,11 @@ costs compression: decoding recomputes the same prediction and XORs it back out.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 import numpy as np
 
@@ -132,20 +134,58 @@ def predict_param(p0: np.ndarray, m1: np.ndarray, v1: np.ndarray,
     return _one_nan(result) if one_nan else result
 
 
+class Reference:
+    """Encoder side: `previous` with hinted params and second moments replaced by their
+    predictions from `previous` and `current` (both uint8 buffers of one layout), for
+    any byte range. The encoder makes it chunk by chunk, into a chunk-sized scratch of
+    the thread encoding the chunk, right before the chunk's XOR reads it: no copy of the
+    whole state per capture, and the bytes are still in cache when they are read. The
+    predictions are elementwise, so a range gets the bits the whole buffer would."""
+
+    def __init__(self, previous: np.ndarray, current: np.ndarray,
+                 tensors: Sequence[common_pb2.TensorMeta],
+                 hints: Sequence[manifest_pb2.AdamWHint]) -> None:
+        self.previous, self.current = previous, current
+        # (where it starts, its triple, whether it is the second moment), by offset
+        self._targets = sorted(
+            [(t.exp_avg_sq.offset, t, True) for t in _triples(tensors, hints)]
+            + [(t.param.offset, t, False) for t in _triples(tensors, hints)],
+            key=itemgetter(0))
+        self._starts = [start for start, _, _ in self._targets]
+
+    def piece(self, lo: int, size: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Bytes [lo, lo + size) of the reference, in `out` or this thread's scratch
+        (valid until the thread's next piece)."""
+        out = codecs.scratch(size, np.uint8, "reference") if out is None else out
+        np.copyto(out, self.previous[lo:lo + size])
+        hi = lo + size
+        first = max(0, bisect.bisect_right(self._starts, lo) - 1)
+        prev, cur = self.previous, self.current
+        for start, t, moment in self._targets[first:]:
+            if start >= hi:
+                break
+            nbytes = t.exp_avg_sq.nbytes if moment else t.param.nbytes
+            a, b = max(start, lo), min(start + nbytes, hi)
+            if a >= b:
+                continue
+            # Chunks are cut between elements: the range is whole float32s.
+            e = slice((a - start) // 4, (b - start) // 4)
+            into = out[a - lo:b - lo].view(np.float32)
+            if moment:
+                predict_second_moment(_f32(prev, t.exp_avg_sq)[e], _f32(prev, t.exp_avg)[e],
+                                      _f32(cur, t.exp_avg)[e], t.hint, out=into)
+            else:
+                predict_param(_f32(prev, t.param)[e], _f32(cur, t.exp_avg)[e],
+                              _f32(cur, t.exp_avg_sq)[e], t.hint, out=into)
+        return out
+
+
 def reference(previous: np.ndarray, current: np.ndarray,
               tensors: Sequence[common_pb2.TensorMeta],
               hints: Sequence[manifest_pb2.AdamWHint]) -> np.ndarray:
-    """Encoder side: `previous` with hinted params and second moments replaced by their
-    predictions from `previous` and `current` (both uint8 buffers of one layout)."""
-    ref = previous.copy()
-    for t in _triples(tensors, hints):
-        predict_second_moment(
-            _f32(previous, t.exp_avg_sq), _f32(previous, t.exp_avg), _f32(current, t.exp_avg),
-            t.hint, out=_f32(ref, t.exp_avg_sq))
-        predict_param(
-            _f32(previous, t.param), _f32(current, t.exp_avg), _f32(current, t.exp_avg_sq),
-            t.hint, out=_f32(ref, t.param))
-    return ref
+    """The whole buffer's `Reference`, in a new array (the encoder makes it by chunks)."""
+    return Reference(previous, current, tensors, hints).piece(0, previous.size,
+                                                              np.empty_like(previous))
 
 
 def correct(out: np.ndarray, previous: np.ndarray, tensors: Sequence[common_pb2.TensorMeta],
