@@ -17,6 +17,7 @@ that proves the script, not a figure to quote.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import mmap
 import shutil
 import tempfile
@@ -104,7 +105,9 @@ def _dcp(state: dict[str, Any], folder: Path, cuda: bool) -> tuple[Callable, Cal
     def start() -> Callable[[], None]:
         writer = dcp.FileSystemWriter(str(folder / f"dcp-{len(saves)}"))
         kwargs = {"async_stager": stager} if stager is not None else {}
-        reply = dcp.async_save(state, storage_writer=writer, no_dist=True, **kwargs)
+        if "no_dist" in inspect.signature(dcp.async_save).parameters:  # torch >= 2.8
+            kwargs["no_dist"] = True
+        reply = dcp.async_save(state, storage_writer=writer, **kwargs)
         saves.append(reply)
         staged = getattr(reply, "staging_completion", None)
         return (lambda: staged.result()) if staged is not None else (lambda: None)
@@ -277,7 +280,9 @@ def _groups(device: str, repeats: int) -> dict[str, Any]:
         builds.append(time.perf_counter() - t0)
         x = torch.full((1 << 20,), float(generation), device=device)
         t0 = time.perf_counter()
-        dims.world.all_reduce(x)
+        # On the backend itself: Group.all_reduce skips a group of one, and NCCL makes
+        # its communicator only at the first collective, which the abort must then end.
+        dims.world.pg.allreduce([x]).wait()
         if device == "cuda":
             torch.cuda.synchronize()
         reduces.append(time.perf_counter() - t0)

@@ -70,9 +70,31 @@ class _SlotState:
         self.buffer = torch.frombuffer(mapped.view, dtype=torch.uint8)
         self.free = threading.Event()
         self.free.set()
-        self.pinned = False
+        self.pinned = False  # page-locking tried
+        self._registered = False  # page-locked by cudaHostRegister
         self._views: list[torch.Tensor] = []
         self._views_of: list[common_pb2.TensorMeta] | None = None
+
+    def pin(self, device: torch.device) -> None:
+        """Page-lock the shared mapping so device-to-host copies run by DMA; registered
+        from the device the copies run on. Where CUDA refuses (a locked-memory limit, say),
+        the copies still land, staged through the driver's own buffers, only slower."""
+        with torch.cuda.device(device):
+            cudart = torch.cuda.cudart()
+            code = cudart.cudaHostRegister(self.buffer.data_ptr(), self.buffer.numel(), 0)
+        if code != cudart.cudaError.success:
+            log.warning("capture slot %s not page-locked (CUDA error %s): device-to-host "
+                        "copies into it are slower", self.mapped.slot_id, code)
+        self.pinned = True  # tried once; unregistered at release only if it took
+        self._registered = code == cudart.cudaError.success
+
+    def release(self) -> None:
+        """Unpin (where pinned) and unmap: a slot is let go of whole, never only unmapped
+        while CUDA still counts its pages as locked."""
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self._registered = False
+        self.mapped.close()
 
     def views(self, metas: list[common_pb2.TensorMeta]) -> list[torch.Tensor]:
         """Each tensor's region of this slot, viewed with its dtype and shape; made once
@@ -197,7 +219,7 @@ class Capturer:
         """Map `nbytes` slots in place of the current ones; `populate`: fault their pages
         in now (off the training thread), not in the first copy."""
         for s in self._slots:
-            s.mapped.close()
+            s.release()
         self._slots = []
         slots = [_SlotState(MappedSlot.attach(path, slot_id, self.token))
                  for slot_id, path in self.transport.open_slots(nbytes)]
@@ -273,12 +295,7 @@ class Capturer:
         slot = self._slots[self._next_slot % len(self._slots)]
         self._next_slot += 1
         if on_cuda and not slot.pinned:
-            # Page-lock the shared mapping so device-to-host copies run by DMA; registered
-            # from the device the copies run on.
-            with torch.cuda.device(self._stream.device):
-                torch.cuda.cudart().cudaHostRegister(slot.buffer.data_ptr(),
-                                                     slot.buffer.numel(), 0)
-            slot.pinned = True
+            slot.pin(self._stream.device)
         return slot
 
     def _copy_then_send(self, step: int, nbytes: int, tensors: list[StateTensor],
@@ -354,8 +371,6 @@ class Capturer:
             self._sender.shutdown(wait=True)
             self._grpc_threads.move_back()
             for s in self._slots:
-                if s.pinned:
-                    torch.cuda.cudart().cudaHostUnregister(s.buffer.data_ptr())
-                s.mapped.close()
+                s.release()
             self._slots = []
             self._described = None  # its state's tensors are not kept alive by a closed capturer

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -234,8 +235,12 @@ class ParallelDims:
         self.groups.clear()
         self.generation = None
         for g in groups:
-            end = getattr(g.pg, how, None) or getattr(g.pg, "shutdown", None)
+            # torch before 2.7 has the NCCL backend's abort and shutdown private only.
+            end = next((f for name in (how, f"_{how}", "shutdown", "_shutdown")
+                        if (f := getattr(g.pg, name, None)) is not None), None)
             if end is None:
+                log.warning("the %s group (%s) has no %s; left to the garbage collector",
+                            g.name, type(g.pg).__name__, how)
                 continue
             if how == "shutdown":
                 end()
@@ -243,7 +248,7 @@ class ParallelDims:
             try:
                 end()
             except Exception as exc:  # torn down already (a watchdog, a lost peer)
-                log.warning("%s of the %s group failed: %s", how, g.axis, exc)
+                log.warning("%s of the %s group failed: %s", how, g.name, exc)
 
 
 def _unless_superseded(make: Callable[[], Any], superseded: Callable[[], bool],
@@ -259,6 +264,11 @@ def _make_pg(backend: str, store: Any, rank: int, size: int, timeout: datetime.t
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, size, timeout)
     if backend == "nccl":
+        # On a collective's timeout or error, NCCL's watchdog aborts the communicator and
+        # leaves the process alone (torch's default, 3, ends the process): the next wait
+        # on the group then fails, and the rank rebuilds its groups in-process. Read when
+        # the group is made; a value the user set stands.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, opts)

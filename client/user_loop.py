@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -23,6 +24,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
+from stalwart.client.capture import Capturer
 from stalwart.client.daemon_client import DaemonUnavailable
 from stalwart.client.digest import param_digest, tensor_sha256
 from stalwart.client.generation import Generation
@@ -201,10 +203,10 @@ class _UserLoopProgram:
             for h in hooks:
                 h.remove()
             if not gen.abandoned:
-                try:
-                    self.capturer.close()
-                except Exception as exc:  # the old generation's captures may be refused
-                    log.debug("capturer closed with: %s", exc)
+                _close(self.capturer)
+            else:  # its copy may still be running into a slot: closed once that is done
+                threading.Thread(target=_close, args=(self.capturer,), daemon=True,
+                                 name="stalwart-close-capturer").start()
 
     def _restore(self, gen: Generation) -> int:
         step, coord = gen.plan.resume_step, gen.role.coord
@@ -232,7 +234,8 @@ class _UserLoopProgram:
         divisor = ctx.dp_size * max(1, ctx._micro)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.reshape(-1).float() for g in grads]) if grads else torch.zeros(0)
-        losses = torch.tensor([sum(ctx._losses), len(ctx._losses)], dtype=torch.float64)
+        losses = torch.tensor([sum(ctx._losses), len(ctx._losses)], dtype=torch.float64,
+                              device=flat.device)  # NCCL reduces CUDA tensors only
         group = gen.dims.dp_group
 
         def reduce() -> None:
@@ -312,3 +315,12 @@ def modules_digest(registry: StateRegistry) -> str:
     hashes = {f"{key}/{name}": tensor_sha256(p) for key, m in registry.modules()
               for name, p in m.named_parameters()}
     return param_digest(hashes)
+
+
+def _close(capturer: Capturer) -> None:
+    """Close a generation's capturer: its slots unmapped (and unpinned), its threads
+    ended. The old generation's captures may be refused meanwhile."""
+    try:
+        capturer.close()
+    except Exception as exc:
+        log.debug("capturer closed with: %s", exc)

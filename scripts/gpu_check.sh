@@ -35,6 +35,7 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
     --implementation cp "${platforms[@]}" -d "$repo/.whl" "${deps[@]}" setuptools
   # The GPU image has these already; their wheels would only weigh on the transfer.
   rm -f "$repo"/.whl/numpy-*.whl "$repo"/.whl/torch-*.whl "$repo"/.whl/nvidia_*cu*.whl
+  echo "$target_python" > "$repo/.whl/PYTHON_VERSION"
   du -sh "$repo/.whl"
   exit 0
 fi
@@ -48,13 +49,34 @@ if not torch.cuda.is_available():
              "on a GPU machine (`stalwart bench gpu` runs a CPU smoke version anywhere)")
 print(f"gpu_check: torch {torch.__version__}, {torch.cuda.get_device_name()}")
 EOF
-venv=${STALWART_GPU_VENV:-/tmp/stalwart-gpu-venv}
-python3 -m venv --system-site-packages "$venv"
 index=()
-if [ -d "$repo/.whl" ]; then index=(--no-index --find-links "$repo/.whl"); fi
+if [ -d "$repo/.whl" ]; then
+  index=(--no-index --find-links "$repo/.whl")
+  have=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  wheels=$(cat "$repo/.whl/PYTHON_VERSION" 2>/dev/null || echo "$have")
+  if [ "$have" != "$wheels" ]; then
+    echo "gpu_check: .whl/ holds wheels for Python $wheels, this python3 is $have;" \
+         "fetch them again with STALWART_GPU_PYTHON_VERSION=$have $0 --fetch-wheels" >&2
+    exit 1
+  fi
+fi
+venv=${STALWART_GPU_VENV:-/tmp/stalwart-gpu-venv}
+pip=("$venv/bin/python" -m pip)
+if ! python3 -m venv --system-site-packages "$venv" 2>/dev/null; then
+  # A Debian python3 without its venv package has no ensurepip: the system's pip
+  # installs into the environment instead (pip >= 22.3).
+  python3 -m venv --system-site-packages --without-pip "$venv"
+  pip=(python3 -m pip --python "$venv/bin/python")
+fi
 t0=$(date +%s)
-"$venv/bin/python" -m pip install -q "${index[@]}" "setuptools>=68"
-"$venv/bin/python" -m pip install -q --no-build-isolation "${index[@]}" -e "$repo"
+"${pip[@]}" install -q "${index[@]}" "setuptools>=74.1"  # pyproject.toml's ext-modules table
+"${pip[@]}" install -q --no-build-isolation "${index[@]}" -e "$repo"
 echo "gpu_check: installed in $(( $(date +%s) - t0 )) s; running stalwart bench gpu"
-PYTHONUNBUFFERED=1 "$venv/bin/stalwart" bench gpu --json "$out"
+# Well inside the 8 minutes a lent machine gives it: a stuck capture or collective
+# ends the run with what it says, not the machine's lease.
+if ! PYTHONUNBUFFERED=1 timeout "${STALWART_GPU_TIMEOUT_S:-420}" \
+    "$venv/bin/stalwart" bench gpu --json "$out"; then
+  echo "gpu_check: stalwart bench gpu did not finish (exit status above)" >&2
+  exit 1
+fi
 cat "$out"

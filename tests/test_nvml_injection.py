@@ -186,6 +186,34 @@ def test_nvml_events_ecc_counters_and_lost_gpus_become_gpu_faults(monkeypatch):
     assert left == 0
 
 
+def test_a_gpu_already_gone_at_start_is_reported_lost_and_the_rest_watched(monkeypatch):
+    monkeypatch.delenv(INJECT_ENV, raising=False)
+    nv = FakeNvml()
+    handle = nv.nvmlDeviceGetHandleByIndex
+
+    def gone_at_start(i):
+        if i == 1:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return handle(i)
+
+    nv.nvmlDeviceGetHandleByIndex = gone_at_start
+
+    async def scenario():
+        got: asyncio.Queue[Failure] = asyncio.Queue()
+        mon = GpuHealthMonitor(got.put_nowait, node="n1", nvml=nv, poll_interval_s=0.05,
+                               device_ranks=lambda i: [f"r{i}"])
+        assert await mon.start() and mon.gpus == 2
+        lost = await asyncio.wait_for(got.get(), WAIT_S)
+        nv.ecc[0] = 6  # GPU 0 is still watched
+        ecc = await asyncio.wait_for(got.get(), WAIT_S)
+        await mon.stop()
+        return lost, ecc
+
+    lost, ecc = asyncio.run(scenario())
+    assert lost.subject == "r1" and lost.details["gpu_lost"]
+    assert ecc.subject == "r0" and nv.registered == [(0, 10)]
+
+
 def test_the_gpu_check_reads_nvml_through_the_monitor_and_times_an_xid(monkeypatch):
     # What scripts/gpu_check.sh reports from a real driver, here on the stand-in: every
     # GPU's readings (a reading the driver refuses says so) and an Xid 79 to its failure.

@@ -140,17 +140,33 @@ class GpuHealthMonitor:
                 self._nvml = pynvml
             nv = self._nvml
             nv.nvmlInit()
+            count = nv.nvmlDeviceGetCount()
         except Exception as exc:  # ImportError, or NVMLError without a driver
             log.info("GPU health monitoring off: NVML unavailable (%s)", exc)
             self._nvml = None
             return False
-        self._handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
-        self._event_set = nv.nvmlEventSetCreate()
+        # A GPU that is already gone (or refused) must not keep the daemon from starting:
+        # it is reported lost once the monitor runs, and the others are watched.
+        self._handles = []
+        for index in range(count):
+            try:
+                self._handles.append(nv.nvmlDeviceGetHandleByIndex(index))
+            except nv.NVMLError as exc:
+                log.warning("GPU %d: no NVML handle (%s); reported lost", index, exc)
+                self._handles.append(None)
+        try:
+            self._event_set = nv.nvmlEventSetCreate()
+        except nv.NVMLError as exc:
+            log.warning("no NVML event set (%s); polling ECC and liveness only", exc)
+            self._event_set = None
         wanted = nv.nvmlEventTypeXidCriticalError | nv.nvmlEventTypeDoubleBitEccError
         for index, handle in enumerate(self._handles):
+            if handle is None:
+                continue
             try:
-                supported = nv.nvmlDeviceGetSupportedEventTypes(handle)
-                nv.nvmlDeviceRegisterEvents(handle, wanted & supported, self._event_set)
+                if self._event_set is not None:
+                    supported = nv.nvmlDeviceGetSupportedEventTypes(handle)
+                    nv.nvmlDeviceRegisterEvents(handle, wanted & supported, self._event_set)
             except nv.NVMLError as exc:
                 log.warning("GPU %d: no NVML events (%s); polling ECC and liveness only",
                             index, exc)
@@ -163,6 +179,9 @@ class GpuHealthMonitor:
 
     def _run(self) -> None:
         self._apply(self._inject_now)
+        for index, handle in enumerate(self._handles):
+            if handle is None:
+                self._on_lost(index)
         while not self._stop.is_set():
             if self._handles and self._event_set is not None:
                 self._wait_event()
@@ -195,7 +214,7 @@ class GpuHealthMonitor:
             self.inject(spec)
         nv = self._nvml
         for index, handle in enumerate(self._handles):
-            if index in self._lost:
+            if index in self._lost or handle is None:
                 continue
             try:
                 count = self._ecc_count(handle)
