@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import signal
 import sys
@@ -26,7 +27,28 @@ from stalwart.client.agent import AgentConfig, ElasticAgent, Program
 from stalwart.client.daemon_client import DaemonClient
 from stalwart.v1 import rank_pb2
 
-__all__ = ["launched_agent", "write_result"]
+__all__ = ["gpu_named", "launched_agent", "write_result"]
+
+log = logging.getLogger("stalwart.client.launched")
+
+
+def gpu_named(device: str) -> str:
+    """`device` as this rank tells its daemon: a GPU by its UUID ("cuda:GPU-..."), which
+    the daemon's NVML monitor matches whatever CUDA_VISIBLE_DEVICES or CUDA_DEVICE_ORDER
+    renumbered (an Xid then fails the rank on that GPU); anything else as it is."""
+    import torch
+
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return device
+    index = torch.device(device).index
+    try:
+        uuid = str(torch.cuda.get_device_properties(
+            torch.cuda.current_device() if index is None else index).uuid)
+    except (AttributeError, RuntimeError) as exc:  # an older torch, a device gone
+        log.warning("GPU not named by UUID (%s): the daemon takes it to be the local "
+                    "rank's", exc)
+        return device
+    return f"cuda:{uuid if uuid.lower().startswith('gpu-') else 'GPU-' + uuid}"
 
 
 def launched_agent(program: Program, *, device: str, collective_timeout_s: float,
@@ -43,7 +65,7 @@ def launched_agent(program: Program, *, device: str, collective_timeout_s: float
     cfg = AgentConfig(spare=rank < 0, collective_timeout_s=collective_timeout_s,
                       plan_timeout_s=float(env.get("STALWART_PLAN_TIMEOUT_S", "120")),
                       resume_wait_s=float(env.get("STALWART_RESUME_WAIT_S", "1800")),
-                      device=device, backend="nccl" if device == "cuda" else "gloo")
+                      device=gpu_named(device), backend="nccl" if device == "cuda" else "gloo")
     daemon = DaemonClient()  # $STALWART_UNIX_SOCKET names this node's daemon
     hooks = [h for h in (_print_step if env.get("STALWART_STEP_LOG") else None,
                          _fault_hook(rank, daemon)) if h is not None]

@@ -136,12 +136,17 @@ class Job:
         return self.snapshots.store.latest_committed()
 
     def _ranks_on_device(self, index: int) -> list[str]:
-        """rank_ids of live local ranks on GPU `index` (by device, else by local rank)."""
+        """rank_ids of live local ranks on NVML's GPU `index`: a rank names its GPU by UUID
+        ("cuda:GPU-..."), else by NVML index ("cuda:3"); one that names neither ("cuda")
+        is taken to be on the GPU of its local rank."""
         out = []
+        uuid = self.gpus.uuid(index)
         for r in self.registry.ranks():
-            device = r.device.split(":")
-            on = int(device[1]) == index if len(device) == 2 and device[1].isdigit() \
-                else r.local_rank == index
+            which = r.device.partition(":")[2]
+            if which.lower().startswith("gpu-"):
+                on = which.lower() == uuid
+            else:
+                on = int(which) == index if which.isdigit() else r.local_rank == index
             if on and r.state != "dead":
                 out.append(r.rank_id)
         return out

@@ -227,3 +227,50 @@ def test_the_gpu_check_reads_nvml_through_the_monitor_and_times_an_xid(monkeypat
     assert str(figures["devices"][0]["name"]).startswith("not readable")  # no such call
     assert figures["xid79_to_failure_s"] > 0
     assert "Xid 79 on GPU 0" in figures["failure"]
+
+
+def test_an_xid_fails_the_rank_that_names_that_gpu_by_uuid_index_or_local_rank(monkeypatch):
+    """NVML counts a host's GPUs in PCI order; a rank whose CUDA_VISIBLE_DEVICES
+    renumbered them names its GPU by UUID, and the daemon matches that, not the index."""
+    from stalwart.daemon.job import Job
+
+    monkeypatch.delenv(INJECT_ENV, raising=False)
+    nv = FakeNvml()
+    nv.nvmlDeviceGetUUID = lambda h: [b"GPU-AAAA", "GPU-bbbb"][h.index]
+
+    def rank(rank_id, device, local_rank, state="alive"):
+        return SimpleNamespace(rank_id=rank_id, device=device, local_rank=local_rank,
+                               state=state)
+
+    ranks = [rank("by-uuid", "cuda:GPU-bbbb", 0), rank("by-index", "cuda:1", 0),
+             rank("by-local-rank", "cuda", 1), rank("elsewhere", "cuda:GPU-aaaa", 1),
+             rank("dead", "cuda:GPU-bbbb", 1, "dead"), rank("on-cpu", "cpu", 0)]
+
+    async def scenario():
+        mon = GpuHealthMonitor(lambda f: None, nvml=nv, poll_interval_s=0.05)
+        assert await mon.start()
+        job = SimpleNamespace(gpus=mon, registry=SimpleNamespace(ranks=lambda: ranks))
+        on = {i: Job._ranks_on_device(job, i) for i in (0, 1)}
+        await mon.stop()
+        return mon.uuid(0), mon.uuid(2), on
+
+    uuid0, missing, on = asyncio.run(scenario())
+    assert (uuid0, missing) == ("gpu-aaaa", None)
+    assert on[1] == ["by-uuid", "by-index", "by-local-rank"]
+    assert on[0] == ["elsewhere", "on-cpu"]  # a CPU rank keeps its local rank's match
+
+
+def test_a_rank_names_its_gpu_by_uuid(monkeypatch):
+    import torch
+
+    from stalwart.client.launched import gpu_named
+
+    assert gpu_named("cpu") == "cpu"
+    if not torch.cuda.is_available():
+        assert gpu_named("cuda") == "cuda"  # nothing to name it by
+    props = {0: SimpleNamespace(uuid="1234abcd-0000"), 3: SimpleNamespace(uuid="GPU-9f")}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props.__getitem__)
+    assert gpu_named("cuda") == "cuda:GPU-1234abcd-0000"
+    assert gpu_named("cuda:3") == "cuda:GPU-9f"

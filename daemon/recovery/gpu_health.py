@@ -88,6 +88,7 @@ class GpuHealthMonitor:
         self._inject_path = Path(spec) if spec.startswith("/") else None
         self._inject_now = [] if self._inject_path else parse_inject(spec)
         self._handles: list[Any] = []
+        self._uuids: list[str | None] = []  # each GPU's NVML UUID ("GPU-..."), by index
         self._ecc_seen: dict[int, int] = {}
         self._lost: set[int] = set()
         self._event_set: Any = None
@@ -99,6 +100,12 @@ class GpuHealthMonitor:
     def gpus(self) -> int:
         """GPUs under watch (0 when NVML is unavailable)."""
         return len(self._handles)
+
+    def uuid(self, index: int) -> str | None:
+        """GPU `index`'s UUID as NVML gives it ("GPU-...", lower case), where known: how
+        a rank names its GPU whatever CUDA_VISIBLE_DEVICES renumbered (NVML counts every
+        GPU of the host in PCI order)."""
+        return self._uuids[index] if 0 <= index < len(self._uuids) else None
 
     async def start(self) -> bool:
         """Open NVML and start watching; False when there is neither NVML nor injection."""
@@ -159,6 +166,7 @@ class GpuHealthMonitor:
         except nv.NVMLError as exc:
             log.warning("no NVML event set (%s); polling ECC and liveness only", exc)
             self._event_set = None
+        self._uuids = [_uuid_of(nv, h) for h in self._handles]
         wanted = nv.nvmlEventTypeXidCriticalError | nv.nvmlEventTypeDoubleBitEccError
         for index, handle in enumerate(self._handles):
             if handle is None:
@@ -278,3 +286,13 @@ class GpuHealthMonitor:
         """On the event loop's thread: log the fault and hand it on."""
         log.warning("failure detected: %s", failure.describe())
         self.on_failure(failure)
+
+
+def _uuid_of(nv: Any, handle: Any) -> str | None:
+    if handle is None:
+        return None
+    try:
+        uuid = nv.nvmlDeviceGetUUID(handle)
+    except Exception:  # NVMLError, or a stand-in without the call: matched by index then
+        return None
+    return (uuid.decode() if isinstance(uuid, bytes) else str(uuid)).lower()
