@@ -238,7 +238,10 @@ def _nvml(nvml: Any = None) -> dict[str, Any]:
                     h, nv.NVML_TEMPERATURE_GPU)),
                 "power_w": _maybe(lambda h=h: nv.nvmlDeviceGetPowerUsage(h) / 1000),
                 "ecc_uncorrected": _maybe(lambda h=h: monitor._ecc_count(h)),
-            } for h in handles]
+                "uuid": monitor.uuid(i),
+                # the Xid and ECC event types the monitor waits on (a mask), or why none
+                "events_registered": monitor.events.get(i, "no NVML event set"),
+            } for i, h in enumerate(handles)]
             t0 = time.perf_counter()
             monitor.inject("xid:79@0")  # through the handlers real NVML events reach
             await asyncio.wait_for(failed.wait(), XID_WAIT_S)

@@ -226,6 +226,7 @@ def test_the_gpu_check_reads_nvml_through_the_monitor_and_times_an_xid(monkeypat
     assert figures["devices"][1]["ecc_uncorrected"] is None  # GPU 1 has no ECC
     assert str(figures["devices"][0]["name"]).startswith("not readable")  # no such call
     assert figures["xid79_to_failure_s"] > 0
+    assert [d["events_registered"] for d in figures["devices"]] == [10, 10]
     assert "Xid 79 on GPU 0" in figures["failure"]
 
 

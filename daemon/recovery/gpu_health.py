@@ -89,6 +89,8 @@ class GpuHealthMonitor:
         self._inject_now = [] if self._inject_path else parse_inject(spec)
         self._handles: list[Any] = []
         self._uuids: list[str | None] = []  # each GPU's NVML UUID ("GPU-..."), by index
+        # By GPU index: the NVML event types registered for it, or why none were.
+        self.events: dict[int, int | str] = {}
         self._ecc_seen: dict[int, int] = {}
         self._lost: set[int] = set()
         self._event_set: Any = None
@@ -175,7 +177,9 @@ class GpuHealthMonitor:
                 if self._event_set is not None:
                     supported = nv.nvmlDeviceGetSupportedEventTypes(handle)
                     nv.nvmlDeviceRegisterEvents(handle, wanted & supported, self._event_set)
+                    self.events[index] = wanted & supported
             except nv.NVMLError as exc:
+                self.events[index] = str(exc)
                 log.warning("GPU %d: no NVML events (%s); polling ECC and liveness only",
                             index, exc)
             try:
