@@ -234,6 +234,21 @@ class ParallelDims:
         groups = list(self.groups.values())
         self.groups.clear()
         self.generation = None
+        # NCCL communicators aborted one after another can deadlock on each other's
+        # kernels; inside one NCCL group call they end together (as torch's own
+        # _abort_process_group does).
+        nccl = next((g.pg for g in groups if how == "abort"
+                     and callable(getattr(g.pg, "_group_start", None))), None)
+        if nccl is not None:
+            nccl._group_start()
+        try:
+            self._end_each(groups, how)
+        finally:
+            if nccl is not None:
+                nccl._group_end()
+
+    @staticmethod
+    def _end_each(groups: list[Group], how: str) -> None:
         for g in groups:
             # torch before 2.7 has the NCCL backend's abort and shutdown private only.
             end = next((f for name in (how, f"_{how}", "shutdown", "_shutdown")

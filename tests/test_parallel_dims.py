@@ -53,6 +53,31 @@ def _rebuild_twenty_times(ctx) -> dict:
 
 
 @pytest.mark.multiprocess
+def test_nccl_communicators_are_aborted_inside_one_group_call():
+    """Aborted one by one, NCCL communicators can deadlock on each other's kernels."""
+    from stalwart.client.parallel_dims import Group
+
+    calls: list[str] = []
+
+    class NcclLike:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def _group_start(self) -> None:
+            calls.append("start")
+
+        def _group_end(self) -> None:
+            calls.append("end")
+
+        def abort(self) -> None:
+            calls.append(f"abort {self.name}")
+
+    dims = ParallelDims()
+    dims.groups = {name: Group(name, (0,), 0, NcclLike(name)) for name in ("dp", "tp")}
+    dims.abort()
+    assert calls == ["start", "abort dp", "abort tp", "end"] and not dims.groups
+
+
 def test_rebuilding_groups_twenty_times_leaks_no_threads_or_fds(run_ranks):
     results = run_ranks(_rebuild_twenty_times, 4, timeout=120)
     for rank, res in enumerate(results):
