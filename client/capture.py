@@ -282,6 +282,8 @@ class Capturer:
                   ) -> tuple[list[common_pb2.TensorMeta], int]:
         if self._described is None or not same_layout(tensors, self._described[0]):
             self._described = (list(tensors), *describe(tensors))
+        else:  # today's tensors kept, not the first ones (those may be gone since)
+            self._described = (list(tensors), *self._described[1:])
         return self._described[1], self._described[2]
 
     def _slot_for(self, nbytes: int, on_cuda: bool) -> _SlotState:

@@ -122,7 +122,11 @@ class StateRegistry:
         """The tensors of one job keep their names, dtypes and shapes from step to step
         (optimizer state appears at the first step and may not change after)."""
         if same_layout(tensors, self._checked):
-            return  # the usual step: checked when it first appeared
+            # The usual step: checked when it first appeared. The tensors of now are kept,
+            # not the first ones: those may have been replaced since (a restore loads new
+            # optimizer state) and must not be kept alive.
+            self._checked = list(tensors)
+            return
         layout = [(t.name, t.tensor.dtype, tuple(t.tensor.shape)) for t in tensors]
         for name, dtype, _ in layout:
             try:
@@ -245,7 +249,7 @@ class _Reuse:
         updates its state in place), checked in one pass rather than parameter by
         parameter."""
         hit = self._last.get(f"{key}/state")  # no clash: a parameter's name has a '/'
-        if hit is None or hit.keys != _state_keys(state, names) or \
+        if hit is None or not _all_mappings(state) or hit.keys != _state_keys(state, names) or \
                 not _all_same(_state_values(state), hit.values):
             return None
         out.extend(hit.tensors)
@@ -257,6 +261,8 @@ class _Reuse:
                    record: dict[str, Any], tensors: list[StateTensor]) -> Frozen | None:
         """Keep optimizer `key`'s state flattened for `whole`, where it holds only tensors
         (a value of another kind may change in place: it is flattened at each capture)."""
+        if not _all_mappings(state):
+            return None  # a parameter's state that is a tensor or a list: flattened as such
         values = _state_values(state)
         if not all(isinstance(v, torch.Tensor) for v in values):
             return None
@@ -270,6 +276,10 @@ class _Reuse:
     def turn(self) -> None:
         """One capture is done: what it did not use is forgotten (and freed)."""
         self._last, self._now = self._now, {}
+
+
+def _all_mappings(state: Mapping[int, Any]) -> bool:
+    return all(isinstance(s, Mapping) for s in state.values())
 
 
 def _state_keys(state: Mapping[int, Mapping[str, Any]], names: list[str]

@@ -234,6 +234,57 @@ def test_optimizer_state_that_is_not_all_tensors_is_read_again_at_every_capture(
     assert "optimizer/model/weight/buffer" in {t.name for t in tensors}
 
 
+def test_an_optimizer_whose_state_per_parameter_is_a_tensor_is_captured():
+    class Momentum(torch.optim.Optimizer):
+        def __init__(self, params) -> None:
+            super().__init__(params, {"lr": 0.1})
+
+        @torch.no_grad()
+        def step(self) -> None:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if not isinstance(self.state.get(p), torch.Tensor):
+                        self.state[p] = torch.zeros_like(p)  # the state is the tensor
+                    self.state[p].add_(p.grad)
+                    p.sub_(group["lr"] * self.state[p])
+
+    model = nn.Linear(3, 2)
+    opt = Momentum(model.parameters())
+    registry = StateRegistry({"model": model, "optimizer": opt})
+    for step in (1, 2):
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        tensors, _ = registry.capture(step)
+        held = {t.name: t.tensor for t in tensors}
+        assert torch.equal(held["optimizer/model/weight"], opt.state[model.weight])
+
+
+def test_a_restore_leaves_no_old_optimizer_state_alive():
+    """After an in-process restore the optimizer holds new tensors of the same layout:
+    the registry must not keep the old ones (on a GPU, a second copy of the state)."""
+    import json
+    import weakref
+
+    model = nn.Linear(8, 8)
+    opt = torch.optim.Adam(model.parameters())
+    registry = StateRegistry({"model": model, "optimizer": opt})
+
+    def step() -> None:
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    tensors, extra = registry.capture(1)
+    old = weakref.ref(opt.state[model.weight]["exp_avg"])
+    registry.load({t.name: t.tensor.clone() for t in tensors}, json.loads(json.dumps(extra)))
+    del tensors
+    for s in (2, 3):
+        step()
+        registry.capture(s)
+    assert opt.state[model.weight]["exp_avg"] is not old() and old() is None
+
+
 def test_adam_hints_name_the_parameters_and_moments():
     model = nn.Linear(3, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

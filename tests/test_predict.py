@@ -130,3 +130,21 @@ def test_a_range_of_the_reference_has_the_bits_of_the_whole_ones(n, data) -> Non
     lo = 4 * data.draw(st.integers(0, 4 * n - 1))
     hi = 4 * data.draw(st.integers(lo // 4 + 1, 4 * n))
     assert ref.piece(lo, hi - lo).tobytes() == whole[lo:hi].tobytes()
+
+
+def test_an_empty_hinted_tensor_at_the_offset_of_the_next_does_not_hide_it() -> None:
+    """describe() gives an empty tensor the offset of the tensor after it: a chunk that
+    starts there must still predict that tensor (a weight-decay split of parameter
+    groups orders an empty parameter's hint after its neighbour's)."""
+    rng = np.random.default_rng(5)
+    n = 64
+    metas = layout(n)
+    metas += [common_pb2.TensorMeta(name=name, dtype=F32, shape=[0], nbytes=0, offset=0)
+              for name in ("z", "z/exp_avg", "z/exp_avg_sq")]
+    prev = rng.standard_normal(16 * n, dtype=np.float32).view(np.uint8).tobytes()
+    cur = rng.standard_normal(16 * n, dtype=np.float32).view(np.uint8).tobytes()
+    hints = [hint(), hint(param="z", exp_avg="z/exp_avg", exp_avg_sq="z/exp_avg_sq")]
+    whole = predict.reference(np.frombuffer(prev, np.uint8), np.frombuffer(cur, np.uint8),
+                              metas, hints)
+    assert not np.array_equal(whole[:4 * n], np.frombuffer(prev, np.uint8)[:4 * n])
+    assert round_trip(prev, cur, metas, hints)[0] == cur

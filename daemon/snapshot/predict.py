@@ -146,11 +146,13 @@ class Reference:
                  tensors: Sequence[common_pb2.TensorMeta],
                  hints: Sequence[manifest_pb2.AdamWHint]) -> None:
         self.previous, self.current = previous, current
-        # (where it starts, its triple, whether it is the second moment), by offset
-        self._targets = sorted(
-            [(t.exp_avg_sq.offset, t, True) for t in _triples(tensors, hints)]
-            + [(t.param.offset, t, False) for t in _triples(tensors, hints)],
-            key=itemgetter(0))
+        # (where it starts, its triple, whether it is the second moment), by offset; an
+        # empty tensor predicts nothing, and shares its offset with the next tensor, which
+        # the bisection below must find
+        triples = [t for t in _triples(tensors, hints) if t.param.nbytes > 0]
+        self._targets = sorted([(t.exp_avg_sq.offset, t, True) for t in triples]
+                               + [(t.param.offset, t, False) for t in triples],
+                               key=itemgetter(0))
         self._starts = [start for start, _, _ in self._targets]
 
     def piece(self, lo: int, size: int, out: np.ndarray | None = None) -> np.ndarray:
