@@ -65,7 +65,8 @@ def launched_agent(program: Program, *, device: str, collective_timeout_s: float
     cfg = AgentConfig(spare=rank < 0, collective_timeout_s=collective_timeout_s,
                       plan_timeout_s=float(env.get("STALWART_PLAN_TIMEOUT_S", "120")),
                       resume_wait_s=float(env.get("STALWART_RESUME_WAIT_S", "1800")),
-                      device=gpu_named(device), backend="nccl" if device == "cuda" else "gloo")
+                      device=gpu_named(device),
+                      backend="nccl" if device.startswith("cuda") else "gloo")
     daemon = DaemonClient()  # $STALWART_UNIX_SOCKET names this node's daemon
     hooks = [h for h in (_print_step if env.get("STALWART_STEP_LOG") else None,
                          _fault_hook(rank, daemon)) if h is not None]

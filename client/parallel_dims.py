@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -279,11 +278,10 @@ def _make_pg(backend: str, store: Any, rank: int, size: int, timeout: datetime.t
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, size, timeout)
     if backend == "nccl":
-        # On a collective's timeout or error, NCCL's watchdog aborts the communicator and
-        # leaves the process alone (torch's default, 3, ends the process): the next wait
-        # on the group then fails, and the rank rebuilds its groups in-process. Read when
-        # the group is made; a value the user set stands.
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        # TORCH_NCCL_ASYNC_ERROR_HANDLING stays torch's (3: a collective that times out
+        # ends the process, which recovers as a lost rank). Mode 2 would keep the process,
+        # but NCCL's waits return before the collective ends, so the rank would go on with
+        # a timed-out all-reduce's partial sums and could capture a step built on them.
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, opts)

@@ -55,6 +55,9 @@ class Result:
     """`stalwart.param_digest` of the registered modules at the end."""
 
 
+CLOSE_WAIT_S = 60.0
+"""Longest a new generation waits for the abandoned one's capturer to close."""
+
 class Context:
     """One generation of the job as the training function sees it."""
 
@@ -154,6 +157,7 @@ class _UserLoopProgram:
                        if p.requires_grad]
         self.ctx: Context | None = None
         self.capturer: Any = None
+        self._closing: threading.Thread | None = None  # an abandoned generation's capturer
         self.last_loss: float | None = None
         self.finished: Context | None = None
 
@@ -185,6 +189,7 @@ class _UserLoopProgram:
         for p in self.params:
             p.grad = None  # an abandoned step may have left partial gradients behind
         ctx = self.ctx = Context(gen, self, start)
+        self._closed_before()
         self.capturer = gen.capturer()
         if start > 0:  # the restored state is whole: its slots can open meanwhile
             self.capturer.open_ahead(self.registry.capture(start)[0])
@@ -205,8 +210,22 @@ class _UserLoopProgram:
             if not gen.abandoned:
                 _close(self.capturer)
             else:  # its copy may still be running into a slot: closed once that is done
-                threading.Thread(target=_close, args=(self.capturer,), daemon=True,
-                                 name="stalwart-close-capturer").start()
+                self._closing = threading.Thread(target=_close, args=(self.capturer,),
+                                                 daemon=True, name="stalwart-close-capturer")
+                self._closing.start()
+
+    def _closed_before(self) -> None:
+        """Until the abandoned generation's capturer is closed: the daemon may hand the
+        new one the same slots, which its last copy must not write into any more. Its
+        hand-overs are refused at once (their plan is over), so this is short; one that
+        is stuck past CLOSE_WAIT_S is left, and said."""
+        closing, self._closing = self._closing, None
+        if closing is None:
+            return
+        closing.join(CLOSE_WAIT_S)
+        if closing.is_alive():
+            log.warning("the last generation's capturer did not close in %.0f s; its slots "
+                        "may be reused while its copy runs", CLOSE_WAIT_S)
 
     def _restore(self, gen: Generation) -> int:
         step, coord = gen.plan.resume_step, gen.role.coord
@@ -290,7 +309,7 @@ def run(train: Callable[[Context], None], *, model: torch.nn.Module,
     registry = StateRegistry(objects)
     dev = torch.device(device)
     program = _UserLoopProgram(train, registry, int(os.environ.get("WORLD_SIZE", "1")), dev)
-    agent, daemon = launched_agent(program, device=dev.type,
+    agent, daemon = launched_agent(program, device=str(dev),
                                    collective_timeout_s=collective_timeout_s,
                                    who="stalwart.run()")
     result: Result | None = None

@@ -2,8 +2,8 @@
 
 Every blocking call of a generation's process groups (collectives, pipeline send and
 recv, building the groups) runs through one Watchdog. The groups' own timeout ends a
-stuck call (gloo raises then; NCCL's own watchdog aborts the communicator, without
-ending the process: TORCH_NCCL_ASYNC_ERROR_HANDLING=2, parallel_dims); an error no
+stuck call (gloo raises then; NCCL's waits return at once, so a wait fails at the
+timeout only with TORCH_NCCL_BLOCKING_WAIT=1, else NCCL's watchdog ends the process); an error no
 sooner than the deadline is a hang, reported to the daemon as a COLLECTIVE_HANG, an
 earlier one is a lost peer. Either way the caller gets a typed GroupFailure.
 """

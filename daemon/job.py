@@ -99,6 +99,9 @@ class Job:
                                      generation=lambda: registry.generation,
                                      poll_interval_s=min(2.0, config.heartbeat_interval_s))
         registry.on_failure(self._on_failure)
+        # A rank that left cleanly has its capture slots freed too, as a dead one has.
+        registry.on_leave(lambda rank_id: self._spawned.start(
+            self.snapshots.intake.forget_rank(rank_id)))
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:

@@ -52,3 +52,26 @@ def test_a_killed_ranks_slots_are_freed_and_its_spare_gets_its_own(tmp_path: Pat
                    f"the spare {alive} to capture into slots of its own")
     finally:
         cluster.close()
+
+
+def test_a_rank_that_finishes_its_job_leaves_no_slots_behind(tmp_path: Path) -> None:
+    """A daemon outlives its jobs: the slots of a rank that left cleanly go back to the
+    budget as a dead rank's do, or the next job's ranks would find no room."""
+    spec = {"model": "tiny", "model_overrides": MICRO,
+            "train": {"global_batch": 4, "seed": 0},
+            "layout": {"dp": 1, "pp": 1, "tp": 1}, "steps": 6}
+    cluster = LocalCluster(nodes=1, workdir=tmp_path / "cluster")
+    try:
+        cluster.start_daemons()
+        daemon = cluster.daemons[0]
+        assert daemon.proc is not None
+        cluster.launch(spec, 1)
+        [rank] = cluster.ranks
+        rank_id = f"{daemon.name}/{rank.proc.pid}"
+        wait_until(lambda: slots_of(daemon.proc.pid, rank_id) >= 2, 120,
+                   f"{rank_id} to capture into slots of its own")
+        assert rank.proc.wait(timeout=120) == 0
+        wait_until(lambda: slots_of(daemon.proc.pid, rank_id) == 0, 60,
+                   f"the daemon to free the slots of {rank_id}, which left cleanly")
+    finally:
+        cluster.close()

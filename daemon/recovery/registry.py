@@ -103,6 +103,7 @@ class Registry:
     _ranks: dict[str, RankRecord] = field(default_factory=dict)
     failures: deque[Failure] = field(default_factory=lambda: deque(maxlen=KEEP_FAILURES))
     _listeners: list[Callable[[Failure], None]] = field(default_factory=list)
+    _leave_listeners: list[Callable[[str], None]] = field(default_factory=list)
     _plan_changed: asyncio.Event = field(default_factory=asyncio.Event)
     stragglers: StragglerDetector = field(default_factory=lambda: StragglerDetector(
         StragglerConfig(mark_as_failure=True)))
@@ -172,6 +173,8 @@ class Registry:
             self._forget_series(record.rank_id)
             self._update_gauges()
             log.info("rank left", extra={"rank_id": rank_id, "step": step})
+            for listener in self._leave_listeners:
+                listener(rank_id)
             if self.plan is not None and self.plan.stop and not self.plan.completed:
                 # It gave up waiting at the stop: its role must be filled too when the job
                 # resumes, so the coordinator hears of it as of any rank that is gone.
@@ -327,6 +330,10 @@ class Registry:
     def on_failure(self, listener: Callable[[Failure], None]) -> None:
         """Call `listener(failure)` for every failure from now on (the coordinator hooks here)."""
         self._listeners.append(listener)
+
+    def on_leave(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(rank_id)` for every rank that leaves cleanly from now on."""
+        self._leave_listeners.append(listener)
 
     def _prune_dead(self) -> None:
         dead = [r for r in self._ranks.values() if r.ended]

@@ -144,9 +144,9 @@ class Intake:
         request.MergeFromString(known)
 
     async def forget_rank(self, rank_id: str) -> None:
-        """A rank that is gone: once its last capture is out of its slot, its slots are
-        freed. They count against this node's slot budget, and a spare taking its
-        place needs the room."""
+        """A rank that is gone (dead, or left cleanly): once its last capture is out of its
+        slot, its slots are freed. They count against this node's slot budget, and a spare
+        taking its place, or the next job's rank, needs the room."""
         self._tensors.pop(rank_id, None)
         taking = self._taking_of.pop(rank_id, None)
         if taking is not None:
