@@ -113,6 +113,8 @@ class ElasticAgent:
         # come (`run_unless`) are given up on the moment it does.
         self.news = threading.Condition()
         self._ending: list[threading.Thread] = []  # broken generations' groups shutting down
+        # An abandoned generation's capturer closing (Generation.close_capturer)
+        self.closing_capturer: threading.Thread | None = None
 
     # plans ----------------------------------------------------------------------
 

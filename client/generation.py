@@ -5,6 +5,7 @@ the way out when a newer plan arrives (`PlanChanged`)."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +28,10 @@ if TYPE_CHECKING:
     from stalwart.client.agent import AgentResult, ElasticAgent
 
 T = TypeVar("T")
+log = logging.getLogger("stalwart.client.generation")
+
+CLOSE_WAIT_S = 60.0
+"""Longest a new generation's capturer waits for the abandoned one's to close."""
 # How often a rank waiting for its final step to commit looks for a newer plan (seconds).
 COMMIT_WAIT_SLICE_S = 0.5
 
@@ -167,9 +172,33 @@ class Generation:
             raise PlanChanged()
 
     def capturer(self) -> Capturer:
+        """This generation's capturer, once an abandoned one's has closed: the daemon may
+        hand the new one the same slots, which the old one's last copy must not write into
+        any more. Its hand-overs are refused at once (their plan is over), so the wait is
+        short; one stuck past CLOSE_WAIT_S is left, and said."""
+        closing, self.agent.closing_capturer = self.agent.closing_capturer, None
+        if closing is not None:
+            closing.join(CLOSE_WAIT_S)
+            if closing.is_alive():
+                log.warning("the last generation's capturer did not close in %.0f s; its "
+                            "slots may be reused while its copy runs", CLOSE_WAIT_S)
         return Capturer(GrpcCaptureTransport(self.daemon, self.role.coord, self.plan.layout,
                                              self.plan.generation), token=self.daemon.token,
                         cpus=capture_cpus())
+
+    def close_capturer(self, capturer: Capturer | None) -> None:
+        """End this generation's capturer: its slots unmapped (and unpinned), its threads
+        ended. An abandoned generation's copy may still be running into a slot: closed on
+        a thread of its own then, which the next generation's `capturer()` waits for."""
+        if capturer is None:
+            return
+        if not self.abandoned:
+            _close(capturer)
+            return
+        closing = threading.Thread(target=_close, args=(capturer,), daemon=True,
+                                   name="stalwart-close-capturer")
+        closing.start()
+        self.agent.closing_capturer = closing
 
     def run_or_abandon(self, fn: Callable[[], T], what: str) -> T:
         """Run `fn` (a step, a collective) on a helper thread; give up on it when a newer
@@ -232,3 +261,10 @@ class Generation:
             if left <= COMMIT_WAIT_SLICE_S:
                 raise RuntimeError(f"final step {step} was not committed within "
                                    f"{timeout_s:g} s: {reply.message}")
+
+
+def _close(capturer: Capturer) -> None:
+    try:
+        capturer.close()
+    except Exception as exc:  # the old generation's captures may be refused
+        log.debug("capturer closed with: %s", exc)

@@ -110,14 +110,9 @@ class TrainerProgram:
             self.digest = _job_digest(gen, gen.result.param_hashes)
             gen.result.stalls_s = capturer.stats.stalls_s
         finally:
-            if not gen.abandoned:
-                if capturer is not None:
-                    try:
-                        capturer.close()
-                    except Exception as exc:  # the old generation's captures may be refused
-                        log.debug("capturer closed with: %s", exc)
-                if trainer is not None:
-                    trainer.close()
+            gen.close_capturer(capturer)
+            if not gen.abandoned and trainer is not None:
+                trainer.close()
 
 
 def _job_digest(gen: Generation, hashes: dict[str, str]) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -24,7 +23,6 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from stalwart.client.capture import Capturer
 from stalwart.client.daemon_client import DaemonUnavailable
 from stalwart.client.digest import param_digest, tensor_sha256
 from stalwart.client.generation import Generation
@@ -54,9 +52,6 @@ class Result:
     param_digest: str = ""
     """`stalwart.param_digest` of the registered modules at the end."""
 
-
-CLOSE_WAIT_S = 60.0
-"""Longest a new generation waits for the abandoned one's capturer to close."""
 
 class Context:
     """One generation of the job as the training function sees it."""
@@ -157,7 +152,6 @@ class _UserLoopProgram:
                        if p.requires_grad]
         self.ctx: Context | None = None
         self.capturer: Any = None
-        self._closing: threading.Thread | None = None  # an abandoned generation's capturer
         self.last_loss: float | None = None
         self.finished: Context | None = None
 
@@ -189,7 +183,6 @@ class _UserLoopProgram:
         for p in self.params:
             p.grad = None  # an abandoned step may have left partial gradients behind
         ctx = self.ctx = Context(gen, self, start)
-        self._closed_before()
         self.capturer = gen.capturer()
         if start > 0:  # the restored state is whole: its slots can open meanwhile
             self.capturer.open_ahead(self.registry.capture(start)[0])
@@ -207,25 +200,7 @@ class _UserLoopProgram:
         finally:
             for h in hooks:
                 h.remove()
-            if not gen.abandoned:
-                _close(self.capturer)
-            else:  # its copy may still be running into a slot: closed once that is done
-                self._closing = threading.Thread(target=_close, args=(self.capturer,),
-                                                 daemon=True, name="stalwart-close-capturer")
-                self._closing.start()
-
-    def _closed_before(self) -> None:
-        """Until the abandoned generation's capturer is closed: the daemon may hand the
-        new one the same slots, which its last copy must not write into any more. Its
-        hand-overs are refused at once (their plan is over), so this is short; one that
-        is stuck past CLOSE_WAIT_S is left, and said."""
-        closing, self._closing = self._closing, None
-        if closing is None:
-            return
-        closing.join(CLOSE_WAIT_S)
-        if closing.is_alive():
-            log.warning("the last generation's capturer did not close in %.0f s; its slots "
-                        "may be reused while its copy runs", CLOSE_WAIT_S)
+            gen.close_capturer(self.capturer)
 
     def _restore(self, gen: Generation) -> int:
         step, coord = gen.plan.resume_step, gen.role.coord
@@ -335,11 +310,3 @@ def modules_digest(registry: StateRegistry) -> str:
               for name, p in m.named_parameters()}
     return param_digest(hashes)
 
-
-def _close(capturer: Capturer) -> None:
-    """Close a generation's capturer: its slots unmapped (and unpinned), its threads
-    ended. The old generation's captures may be refused meanwhile."""
-    try:
-        capturer.close()
-    except Exception as exc:
-        log.debug("capturer closed with: %s", exc)
