@@ -146,14 +146,14 @@ class Reference:
                  tensors: Sequence[common_pb2.TensorMeta],
                  hints: Sequence[manifest_pb2.AdamWHint]) -> None:
         self.previous, self.current = previous, current
-        # (where it starts, its triple, whether it is the second moment), by offset; an
-        # empty tensor predicts nothing, and shares its offset with the next tensor, which
-        # the bisection below must find
+        # (where it starts, where it ends, its triple, whether it is the second moment),
+        # by offset; empty tensors predict nothing (and, as in chunks.RegionIndex, would
+        # share an offset with the next tensor)
         triples = [t for t in _triples(tensors, hints) if t.param.nbytes > 0]
-        self._targets = sorted([(t.exp_avg_sq.offset, t, True) for t in triples]
-                               + [(t.param.offset, t, False) for t in triples],
-                               key=itemgetter(0))
-        self._starts = [start for start, _, _ in self._targets]
+        self._targets = sorted(
+            [(m.offset, m.offset + m.nbytes, t, m is t.exp_avg_sq)
+             for t in triples for m in (t.exp_avg_sq, t.param)], key=itemgetter(0))
+        self._ends = [end for _, end, _, _ in self._targets]
 
     def piece(self, lo: int, size: int, out: np.ndarray | None = None) -> np.ndarray:
         """Bytes [lo, lo + size) of the reference, in `out` or this thread's scratch
@@ -161,15 +161,11 @@ class Reference:
         out = codecs.scratch(size, np.uint8, "reference") if out is None else out
         np.copyto(out, self.previous[lo:lo + size])
         hi = lo + size
-        first = max(0, bisect.bisect_right(self._starts, lo) - 1)
         prev, cur = self.previous, self.current
-        for start, t, moment in self._targets[first:]:
+        for start, end, t, moment in self._targets[bisect.bisect_right(self._ends, lo):]:
             if start >= hi:
                 break
-            nbytes = t.exp_avg_sq.nbytes if moment else t.param.nbytes
-            a, b = max(start, lo), min(start + nbytes, hi)
-            if a >= b:
-                continue
+            a, b = max(start, lo), min(end, hi)
             # Chunks are cut between elements: the range is whole float32s.
             e = slice((a - start) // 4, (b - start) // 4)
             into = out[a - lo:b - lo].view(np.float32)
