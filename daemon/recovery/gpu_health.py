@@ -226,7 +226,7 @@ class GpuHealthMonitor:
             self.inject(spec)
         nv = self._nvml
         for index, handle in enumerate(self._handles):
-            if index in self._lost or handle is None:
+            if index in self._lost:  # a GPU without a handle was reported lost at start
                 continue
             try:
                 count = self._ecc_count(handle)
