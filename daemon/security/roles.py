@@ -107,7 +107,10 @@ class JobGate:
             return
         try:
             await self.take_commit(coordinator, self.store.job_id, step)
-        except (grpc.aio.AioRpcError, LookupError, ValueError) as exc:
+        except (grpc.aio.AioRpcError, LookupError, ValueError, OSError) as exc:
+            # OSError: this disk refused the record (full). The plan is adopted all the
+            # same: refusing it would leave this node's ranks, a spare given a role here
+            # included, out of the plan, and the others waiting for them in group builds.
             details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             log.error("plan adopted without the step it resumes from: ranks of this node "
                       "cannot restore until it is committed here",
