@@ -60,8 +60,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
       help="make rank R stop answering after step S; repeatable")
     a("--gpu-fault", type=_fault("gpu"), action="append", default=[],
       help="inject an NVML Xid 79 on rank R's device after step S; repeatable")
+    a("--error", type=_fault("error"), action="append", default=[],
+      help="make rank R's training raise an exception after step S (a bug in the "
+           "training code); repeatable")
     a("--no-faults", action="store_true",
-      help="inject nothing (default without --kill/--hang: kill rank 1 at a third of the run)")
+      help="inject nothing (default without a fault flag: kill rank 1 at a third of the run)")
     a("--no-shrink", action="store_true",
       help="without a spare, stop at the last committed step instead of shrinking")
     a("--mem-cap", type=int, default=0,
@@ -113,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
               f"{args.dp} x {args.microbatches or args.pp} micro-batches; choose a multiple "
               f"of {per_round}", file=sys.stderr)
         return 2
-    faults = args.kill + args.hang + args.gpu_fault
+    faults = args.kill + args.hang + args.gpu_fault + args.error
     if not faults and not args.no_faults and args.steps >= 2:
         faults = [{"kind": "kill", "target": "rank", "index": min(1, world - 1),
                    "step": min(args.steps - 1, max(2, args.steps // 3))}]
@@ -189,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _bad_fault(faults: list[dict[str, Any]], world: int, nodes: int, steps: int) -> str:
     """Why one of `faults` can never fire in this run, or ""."""
-    flag = {"kill": "--kill", "hang": "--hang", "gpu": "--gpu-fault"}
+    flag = {"kill": "--kill", "hang": "--hang", "gpu": "--gpu-fault", "error": "--error"}
     for f in faults:
         name = f"{flag[f['kind']]} {f['target']}"
         if f["target"] == "rank" and not 0 <= f["index"] < world:

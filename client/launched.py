@@ -5,7 +5,8 @@ the step lines launchers follow, the result file they read, and injected faults.
 Faults (STALWART_FAULTS, a JSON list set by `stalwart demo` and the chaos tests) are
 real: at the given step (and, for one marked "committed", once that step is committed)
 the process SIGKILLs itself (or its node's daemon first), stops answering while it
-heartbeats, or reports an NVML Xid on its GPU and stops.
+heartbeats, reports an NVML Xid on its GPU and stops, or raises an exception from its
+training (a bug in the user's code).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from stalwart.client.agent import AgentConfig, ElasticAgent, Program
 from stalwart.client.daemon_client import DaemonClient
 from stalwart.v1 import rank_pb2
 
-__all__ = ["gpu_named", "launched_agent", "write_result"]
+__all__ = ["end_rank", "gpu_named", "launched_agent"]
 
 log = logging.getLogger("stalwart.client.launched")
 
@@ -89,6 +90,19 @@ def _print_step(step: int, loss: float) -> None:
     sys.stdout.flush()
 
 
+def end_rank(agent: ElasticAgent, daemon: DaemonClient, result: dict[str, Any] | None, *,
+             returned: bool) -> None:
+    """This rank's result file written and its daemon client closed. Only a rank whose
+    training `returned` tells its daemon it leaves cleanly: one that raised is a failed
+    rank, and its daemon sees it so when the process exits, at once, so its role goes to
+    a spare or the survivors re-plan. Told it left cleanly, the daemon would leave its
+    peers waiting for it until their collectives time out."""
+    try:
+        write_result(agent, result)
+    finally:
+        daemon.close(leaving=returned)
+
+
 def write_result(agent: ElasticAgent, result: dict[str, Any] | None) -> None:
     """Where a launcher asks for it (STALWART_RESULT_FILE), this rank's story as JSON."""
     path = os.environ.get("STALWART_RESULT_FILE")
@@ -146,12 +160,18 @@ def _fault_hook(rank: int, daemon: DaemonClient) -> Callable[[int, float], None]
                 os.kill(os.getpid(), signal.SIGKILL)
             if f["kind"] == "hang":
                 threading.Event().wait()  # alive, heartbeating, never answering
+            if f["kind"] == "error":  # what a bug in the training code does
+                raise InjectedError(f"injected fault: rank {rank} raised at step {step}")
             if f["kind"] == "gpu":
                 # An Xid 79 (GPU fell off the bus) on this rank's device, as NVML reports it.
                 Path(os.environ["STALWART_NVML_INJECT_FILE"]).write_text(
                     f"xid:79@{os.environ.get('LOCAL_RANK', '0')}")
                 threading.Event().wait()  # a rank on a dead GPU makes no more progress
     return on_step
+
+
+class InjectedError(RuntimeError):
+    """The "error" fault: the rank's training raises, as a bug in its code would."""
 
 
 HOLD_S = 60.0  # a hold's longest wait: a launcher that never releases it is gone

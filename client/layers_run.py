@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from stalwart.client.launched import launched_agent, write_result
+from stalwart.client.launched import end_rank, launched_agent
 from stalwart.client.layers import Layers
 from stalwart.client.pipeline import SCHEDULES
 from stalwart.client.trainer import TrainConfig
@@ -58,13 +58,15 @@ def run_layers(layers: Layers, data: Data, *, steps: int, pp: int = 1, tp: int =
                                    collective_timeout_s=collective_timeout_s,
                                    who="stalwart.run_layers()")
     result: Result | None = None
+    returned = False
     try:
         agent.run()
+        returned = True
         if program.digest:
             result = Result(steps=steps, losses=dict(agent.result.losses),
                             generations=len(agent.result.generations),
                             param_digest=program.digest)
     finally:
-        write_result(agent, None if result is None else result_json(result))
-        daemon.close()
+        end_rank(agent, daemon, None if result is None else result_json(result),
+                 returned=returned)
     return result

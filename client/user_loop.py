@@ -26,7 +26,7 @@ import torch
 from stalwart.client.daemon_client import DaemonUnavailable
 from stalwart.client.digest import param_digest, tensor_sha256
 from stalwart.client.generation import Generation
-from stalwart.client.launched import launched_agent, write_result
+from stalwart.client.launched import end_rank, launched_agent
 from stalwart.client.user_data import Data
 from stalwart.client.user_state import StateError, StateRegistry
 from stalwart.v1 import common_pb2
@@ -288,16 +288,18 @@ def run(train: Callable[[Context], None], *, model: torch.nn.Module,
                                    collective_timeout_s=collective_timeout_s,
                                    who="stalwart.run()")
     result: Result | None = None
+    returned = False
     try:
         agent.run()
+        returned = True
         done = program.finished
         if done is not None:
             result = Result(steps=done._finished or 0, losses=dict(agent.result.losses),
                             generations=len(agent.result.generations),
                             param_digest=modules_digest(registry))
     finally:
-        write_result(agent, None if result is None else result_json(result))
-        daemon.close()
+        end_rank(agent, daemon, None if result is None else result_json(result),
+                 returned=returned)
     return result
 
 

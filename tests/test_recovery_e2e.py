@@ -137,6 +137,23 @@ def test_a_hung_rank_is_fenced_and_replaced(tmp_path: Path) -> None:
     assert summary["exits"]["rank1"] == -9
 
 
+def test_a_rank_whose_training_raises_is_replaced_without_waiting_for_a_timeout(
+        tmp_path: Path) -> None:
+    """Rank 1's training raises (a bug in its code) after step 4. It does not tell its
+    daemon it leaves cleanly, so its exit is seen as the failure it is and the spare
+    takes its role at once. Had it said it left, rank 0 would have waited in its
+    all-reduce until the collective timeout and been reported as hung."""
+    layout = ("--nodes", "2", "--dp", "2", "--pp", "1")
+    code, summary = demo(tmp_path, *layout, "--spares", "1", "--error", "rank:1@step:4")
+    assert code == 0
+    assert_recovered(summary, uninterrupted(tmp_path, *layout), 1)
+    rank1 = f"node-{summary['rank_nodes']['rank1']}/{summary['pids']['rank1']}"
+    detected = [(d["subject"], d["kind"]) for d in summary["detected"]]
+    assert (rank1, "process_exit") in detected, detected
+    assert "collective_hang" not in {kind for _, kind in detected}, detected
+    assert summary["exits"]["rank1"] not in (0, None, -9), summary["exits"]
+
+
 def test_an_nvml_gpu_fault_replaces_the_rank_on_that_gpu(tmp_path: Path) -> None:
     layout = ("--nodes", "2", "--dp", "2", "--pp", "1")
     code, summary = demo(tmp_path, *layout, "--spares", "1", "--gpu-fault", "rank:1@step:4")
