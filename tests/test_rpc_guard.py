@@ -1,10 +1,12 @@
 """The guard's answer to an exception that escapes a handler (`daemon/rpc/guard.py`):
-INTERNAL with the error logged, unless the caller already went away. Pure logic with
+INTERNAL with the error logged, unless the caller already went away or the error is
+this node's full disk (RESOURCE_EXHAUSTED, saying so). Pure logic with
 a stand-in for gRPC's servicer context."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 
 import grpc
@@ -45,3 +47,21 @@ def test_an_error_after_the_caller_went_away_is_no_daemon_error(
                                     RuntimeError("Failed execute_batch")))
     assert ctx.aborted == []
     assert "caller went away" in caplog.text and "unexpected error" not in caplog.text
+
+
+def test_a_full_disk_is_resource_exhausted_and_says_so(caplog: pytest.LogCaptureFixture):
+    ctx = Context(cancelled=False)
+    full = OSError(errno.ENOSPC, "No space left on device", "/data/manifests/7.step.tmp")
+    with caplog.at_level(logging.INFO, "stalwart.daemon.rpc.guard"):
+        asyncio.run(guard._internal(ctx, "/stalwart.v1.PeerService/PutRecords", full))
+    [(code, details)] = ctx.aborted
+    assert code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "disk is full" in details and "/data/manifests/7.step.tmp" in details
+    assert "unexpected error" not in caplog.text  # a condition of the node, not a bug
+
+
+def test_another_os_error_is_still_internal():
+    ctx = Context(cancelled=False)
+    asyncio.run(guard._internal(ctx, "/stalwart.v1.PeerService/PutRecords",
+                                OSError(errno.EIO, "Input/output error")))
+    assert [code for code, _ in ctx.aborted] == [grpc.StatusCode.INTERNAL]

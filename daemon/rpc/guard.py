@@ -16,6 +16,8 @@ from typing import Any
 
 import grpc
 
+from stalwart.daemon.rpc.errors import disk_full
+
 log = logging.getLogger("stalwart.daemon.rpc.guard")
 
 
@@ -51,6 +53,10 @@ async def _internal(context: grpc.aio.ServicerContext, method: str, exc: Excepti
         # failed after that, an abort included, has no one to answer.
         log.info("%s ended after its caller went away (%s: %s)", method,
                  type(exc).__name__, exc)
+        return
+    if (full := disk_full(exc)) is not None:
+        log.warning("%s refused: %s", method, full)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {full}")
         return
     log.exception("unexpected error in %s", method, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL,
