@@ -344,11 +344,16 @@ def _replan(
     shrink_planner: ShrinkPlanner | None,
     tp_within_node: bool,
 ) -> PlanDecision | StopDecision:
-    """Fill the roles of the `failed_ids` members with spares, else shrink, else stop."""
+    """Fill the roles of the `failed_ids` members with spares, else shrink, else stop.
+    A spare on a node whose disk refused its ranks' captures (STORAGE_FULL) takes no
+    role: its captures would be refused too. It stays a spare for later plans."""
     pool = [s for s in state.spares if s.rank_id not in failed_ids]
     failed = [m for m in state.members if m.rank_id in failed_ids]
     generation = state.generation + 1
-    chosen = _pick_spares(state, failed, pool, tp_within_node)
+    full = {f.subject for f in all_causes if f.kind is FailureKind.STORAGE_FULL}
+    full_nodes = {m.node for m in state.members if m.rank_id in full}
+    usable = [s for s in pool if s.node not in full_nodes]
+    chosen = _pick_spares(state, failed, usable, tp_within_node)
     if chosen is None:
         if shrink_planner is not None:
             try:
@@ -362,7 +367,10 @@ def _replan(
                     planned, generation=generation, resume_step=committed_step,
                     reason=planned.reason or "shrink onto the survivors")
                 return PlanDecision("shrink", previous, plan, {}, all_causes)
+        unusable = len(pool) - len(usable)
         why = (f"{len(pool)} spare(s) registered, {len(failed)} needed"
+               + (f" ({unusable} of them on a node whose disk is full: "
+                  f"{', '.join(sorted(full_nodes))})" if unusable else "")
                + (" on the failed tensor-parallel group's node" if state.layout.tp > 1 else "")
                + (", and no smaller plan fits the survivors." if shrink_planner else "."))
         return StopDecision(generation, committed_step,

@@ -26,6 +26,7 @@ class FailureKind(enum.Enum):
     PEER_LOST = common_pb2.FailureEvent.PEER_LOST
     STRAGGLER = common_pb2.FailureEvent.STRAGGLER
     STALLED = common_pb2.FailureEvent.STALLED
+    STORAGE_FULL = common_pb2.FailureEvent.STORAGE_FULL
 
     @property
     def is_fact(self) -> bool:

@@ -64,6 +64,7 @@ class SnapshotConfig:
     ram_tier_bytes: int = default("snapshot.ram_tier_bytes")
     local_copy: bool = default("snapshot.local_copy")
     disk_quota_bytes: int = default("snapshot.disk_quota_bytes")
+    disk_full_replan_s: float = default("snapshot.disk_full_replan_s")
     disk_sync: str = default("snapshot.disk_sync")
     disk_sync_every_s: float = default("snapshot.disk_sync_every_s")
 

@@ -158,6 +158,12 @@ SCHEMA: dict[str, dict[str, Key]] = {
                           "chunks with no shards (one daemon, m = 0) are always kept whole"),
         "disk_quota_bytes": Key("int", 0, _at_least(0), "most bytes the local tier "
                                 "(snapshots and peers' shards) may hold, 0 = no limit"),
+        "disk_full_replan_s": Key("float", 60.0, _at_least(0.0), "seconds this node's "
+                                  "disk (full, or over disk_quota_bytes) may refuse its "
+                                  "ranks' captures before they count as failed: their roles "
+                                  "go to spares on other nodes, or the job shrinks, so that "
+                                  "steps commit again; 0 = never (the job trains on, "
+                                  "unprotected, until space is freed)"),
         "disk_sync": Key("str", "background", _in("background", "write"),
                          "when stored files reach the disk: 'background' (a step counts "
                          "as stored once written on the nodes that keep it, which survives "

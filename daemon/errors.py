@@ -7,6 +7,8 @@ happened and what the caller can do.
 
 from __future__ import annotations
 
+import errno
+
 
 class DaemonError(Exception):
     """Base of the daemon's typed errors."""
@@ -43,3 +45,14 @@ class NotRecoverable(NotReady):
     def __init__(self, message: str, recoverable_step: int | None) -> None:
         super().__init__(message)
         self.recoverable_step = recoverable_step
+
+
+def disk_full(exc: BaseException) -> str | None:
+    """What a caller is told when `exc` is this node's disk refusing a write (full, or
+    over its quota), or None for any other error: a condition of the node, answered
+    RESOURCE_EXHAUSTED and logged without a traceback, not a daemon bug."""
+    if not isinstance(exc, OSError) or exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    where = f" writing {exc.filename}" if exc.filename else ""
+    return (f"this node's disk is full ({exc.strerror}{where}); free space in the "
+            "daemon's data_dir")

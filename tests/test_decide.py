@@ -153,6 +153,33 @@ def test_a_lost_node_fails_every_rank_and_spare_on_it():
     assert all(m.node != "n1" for m in (*d.plan.members, *d.plan.spares))
 
 
+def full_disk(rank_id: str, generation: int = 1) -> Failure:
+    return Failure(FailureKind.STORAGE_FULL, rank_id, "its daemon's disk is full",
+                   generation=generation)
+
+
+def test_a_rank_lost_to_a_full_disk_goes_to_a_spare_on_another_node():
+    state = grid(2, 1, 1, ranks_per_node=1, spares={"n0": 1, "n1": 1})
+    d = decide(state, [full_disk("r1")], committed_step=3)
+    assert d.replacements == {"r1": "sn00"}
+    # The spare on the full node stays a spare, for a later plan.
+    assert [s.rank_id for s in d.plan.spares] == ["sn10"]
+
+
+def test_a_full_disk_with_spares_only_on_its_node_shrinks_or_stops():
+    state = grid(2, 1, 1, ranks_per_node=1, spares={"n1": 1})
+    d = decide(state, [full_disk("r1")], committed_step=3)
+    assert isinstance(d, StopDecision)
+    assert "1 spare(s) registered, 1 needed (1 of them on a node whose disk is full: n1)" \
+        in d.message
+
+
+def test_a_full_tensor_parallel_node_moves_its_group_to_another_node():
+    state = grid(2, 1, 2, ranks_per_node=2, spares={"n1": 2, "n2": 2})
+    d = decide(state, [full_disk("r2"), full_disk("r3")], committed_step=1)
+    assert set(d.replacements.values()) == {"sn20", "sn21"}
+
+
 def test_tensor_parallel_replacements_stay_inside_one_node():
     # dp=2, tp=2: TP group (dp 1) lives on n1; spares on n1 and n2.
     state = grid(2, 1, 2, ranks_per_node=2, spares={"n1": 1, "n2": 2})

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 from typing import NoReturn
 
 import grpc
@@ -22,17 +21,6 @@ CODES: dict[type[Exception], grpc.StatusCode] = {
 }
 TYPED = tuple(CODES)
 RECOVERABLE_STEP_KEY = "stalwart-recoverable-step"
-
-
-def disk_full(exc: BaseException) -> str | None:
-    """What a caller is told when `exc` is this node's disk refusing a write (full, or
-    over its quota), or None for any other error: a condition of the node, answered
-    RESOURCE_EXHAUSTED and logged without a traceback, not a daemon bug."""
-    if not isinstance(exc, OSError) or exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-        return None
-    where = f" writing {exc.filename}" if exc.filename else ""
-    return (f"this node's disk is full ({exc.strerror}{where}); free space in the "
-            "daemon's data_dir")
 
 
 def code_of(exc: Exception) -> grpc.StatusCode:

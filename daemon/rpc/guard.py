@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from stalwart.daemon.rpc.errors import disk_full
+from stalwart.daemon.errors import disk_full
 
 log = logging.getLogger("stalwart.daemon.rpc.guard")
 

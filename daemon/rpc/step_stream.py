@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from stalwart.core import wire
-from stalwart.daemon.rpc.errors import disk_full
+from stalwart.daemon.errors import disk_full
 from stalwart.v1 import common_pb2, peer_pb2
 
 log = logging.getLogger("stalwart.daemon.rpc.step_stream")

@@ -15,7 +15,7 @@ from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.peers import Peer, PeerChannels
 from stalwart.daemon.snapshot.checksum import Buffer, crc32c
-from stalwart.daemon.snapshot.quota import DiskQuota
+from stalwart.daemon.snapshot.quota import DiskQuota, QuotaExceeded
 from stalwart.daemon.snapshot.shard_client import (
     ByteBudget,
     ShardChecksumError,
@@ -45,11 +45,12 @@ class LocalShards:
             self.quota.reserve(len(view))
             await asyncio.to_thread(self.store.put, self.job_id, shard_id, view, meta)
         except OSError as exc:
-            full = " (disk full)" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-            raise ShardTransferError(self.address, shard_id, "put",
-                                     f"{exc.strerror}{full}") from exc
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            raise ShardTransferError(self.address, shard_id, "put", exc.strerror
+                                     + (" (disk full)" if full else ""), full=full) from exc
         except Exception as exc:  # quota, a bad id: this store cannot take it
-            raise ShardTransferError(self.address, shard_id, "put", str(exc)) from exc
+            raise ShardTransferError(self.address, shard_id, "put", str(exc),
+                                     full=isinstance(exc, QuotaExceeded)) from exc
         self.metrics.stored_bytes.labels("peer").inc(len(view))
 
     async def get(self, shard_id: str, *, expected_crc: int | None = None,

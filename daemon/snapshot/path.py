@@ -30,6 +30,7 @@ from stalwart.daemon.recovery.registry import Registry
 from stalwart.daemon.snapshot import repair
 from stalwart.daemon.snapshot.atomic import EACH_WRITE, IN_BACKGROUND, sync_filesystem
 from stalwart.daemon.snapshot.commit import Committer
+from stalwart.daemon.snapshot.disk_watch import DiskWatch, refusal
 from stalwart.daemon.snapshot.holders import LocalShards, ShardHolders
 from stalwart.daemon.snapshot.intake import Intake
 from stalwart.daemon.snapshot.local_store import LocalStore
@@ -88,6 +89,8 @@ class SnapshotPath:
                              region=config.s3.region or None, metrics=metrics)
         self.quota = DiskQuota([data_dir / "snapshots", data_dir / "shards"],
                                config.snapshot.disk_quota_bytes)
+        self.disk = DiskWatch(self.node, snap.disk_full_replan_s, registry.roles_here,
+                              registry.report)
         local = LocalShards(ShardStore(data_dir / "shards", self.disk_sync), node=self.node,
                             job_id=config.job_id, quota=self.quota, metrics=metrics)
         self.holders = ShardHolders(config, metrics, local, channels, peers)
@@ -202,14 +205,19 @@ class SnapshotPath:
         give_up = time.monotonic() + (FINAL_RETRY_S if request.final else 0.0)
 
         async def store_and_place() -> None:
-            placed = await self.placer.place(step, generation, prepared.state,
-                                             prepared.payloads,
-                                             moot=lambda: self.intake.moot(request))
-            if self.intake.moot(request):
-                return  # hurried past while placing: not written, never prepared
-            # Shards put here reserved their own room; this is what is written whole.
-            self.quota.reserve(self.store.disk_bytes(placed.chunks, prepared.payloads))
-            states.append(await self._run(self.store.prepare, step, prepared, placed))
+            try:
+                placed = await self.placer.place(step, generation, prepared.state,
+                                                 prepared.payloads,
+                                                 moot=lambda: self.intake.moot(request))
+                if self.intake.moot(request):
+                    return  # hurried past while placing: not written, never prepared
+                # Shards put here reserved their own room; this is what is written whole.
+                self.quota.reserve(self.store.disk_bytes(placed.chunks, prepared.payloads))
+                states.append(await self._run(self.store.prepare, step, prepared, placed))
+            except Exception as exc:
+                self.disk.refused(exc, generation)
+                raise
+            self.disk.stored()
 
         states: list[manifest_pb2.RankState] = []
         if not await self._retrying(store_and_place, give_up, generation, step,
@@ -257,8 +265,12 @@ class SnapshotPath:
                                     "error": str(exc)})
                     return False
                 if time.monotonic() >= give_up:
-                    log.exception("step could not be made durable; it will not commit",
-                                  extra={"step": step, "rank": rank})
+                    if (why := refusal(exc)) is not None:  # a condition of the node
+                        log.warning("step could not be stored here; it will not commit",
+                                    extra={"step": step, "rank": rank, "why": why})
+                    else:
+                        log.exception("step could not be made durable; it will not commit",
+                                      extra={"step": step, "rank": rank})
                     return False
                 log.warning("the job's last step is not durable yet; retrying",
                             extra={"step": step, "rank": rank}, exc_info=True)

@@ -45,11 +45,14 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
 class ShardTransferError(Exception):
     """A shard could not be moved to or from a peer; says which, where and why."""
 
-    def __init__(self, peer: str, shard_id: str, op: str, reason: str) -> None:
+    def __init__(self, peer: str, shard_id: str, op: str, reason: str, *,
+                 full: bool = False) -> None:
+        """`full`: the store refused the shard for want of room (disk full, or quota)."""
         super().__init__(f"{op} of shard {shard_id} on peer {peer} failed: {reason}")
         self.peer = peer
         self.shard_id = shard_id
         self.reason = reason
+        self.full = full
 
 
 class ShardChecksumError(ShardTransferError):

@@ -335,6 +335,8 @@ class FailureEvent(_message.Message):
         STRAGGLER: FailureEvent._Kind.ValueType  # 6
         STALLED: FailureEvent._Kind.ValueType  # 7
         """alive and heartbeating, but its steps stopped"""
+        STORAGE_FULL: FailureEvent._Kind.ValueType  # 8
+        """its daemon's disk has refused its captures for too long"""
 
     class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
     KIND_UNSPECIFIED: FailureEvent.Kind.ValueType  # 0
@@ -346,6 +348,8 @@ class FailureEvent(_message.Message):
     STRAGGLER: FailureEvent.Kind.ValueType  # 6
     STALLED: FailureEvent.Kind.ValueType  # 7
     """alive and heartbeating, but its steps stopped"""
+    STORAGE_FULL: FailureEvent.Kind.ValueType  # 8
+    """its daemon's disk has refused its captures for too long"""
 
     KIND_FIELD_NUMBER: _builtins.int
     SUBJECT_FIELD_NUMBER: _builtins.int
