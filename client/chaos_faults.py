@@ -1,6 +1,6 @@
 """Faults of a chaos schedule injected into a running LocalCluster from the outside:
 signals to the pids it started, bits flipped in a daemon's stored chunks, a node's
-tmpfs filled. Hangs and GPU faults fire inside the rank (STALWART_FAULTS, see
+tmpfs filled. Hangs, GPU faults and errors fire inside the rank (STALWART_FAULTS, see
 client/launched.py); their time comes back through the rank's fault log.
 """
 
@@ -19,13 +19,14 @@ from typing import Any
 from stalwart.client.chaos_schedule import Fault, Schedule
 from stalwart.client.local_cluster import LocalCluster, Node
 
-__all__ = ["IN_RANK", "Injector", "mount_tmpfs", "unmount"]
+__all__ = ["IN_RANK", "REPLAN_S", "Injector", "mount_tmpfs", "unmount"]
 
-IN_RANK = {"hang": "hang", "gpu": "gpu"}  # chaos kind -> STALWART_FAULTS kind
+IN_RANK = {"hang": "hang", "gpu": "gpu", "error": "error"}  # chaos kind -> STALWART_FAULTS kind
 PAUSE_S = 7.0  # a SIGSTOPped daemon's pause: past the 3 s heartbeat timeout of LocalCluster
 FREE_AFTER_S = 2.0  # a full disk is freed this long after the plan that follows the kill
 KILL_AFTER_FILL = 2  # steps from a filled disk to the kill that makes a rank restore
 DISK_BYTES = 64 << 20  # a node's tmpfs for full-disk runs: roomy until filled
+REPLAN_S = 3.0  # disk-stays-full runs: the daemons' [snapshot] disk_full_replan_s
 
 
 @dataclass
@@ -154,6 +155,8 @@ class Injector:
             self.ballast = fill(self._node_of(f.index).data_dir)
             # a restore while the disk is full
             self._kill_after_fill = (f, f.step + KILL_AFTER_FILL)
+        elif f.kind == "disk-stays-full":  # freed only when the run ends (`release`)
+            self.ballast = fill(self.cluster.daemons[f.index].data_dir)
         else:
             raise ValueError(f"unknown fault kind {f.kind!r}")
 

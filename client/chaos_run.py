@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stalwart.client.chaos_faults import IN_RANK, Injector, job_state, mount_tmpfs, unmount
+from stalwart.client.chaos_faults import (
+    IN_RANK,
+    REPLAN_S,
+    Injector,
+    job_state,
+    mount_tmpfs,
+    unmount,
+)
 from stalwart.client.chaos_schedule import Schedule, Setup
 from stalwart.client.local_cluster import ClusterError, LocalCluster, Node
 from stalwart.client.step_log import StepLog
@@ -62,6 +69,8 @@ def run_job(schedule: Schedule, *, steps: int, timeout_s: float, workdir: Path) 
     """Run `schedule` (no faults: a baseline) and observe it; never raises for the job."""
     run, out, t0 = schedule.setup, Outcome(), time.monotonic()
     settings: dict[str, Any] = {"elastic": {"shrink": True}}
+    if schedule.kind == "disk-stays-full":
+        settings["snapshot"] = {"disk_full_replan_s": REPLAN_S}
     cluster = LocalCluster(nodes=run.nodes, workdir=workdir, daemon_settings=settings,
                            metrics=schedule.kind == "bitflip")
     cluster.env["STALWART_FAULT_LOG"] = str(workdir)
@@ -77,8 +86,9 @@ def run_job(schedule: Schedule, *, steps: int, timeout_s: float, workdir: Path) 
     mounted: list[Path] = []
     try:
         for f in schedule.faults:
-            if f.kind == "full-disk":
-                path = workdir / f"node-{_node_of_rank(run, f.index)}"
+            if f.kind in ("full-disk", "disk-stays-full"):
+                node = f.index if f.target == "node" else _node_of_rank(run, f.index)
+                path = workdir / f"node-{node}"
                 if (why := mount_tmpfs(path)) is not None:
                     raise ClusterError(f"full-disk needs a tmpfs on {path}: {why}")
                 mounted.append(path)

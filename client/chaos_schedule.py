@@ -30,17 +30,20 @@ KINDS: dict[str, str] = {
     "kill-coordinator": "SIGKILL the node whose daemon coordinates",
     "hang": "a rank stops answering (alive, heartbeating)",
     "gpu": "an NVML Xid 79 on a rank's GPU",
+    "error": "a rank's training raises an exception (a bug in its code)",
     "stop-rank": "SIGSTOP a training rank, left stopped",
     "stop-daemon": "SIGSTOP a daemon past the heartbeat timeout, then SIGCONT",
     "double": "SIGKILL a rank, then another while the job recovers",
     "bitflip": "flip a bit in a rank's stored chunks, then SIGKILL it",
     "full-disk": "fill a node's disk (tmpfs), SIGKILL a rank there, free the disk",
+    "disk-stays-full": "fill the disk (tmpfs) of a node with ranks and leave it full: "
+                       "its ranks' roles move to other nodes",
 }
 NOT_COVERED = {"s3-outage": "no S3 server in the campaign's clusters (the remote tier is "
                             "the peers' shards); tests/test_s3_tier.py covers S3 outages"}
 
 _NODE_KINDS = {"kill-daemon", "kill-node", "kill-coordinator", "stop-daemon"}
-_RANK_KINDS = {"kill-rank", "hang", "gpu", "stop-rank", "bitflip", "full-disk"}
+_RANK_KINDS = {"kill-rank", "hang", "gpu", "error", "stop-rank", "bitflip", "full-disk"}
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,10 @@ def feasible(s: Schedule) -> bool:
             return False
         if f.target == "node" and not 0 <= f.index < run.nodes:
             return False
+    if any(f.kind == "disk-stays-full" and f.index == 0 for f in s.faults):
+        # node-0 coordinates (the default rule), and a coordinator whose own disk stays
+        # full commits nothing: a limitation the README states, not a schedule to survive.
+        return False
     lost_r, lost_s, lost_n = _lost(run, s.faults)
     survivors = run.world - len(lost_r) + run.spares - len(lost_s)
     return len(lost_n) <= 1 and survivors >= tp and bool(lost_r | lost_s | lost_n)
@@ -161,6 +168,8 @@ def _faults(kind: str, run: Setup, rng: random.Random, steps: int) -> tuple[Faul
                 Fault("kill-rank", "rank", other, step, after="recovery"))
     if kind == "kill-coordinator":
         return (Fault(kind, "node", 0, step),)  # the default rule: node-0 coordinates
+    if kind == "disk-stays-full":  # a node whose captures are refused: one with ranks
+        return (Fault(kind, "node", rng.choice(sorted(set(ranks) - {0}) or [0]), step),)
     # Any node: one with ranks or spares loses them too, one with neither only its
     # daemon, which holds shards and records (the job must go on without a re-plan).
     return (Fault(kind, "node", rng.randrange(run.nodes), step),)

@@ -76,6 +76,25 @@ def test_a_node_that_only_stores_is_a_target_too() -> None:
     assert storage_only, "some node faults hit a node that runs no rank or spare"
 
 
+def test_a_disk_that_stays_full_is_one_of_a_node_with_ranks_but_not_the_coordinators(
+        ) -> None:
+    """Its ranks' roles must move elsewhere; node-0 coordinates, and a coordinator whose
+    own disk stays full commits nothing (a limitation the README states)."""
+    for s in generate(4, 40, kinds=["disk-stays-full"]):
+        (f,) = s.faults
+        ranks, _ = placement(s.setup)
+        assert f.target == "node" and f.index in set(ranks) and f.index != 0, s
+    run = Setup(Layout(2, 1, 1), spares=0, nodes=2, ranks_per_node=1)
+    assert not feasible(Schedule("disk-stays-full", run,
+                                 (Fault("disk-stays-full", "node", 0, 3),)))
+
+
+def test_an_error_is_raised_inside_a_training_rank() -> None:
+    for s in generate(5, 20, kinds=["error"]):
+        (f,) = s.faults
+        assert f.target == "rank" and 0 <= f.index < s.setup.world, s
+
+
 def test_the_table_gives_each_kind_its_runs_and_median_time() -> None:
     from stalwart.client.chaos import table
 
