@@ -137,9 +137,12 @@ def feasible(s: Schedule) -> bool:
             return False
         if f.target == "node" and not 0 <= f.index < run.nodes:
             return False
-    if any(f.kind == "disk-stays-full" and f.index == 0 for f in s.faults):
+    if any(f.kind == "disk-stays-full" and (f.index == 0 or run.nodes < 3)
+           for f in s.faults):
         # node-0 coordinates (the default rule), and a coordinator whose own disk stays
-        # full commits nothing: a limitation the README states, not a schedule to survive.
+        # full commits nothing; of 2 nodes, the other has no peer left to keep copies of
+        # its ranks' records, so it commits nothing either. Limitations the README
+        # states, not schedules to survive.
         return False
     lost_r, lost_s, lost_n = _lost(run, s.faults)
     survivors = run.world - len(lost_r) + run.spares - len(lost_s)

@@ -78,15 +78,21 @@ def test_a_node_that_only_stores_is_a_target_too() -> None:
 
 def test_a_disk_that_stays_full_is_one_of_a_node_with_ranks_but_not_the_coordinators(
         ) -> None:
-    """Its ranks' roles must move elsewhere; node-0 coordinates, and a coordinator whose
-    own disk stays full commits nothing (a limitation the README states)."""
+    """Its ranks' roles must move elsewhere. node-0 coordinates, and a coordinator whose
+    own disk stays full commits nothing; of 2 nodes, the other has no peer left to keep
+    its record copies (limitations the README states)."""
     for s in generate(4, 40, kinds=["disk-stays-full"]):
         (f,) = s.faults
         ranks, _ = placement(s.setup)
         assert f.target == "node" and f.index in set(ranks) and f.index != 0, s
-    run = Setup(Layout(2, 1, 1), spares=0, nodes=2, ranks_per_node=1)
+        assert s.setup.nodes >= 3, s
+    run = Setup(Layout(2, 1, 1), spares=0, nodes=3, ranks_per_node=1)
+    assert feasible(Schedule("disk-stays-full", run, (Fault("disk-stays-full", "node", 1, 3),)))
     assert not feasible(Schedule("disk-stays-full", run,
                                  (Fault("disk-stays-full", "node", 0, 3),)))
+    two = Setup(Layout(2, 1, 1), spares=1, nodes=2, ranks_per_node=1)
+    assert not feasible(Schedule("disk-stays-full", two,
+                                 (Fault("disk-stays-full", "node", 1, 3),)))
 
 
 def test_an_error_is_raised_inside_a_training_rank() -> None:
