@@ -54,14 +54,19 @@ async def _internal(context: grpc.aio.ServicerContext, method: str, exc: Excepti
         log.info("%s ended after its caller went away (%s: %s)", method,
                  type(exc).__name__, exc)
         return
+    await context.abort(*escaped(method, exc))
+
+
+def escaped(what: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status an error that escaped the handler of `what` answers with, logged:
+    RESOURCE_EXHAUSTED where it is this node's full disk (a condition of the node, said
+    without a traceback), else INTERNAL (a daemon bug, its traceback in the log)."""
     if (full := disk_full(exc)) is not None:
-        log.warning("%s refused: %s", method, full)
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {full}")
-        return
-    log.exception("unexpected error in %s", method, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL,
-                        f"{method} failed inside the daemon ({type(exc).__name__}: {exc}); "
-                        "see the daemon log")
+        log.warning("%s refused: %s", what, full)
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{what}: {full}"
+    log.exception("unexpected error in %s", what, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, (f"{what} failed inside the daemon "
+                                      f"({type(exc).__name__}: {exc}); see the daemon log")
 
 
 _PASS = (grpc.aio.AbortError, asyncio.CancelledError)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import errno
 import logging
 import time
 import uuid
@@ -19,6 +18,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from stalwart.daemon.errors import disk_full
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.rpc.streams import send_within
 from stalwart.daemon.snapshot.atomic import EACH_WRITE, DiskSync
@@ -134,7 +134,7 @@ class ShardServicer(peer_pb2_grpc.ShardServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"shard id clashes with a stored shard's path: {exc.strerror}")
         except OSError as exc:
-            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            full = disk_full(exc) is not None
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.INTERNAL,
                 f"cannot store the shard on this node: {exc.strerror}"

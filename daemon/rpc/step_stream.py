@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from stalwart.core import wire
-from stalwart.daemon.errors import disk_full
+from stalwart.daemon.rpc.guard import escaped
 from stalwart.v1 import common_pb2, peer_pb2
 
 log = logging.getLogger("stalwart.daemon.rpc.step_stream")
@@ -229,15 +229,8 @@ async def answers(requests: AsyncIterator[peer_pb2.StepMessage], handle: Handle,
     async def one(message: peer_pb2.StepMessage) -> None:
         try:
             code, details = await handle(message)
-        except Exception as exc:  # a daemon bug: answer INTERNAL, as a call's guard would
-            if (full := disk_full(exc)) is not None:  # ...or a full disk, as it would too
-                log.warning("a step message refused: %s", full)
-                code, details = grpc.StatusCode.RESOURCE_EXHAUSTED, full
-            else:
-                log.exception("a step message failed", exc_info=exc)
-                code, details = grpc.StatusCode.INTERNAL, (
-                    f"the step message failed inside the daemon ({type(exc).__name__}: "
-                    f"{exc}); see the daemon log")
+        except Exception as exc:  # answered as a call's guard would
+            code, details = escaped("the step message", exc)
         finally:
             room.release()
         done.put_nowait(peer_pb2.StepAnswer(seq=message.seq, code=code.value[0],

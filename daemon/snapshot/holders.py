@@ -8,10 +8,10 @@ own shards to itself over a socket, nor reads them back through one.
 from __future__ import annotations
 
 import asyncio
-import errno
 from collections.abc import Callable
 
 from stalwart.daemon.config import DaemonConfig
+from stalwart.daemon.errors import disk_full
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.peers import Peer, PeerChannels
 from stalwart.daemon.snapshot.checksum import Buffer, crc32c
@@ -45,7 +45,7 @@ class LocalShards:
             self.quota.reserve(len(view))
             await asyncio.to_thread(self.store.put, self.job_id, shard_id, view, meta)
         except OSError as exc:
-            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            full = disk_full(exc) is not None
             raise ShardTransferError(self.address, shard_id, "put", exc.strerror
                                      + (" (disk full)" if full else ""), full=full) from exc
         except Exception as exc:  # quota, a bad id: this store cannot take it
