@@ -22,15 +22,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from stalwart.client.agent import AgentConfig, ElasticAgent, Program
 from stalwart.client.daemon_client import DaemonClient
 from stalwart.v1 import rank_pb2
 
-__all__ = ["end_rank", "gpu_named", "launched_agent"]
+__all__ = ["gpu_named", "launched_agent", "run_rank"]
 
 log = logging.getLogger("stalwart.client.launched")
+R = TypeVar("R")
 
 
 def gpu_named(device: str) -> str:
@@ -90,17 +91,26 @@ def _print_step(step: int, loss: float) -> None:
     sys.stdout.flush()
 
 
-def end_rank(agent: ElasticAgent, daemon: DaemonClient, result: dict[str, Any] | None, *,
-             returned: bool) -> None:
-    """This rank's result file written and its daemon client closed. Only a rank whose
-    training `returned` tells its daemon it leaves cleanly: one that raised is a failed
-    rank, and its daemon sees it so when the process exits, at once, so its role goes to
-    a spare or the survivors re-plan. Told it left cleanly, the daemon would leave its
-    peers waiting for it until their collectives time out."""
+def run_rank(agent: ElasticAgent, daemon: DaemonClient, result: Callable[[], R | None],
+             as_json: Callable[[R], dict[str, Any]]) -> R | None:
+    """Train this rank (`agent.run()`) and make its `result()`; either way its result
+    file is written and its daemon client closed. Only a rank whose training returned
+    tells its daemon it leaves cleanly: one that raised is a failed rank, and its daemon
+    sees it so when the process exits, at once, so its role goes to a spare or the
+    survivors re-plan. Told it left cleanly, the daemon would leave its peers waiting for
+    it until their collectives time out."""
+    out: R | None = None
+    returned = False
     try:
-        write_result(agent, result)
+        agent.run()
+        returned = True
+        out = result()
     finally:
-        daemon.close(leaving=returned)
+        try:
+            write_result(agent, None if out is None else as_json(out))
+        finally:
+            daemon.close(leaving=returned)
+    return out
 
 
 def write_result(agent: ElasticAgent, result: dict[str, Any] | None) -> None:

@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from stalwart.client.launched import end_rank, launched_agent
+from stalwart.client.launched import launched_agent, run_rank
 from stalwart.client.layers import Layers
 from stalwart.client.pipeline import SCHEDULES
 from stalwart.client.trainer import TrainConfig
@@ -57,16 +57,10 @@ def run_layers(layers: Layers, data: Data, *, steps: int, pp: int = 1, tp: int =
     agent, daemon = launched_agent(program, device=device,
                                    collective_timeout_s=collective_timeout_s,
                                    who="stalwart.run_layers()")
-    result: Result | None = None
-    returned = False
-    try:
-        agent.run()
-        returned = True
-        if program.digest:
-            result = Result(steps=steps, losses=dict(agent.result.losses),
-                            generations=len(agent.result.generations),
-                            param_digest=program.digest)
-    finally:
-        end_rank(agent, daemon, None if result is None else result_json(result),
-                 returned=returned)
-    return result
+
+    def result() -> Result | None:
+        if not program.digest:
+            return None
+        return Result(steps=steps, losses=dict(agent.result.losses),
+                      generations=len(agent.result.generations), param_digest=program.digest)
+    return run_rank(agent, daemon, result, result_json)

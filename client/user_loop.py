@@ -26,7 +26,7 @@ import torch
 from stalwart.client.daemon_client import DaemonUnavailable
 from stalwart.client.digest import param_digest, tensor_sha256
 from stalwart.client.generation import Generation
-from stalwart.client.launched import end_rank, launched_agent
+from stalwart.client.launched import launched_agent, run_rank
 from stalwart.client.user_data import Data
 from stalwart.client.user_state import StateError, StateRegistry
 from stalwart.v1 import common_pb2
@@ -287,20 +287,15 @@ def run(train: Callable[[Context], None], *, model: torch.nn.Module,
     agent, daemon = launched_agent(program, device=str(dev),
                                    collective_timeout_s=collective_timeout_s,
                                    who="stalwart.run()")
-    result: Result | None = None
-    returned = False
-    try:
-        agent.run()
-        returned = True
+
+    def result() -> Result | None:
         done = program.finished
-        if done is not None:
-            result = Result(steps=done._finished or 0, losses=dict(agent.result.losses),
-                            generations=len(agent.result.generations),
-                            param_digest=modules_digest(registry))
-    finally:
-        end_rank(agent, daemon, None if result is None else result_json(result),
-                 returned=returned)
-    return result
+        if done is None:
+            return None
+        return Result(steps=done._finished or 0, losses=dict(agent.result.losses),
+                      generations=len(agent.result.generations),
+                      param_digest=modules_digest(registry))
+    return run_rank(agent, daemon, result, result_json)
 
 
 def result_json(result: Result) -> dict[str, Any]:
@@ -311,4 +306,3 @@ def modules_digest(registry: StateRegistry) -> str:
     hashes = {f"{key}/{name}": tensor_sha256(p) for key, m in registry.modules()
               for name, p in m.named_parameters()}
     return param_digest(hashes)
-
