@@ -43,7 +43,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--ranks-per-node", type=int, default=2, help="training ranks per node")
     a("--spares", type=int, default=1, help="spare ranks waiting for a role")
     a("--dp", type=int, default=2)
-    a("--pp", type=int, default=2)
+    a("--pp", type=int, default=None, help="default: 2 for the GPT example, 1 with --script")
     a("--tp", type=int, default=1)
     a("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     a("--microbatches", type=int, default=None, help="per pipeline round (default: pp)")
@@ -104,6 +104,8 @@ def _say(t0: float, text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from stalwart.client.local_cluster import ClusterError, LocalCluster
 
+    if args.pp is None:
+        args.pp = 1 if args.script is not None else 2
     world = args.dp * args.pp * args.tp
     if args.nodes * args.ranks_per_node < world:
         print(f"stalwart demo: {args.nodes} nodes x {args.ranks_per_node} ranks hold "
@@ -111,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
               "--nodes or --ranks-per-node", file=sys.stderr)
         return 2
     per_round = args.dp * (args.microbatches or args.pp)
-    if args.global_batch % per_round:
+    if args.script is None and args.global_batch % per_round:
         print(f"stalwart demo: --global-batch {args.global_batch} does not split into dp="
               f"{args.dp} x {args.microbatches or args.pp} micro-batches; choose a multiple "
               f"of {per_round}", file=sys.stderr)
@@ -135,8 +137,9 @@ def run(args: argparse.Namespace) -> int:
         settings["commit_fanout"] = args.commit_fanout
     cluster = LocalCluster(nodes=args.nodes, workdir=args.workdir, daemon_settings=settings)
     cluster.env["STALWART_FAULT_LOG"] = str(cluster.workdir)
+    what = f"model {args.model}" if args.script is None else f"script {args.script}"
     print(f"Stalwart demo: {args.nodes} nodes, {world} ranks (dp={args.dp} pp={args.pp} "
-          f"tp={args.tp}, {args.schedule}), {args.spares} spare(s), model {args.model}, "
+          f"tp={args.tp}, {args.schedule}), {args.spares} spare(s), {what}, "
           f"{args.steps} steps, snapshot every step")
     for f in faults:
         who = f["target"] if f["index"] < 0 else f"{f['target']} {f['index']}"
@@ -231,6 +234,7 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
     roles = args.dp * args.pp * args.tp
     stopped_at: float | None = None
     final_layout = Layout(args.dp, args.pp, args.tp)
+    completed_step: int | None = None  # the job's last step, once it completed
     while True:
         # Once every rank has ended (or time is up), one last look at the daemons: the
         # ranks of a stopped job leave within a poll interval of the stop.
@@ -264,6 +268,7 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
                 plan = coord.plan
                 if generation and plan.completed:
                     _say(t0, f"COMPLETED: {plan.stop_message}")
+                    completed_step = plan.resume_step
                 elif generation:
                     plans.append({"generation": coord.generation, "reason": plan.reason,
                                   "resume_step": plan.resume_step, "time_unix": time.time(),
@@ -291,7 +296,7 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
         _note_coordinator(coordinators, last.name)
     _add_missed_plans(cluster, plans)
     summary = _summarise(cluster, args, faults, follow, plans, committed_at, detected,
-                         time.monotonic() - t0)
+                         time.monotonic() - t0, completed_step)
     summary["layout"] = {"dp": final_layout.dp, "pp": final_layout.pp, "tp": final_layout.tp}
     summary["coordinators"] = coordinators
     summary["detected"] = detected
@@ -345,7 +350,7 @@ def _kind(code: int) -> str:
 def _summarise(cluster: Any, args: argparse.Namespace, faults: list[dict[str, Any]],
                follow: Any, plans: list[dict[str, Any]],
                committed_at: list[tuple[float, int]], detected: list[dict[str, Any]],
-               elapsed: float) -> dict[str, Any]:
+               elapsed: float, completed_step: int | None) -> dict[str, Any]:
     results = [(r, r.result()) for r in cluster.ranks]
     finished = [res for _, res in results if res and res.get("losses")]
     # Killed ranks leave no result file, but their printed losses count for their steps.
@@ -384,7 +389,10 @@ def _summarise(cluster: Any, args: argparse.Namespace, faults: list[dict[str, An
             "roles": len(gens),
             "mttr_s": round(first - fault["time_unix"], 3) if first else None,
             "reason": plan["reason"]})
-    completed = bool(losses) and max(losses) == args.steps and len(losses) == args.steps
+    # A script decides its own number of steps (it is passed --steps, and may not read
+    # it): the job's own completion says how many it took.
+    last = completed_step if args.script is not None and completed_step else args.steps
+    completed = bool(losses) and max(losses) == last and len(losses) == last
     return {"completed": completed, "elapsed_s": round(elapsed, 2),
             "losses": [losses[s] for s in sorted(losses)],
             "param_digest": digests.pop() if completed and len(digests) == 1 else None,
@@ -392,7 +400,7 @@ def _summarise(cluster: Any, args: argparse.Namespace, faults: list[dict[str, An
             "recoveries": recoveries,
             "stopped": next((p["stop_message"] for p in plans if p["stop"]), ""),
             "start_layout": {"dp": args.dp, "pp": args.pp, "tp": args.tp},
-            "steps": args.steps}
+            "steps": last, "asked_steps": args.steps}
 
 
 def _s(seconds: float | None) -> str:
@@ -420,3 +428,6 @@ def _print_summary(s: dict[str, Any]) -> None:
     outcome = (f"completed in {s['elapsed_s']} s; param_digest {s['param_digest']}"
                if s["completed"] else f"did NOT complete ({s['elapsed_s']} s)")
     print(f"committed steps lost: {s['lost_steps']}; training {outcome}")
+    if s["steps"] != s["asked_steps"]:
+        print(f"note: the script trained {s['steps']} steps, not --steps {s['asked_steps']}: "
+              "does it read --steps?")

@@ -31,10 +31,25 @@ def test_detect_plus_plan_ends_when_the_last_role_received_the_plan(tmp_path: Pa
     # The demo itself saw the new plan 0.4 s after the fault, at one of its looks.
     plans = [{"generation": 2, "reason": "spare in", "resume_step": 4,
               "time_unix": fault_t + 0.4, "stop": False, "stop_message": ""}]
-    summary = _summarise(cluster, argparse.Namespace(steps=10, dp=2, pp=1, tp=1), [],
-                         SimpleNamespace(losses={}),
-                         plans, [(fault_t - 1, 4)], [], 5.0)
+    summary = _summarise(cluster, argparse.Namespace(steps=10, dp=2, pp=1, tp=1, script=None),
+                         [], SimpleNamespace(losses={}), plans, [(fault_t - 1, 4)], [], 5.0,
+                         None)
     [recovery] = summary["recoveries"]
     assert recovery["detect_plan_s"] == 0.08
     assert recovery["mttr_s"] == 0.25
     assert recovery["detect_plan_s"] <= recovery["mttr_s"]
+
+
+def test_a_script_that_trains_its_own_number_of_steps_completes_at_the_jobs_last(
+        tmp_path: Path) -> None:
+    result = {"losses": {str(s): 1.0 for s in range(1, 9)}, "result": {"param_digest": "d"},
+              "generations": []}
+    cluster = SimpleNamespace(workdir=tmp_path, ranks=[SimpleNamespace(result=lambda: result)])
+    args = argparse.Namespace(steps=10, dp=1, pp=1, tp=1, script=Path("mine.py"))
+    summary = _summarise(cluster, args, [], SimpleNamespace(losses={}), [], [], [], 2.0, 8)
+    assert summary["completed"] and summary["param_digest"] == "d"
+    assert (summary["steps"], summary["asked_steps"]) == (8, 10)
+    # Short of the job's own last step, or without the job saying it completed: not done.
+    for last in (9, None):
+        assert not _summarise(cluster, args, [], SimpleNamespace(losses={}), [], [], [], 2.0,
+                              last)["completed"]
