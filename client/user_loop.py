@@ -5,8 +5,12 @@ daemon and calls `train(ctx)` once per generation, in the same process: after a
 failure the groups are rebuilt, every registered object is restored at the last
 committed step, and `train` is entered again with `ctx.steps()` starting there.
 
-The commit point is `optimizer.step()`: a pre-hook averages the gradients over the
-generation's data-parallel group (and waits for the previous snapshot copy), and the
+The gradients are averaged over the generation's data-parallel group when the step's
+`ctx.batches()` ends, after the last micro-batch's backward, where DDP would have
+averaged them: code between it and `optimizer.step()` (clipping by the global norm,
+GradScaler's inf check) sees the job's gradients, the same on every replica. The
+commit point is `optimizer.step()`: its pre-hook waits for the previous snapshot copy
+(and averages the gradients of a loop that reads its data without `ctx.batches`). The
 state after the step (and whatever the loop body did after it, such as the scheduler
 step) is captured when `ctx.steps()` moves to the next step.
 """
@@ -60,6 +64,7 @@ class Context:
         self._gen, self._program = gen, program
         self._step = start
         self._stepped = False
+        self._averaged = False  # this step's gradients are averaged over the replicas
         self._finished: int | None = None
         self._micro = 0
         self._losses: list[float] = []
@@ -117,11 +122,14 @@ class Context:
         while self._step < total:
             gen.check_plan()
             t0 = time.perf_counter()
-            self._stepped, self._micro, self._losses = False, 0, []
+            self._stepped, self._averaged, self._micro, self._losses = False, False, 0, []
             yield self._step
-            if not self._stepped:
+            if not (self._stepped or self._averaged):
                 raise RuntimeError(f"step {self._step} ended without optimizer.step(); "
-                                   "call it once in every iteration of ctx.steps()")
+                                   "call it once in every iteration of ctx.steps() (a step "
+                                   "may skip it, as GradScaler does on an overflow, only "
+                                   "after reading its micro-batches from ctx.batches)")
+            self._program.reduce_losses(gen, self)
             self._step += 1
             self._program.capture(gen, self._step, final=self._step == total)
             gen.step_done(self._step, self._program.last_loss, time.perf_counter() - t0)
@@ -129,12 +137,13 @@ class Context:
 
     def batches(self, data: Data) -> Iterator[Any]:
         """This replica's micro-batches of the current step's global batch (collated);
-        backpropagate each one's mean loss: Stalwart averages over micro-batches and
-        replicas before the optimizer step."""
+        backpropagate each one's mean loss: once the last one is through, Stalwart
+        averages the gradients over micro-batches and replicas."""
         shares = data.shares(self._step, self.dp_size, self.dp_rank, self.accumulation)
         for indices in shares:
             self._micro += 1
             yield data.batch(indices)
+        self._program.average_gradients(self._gen, self)
 
     def report_loss(self, loss: torch.Tensor | float) -> None:
         """Count `loss` (a micro-batch's mean) into the step's job-wide mean loss."""
@@ -223,20 +232,17 @@ class _UserLoopProgram:
     def _before_update(self, gen: Generation, ctx: Context) -> None:
         """Before optimizer.step(): the last copy is done, gradients are averaged."""
         self.capturer.before_update()
-        if ctx._stepped:
-            return  # a second optimizer of the same step: gradients are averaged already
+        self.average_gradients(gen, ctx)
+
+    def average_gradients(self, gen: Generation, ctx: Context) -> None:
+        """Average this step's gradients over its replicas and micro-batches, once."""
+        if ctx._averaged:
+            return  # at the end of ctx.batches, or for another optimizer of the step
+        ctx._averaged = True
         divisor = ctx.dp_size * max(1, ctx._micro)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.reshape(-1).float() for g in grads]) if grads else torch.zeros(0)
-        losses = torch.tensor([sum(ctx._losses), len(ctx._losses)], dtype=torch.float64,
-                              device=flat.device)  # NCCL reduces CUDA tensors only
-        group = gen.dims.dp_group
-
-        def reduce() -> None:
-            group.all_reduce(flat)
-            group.all_reduce(losses)
-
-        gen.run_or_abandon(reduce, "grad-reduce")
+        gen.run_or_abandon(lambda: gen.dims.dp_group.all_reduce(flat), "grad-reduce")
         flat.div_(divisor)
         offset = 0
         for p, g in zip(self.params, grads, strict=True):
@@ -247,6 +253,14 @@ class _UserLoopProgram:
             else:
                 p.grad.copy_(piece)
             offset += n
+
+    def reduce_losses(self, gen: Generation, ctx: Context) -> None:
+        """The step's job-wide mean of the reported losses, at the step's end (a loop may
+        report a loss after its micro-batches)."""
+        device = self.params[0].device if self.params else self.device
+        losses = torch.tensor([sum(ctx._losses), len(ctx._losses)], dtype=torch.float64,
+                              device=device)  # NCCL reduces CUDA tensors only
+        gen.run_or_abandon(lambda: gen.dims.dp_group.all_reduce(losses), "loss-reduce")
         self.last_loss = float(losses[0] / losses[1]) if losses[1] > 0 else None
 
     def _after_update(self, ctx: Context) -> None:

@@ -162,6 +162,10 @@ class StateRegistry:
                 obj.load_state_dict(self._optimizer_dict(key, obj, record[key], tensors))
             else:
                 obj.load_state_dict(_unflatten(record[key], tensors))
+            if isinstance(obj, torch.amp.GradScaler):
+                # What unscale_ noted of the step a failure cut short (before update()
+                # cleared it) is not in its state_dict; the restored step starts clean.
+                obj._per_optimizer_states.clear()
         torch.set_rng_state(tensors["rng/cpu"])
         if "rng/cuda" in tensors and torch.cuda.is_available():
             torch.cuda.set_rng_state(tensors["rng/cuda"])

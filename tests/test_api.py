@@ -114,6 +114,24 @@ def test_registered_state_restores_bitwise_into_fresh_objects(optimizer):
         assert torch.equal(p, q)
 
 
+def test_a_grad_scaler_restored_in_its_process_forgets_the_step_a_failure_cut_short():
+    model, opt, *_ = _job()
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=1)
+    registry = StateRegistry({"model": model, "optimizer": opt, "scaler": scaler})
+    tensors, extra = registry.capture(step=0)
+    copies = {t.name: t.tensor.clone() for t in tensors}
+    # The step the failure interrupts: unscaled, never stepped nor updated.
+    scaler.scale(model(torch.randn(16, 4)).square().mean()).backward()
+    scaler.unscale_(opt)
+    assert registry.load(copies, extra) == 0
+    opt.zero_grad()
+    scaler.scale(model(torch.randn(16, 4)).square().mean()).backward()
+    scaler.unscale_(opt)  # without the reset: "unscale_() has already been called"
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 512.0
+
+
 def _assert_same(a, b) -> None:
     if torch.is_tensor(a):
         assert torch.equal(a, b)

@@ -1,0 +1,89 @@
+"""What a loop sees between its micro-batches and `optimizer.step()`: the job's averaged
+gradients, as under DDP. Clipping by the global norm clips the job's gradient (not each
+replica's), and a GradScaler that finds a non-finite gradient on one replica skips the
+step on every replica; a skipped step is a step. On real daemons and rank processes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from example_runs import run_example
+from programs import scaled_steps
+
+pytestmark = pytest.mark.multiprocess
+
+SCRIPT = "tests/programs/scaled_steps.py"
+STEPS = 14
+
+
+def trained(tmp_path: Path, name: str, **kw) -> tuple[list[dict], object]:
+    folder = tmp_path / name
+    folder.mkdir()
+    os.environ["PARAMS_DIR"] = str(folder)
+    try:
+        run = run_example(tmp_path / f"{name}-cluster", SCRIPT, "--steps", str(STEPS), **kw)
+    finally:
+        del os.environ["PARAMS_DIR"]
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))], run
+
+
+def one_process() -> tuple[dict[str, torch.Tensor], float, list[int]]:
+    """The same training in one process on the whole global batch, without Stalwart."""
+    model, optimizer, scaler = scaled_steps.build()
+    samples, skipped = scaled_steps.Samples(), []
+    batch = scaled_steps.GLOBAL_BATCH
+    for step in range(STEPS):
+        x, y = (torch.stack(t) for t in zip(*(samples[i] for i in
+                                             range(step * batch, (step + 1) * batch)),
+                                            strict=True))
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        scaled_steps.update(model, optimizer, scaler)
+        if all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)):
+            skipped.append(step)
+    return model.state_dict(), scaler.get_scale(), skipped
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[dict[str, torch.Tensor], float]:
+    params, scale, skipped = one_process()
+    # The data makes GradScaler skip exactly the steps holding an infinite sample.
+    assert skipped == [4, 9]
+    return params, scale
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    outs, run = trained(tmp_path_factory.mktemp("base"), "base")
+    assert len(outs) == 2, run.logs[-4000:]
+    return outs
+
+
+def test_every_replica_sees_the_jobs_gradients_before_its_optimizer_step(
+        uninterrupted, reference) -> None:
+    params, scale = reference
+    for out in uninterrupted:
+        # Clipped by the norm of the averaged gradient, skipped where any replica's
+        # gradient was not finite: one process on the whole batch, up to summation order.
+        assert out["scale"] == scale
+        for name, value in params.items():
+            got = torch.tensor(out["params"][name])
+            assert torch.allclose(got, value, rtol=1e-5, atol=1e-6), name
+    assert uninterrupted[0]["params"] == uninterrupted[1]["params"]
+
+
+def test_a_rank_killed_after_a_skipped_step_is_replaced_bitwise(tmp_path: Path,
+                                                                uninterrupted) -> None:
+    outs, run = trained(tmp_path, "killed", spares=1, kill_rank=1, kill_after_step=6)
+    assert len(outs) == 2, run.logs[-4000:]
+    assert run.plans[-1].layout.dp == 2 and len(run.plans) >= 2
+    # GradScaler's scale and growth tracker are restored with the model.
+    assert [o["scale"] for o in outs] == [o["scale"] for o in uninterrupted]
+    assert [o["params"] for o in outs] == [o["params"] for o in uninterrupted]
+    assert not math.isnan(run.losses[STEPS])
