@@ -7,6 +7,7 @@ rebuilt with another plan in the same process.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -138,6 +139,11 @@ class Trainer:
         self.scaler = LossScaler(enabled=precision == "fp16")
         self.actions = pipeline.schedule(schedule, dims.layout.pp, me.pp, microbatches)
         self.step_count = 0
+        # Step 0's RNG, which dropout draws from, is a function of the job's seed and the
+        # role, as the weights are: a rerun draws the same masks, each replica and stage
+        # its own, the TP ranks of a stage the same (the activations they all hold stay
+        # equal). A restore replaces it with the RNG of the step it restores.
+        torch.manual_seed(role_seed(cfg.seed, me.dp, me.pp))
         # True once the step being taken is no longer wanted (a newer plan abandoned it):
         # the step then ends at its next forward or backward (StepInterrupted) instead
         # of computing on beside the next generation's build.
@@ -342,6 +348,12 @@ def full_params(stage: Stage, tp: Any) -> dict[str, torch.Tensor]:
             t = torch.cat(tp.all_gather(t), dim=dim)
         out[name] = t.clone()
     return out
+
+
+def role_seed(seed: int, dp: int, pp: int) -> int:
+    """The RNG seed of replica `dp`'s stage `pp` at step 0 of a job seeded `seed`."""
+    return int.from_bytes(hashlib.sha256(f"stalwart-rng/{seed}/{dp}/{pp}".encode())
+                          .digest()[:8], "little") >> 1
 
 
 def check_layout(num_layers: int, layout: Layout, *, global_batch: int, microbatches: int = 1,

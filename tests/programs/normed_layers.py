@@ -1,5 +1,6 @@
 """Stalwart's 3D loop over blocks with BatchNorm (persistent buffers that every training
-forward updates): pp=2 over two ranks, for the buffer tests of the 3D loop."""
+forward updates) and, with --dropout P, dropout (which draws from torch's RNG): pp=2 over
+two ranks, for the buffer and RNG tests of the 3D loop."""
 
 import sys
 
@@ -10,12 +11,13 @@ import stalwart
 
 
 class Normed(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
         self.fc, self.norm = torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16)
+        self.drop = torch.nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.norm(self.fc(x)))
+        return self.drop(torch.relu(self.norm(self.fc(x))))
 
 
 class Points(torch.utils.data.Dataset):
@@ -29,7 +31,8 @@ class Points(torch.utils.data.Dataset):
 
 def main() -> None:
     steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 12
-    layers = stalwart.Layers(blocks=[("a", Normed), ("b", Normed), ("c", Normed),
+    p = float(sys.argv[sys.argv.index("--dropout") + 1]) if "--dropout" in sys.argv else 0.0
+    layers = stalwart.Layers(blocks=[*((name, lambda: Normed(p)) for name in "abc"),
                                      ("head", lambda: torch.nn.Linear(16, 2))],
                              loss=F.cross_entropy)
     result = stalwart.run_layers(layers, stalwart.Data(Points(), global_batch=16), steps=steps,
