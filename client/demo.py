@@ -303,9 +303,25 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
     # How each process had ended when training did (None: still running then), before
     # the demo's own clean-up ends the rest: a fenced rank shows -9 here.
     summary["exits"] = {r.log_path.stem: r.proc.poll() for r in cluster.ranks}
+    summary["errors"] = {name: _raised(r.log_path) for r in cluster.ranks
+                         if (code := summary["exits"][name := r.log_path.stem]) and code > 0}
     summary["pids"] = {r.log_path.stem: r.proc.pid for r in cluster.ranks}
+    summary["logs"] = str(cluster.workdir) if args.workdir is not None else ""
     summary["rank_nodes"] = {r.log_path.stem: r.node.index for r in cluster.ranks}
     return summary
+
+
+def _raised(log: Path) -> str:
+    """The exception a process's log ends its last traceback with, or ""."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent")]
+    for line in lines[starts[-1] + 1:] if starts else ():
+        if line and not line[0].isspace():
+            return line  # the first line after the frames: "Type: message"
+    return ""
 
 
 def _add_missed_plans(cluster: Any, plans: list[dict[str, Any]]) -> None:
@@ -428,6 +444,12 @@ def _print_summary(s: dict[str, Any]) -> None:
     outcome = (f"completed in {s['elapsed_s']} s; param_digest {s['param_digest']}"
                if s["completed"] else f"did NOT complete ({s['elapsed_s']} s)")
     print(f"committed steps lost: {s['lost_steps']}; training {outcome}")
+    by_error: dict[str, list[str]] = {}
+    for name, error in s.get("errors", {}).items():
+        by_error.setdefault(error or "(no traceback in its log)", []).append(name)
+    for error, names in by_error.items():
+        where = f" (log: {s['logs']}/{sorted(names)[0]}.log)" if s.get("logs") else ""
+        print(f"{', '.join(sorted(names))} exited with an error: {error}{where}")
     if s["steps"] != s["asked_steps"]:
         print(f"note: the script trained {s['steps']} steps, not --steps {s['asked_steps']}: "
               "does it read --steps?")

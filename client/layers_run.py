@@ -11,10 +11,11 @@ from typing import Any
 from stalwart.client.launched import launched_agent, run_rank
 from stalwart.client.layers import Layers
 from stalwart.client.pipeline import SCHEDULES
-from stalwart.client.trainer import TrainConfig
+from stalwart.client.trainer import TrainConfig, check_layout
 from stalwart.client.trainer_program import TrainerProgram
 from stalwart.client.user_data import Data
 from stalwart.client.user_loop import Result, result_json
+from stalwart.core.layout import Layout
 from stalwart.v1 import common_pb2
 
 __all__ = ["run_layers"]
@@ -46,8 +47,11 @@ def run_layers(layers: Layers, data: Data, *, steps: int, pp: int = 1, tp: int =
     if pp < 1 or tp < 1 or world % (pp * tp):
         raise ValueError(f"pp={pp} x tp={tp} does not divide the job's {world} ranks; choose "
                          "degrees whose product divides WORLD_SIZE")
-    if pp > len(layers):
-        raise ValueError(f"pp={pp} stages but the model has {len(layers)} blocks")
+    # A layout the data or the model cannot take fails here, on every rank alike, before
+    # anything registers: not as ranks that die after the first plan, which the job would
+    # read as failures and re-plan around.
+    check_layout(len(layers), Layout(world // (pp * tp), pp, tp), global_batch=data.global_batch,
+                 microbatches=microbatches or pp, grad_accum=grad_accum, bounds=stage_bounds)
     layout = common_pb2.ParallelLayout(
         dp=world // (pp * tp), pp=pp, tp=tp, schedule=schedule,
         microbatches=microbatches or pp, grad_accum=grad_accum,

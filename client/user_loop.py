@@ -296,8 +296,13 @@ def run(train: Callable[[Context], None], *, model: torch.nn.Module,
             raise StateError(f"state name {key!r} is taken by run()'s own argument")
         objects[key] = obj
     registry = StateRegistry(objects)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if data is not None and data.global_batch % world:
+        # Here, on every rank alike, not as ranks that die after the first plan.
+        raise ValueError(f"global batch {data.global_batch} does not split over the job's "
+                         f"{world} replicas; choose a global batch that divides by {world}")
     dev = torch.device(device)
-    program = _UserLoopProgram(train, registry, int(os.environ.get("WORLD_SIZE", "1")), dev)
+    program = _UserLoopProgram(train, registry, world, dev)
     agent, daemon = launched_agent(program, device=str(dev),
                                    collective_timeout_s=collective_timeout_s,
                                    who="stalwart.run()")

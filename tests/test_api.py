@@ -49,6 +49,36 @@ def test_run_refuses_state_without_load_state_dict_before_starting():
                      state={"counter": Counter()})
 
 
+class _Items(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.full((2,), float(i)), torch.zeros(2)
+
+
+def test_a_layout_the_data_cannot_take_fails_on_every_rank_before_anything_starts(
+        monkeypatch):
+    # No launcher is needed to hear it: the check comes before registering, so the job
+    # never mistakes a rank that stops on it for a failed one.
+    monkeypatch.delenv("STALWART_UNIX_SOCKET", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="global batch 8 does not split over the job's 6 "
+                                         "replicas"):
+        stalwart.run(lambda ctx: None, model=model,
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     data=stalwart.Data(_Items(), global_batch=8))
+    layers = stalwart.Layers(blocks=[(f"b{i}", lambda: nn.Linear(2, 2)) for i in range(4)],
+                             loss=nn.functional.mse_loss)
+    data = stalwart.Data(_Items(), global_batch=8)
+    with pytest.raises(ValueError, match=r"does not split into dp=1 x grad_accum=1 x "
+                                         r"microbatches=3.*microbatches=2 would"):
+        stalwart.run_layers(layers, data, steps=2, pp=3, tp=2)
+    with pytest.raises(ValueError, match="at most pp=4 stages"):
+        stalwart.run_layers(layers, data, steps=2, pp=6, microbatches=2)
+
+
 class Ema:
     """A user object with tensors, tuples, non-finite floats and nested plain values."""
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from stalwart.client.demo import _summarise
+from stalwart.client.demo import _raised, _summarise
 
 
 def test_detect_plus_plan_ends_when_the_last_role_received_the_plan(tmp_path: Path) -> None:
@@ -53,3 +53,16 @@ def test_a_script_that_trains_its_own_number_of_steps_completes_at_the_jobs_last
     for last in (9, None):
         assert not _summarise(cluster, args, [], SimpleNamespace(losses={}), [], [], [], 2.0,
                               last)["completed"]
+
+
+def test_a_rank_that_raised_is_summarised_by_its_last_exception(tmp_path: Path) -> None:
+    log = tmp_path / "rank0.log"
+    log.write_text("[step] 1 loss 0.5\n"
+                   "Traceback (most recent call last):\n  File \"a.py\", line 1\n"
+                   "KeyError: 'x'\n\nDuring handling of the above exception, another "
+                   "exception occurred:\n\nTraceback (most recent call last):\n"
+                   "  File \"a.py\", line 3, in <module>\n    main()\n"
+                   "ValueError: global batch 8 does not split\n[gloo] teardown\n")
+    assert _raised(log) == "ValueError: global batch 8 does not split"
+    log.write_text("[step] 1 loss 0.5\nKilled\n")
+    assert _raised(log) == "" and _raised(tmp_path / "missing.log") == ""
