@@ -241,18 +241,26 @@ class _UserLoopProgram:
         ctx._averaged = True
         divisor = ctx.dp_size * max(1, ctx._micro)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1).float() for g in grads]) if grads else torch.zeros(0)
+        # One more number per parameter counts the replicas that gave it a gradient: one
+        # that no replica's backward reached keeps grad None, so the optimizer skips it
+        # (no weight decay, no moments), as it would have in one process.
+        had = [float(p.grad is not None) for p in self.params]
+        flat = torch.cat([*(g.reshape(-1).float() for g in grads),
+                          torch.tensor(had, device=grads[0].device if grads else "cpu")])
         gen.run_or_abandon(lambda: gen.dims.dp_group.all_reduce(flat), "grad-reduce")
+        given = flat[len(flat) - len(had):].tolist()
         flat.div_(divisor)
         offset = 0
-        for p, g in zip(self.params, grads, strict=True):
+        for p, g, count in zip(self.params, grads, given, strict=True):
             n = g.numel()
             piece = flat[offset:offset + n].view_as(g).to(g.dtype)
+            offset += n
+            if count == 0:
+                continue
             if p.grad is None:
                 p.grad = piece.clone()
             else:
                 p.grad.copy_(piece)
-            offset += n
 
     def reduce_losses(self, gen: Generation, ctx: Context) -> None:
         """The step's job-wide mean of the reported losses, at the step's end (a loop may

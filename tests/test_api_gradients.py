@@ -1,7 +1,9 @@
 """What a loop sees between its micro-batches and `optimizer.step()`: the job's averaged
 gradients, as under DDP. Clipping by the global norm clips the job's gradient (not each
-replica's), and a GradScaler that finds a non-finite gradient on one replica skips the
-step on every replica; a skipped step is a step. On real daemons and rank processes."""
+replica's), a GradScaler that finds a non-finite gradient on one replica skips the step
+on every replica (a skipped step is a step), and a parameter no replica's backward
+reached keeps no gradient, so the optimizer leaves it alone. On real daemons and rank
+processes."""
 
 from __future__ import annotations
 
@@ -68,6 +70,8 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 def test_every_replica_sees_the_jobs_gradients_before_its_optimizer_step(
         uninterrupted, reference) -> None:
     params, scale = reference
+    untouched = scaled_steps.build()[0].state_dict()
+    assert all(torch.equal(params[k], untouched[k]) for k in ("unused.weight", "unused.bias"))
     for out in uninterrupted:
         # Clipped by the norm of the averaged gradient, skipped where any replica's
         # gradient was not finite: one process on the whole batch, up to summation order.

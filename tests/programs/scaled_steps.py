@@ -1,6 +1,7 @@
 """A protected loop that does what mixed-precision loops do between backward and the
 optimizer step: GradScaler's unscale, clipping by the global gradient norm, and
-GradScaler's step, which skips `optimizer.step()` when the gradients are not finite.
+GradScaler's step, which skips `optimizer.step()` when the gradients are not finite;
+one layer gets no gradient at all.
 Two samples hold an infinite feature (one step each); with data parallelism only one
 replica reads each. Every rank that finishes writes its parameters as JSON."""
 
@@ -31,11 +32,24 @@ class Samples(torch.utils.data.Dataset):
         return x, y
 
 
+class Net(torch.nn.Module):
+    """An MLP with a layer its forward never uses (as an unrouted expert would be)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
+                                        torch.nn.Linear(16, 1))
+        self.unused = torch.nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
 def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
-                                torch.nn.Linear(16, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model = Net()
+    # Weight decay would move the unused layer if it were given a (zero) gradient.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
     return model, optimizer, scaler
 
