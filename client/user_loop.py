@@ -159,6 +159,11 @@ class _UserLoopProgram:
         self.optimizers = [opt for _, opt in registry.optimizers()]
         self.params = [p for _, m in registry.modules() for p in m.parameters()
                        if p.requires_grad]
+        # Parameters whose gradients are sparse (nn.Embedding(sparse=True)) on every
+        # replica that computes one.
+        self.sparse = [m.weight for _, module in registry.modules() for m in module.modules()
+                       if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag) and m.sparse
+                       and m.weight.requires_grad]
         self.ctx: Context | None = None
         self.capturer: Any = None
         self.last_loss: float | None = None
@@ -240,15 +245,28 @@ class _UserLoopProgram:
             return  # at the end of ctx.batches, or for another optimizer of the step
         ctx._averaged = True
         divisor = ctx.dp_size * max(1, ctx._micro)
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        grads = [torch.zeros_like(p) if p.grad is None else
+                 p.grad.to_dense() if p.grad.is_sparse else p.grad for p in self.params]
+        device = grads[0].device if grads else torch.device("cpu")
         # One more number per parameter counts the replicas that gave it a gradient: one
         # that no replica's backward reached keeps grad None, so the optimizer skips it
         # (no weight decay, no moments), as it would have in one process.
-        had = [float(p.grad is not None) for p in self.params]
-        flat = torch.cat([*(g.reshape(-1).float() for g in grads),
-                          torch.tensor(had, device=grads[0].device if grads else "cpu")])
+        had = torch.tensor([float(p.grad is not None) for p in self.params], device=device)
+        # A sparse embedding's gradient is summed densely, with a mark per row that any
+        # replica touched, and given back sparse over those rows; dense where a replica
+        # had a dense one (a weight tied to a dense layer).
+        marks = [torch.zeros(p.shape[0] + 1, device=device) for p in self.sparse]
+        for p, mark in zip(self.sparse, marks, strict=True):
+            if p.grad is not None and p.grad.is_sparse:
+                mark[p.grad.coalesce().indices()[0]] = 1.0
+            elif p.grad is not None:
+                mark[-1] = 1.0
+        flat = torch.cat([*(g.reshape(-1).float() for g in grads), had, *marks])
         gen.run_or_abandon(lambda: gen.dims.dp_group.all_reduce(flat), "grad-reduce")
-        given = flat[len(flat) - len(had):].tolist()
+        tail = flat[sum(g.numel() for g in grads):]
+        given = tail[:len(had)].tolist()
+        touched = {id(p): mark[:-1] for p, mark in zip(self.sparse, tail[len(had):].split(
+            [p.shape[0] + 1 for p in self.sparse]), strict=True) if mark[-1] == 0}
         flat.div_(divisor)
         offset = 0
         for p, g, count in zip(self.params, grads, given, strict=True):
@@ -257,7 +275,10 @@ class _UserLoopProgram:
             offset += n
             if count == 0:
                 continue
-            if p.grad is None:
+            if id(p) in touched:
+                rows = touched[id(p)].nonzero().reshape(1, -1)
+                p.grad = torch.sparse_coo_tensor(rows, piece[rows[0]], p.shape).coalesce()
+            elif p.grad is None or p.grad.is_sparse:
                 p.grad = piece.clone()
             else:
                 p.grad.copy_(piece)

@@ -1,9 +1,9 @@
 """What a loop sees between its micro-batches and `optimizer.step()`: the job's averaged
 gradients, as under DDP. Clipping by the global norm clips the job's gradient (not each
 replica's), a GradScaler that finds a non-finite gradient on one replica skips the step
-on every replica (a skipped step is a step), and a parameter no replica's backward
-reached keeps no gradient, so the optimizer leaves it alone. On real daemons and rank
-processes."""
+on every replica (a skipped step is a step), a parameter no replica's backward reached
+keeps no gradient, so the optimizer leaves it alone, and a sparse embedding's gradient
+stays sparse, over the rows any replica touched. On real daemons and rank processes."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from example_runs import run_example
-from programs import scaled_steps
+from programs import scaled_steps, sparse_rows
 
 pytestmark = pytest.mark.multiprocess
 
@@ -24,12 +24,13 @@ SCRIPT = "tests/programs/scaled_steps.py"
 STEPS = 14
 
 
-def trained(tmp_path: Path, name: str, **kw) -> tuple[list[dict], object]:
+def trained(tmp_path: Path, name: str, script: str = SCRIPT, **kw
+            ) -> tuple[list[dict], object]:
     folder = tmp_path / name
     folder.mkdir()
     os.environ["PARAMS_DIR"] = str(folder)
     try:
-        run = run_example(tmp_path / f"{name}-cluster", SCRIPT, "--steps", str(STEPS), **kw)
+        run = run_example(tmp_path / f"{name}-cluster", script, "--steps", str(STEPS), **kw)
     finally:
         del os.environ["PARAMS_DIR"]
     return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))], run
@@ -91,3 +92,22 @@ def test_a_rank_killed_after_a_skipped_step_is_replaced_bitwise(tmp_path: Path,
     assert [o["scale"] for o in outs] == [o["scale"] for o in uninterrupted]
     assert [o["params"] for o in outs] == [o["params"] for o in uninterrupted]
     assert not math.isnan(run.losses[STEPS])
+
+
+def test_a_sparse_embedding_gradient_is_averaged_over_the_rows_any_replica_touched(
+        tmp_path: Path) -> None:
+    outs, run = trained(tmp_path, "sparse", "tests/programs/sparse_rows.py")
+    assert len(outs) == 2, run.logs[-4000:]
+    model, sparse, dense = sparse_rows.build()
+    samples, batch = sparse_rows.Tokens(), sparse_rows.GLOBAL_BATCH
+    for step in range(STEPS):  # one process, the whole global batch
+        tokens, targets = (torch.stack(t) for t in zip(
+            *(samples[i] for i in range(step * batch, (step + 1) * batch)), strict=True))
+        sparse_rows.loss_of(model, tokens, targets).backward()
+        sparse.step()
+        dense.step()
+        sparse.zero_grad()
+        dense.zero_grad()
+    for name, value in model.state_dict().items():
+        for out in outs:
+            assert torch.allclose(torch.tensor(out[name]), value, rtol=1e-5, atol=1e-6), name
