@@ -49,6 +49,21 @@ def test_an_error_after_the_caller_went_away_is_no_daemon_error(
     assert "caller went away" in caplog.text and "unexpected error" not in caplog.text
 
 
+def test_an_answer_that_failed_to_send_is_not_answered_again(
+        caplog: pytest.LogCaptureFixture):
+    # A capture whose rank was killed meanwhile: the handler's own abort fails to send
+    # before gRPC marks the call cancelled. A second abort would be refused ("Abort
+    # already called!") and logged as a daemon bug.
+    from grpc._cython import cygrpc
+
+    ctx = Context(cancelled=False)
+    with caplog.at_level(logging.INFO, "stalwart.daemon.rpc.guard"):
+        asyncio.run(guard._internal(ctx, "/stalwart.v1.RankService/Capture",
+                                    cygrpc.ExecuteBatchError('Failed "execute_batch"')))
+    assert ctx.aborted == []
+    assert "caller went away" in caplog.text and "unexpected error" not in caplog.text
+
+
 def test_a_full_disk_is_resource_exhausted_and_says_so(caplog: pytest.LogCaptureFixture):
     ctx = Context(cancelled=False)
     full = OSError(errno.ENOSPC, "No space left on device", "/data/manifests/7.step.tmp")

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from grpc._cython import cygrpc
 
 from stalwart.daemon.errors import disk_full
 
@@ -48,9 +49,11 @@ async def _refuse_undecodable(context: grpc.aio.ServicerContext, method: str,
 
 
 async def _internal(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
-    if context.cancelled():
-        # The caller cancelled or went away (a killed rank, a peer that gave up): what
-        # failed after that, an abort included, has no one to answer.
+    # The caller cancelled or went away (a killed rank, a peer that gave up): what failed
+    # after that has no one to answer. gRPC may not know it yet (not cancelled) when the
+    # handler's own answer fails to send: gRPC raises its own error from the call then
+    # (cygrpc's, never a handler's), and the call is not to be aborted again.
+    if context.cancelled() or isinstance(exc, cygrpc.BaseError):
         log.info("%s ended after its caller went away (%s: %s)", method,
                  type(exc).__name__, exc)
         return
