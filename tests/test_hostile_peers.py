@@ -293,6 +293,34 @@ def test_a_death_reported_by_another_node_for_a_live_rank_is_not_believed(
     assert (seen["generation"], seen["stopped"]) == ("1", "False")
 
 
+def test_a_death_seen_in_the_generation_before_is_heard_and_a_hang_is_not(
+        tmp_path: Path) -> None:
+    # Two ranks that die together are seen by their two daemons; the plan for the first
+    # may be installed before the second report arrives, its rank still in that plan.
+    async def body(daemon: Daemon) -> dict[str, str]:
+        rank_id = await register_self(daemon)
+        newer = common_pb2.Plan()
+        newer.CopyFrom(daemon.registry.current_plan())
+        newer.generation += 1
+        daemon.registry.install_plan(newer)
+        out = {}
+        async with grpc.aio.insecure_channel(daemon.address) as ch:
+            stub = peer_stub(daemon, ch)
+            for kind in ("PROCESS_EXIT", "COLLECTIVE_HANG"):
+                event = common_pb2.FailureEvent(
+                    kind=common_pb2.FailureEvent.Kind.Value(kind), subject=rank_id,
+                    evidence="seen late", generation=newer.generation - 1)
+                ack = await stub.ReportFailure(event, metadata=as_node("n2"), timeout=5)
+                out[kind] = f"{ack.accepted} {ack.message}"
+        out["recorded"] = " ".join(f.kind.name for f in daemon.registry.failures)
+        return out
+
+    seen = run(config(tmp_path), body)
+    assert seen["PROCESS_EXIT"] == "True "  # a fact: still true in the newer plan
+    assert seen["COLLECTIVE_HANG"].startswith("False report is for generation 1")
+    assert seen["recorded"] == "PROCESS_EXIT"
+
+
 def test_a_death_of_another_nodes_live_rank_is_not_believed_while_its_daemon_vouches(
         tmp_path: Path) -> None:
     from dataclasses import replace

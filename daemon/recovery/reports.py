@@ -146,7 +146,10 @@ class FailureReports:
     async def _forward(self, failures: list[Failure]) -> None:
         for i, f in enumerate(failures):
             try:
-                await self.stub().ReportFailure(f.to_proto(), timeout=RPC_TIMEOUT_S)
+                ack = await self.stub().ReportFailure(f.to_proto(), timeout=RPC_TIMEOUT_S)
+                if not ack.accepted:
+                    log.info("failure report set aside by the coordinator: %s", ack.message,
+                             extra={"failure": f.describe()})
             except (grpc.aio.AioRpcError, LookupError) as exc:
                 # The coordinator may be the thing that died: resend to its successor.
                 log.warning("failure report not delivered; will resend to the next "

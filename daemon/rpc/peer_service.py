@@ -111,14 +111,21 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     async def ReportFailure(self, request: common_pb2.FailureEvent,
                             context: grpc.aio.ServicerContext) -> common_pb2.Ack:
         caller = await self._caller(context, request)
-        if request.generation != self.registry.generation:
-            return common_pb2.Ack(
-                accepted=False, message=f"report is for generation {request.generation}; "
-                                        f"the job is at generation {self.registry.generation}")
         try:
             failure = Failure.from_proto(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        # A fact (a dead process, a lost GPU or node) seen in an older generation stays
+        # true in this one: two ranks that die together are seen by their two daemons,
+        # and the second report may arrive after the plan for the first was installed,
+        # with its rank still in it. An observation (a hang, a late heartbeat) was about
+        # groups that are gone.
+        current = self.registry.generation
+        if not (request.generation == current or
+                (0 < request.generation < current and failure.kind.is_fact)):
+            return common_pb2.Ack(
+                accepted=False, message=f"report is for generation {request.generation}; "
+                                        f"the job is at generation {current}")
         # The reporter is who called, whatever the report says.
         self.registry.report(replace(failure, reporter=caller))
         return common_pb2.Ack(accepted=True)
