@@ -260,9 +260,18 @@ class ElasticAgent:
 
     def _store_of(self, plan: common_pb2.Plan) -> Any:
         """The store the generation's groups start from: the one a rank of the plan
-        serves (this rank's own when the plan names it), else the launcher's."""
+        serves (this rank's own when the plan names it), else the launcher's.
+
+        Each generation talks to it through a client of its own. A store client runs one
+        request at a time, and a generation left while building its groups leaves a
+        thread blocked in a wait on its client until that wait times out: sharing the
+        client, the next generation's build would queue behind it."""
+        import torch.distributed as dist
+
         if plan.store_rank_id == self.daemon.rank_id:
-            return self._served
+            return dist.TCPStore("127.0.0.1", self._served.port, None, False,
+                                 wait_for_workers=False,
+                                 timeout=datetime.timedelta(seconds=self.cfg.plan_timeout_s))
         if plan.store:
             return self._connect(plan)
         if self.store is None:
