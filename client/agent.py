@@ -109,6 +109,7 @@ class ElasticAgent:
         self.links = LinkBytes()  # what each step sent, by link; heartbeats carry it
         self._plans: queue.Queue[common_pb2.Plan | None] = queue.Queue()
         self._newest = 0
+        self._replaced = 0  # the newest generation of a plan that is not the completion
         # Notified whenever a plan arrives: calls left running while a newer plan may
         # come (`run_unless`) are given up on the moment it does.
         self.news = threading.Condition()
@@ -124,6 +125,11 @@ class ElasticAgent:
             try:
                 for event in self.daemon.watch_plan(known_generation=self._newest):
                     self._newest = max(self._newest, event.plan.generation)
+                    if not (event.plan.stop and event.plan.completed):
+                        # The completion ends nothing still running: every rank committed
+                        # its last step, and what they do after it (the job's digest)
+                        # runs through their groups, which it must not abandon.
+                        self._replaced = max(self._replaced, event.plan.generation)
                     # Heartbeats speak for the newest generation at once; collectives and
                     # captures keep the one they run in until the rank rebuilds.
                     self.daemon.generation = max(self.daemon.generation, self._newest)
@@ -136,8 +142,9 @@ class ElasticAgent:
                 return
 
     def superseded(self, generation: int) -> bool:
-        """Whether a plan newer than `generation` has been announced."""
-        return self._newest > generation
+        """Whether a plan newer than `generation` has been announced (other than the
+        job's completion)."""
+        return self._replaced > generation
 
     def _next_plan(self, after: int, timeout_s: float | None) -> common_pb2.Plan:
         """The first plan newer than generation `after`; waits `timeout_s` (None: as long

@@ -102,6 +102,10 @@ def campaign(schedules: list[Schedule], *, steps: int, timeout_s: float,
                 remove(baselines[key])
         out = run_job(s, steps=steps, timeout_s=timeout_s, workdir=root / f"run-{i}")
         equal = judge(out, baselines[key], s.setup.layout)
+        if not baselines[key].completed and not out.error:
+            # Judged against nothing: say so, or the run reads as unequal to it.
+            out.error = (f"the failure-free run of this layout did not complete "
+                         f"({baselines[key].error or 'see ' + str(root / 'base-*')})")
         if equal and out.completed:
             remove(out)
         row = to_json(s, out, equal)
