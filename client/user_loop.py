@@ -164,6 +164,8 @@ class _UserLoopProgram:
         self.sparse = [m.weight for _, module in registry.modules() for m in module.modules()
                        if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag) and m.sparse
                        and m.weight.requires_grad]
+        # The most gradient bytes (as fp32) averaged in one all-reduce.
+        self.bucket_bytes = int(float(os.environ.get("STALWART_GRAD_BUCKET_MB", "64")) * 2**20)
         self.ctx: Context | None = None
         self.capturer: Any = None
         self.last_loss: float | None = None
@@ -261,27 +263,31 @@ class _UserLoopProgram:
                 mark[p.grad.coalesce().indices()[0]] = 1.0
             elif p.grad is not None:
                 mark[-1] = 1.0
-        flat = torch.cat([*(g.reshape(-1).float() for g in grads), had, *marks])
-        gen.run_or_abandon(lambda: gen.dims.dp_group.all_reduce(flat), "grad-reduce")
-        tail = flat[sum(g.numel() for g in grads):]
+        tail = torch.cat([had, *marks])
+        gen.run_or_abandon(lambda: gen.dims.dp_group.all_reduce(tail), "grad-reduce")
         given = tail[:len(had)].tolist()
         touched = {id(p): mark[:-1] for p, mark in zip(self.sparse, tail[len(had):].split(
             [p.shape[0] + 1 for p in self.sparse]), strict=True) if mark[-1] == 0}
-        flat.div_(divisor)
-        offset = 0
-        for p, g, count in zip(self.params, grads, given, strict=True):
-            n = g.numel()
-            piece = flat[offset:offset + n].view_as(g).to(g.dtype)
-            offset += n
-            if count == 0:
-                continue
-            if id(p) in touched:
-                rows = touched[id(p)].nonzero().reshape(1, -1)
-                p.grad = torch.sparse_coo_tensor(rows, piece[rows[0]], p.shape).coalesce()
-            elif p.grad is None or p.grad.is_sparse:
-                p.grad = piece.clone()
-            else:
-                p.grad.copy_(piece)
+        # The gradients themselves in buckets of at most bucket_bytes (as fp32): the
+        # average needs that much memory beside them, not a copy of all of them.
+        for bucket in _buckets([g.numel() for g in grads], self.bucket_bytes // 4):
+            flat = torch.cat([grads[i].reshape(-1).float() for i in bucket])
+            gen.run_or_abandon(lambda flat=flat: gen.dims.dp_group.all_reduce(flat),
+                               "grad-reduce")
+            flat.div_(divisor)
+            for i, piece in zip(bucket, flat.split([grads[i].numel() for i in bucket]),
+                                strict=True):
+                p, g = self.params[i], grads[i]
+                if given[i] == 0:
+                    continue
+                piece = piece.view_as(g).to(g.dtype)
+                if id(p) in touched:
+                    rows = touched[id(p)].nonzero().reshape(1, -1)
+                    p.grad = torch.sparse_coo_tensor(rows, piece[rows[0]], p.shape).coalesce()
+                elif p.grad is None or p.grad.is_sparse:
+                    p.grad = piece.clone()
+                else:
+                    p.grad.copy_(piece)
 
     def reduce_losses(self, gen: Generation, ctx: Context) -> None:
         """The step's job-wide mean of the reported losses, at the step's end (a loop may
@@ -344,6 +350,21 @@ def run(train: Callable[[Context], None], *, model: torch.nn.Module,
                       generations=len(agent.result.generations),
                       param_digest=modules_digest(registry))
     return run_rank(agent, daemon, result, result_json)
+
+
+def _buckets(sizes: list[int], limit: int) -> list[list[int]]:
+    """Consecutive indices of `sizes`, grouped so that each group's sum stays within
+    `limit` (a single size above it is a group of its own)."""
+    out: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(sizes):
+        if out and total + n <= limit:
+            out[-1].append(i)
+            total += n
+        else:
+            out.append([i])
+            total = n
+    return out
 
 
 def result_json(result: Result) -> dict[str, Any]:

@@ -144,6 +144,14 @@ def test_registered_state_restores_bitwise_into_fresh_objects(optimizer):
         assert torch.equal(p, q)
 
 
+def test_gradients_are_averaged_in_buckets_of_consecutive_tensors_within_the_limit():
+    from stalwart.client.user_loop import _buckets
+
+    assert _buckets([4, 4, 4, 10, 1, 1], limit=8) == [[0, 1], [2], [3], [4, 5]]
+    assert _buckets([3, 3], limit=100) == [[0, 1]]
+    assert _buckets([], limit=8) == []
+
+
 def test_a_grad_scaler_restored_in_its_process_forgets_the_step_a_failure_cut_short():
     model, opt, *_ = _job()
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=1)

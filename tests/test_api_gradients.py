@@ -94,8 +94,10 @@ def test_a_rank_killed_after_a_skipped_step_is_replaced_bitwise(tmp_path: Path,
     assert not math.isnan(run.losses[STEPS])
 
 
+@pytest.mark.parametrize("bucket_mb", ["64", "0.0001"])  # one all-reduce; two
 def test_a_sparse_embedding_gradient_is_averaged_over_the_rows_any_replica_touched(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bucket_mb: str) -> None:
+    monkeypatch.setenv("STALWART_GRAD_BUCKET_MB", bucket_mb)
     outs, run = trained(tmp_path, "sparse", "tests/programs/sparse_rows.py")
     assert len(outs) == 2, run.logs[-4000:]
     model, sparse, dense = sparse_rows.build()
