@@ -273,12 +273,8 @@ class ElasticAgent:
         request at a time, and a generation left while building its groups leaves a
         thread blocked in a wait on its client until that wait times out: sharing the
         client, the next generation's build would queue behind it."""
-        import torch.distributed as dist
-
         if plan.store_rank_id == self.daemon.rank_id:
-            return dist.TCPStore("127.0.0.1", self._served.port, None, False,
-                                 wait_for_workers=False,
-                                 timeout=datetime.timedelta(seconds=self.cfg.plan_timeout_s))
+            return _store_client("127.0.0.1", self._served.port, self.cfg.plan_timeout_s)
         if plan.store:
             return self._connect(plan)
         if self.store is None:
@@ -296,9 +292,7 @@ class ElasticAgent:
         give_up = time.monotonic() + self.cfg.collective_timeout_s * 3
         while True:
             try:
-                return dist.TCPStore(host.strip("[]"), int(port), None, False,
-                                     wait_for_workers=False,
-                                     timeout=datetime.timedelta(seconds=STORE_ATTEMPT_S))
+                return _store_client(host.strip("[]"), int(port), STORE_ATTEMPT_S)
             except (dist.DistError, RuntimeError):
                 if self.superseded(plan.generation):
                     raise PlanChanged() from None
@@ -389,3 +383,11 @@ class ElasticAgent:
                 self._ending.append(ending)
             else:
                 dims.destroy()
+
+
+def _store_client(host: str, port: int, timeout_s: float) -> Any:
+    """A client of the TCPStore served at host:port (`timeout_s`: its connect and waits)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, None, False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))

@@ -303,8 +303,8 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
     # How each process had ended when training did (None: still running then), before
     # the demo's own clean-up ends the rest: a fenced rank shows -9 here.
     summary["exits"] = {r.log_path.stem: r.proc.poll() for r in cluster.ranks}
-    summary["errors"] = {name: _raised(r.log_path) for r in cluster.ranks
-                         if (code := summary["exits"][name := r.log_path.stem]) and code > 0}
+    summary["errors"] = {r.log_path.stem: _raised(r.log_path) for r in cluster.ranks
+                         if (summary["exits"][r.log_path.stem] or 0) > 0}
     summary["pids"] = {r.log_path.stem: r.proc.pid for r in cluster.ranks}
     summary["logs"] = str(cluster.workdir) if args.workdir is not None else ""
     summary["rank_nodes"] = {r.log_path.stem: r.node.index for r in cluster.ranks}

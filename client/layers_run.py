@@ -50,11 +50,11 @@ def run_layers(layers: Layers, data: Data, *, steps: int, pp: int = 1, tp: int =
     # A layout the data or the model cannot take fails here, on every rank alike, before
     # anything registers: not as ranks that die after the first plan, which the job would
     # read as failures and re-plan around.
-    check_layout(len(layers), Layout(world // (pp * tp), pp, tp), global_batch=data.global_batch,
-                 microbatches=microbatches or pp, grad_accum=grad_accum, bounds=stage_bounds)
+    dp, microbatches = world // (pp * tp), microbatches or pp
+    check_layout(len(layers), Layout(dp, pp, tp), global_batch=data.global_batch,
+                 microbatches=microbatches, grad_accum=grad_accum, bounds=stage_bounds)
     layout = common_pb2.ParallelLayout(
-        dp=world // (pp * tp), pp=pp, tp=tp, schedule=schedule,
-        microbatches=microbatches or pp, grad_accum=grad_accum,
+        dp=dp, pp=pp, tp=tp, schedule=schedule, microbatches=microbatches, grad_accum=grad_accum,
         stages=[common_pb2.StageBounds(first_layer=a, last_layer=b)
                 for a, b in stage_bounds or ()])
     program = TrainerProgram(layers, data, cfg, layout, steps, device)
