@@ -112,10 +112,14 @@ class StateRegistry:
                     for i, s in sd["state"].items()}
             state = self._reuse.keep_whole(key, sd["state"], names, flat, out[start:]) or flat
         groups = []
-        for g in sd["param_groups"]:
+        for index, g in enumerate(sd["param_groups"]):
+            # A group's hyperparameters may be tensors (`lr=torch.tensor(...)`, as for a
+            # compiled or capturable step); the scheduler changes them in place after
+            # optimizer.step(), so they are copied at the capture (`settled` names none).
             rest = {k: v for k, v in g.items() if k != "params"}
             groups.append({"params": [names[i] for i in g["params"]],
-                           **_flatten(rest, f"{key}/param_groups", [], tensors_allowed=False)})
+                           **_flatten(rest, f"{key}/param_groups/{index}", out,
+                                      settled=frozenset())})
         return {"state": state, "param_groups": groups}
 
     def _check_layout(self, tensors: list[StateTensor]) -> None:
@@ -314,15 +318,12 @@ def _same_view(now: Any, last: torch.Tensor) -> bool:
             and now.device == last.device)
 
 
-def _flatten(value: Any, path: str, out: list[StateTensor], *,
-             tensors_allowed: bool = True, reuse: _Reuse | None = None,
+def _flatten(value: Any, path: str, out: list[StateTensor], *, reuse: _Reuse | None = None,
              settled: frozenset[str] | None = None) -> Any:
     """A JSON-able copy of `value` with each tensor moved to `out` under its path.
     With `settled` (the paths of tensors only optimizer.step() changes), every tensor at
     another path is `staged`: copied at the capture, not beside the next step."""
     if isinstance(value, torch.Tensor):
-        if not tensors_allowed:
-            raise StateError(f"{path!r} holds a tensor where Stalwart expects a plain value")
         # state_dict() hands out detached tensors: only one that tracks gradients needs it.
         out.append(StateTensor(path, value.detach() if value.requires_grad else value,
                                staged=settled is not None and path not in settled))
@@ -340,15 +341,13 @@ def _flatten(value: Any, path: str, out: list[StateTensor], *,
                 raise StateError(f"{path!r} has a key {k!r} of type {type(k).__name__}; "
                                  "state keys must be strings or integers")
             result[str(k) if isinstance(k, str) else f"__int__{k}"] = _flatten(
-                v, f"{path}/{k}", out, tensors_allowed=tensors_allowed, reuse=reuse,
-                settled=settled)
+                v, f"{path}/{k}", out, reuse=reuse, settled=settled)
         if reuse is not None and all(isinstance(v, torch.Tensor) for v in value.values()):
             result = Frozen(result)  # reused as it is while the same tensors are
             reuse.keep(path, value, result, out[start:])
         return result
     if isinstance(value, list | tuple):
-        items = [_flatten(v, f"{path}/{i}", out, tensors_allowed=tensors_allowed,
-                          settled=settled) for i, v in enumerate(value)]
+        items = [_flatten(v, f"{path}/{i}", out, settled=settled) for i, v in enumerate(value)]
         return {_TUPLE: items} if isinstance(value, tuple) else items
     raise StateError(f"{path!r} is a {type(value).__name__}, which Stalwart cannot capture: "
                      "state_dict() may hold tensors and plain values (numbers, strings, bools, "

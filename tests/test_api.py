@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -111,12 +112,19 @@ def _train_a_step(model, opt, sched, ema) -> None:
     ema.shadow += 1
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def _adamw(model: nn.Module, optimizer: str) -> tuple[torch.optim.Optimizer, Any]:
+    # A tensor learning rate (as for a compiled step) makes every group's `lr` and
+    # `initial_lr`, and the scheduler's `base_lrs`, tensors that the scheduler changes.
+    lr = torch.tensor(1e-3) if optimizer == "adamw-tensor-lr" else 1e-3
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95))
+    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "adamw-tensor-lr"])
 def test_registered_state_restores_bitwise_into_fresh_objects(optimizer):
     model, opt, sched, ema = _job()
-    if optimizer == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    if optimizer != "sgd":
+        opt, sched = _adamw(model, optimizer)
     for _ in range(3):
         _train_a_step(model, opt, sched, ema)
     registry = StateRegistry({"model": model, "optimizer": opt, "scheduler": sched, "ema": ema})
@@ -126,9 +134,8 @@ def test_registered_state_restores_bitwise_into_fresh_objects(optimizer):
     reference = [model.state_dict(), opt.state_dict(), sched.state_dict(), ema.state_dict()]
 
     model2, opt2, sched2, ema2 = _job()
-    if optimizer == "adamw":
-        opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3, betas=(0.9, 0.95))
-        sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2)
+    if optimizer != "sgd":
+        opt2, sched2 = _adamw(model2, optimizer)
     torch.manual_seed(123)
     fresh = StateRegistry({"model": model2, "optimizer": opt2, "scheduler": sched2, "ema": ema2})
     assert fresh.load(copies, extra) == 3
@@ -204,6 +211,18 @@ def test_only_tensors_the_optimizer_alone_changes_are_copied_beside_the_next_ste
     staged = {t.name for t in tensors if t.staged}
     assert staged == {"model/1.running_mean", "model/1.running_var",
                       "model/1.num_batches_tracked", "ema/shadow"}
+
+
+def test_tensor_hyperparameters_of_an_optimizer_are_copied_at_the_capture():
+    # The scheduler changes a tensor learning rate in place after optimizer.step().
+    model, *_ = _job()
+    opt, sched = _adamw(model, "adamw-tensor-lr")
+    _train_a_step(model, opt, sched, Ema())
+    tensors, extra = StateRegistry({"model": model, "optimizer": opt}).capture(1)
+    staged = {t.name for t in tensors if t.staged}
+    assert {"optimizer/param_groups/0/lr", "optimizer/param_groups/0/initial_lr"} <= staged
+    assert extra["objects"]["optimizer"]["param_groups"][0]["lr"] == {
+        "__stalwart_tensor__": "optimizer/param_groups/0/lr"}
 
 
 def test_each_capture_reads_the_tensors_a_parameter_and_a_buffer_hold_now():
