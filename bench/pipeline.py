@@ -69,7 +69,7 @@ def _bench_worker(ctx: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
                 # Barriers bracket the round so every stage's wall time is the pipeline's.
                 pp.barrier()
                 started = time.perf_counter()
-                run_schedule(stage, actions, pp, inputs=inputs, act_shape=shape,
+                run_schedule(stage, actions, pp, inputs=inputs, in_shape=shape, out_shape=shape,
                              loss_fn=lambda y, i: (y.float().pow(2).mean(), 0.0), stats=stats)
                 pp.barrier()
                 if stats is not None:
@@ -112,8 +112,7 @@ def _recompute_trade(rounds: int) -> dict[str, dict[str, float]]:
             if rnd == 1:
                 stats = PipelineStats()
             run_schedule(stage, schedule("1f1b", 1, 0, m), dims.pp_group,
-                         inputs=list(ids.split(mb)), loss_fn=loss_fn,
-                         act_shape=(mb, cfg.seq_len, cfg.d_model), stats=stats)
+                         inputs=list(ids.split(mb)), loss_fn=loss_fn, stats=stats)
         out[policy] = {"peak_activation_bytes": stats.peak_activation_bytes,
                        "compute_s_per_round": round(stats.busy_s / rounds, 4)}
     dims.destroy()

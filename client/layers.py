@@ -32,7 +32,8 @@ class Layers:
     """(name, factory) per block in forward order; a factory builds the block at full
     size (Stalwart seeds torch's RNG before each call and slices it for TP afterwards).
     The first block takes the data set's inputs, the last one's output goes to `loss`,
-    and every block in between maps one activation shape to the same shape."""
+    and every block before the last returns one floating-point tensor whose first
+    dimension is the micro-batch (its other dimensions may differ from block to block)."""
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """loss(last block's output, targets) -> the mean loss of a micro-batch."""
     tp_plan: Mapping[str, str] = field(default_factory=dict)
@@ -148,10 +149,11 @@ class BlockProbe:
 
 
 def probe(layers: Layers, inputs: torch.Tensor, targets: torch.Tensor, *, seed: int = 0,
-          repeats: int = 2) -> tuple[list[BlockProbe], tuple[int, ...]]:
+          repeats: int = 2) -> tuple[list[BlockProbe], tuple[tuple[int, ...], ...]]:
     """Run every block alone, at full size, on a micro-batch (one block in memory at a
     time): its forward and backward seconds (fastest of `repeats`), parameters and
-    output; returns the probes and the per-sample activation shape between blocks."""
+    output; returns the probes and each block's output shape per sample, but the last's
+    (what a stage ending at that block sends on)."""
     out: list[BlockProbe] = []
     x: Any = inputs
     for i in range(len(layers)):
@@ -177,15 +179,14 @@ def probe(layers: Layers, inputs: torch.Tensor, targets: torch.Tensor, *, seed: 
                                     f"{'' if not torch.is_tensor(y) else ' ' + str(y.dtype)}; "
                                     "blocks before the last must return one floating-point "
                                     "tensor (the activation the pipeline sends on)")
+                if y.dim() == 0 or y.shape[0] != len(inputs):
+                    raise ValueError(f"block {name!r} returned shape {tuple(y.shape)} for a "
+                                     f"micro-batch of {len(inputs)}; a block's output must "
+                                     "keep the micro-batch as its first dimension")
                 y.backward(torch.ones_like(y))
             t2 = time.perf_counter()
             best_f, best_b = min(best_f, t1 - t0), min(best_b, t2 - t1)
         out.append(BlockProbe(name, sum(p.numel() for p in block.parameters()), best_f, best_b,
                               tuple(y.shape), y.numel() * y.element_size(), sharded))
         x = y.detach()
-    shapes = {p.out_shape[1:] for p in out[:-1]}
-    if len(shapes) > 1:
-        raise ValueError("blocks before the last must all output one activation shape "
-                         "(the pipeline sends it between stages); got "
-                         + ", ".join(f"{p.name} {p.out_shape}" for p in out[:-1]))
-    return out, (shapes.pop() if shapes else ())
+    return out, tuple(p.out_shape[1:] for p in out[:-1])

@@ -64,7 +64,8 @@ def _tag(microbatch: int, backward: bool) -> int:
 
 def run_schedule(stage: torch.nn.Module, actions: list[tuple[str, int]], pp: Any, *,
                  inputs: list[torch.Tensor] | None, loss_fn: Callable[[torch.Tensor, int], Any],
-                 act_shape: tuple[int, ...], device: torch.device | str = "cpu",
+                 in_shape: tuple[int, ...] = (), out_shape: tuple[int, ...] = (),
+                 device: torch.device | str = "cpu",
                  autocast: Callable[[], AbstractContextManager] = nullcontext,
                  before_last_backward: Callable[[], None] | None = None,
                  stats: PipelineStats | None = None,
@@ -74,8 +75,9 @@ def run_schedule(stage: torch.nn.Module, actions: list[tuple[str, int]], pp: Any
 
     `pp` is the pipeline Group (index = stage number). The first stage reads micro-batch i
     from `inputs[i]`; the last calls `loss_fn(output, i)` which returns (tensor to
-    backpropagate, loss value to report). Other stages exchange activations of
-    `act_shape` (fp32) with their neighbours.
+    backpropagate, loss value to report). A stage after the first receives activations
+    of `in_shape` (fp32) and sends their gradients back; one before the last sends its
+    output, of `out_shape`, and receives its gradient.
     """
     first, last = pp.index == 0, pp.index == pp.size - 1
     fwd_in: dict[int, torch.Tensor] = {}
@@ -93,7 +95,7 @@ def run_schedule(stage: torch.nn.Module, actions: list[tuple[str, int]], pp: Any
                 x = inputs[i]
             else:
                 # Receive micro-batch i's activation from the previous stage.
-                x = torch.empty(act_shape, dtype=torch.float32, device=device)
+                x = torch.empty(in_shape, dtype=torch.float32, device=device)
                 pp.recv(x, pp.index - 1, _tag(i, False))
                 x.requires_grad_()
             t0 = time.perf_counter()
@@ -113,7 +115,7 @@ def run_schedule(stage: torch.nn.Module, actions: list[tuple[str, int]], pp: Any
                 grad = None
             else:
                 # Receive d(loss)/d(our output) for micro-batch i from the next stage.
-                grad = torch.empty(act_shape, dtype=torch.float32, device=device)
+                grad = torch.empty(out_shape, dtype=torch.float32, device=device)
                 pp.recv(grad, pp.index + 1, _tag(i, True))
                 grad = grad.to(y.dtype)
             if i == last_b and before_last_backward is not None:

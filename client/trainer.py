@@ -107,7 +107,7 @@ class Trainer:
                  stage_bounds: list[tuple[int, int]] | None = None, schedule: str = "1f1b",
                  microbatches: int = 1, grad_accum: int = 1, reduce_fn: ReduceFn | None = None,
                  device: str | torch.device = "cpu",
-                 act_shape: tuple[int, ...] | None = None) -> None:
+                 act_shapes: Sequence[tuple[int, ...]] | None = None) -> None:
         lay = dims.layout
         per_replica = lay.dp * grad_accum * microbatches
         bounds = check_layout(len(layers), lay, global_batch=data.global_batch,
@@ -118,12 +118,15 @@ class Trainer:
         self.schedule_kind, self.m, self.grad_accum = schedule, microbatches, grad_accum
         self.micro_size = data.global_batch // per_replica
         self.device = torch.device(device)
-        if act_shape is None:
+        if act_shapes is None:
             inputs, targets = data.batch(data.indices(0)[:1])
-            act_shape = probe(layers, inputs, targets, seed=cfg.seed, repeats=1)[1]
-        self.act_shape = tuple(act_shape)
+            act_shapes = probe(layers, inputs, targets, seed=cfg.seed, repeats=1)[1]
         me = dims.my
         first, last = self.bounds[me.pp]
+        # The activation this stage receives (the previous block's output) and sends
+        # on (its last block's), per sample: blocks may change the shape.
+        self.in_shape = tuple(act_shapes[first - 1]) if first > 0 else ()
+        self.out_shape = tuple(act_shapes[last]) if last < len(layers) - 1 else ()
         self.stage = Stage(layers, first, last, seed=cfg.seed, tp=dims.tp_group,
                            recompute=cfg.recompute).to(self.device)
         self.params = list(self.stage.parameters())
@@ -175,7 +178,6 @@ class Trainer:
         ids, targets = ids.to(self.device), targets.to(self.device)
         for p in self.params:
             p.grad = None
-        act_shape = (self.micro_size, *self.act_shape)
         scale = 1.0 / (self.dims.layout.dp * self.grad_accum * self.m)
         local_loss = 0.0
         for a in range(self.grad_accum):
@@ -184,7 +186,9 @@ class Trainer:
             mb_targets = list(targets[rows].split(self.micro_size))
             losses = run_schedule(
                 self.stage, self.actions, self.dims.pp_group, inputs=mb_ids,
-                loss_fn=partial(self._loss, mb_targets, scale), act_shape=act_shape,
+                loss_fn=partial(self._loss, mb_targets, scale),
+                in_shape=(self.micro_size, *self.in_shape),
+                out_shape=(self.micro_size, *self.out_shape),
                 device=self.device, autocast=self._autocast, stats=self.stats,
                 before_last_backward=self.reducer.arm if a == self.grad_accum - 1 else None,
                 interrupted=self.interrupted)

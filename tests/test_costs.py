@@ -64,7 +64,8 @@ def test_the_measured_probe_of_the_gpt_example_has_times_params_and_the_activati
     layers, data = job(cfg, global_batch=2, corpus_bytes=1 << 16)
     inputs, targets = data.batch(data.indices(0))
     probes, act = probe(layers, inputs, targets, repeats=1)
-    assert len(probes) == cfg.num_layers and act == (cfg.seq_len, cfg.d_model)
+    assert len(probes) == cfg.num_layers
+    assert act == ((cfg.seq_len, cfg.d_model),) * (cfg.num_layers - 1)
     assert all(p.fwd_s > 0 and p.bwd_s > 0 for p in probes)
     assert [p.sharded for p in probes] == [False] + [True] * cfg.n_layer + [False]
     assert sum(p.params for p in probes) == GPTShape(

@@ -83,7 +83,7 @@ def _normed_trainer(generation: int) -> Trainer:
                              loss=torch.nn.functional.cross_entropy)
     data = stalwart.Data(Points(), global_batch=8, seed=1)
     return Trainer(ParallelDims().build(dist.HashStore(), 0, generation), layers, data, CFG,
-                   act_shape=(16,))  # a probe's micro-batch of 1 is too few for BatchNorm
+                   act_shapes=[(16,), (16,)])  # a probe's micro-batch of 1 is too few for BatchNorm
 
 
 def test_block_buffers_are_captured_at_the_capture_and_restored_with_the_parameters():

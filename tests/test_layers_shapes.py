@@ -1,0 +1,107 @@
+"""Blocks of Stalwart's 3D loop may change the activation's shape (a convolutional
+network's downsampling stages, a projection to another width): each stage receives the
+shape its first block takes and sends the shape its last block gives, under any stage
+bounds, and trains as one process does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import stalwart
+from stalwart.client.layers import probe
+from stalwart.client.parallel_dims import ParallelDims
+from stalwart.client.trainer import TrainConfig, Trainer
+from stalwart.core.layout import Layout
+
+CFG = TrainConfig(seed=5, lr=3e-3, warmup_steps=1)
+STEPS = 4
+
+
+class Images(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 256
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        x = torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(i))
+        return x + (i % 4) / 4, i % 4
+
+
+class Pool(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean((2, 3))
+
+
+class Mlp(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+BLOCKS = [("stem", lambda: nn.Sequential(nn.Conv2d(3, 4, 3, 1, 1), nn.ReLU())),
+          ("down", lambda: nn.Sequential(nn.Conv2d(4, 8, 3, 2, 1), nn.ReLU())),
+          ("pool", lambda: nn.Sequential(Pool(), nn.Linear(8, 12))),
+          ("mlp", lambda: Mlp(12)),
+          ("widen", lambda: nn.Sequential(nn.Linear(12, 16), nn.Tanh())),
+          ("head", lambda: nn.Linear(16, 4))]
+# (pp, tp, stage bounds): bounds that cut at every change of shape
+LAYOUTS = [(2, 1, [(0, 0), (1, 5)]), (3, 1, [(0, 1), (2, 3), (4, 5)]),
+           (2, 2, [(0, 2), (3, 5)]), (3, 1, [(0, 3), (4, 4), (5, 5)])]
+
+
+def _job() -> tuple[stalwart.Layers, stalwart.Data]:
+    layers = stalwart.Layers(blocks=BLOCKS, loss=F.cross_entropy,
+                             tp_plan={"fc1": "column", "fc2": "row"})
+    return layers, stalwart.Data(Images(), global_batch=8, seed=2)
+
+
+def _train(store, rank: int, generation: int, pp: int, tp: int, bounds) -> list[float]:
+    dims = ParallelDims(Layout(pp=pp, tp=tp)).build(store, rank, generation)
+    trainer = Trainer(dims, *_job(), CFG, stage_bounds=bounds, microbatches=2)
+    try:
+        return [trainer.step() for _ in range(STEPS)]
+    finally:
+        trainer.close()
+        dims.destroy()
+
+
+def _every_layout(ctx) -> dict[str, list[float]]:
+    out = {}
+    for generation, (pp, tp, bounds) in enumerate(LAYOUTS):
+        if ctx.rank < pp * tp:
+            out[str(bounds)] = _train(ctx.store, ctx.rank, generation, pp, tp, bounds)
+    return out
+
+
+def test_the_probe_measures_each_blocks_output_shape_per_sample():
+    layers, data = _job()
+    inputs, targets = data.batch(data.indices(0)[:2])
+    probes, shapes = probe(layers, inputs, targets, repeats=1)
+    assert shapes == ((4, 8, 8), (8, 4, 4), (12,), (12,), (16,))
+    assert [p.out_bytes for p in probes[:2]] == [2 * 4 * 8 * 8 * 4, 2 * 8 * 4 * 4 * 4]
+
+
+def test_a_block_that_drops_the_micro_batch_dimension_is_named():
+    layers = stalwart.Layers(blocks=[("flat", lambda: nn.Flatten(0)),
+                                     ("head", lambda: nn.Linear(6, 1))],
+                             loss=lambda y, t: y.mean())
+    with pytest.raises(ValueError, match=r"block 'flat' returned shape \(6,\) for a micro-batch "
+                                         r"of 2; a block's output must keep the micro-batch"):
+        probe(layers, torch.randn(2, 3), torch.zeros(2), repeats=1)
+
+
+@pytest.mark.multiprocess
+def test_stages_cut_where_the_shape_changes_train_as_one_process(run_ranks):
+    reference = _train(dist.HashStore(), 0, 0, 1, 1, None)
+    results = run_ranks(_every_layout, 4, timeout=240)
+    for pp, tp, bounds in LAYOUTS:
+        for rank in range(pp * tp):
+            assert results[rank][str(bounds)] == pytest.approx(reference, rel=1e-5), (
+                f"pp={pp} tp={tp} stages {bounds}, rank {rank}")
+    assert reference[-1] < reference[0]
