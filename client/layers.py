@@ -135,6 +135,15 @@ def _recompute_parts(block: nn.Module, paths: Sequence[str]) -> None:
         part.forward = lambda *args, _f=forward: maybe_checkpoint(True, _f, *args)
 
 
+@dataclass(frozen=True)
+class Activation:
+    """What a block hands the next one, per sample: a stage ending at the block sends it
+    (as fp32), the next stage receives it and casts it back to `dtype`."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
 @dataclass
 class BlockProbe:
     """What one block measured on one micro-batch at full size."""
@@ -145,15 +154,16 @@ class BlockProbe:
     bwd_s: float
     out_shape: tuple[int, ...]
     out_bytes: int
+    out_dtype: torch.dtype
     sharded: bool
 
 
 def probe(layers: Layers, inputs: torch.Tensor, targets: torch.Tensor, *, seed: int = 0,
-          repeats: int = 2) -> tuple[list[BlockProbe], tuple[tuple[int, ...], ...]]:
+          repeats: int = 2) -> tuple[list[BlockProbe], tuple[Activation, ...]]:
     """Run every block alone, at full size, on a micro-batch (one block in memory at a
     time): its forward and backward seconds (fastest of `repeats`), parameters and
-    output; returns the probes and each block's output shape per sample, but the last's
-    (what a stage ending at that block sends on)."""
+    output; returns the probes and each block's output but the last's (what a stage
+    ending at that block sends on)."""
     out: list[BlockProbe] = []
     x: Any = inputs
     for i in range(len(layers)):
@@ -187,6 +197,6 @@ def probe(layers: Layers, inputs: torch.Tensor, targets: torch.Tensor, *, seed: 
             t2 = time.perf_counter()
             best_f, best_b = min(best_f, t1 - t0), min(best_b, t2 - t1)
         out.append(BlockProbe(name, sum(p.numel() for p in block.parameters()), best_f, best_b,
-                              tuple(y.shape), y.numel() * y.element_size(), sharded))
+                              tuple(y.shape), y.numel() * y.element_size(), y.dtype, sharded))
         x = y.detach()
-    return out, tuple(p.out_shape[1:] for p in out[:-1])
+    return out, tuple(Activation(p.out_shape[1:], p.out_dtype) for p in out[:-1])

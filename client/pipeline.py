@@ -65,6 +65,7 @@ def _tag(microbatch: int, backward: bool) -> int:
 def run_schedule(stage: torch.nn.Module, actions: list[tuple[str, int]], pp: Any, *,
                  inputs: list[torch.Tensor] | None, loss_fn: Callable[[torch.Tensor, int], Any],
                  in_shape: tuple[int, ...] = (), out_shape: tuple[int, ...] = (),
+                 in_dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu",
                  autocast: Callable[[], AbstractContextManager] = nullcontext,
                  before_last_backward: Callable[[], None] | None = None,
@@ -76,8 +77,8 @@ def run_schedule(stage: torch.nn.Module, actions: list[tuple[str, int]], pp: Any
     `pp` is the pipeline Group (index = stage number). The first stage reads micro-batch i
     from `inputs[i]`; the last calls `loss_fn(output, i)` which returns (tensor to
     backpropagate, loss value to report). A stage after the first receives activations
-    of `in_shape` (fp32) and sends their gradients back; one before the last sends its
-    output, of `out_shape`, and receives its gradient.
+    of `in_shape` (sent as fp32, computed on as `in_dtype`) and sends their gradients
+    back; one before the last sends its output, of `out_shape`, and receives its gradient.
     """
     first, last = pp.index == 0, pp.index == pp.size - 1
     fwd_in: dict[int, torch.Tensor] = {}
@@ -97,7 +98,7 @@ def run_schedule(stage: torch.nn.Module, actions: list[tuple[str, int]], pp: Any
                 # Receive micro-batch i's activation from the previous stage.
                 x = torch.empty(in_shape, dtype=torch.float32, device=device)
                 pp.recv(x, pp.index - 1, _tag(i, False))
-                x.requires_grad_()
+                x = x.to(in_dtype).requires_grad_()
             t0 = time.perf_counter()
             with _saved_tensor_accounting(stats, i, params), autocast():
                 y = stage(x)

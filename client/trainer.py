@@ -20,7 +20,7 @@ import torch
 from stalwart.client import pipeline
 from stalwart.client.digest import tensor_sha256
 from stalwart.client.dp import GradReducer, ReduceFn
-from stalwart.client.layers import Layers, Stage, probe
+from stalwart.client.layers import Activation, Layers, Stage, probe
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.pipeline import PipelineStats, StepInterrupted, run_schedule
 from stalwart.client.user_data import Data
@@ -107,7 +107,7 @@ class Trainer:
                  stage_bounds: list[tuple[int, int]] | None = None, schedule: str = "1f1b",
                  microbatches: int = 1, grad_accum: int = 1, reduce_fn: ReduceFn | None = None,
                  device: str | torch.device = "cpu",
-                 act_shapes: Sequence[tuple[int, ...]] | None = None) -> None:
+                 activations: Sequence[Activation] | None = None) -> None:
         lay = dims.layout
         per_replica = lay.dp * grad_accum * microbatches
         bounds = check_layout(len(layers), lay, global_batch=data.global_batch,
@@ -118,15 +118,16 @@ class Trainer:
         self.schedule_kind, self.m, self.grad_accum = schedule, microbatches, grad_accum
         self.micro_size = data.global_batch // per_replica
         self.device = torch.device(device)
-        if act_shapes is None:
+        if activations is None:
             inputs, targets = data.batch(data.indices(0)[:1])
-            act_shapes = probe(layers, inputs, targets, seed=cfg.seed, repeats=1)[1]
+            activations = probe(layers, inputs, targets, seed=cfg.seed, repeats=1)[1]
         me = dims.my
         first, last = self.bounds[me.pp]
         # The activation this stage receives (the previous block's output) and sends
-        # on (its last block's), per sample: blocks may change the shape.
-        self.in_shape = tuple(act_shapes[first - 1]) if first > 0 else ()
-        self.out_shape = tuple(act_shapes[last]) if last < len(layers) - 1 else ()
+        # on (its last block's): blocks may change its shape and dtype.
+        none = Activation((), torch.float32)
+        self.inbound = activations[first - 1] if first > 0 else none
+        self.outbound = activations[last] if last < len(layers) - 1 else none
         self.stage = Stage(layers, first, last, seed=cfg.seed, tp=dims.tp_group,
                            recompute=cfg.recompute).to(self.device)
         self.params = list(self.stage.parameters())
@@ -187,8 +188,8 @@ class Trainer:
             losses = run_schedule(
                 self.stage, self.actions, self.dims.pp_group, inputs=mb_ids,
                 loss_fn=partial(self._loss, mb_targets, scale),
-                in_shape=(self.micro_size, *self.in_shape),
-                out_shape=(self.micro_size, *self.out_shape),
+                in_shape=(self.micro_size, *self.inbound.shape), in_dtype=self.inbound.dtype,
+                out_shape=(self.micro_size, *self.outbound.shape),
                 device=self.device, autocast=self._autocast, stats=self.stats,
                 before_last_backward=self.reducer.arm if a == self.grad_accum - 1 else None,
                 interrupted=self.interrupted)

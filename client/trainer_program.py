@@ -17,7 +17,7 @@ import grpc
 from stalwart.client.daemon_client import DaemonUnavailable
 from stalwart.client.digest import param_digest
 from stalwart.client.generation import Generation, PlanChanged
-from stalwart.client.layers import BlockProbe, Layers, probe
+from stalwart.client.layers import Activation, BlockProbe, Layers, probe
 from stalwart.client.relayout import Role, captured_layout, fetch_and_assemble
 from stalwart.client.trainer import TrainConfig, Trainer, uniform_bounds
 from stalwart.client.trainer_state import adamw_hints, load_state, state_tensors
@@ -40,7 +40,7 @@ class TrainerProgram:
     digest: str = ""
     """The job's parameter digest once training ended (every stage and TP shard)."""
     _probes: list[BlockProbe] | None = None
-    _act_shapes: tuple[tuple[int, ...], ...] = ()
+    _activations: tuple[Activation, ...] = ()
 
     def start_layout(self) -> common_pb2.ParallelLayout:
         return self.layout
@@ -51,7 +51,7 @@ class TrainerProgram:
             per_round = max(1, lay.dp) * max(1, lay.microbatches) * max(1, lay.grad_accum)
             micro = max(1, self.data.global_batch // per_round)
             inputs, targets = self.data.batch(self.data.indices(0)[:micro])
-            self._probes, self._act_shapes = probe(self.layers, inputs, targets,
+            self._probes, self._activations = probe(self.layers, inputs, targets,
                                                   seed=self.train_cfg.seed)
         return self._probes
 
@@ -79,7 +79,7 @@ class TrainerProgram:
                               or None, schedule=lay.schedule or "1f1b",
                               microbatches=lay.microbatches or 1,
                               grad_accum=lay.grad_accum or 1, device=self.device,
-                              act_shapes=self._act_shapes)
+                              activations=self._activations)
             trainer.interrupted = gen.newer_plan_waiting  # an abandoned step stops computing
             rebuild_s = time.monotonic() - gen.record["t_build"]
             t_restore = time.monotonic()

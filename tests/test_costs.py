@@ -56,7 +56,7 @@ def test_shape_for_params_lands_near_the_requested_size(params):
 
 def test_the_measured_probe_of_the_gpt_example_has_times_params_and_the_activation():
     torch = pytest.importorskip("torch", reason="measuring blocks needs torch")
-    from stalwart.client.layers import probe
+    from stalwart.client.layers import Activation, probe
     from stalwart_examples.gpt import config, job
 
     torch.manual_seed(0)
@@ -65,7 +65,7 @@ def test_the_measured_probe_of_the_gpt_example_has_times_params_and_the_activati
     inputs, targets = data.batch(data.indices(0))
     probes, act = probe(layers, inputs, targets, repeats=1)
     assert len(probes) == cfg.num_layers
-    assert act == ((cfg.seq_len, cfg.d_model),) * (cfg.num_layers - 1)
+    assert act == (Activation((cfg.seq_len, cfg.d_model), torch.float32),) * (cfg.num_layers - 1)
     assert all(p.fwd_s > 0 and p.bwd_s > 0 for p in probes)
     assert [p.sharded for p in probes] == [False] + [True] * cfg.n_layer + [False]
     assert sum(p.params for p in probes) == GPTShape(

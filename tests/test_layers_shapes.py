@@ -1,7 +1,7 @@
 """Blocks of Stalwart's 3D loop may change the activation's shape (a convolutional
-network's downsampling stages, a projection to another width): each stage receives the
-shape its first block takes and sends the shape its last block gives, under any stage
-bounds, and trains as one process does."""
+network's downsampling stages, a projection to another width) and dtype (a bf16 head):
+each stage receives what its first block takes and sends what its last block gives,
+under any stage bounds, and trains as one process does."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import stalwart
-from stalwart.client.layers import probe
+from stalwart.client.layers import Activation, probe
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.trainer import TrainConfig, Trainer
 from stalwart.core.layout import Layout
@@ -50,20 +50,35 @@ BLOCKS = [("stem", lambda: nn.Sequential(nn.Conv2d(3, 4, 3, 1, 1), nn.ReLU())),
           ("mlp", lambda: Mlp(12)),
           ("widen", lambda: nn.Sequential(nn.Linear(12, 16), nn.Tanh())),
           ("head", lambda: nn.Linear(16, 4))]
+
+
+class ToBf16(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).to(torch.bfloat16)
+
+
+# A tail of bf16 parameters behind a block whose output is bf16.
+BF16_TAIL = [("cast", ToBf16), ("bf16", lambda: Mlp(16).to(torch.bfloat16)),
+             ("head", lambda: nn.Linear(16, 4).to(torch.bfloat16))]
 # (pp, tp, stage bounds): bounds that cut at every change of shape
 LAYOUTS = [(2, 1, [(0, 0), (1, 5)]), (3, 1, [(0, 1), (2, 3), (4, 5)]),
            (2, 2, [(0, 2), (3, 5)]), (3, 1, [(0, 3), (4, 4), (5, 5)])]
 
 
-def _job() -> tuple[stalwart.Layers, stalwart.Data]:
-    layers = stalwart.Layers(blocks=BLOCKS, loss=F.cross_entropy,
+def _job(blocks=BLOCKS) -> tuple[stalwart.Layers, stalwart.Data]:
+    layers = stalwart.Layers(blocks=blocks, loss=lambda y, t: F.cross_entropy(y.float(), t),
                              tp_plan={"fc1": "column", "fc2": "row"})
     return layers, stalwart.Data(Images(), global_batch=8, seed=2)
 
 
-def _train(store, rank: int, generation: int, pp: int, tp: int, bounds) -> list[float]:
+def _train(store, rank: int, generation: int, pp: int, tp: int, bounds,
+           blocks=BLOCKS) -> list[float]:
     dims = ParallelDims(Layout(pp=pp, tp=tp)).build(store, rank, generation)
-    trainer = Trainer(dims, *_job(), CFG, stage_bounds=bounds, microbatches=2)
+    trainer = Trainer(dims, *_job(blocks), CFG, stage_bounds=bounds, microbatches=2)
     try:
         return [trainer.step() for _ in range(STEPS)]
     finally:
@@ -76,14 +91,21 @@ def _every_layout(ctx) -> dict[str, list[float]]:
     for generation, (pp, tp, bounds) in enumerate(LAYOUTS):
         if ctx.rank < pp * tp:
             out[str(bounds)] = _train(ctx.store, ctx.rank, generation, pp, tp, bounds)
+    if ctx.rank < 3:  # stage 1 receives fp32, stage 2 bf16 (each block of its own)
+        out["bf16"] = _train(ctx.store, ctx.rank, len(LAYOUTS), 3, 1,
+                             [(0, 4), (5, 6), (7, 7)], BLOCKS[:-1] + BF16_TAIL)
     return out
 
 
 def test_the_probe_measures_each_blocks_output_shape_per_sample():
     layers, data = _job()
     inputs, targets = data.batch(data.indices(0)[:2])
-    probes, shapes = probe(layers, inputs, targets, repeats=1)
-    assert shapes == ((4, 8, 8), (8, 4, 4), (12,), (12,), (16,))
+    probes, activations = probe(layers, inputs, targets, repeats=1)
+    assert [a.shape for a in activations] == [(4, 8, 8), (8, 4, 4), (12,), (12,), (16,)]
+    layers, _ = _job(BLOCKS[:-1] + BF16_TAIL)
+    activations = probe(layers, inputs, targets, repeats=1)[1]
+    fp32, bf16 = Activation((16,), torch.float32), Activation((16,), torch.bfloat16)
+    assert activations[-3:] == (fp32, bf16, bf16)
     assert [p.out_bytes for p in probes[:2]] == [2 * 4 * 8 * 8 * 4, 2 * 8 * 4 * 4 * 4]
 
 
@@ -105,3 +127,6 @@ def test_stages_cut_where_the_shape_changes_train_as_one_process(run_ranks):
             assert results[rank][str(bounds)] == pytest.approx(reference, rel=1e-5), (
                 f"pp={pp} tp={tp} stages {bounds}, rank {rank}")
     assert reference[-1] < reference[0]
+    # bf16 parameters on a stage of their own: the same arithmetic as in one process.
+    bf16 = _train(dist.HashStore(), 0, 0, 1, 1, None, BLOCKS[:-1] + BF16_TAIL)
+    assert [results[rank]["bf16"] for rank in range(3)] == [bf16] * 3

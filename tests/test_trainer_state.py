@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from programs.normed_layers import Normed, Points
 
+from stalwart.client.layers import Activation
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.trainer import TrainConfig, Trainer
 from stalwart.client.trainer_state import adamw_hints, load_state, state_tensors
@@ -82,8 +83,9 @@ def _normed_trainer(generation: int) -> Trainer:
                                      ("head", lambda: torch.nn.Linear(16, 2))],
                              loss=torch.nn.functional.cross_entropy)
     data = stalwart.Data(Points(), global_batch=8, seed=1)
+    # A probe's micro-batch of 1 is too few for BatchNorm: the activations are given.
     return Trainer(ParallelDims().build(dist.HashStore(), 0, generation), layers, data, CFG,
-                   act_shapes=[(16,), (16,)])  # a probe's micro-batch of 1 is too few for BatchNorm
+                   activations=[Activation((16,), torch.float32)] * 2)
 
 
 def test_block_buffers_are_captured_at_the_capture_and_restored_with_the_parameters():
