@@ -41,7 +41,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--nodes", type=int, default=2, help="daemons, each standing for one node")
     a("--ranks-per-node", type=int, default=2, help="training ranks per node")
-    a("--spares", type=int, default=1, help="spare ranks waiting for a role")
+    a("--spares", type=int, default=1,
+      help="spare ranks waiting for a role, --tp of them to a node from the last node on")
     a("--dp", type=int, default=2)
     a("--pp", type=int, default=None, help="default: 2 for the GPT example, 1 with --script")
     a("--tp", type=int, default=1)
@@ -166,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
             argv = [str(args.script.resolve()), *script_args, "--steps", str(args.steps)]
             cluster.env["STALWART_FAULTS"] = json.dumps(faults)
         cluster.launch(_spec(args, faults), world, args.spares, args.ranks_per_node,
-                       argv=argv)
+                       argv=argv, spare_group=args.tp)
         pids = [coordinator.proc.pid, *(r.proc.pid for r in cluster.ranks
                                         if r.node is coordinator)]
         victims.write_text(json.dumps(pids))

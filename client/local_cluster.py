@@ -213,10 +213,13 @@ class LocalCluster:
     # ranks --------------------------------------------------------------------------
 
     def launch(self, spec: dict[str, Any] | None, world: int, spares: int = 0,
-               ranks_per_node: int | None = None, argv: list[str] | None = None) -> None:
+               ranks_per_node: int | None = None, argv: list[str] | None = None,
+               spare_group: int = 1) -> None:
         """Start `world` ranks (RANK 0..world-1, consecutive ranks share a node) and
-        `spares` spare processes on the last nodes, each running `python *argv` (a script
-        written against the public API), by default the GPT example as `spec` says.
+        `spares` spare processes on the last nodes, `spare_group` to a node in turn (the
+        TP degree, so that spares can take a TP group's place together), each running
+        `python *argv` (a script written against the public API), by default the GPT
+        example as `spec` says.
         No store is hosted here: each generation starts from one a rank of its plan serves,
         so this process is not needed by the job (as no host is on real ones)."""
         assert self.workdir is not None
@@ -229,7 +232,7 @@ class LocalCluster:
         spec_path.write_text(json.dumps(spec))
         placements = [(r, self.daemons[min(r // per_node, self.nodes - 1)])
                       for r in range(world)]
-        placements += [(-1, self.daemons[self.nodes - 1 - (j % self.nodes)])
+        placements += [(-1, self.daemons[self.nodes - 1 - (j // spare_group % self.nodes)])
                        for j in range(spares)]
         for i, (rank, node) in enumerate(placements):
             self._start_rank(rank, node, world,

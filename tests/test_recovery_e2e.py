@@ -91,6 +91,17 @@ def land_waits(workdir: Path) -> dict[int, dict]:
     return waits
 
 
+def test_a_tp_group_that_lost_a_rank_is_replaced_by_spares_on_one_node(tmp_path: Path) -> None:
+    # The demo starts --tp spares to a node: the two spares (both on node-2) take the
+    # place of the TP group on node-0 together. Spares on two nodes would make a TP
+    # group across nodes, which the planner ranks below one pipeline stage fewer.
+    layout = ("--nodes", "3", "--ranks-per-node", "2", "--dp", "1", "--pp", "2", "--tp", "2")
+    code, summary = demo(tmp_path, *layout, "--spares", "2", "--kill", "rank:1@step:4")
+    assert code == 0
+    assert summary["layout"] == {"dp": 1, "pp": 2, "tp": 2}
+    assert_recovered(summary, uninterrupted(tmp_path, *layout), 1)
+
+
 def test_a_killed_node_is_replaced_from_its_peers_shards(tmp_path: Path) -> None:
     layout = ("--nodes", "3", "--ranks-per-node", "1", "--dp", "2", "--pp", "1")
     # Spares land on node-2 and node-1; node-1 dies with its rank and spare.
