@@ -247,12 +247,11 @@ class _UserLoopProgram:
             return  # at the end of ctx.batches, or for another optimizer of the step
         ctx._averaged = True
         divisor = ctx.dp_size * max(1, ctx._micro)
-        grads = [torch.zeros_like(p) if p.grad is None else
-                 p.grad.to_dense() if p.grad.is_sparse else p.grad for p in self.params]
-        device = grads[0].device if grads else torch.device("cpu")
-        # One more number per parameter counts the replicas that gave it a gradient: one
-        # that no replica's backward reached keeps grad None, so the optimizer skips it
-        # (no weight decay, no moments), as it would have in one process.
+        device = self.params[0].device if self.params else self.device
+        # One number per parameter counts the replicas that gave it a gradient: one that
+        # no replica's backward reached keeps grad None, so the optimizer skips it (no
+        # weight decay, no moments), as it would have in one process, and its gradient
+        # is not sent (a frozen copy, such as a registered EMA model, costs nothing).
         had = torch.tensor([float(p.grad is not None) for p in self.params], device=device)
         # A sparse embedding's gradient is summed densely, with a mark per row that any
         # replica touched, and given back sparse over those rows; dense where a replica
@@ -265,21 +264,22 @@ class _UserLoopProgram:
                 mark[-1] = 1.0
         tail = torch.cat([had, *marks])
         gen.run_or_abandon(lambda: gen.dims.dp_group.all_reduce(tail), "grad-reduce")
-        given = tail[:len(had)].tolist()
+        given = [i for i, n in enumerate(tail[:len(had)].tolist()) if n > 0]
         touched = {id(p): mark[:-1] for p, mark in zip(self.sparse, tail[len(had):].split(
             [p.shape[0] + 1 for p in self.sparse]), strict=True) if mark[-1] == 0}
+        grads = {i: torch.zeros_like(p) if (p := self.params[i]).grad is None else
+                 p.grad.to_dense() if p.grad.is_sparse else p.grad for i in given}
         # The gradients themselves in buckets of at most bucket_bytes (as fp32): the
         # average needs that much memory beside them, not a copy of all of them.
-        for bucket in _buckets([g.numel() for g in grads], self.bucket_bytes // 4):
-            flat = torch.cat([grads[i].reshape(-1).float() for i in bucket])
+        for bucket in _buckets([grads[i].numel() for i in given], self.bucket_bytes // 4):
+            members = [given[b] for b in bucket]
+            flat = torch.cat([grads[i].reshape(-1).float() for i in members])
             gen.run_or_abandon(lambda flat=flat: gen.dims.dp_group.all_reduce(flat),
                                "grad-reduce")
             flat.div_(divisor)
-            for i, piece in zip(bucket, flat.split([grads[i].numel() for i in bucket]),
+            for i, piece in zip(members, flat.split([grads[i].numel() for i in members]),
                                 strict=True):
                 p, g = self.params[i], grads[i]
-                if given[i] == 0:
-                    continue
                 piece = piece.view_as(g).to(g.dtype)
                 if id(p) in touched:
                     rows = touched[id(p)].nonzero().reshape(1, -1)
