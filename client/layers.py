@@ -158,7 +158,63 @@ class BlockProbe:
     sharded: bool
 
 
-def probe(layers: Layers, inputs: torch.Tensor, targets: torch.Tensor, *, seed: int = 0,
+def sample_pair(batch: Any) -> tuple[Any, Any]:
+    """A collated batch as the 3D loop reads it: (inputs, targets), each a tensor or a
+    tuple, list or dict of tensors with the batch as their first dimension."""
+    if isinstance(batch, tuple | list) and len(batch) == 2:
+        inputs, targets = batch
+        if any(True for _ in _tensors(inputs)) and any(True for _ in _tensors(targets)):
+            return inputs, targets
+    raise ValueError(f"the 3D loop reads each sample as an (inputs, targets) pair, each a "
+                     f"tensor or a tuple, list or dict of tensors; the data gave "
+                     f"{_describe(batch)} for a batch: make the dataset's items such pairs")
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
+    """`value` with `fn` applied to each of its tensors (in tuples, lists and dicts)."""
+    if torch.is_tensor(value):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return {k: map_tensors(fn, v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return type(value)(map_tensors(fn, v) for v in value)
+    return value
+
+
+def split_rows(value: Any, size: int) -> list[Any]:
+    """`value` cut into pieces of `size` rows (the first dimension of each tensor)."""
+    count = -(-batch_rows(value) // size)
+    return [map_tensors(lambda t, i=i: t[i * size:(i + 1) * size], value) for i in range(count)]
+
+
+def batch_rows(value: Any) -> int:
+    """Rows (samples) of a batch: the first dimension of its first tensor."""
+    return next(t.shape[0] for t in _tensors(value))
+
+
+def _tensors(value: Any) -> Any:
+    if torch.is_tensor(value):
+        if value.dim() > 0:
+            yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, tuple | list):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _describe(value: Any) -> str:
+    if torch.is_tensor(value):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, Mapping):
+        return f"a dict with keys {sorted(map(str, value))}"
+    if isinstance(value, tuple | list):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
+
+
+def probe(layers: Layers, inputs: Any, targets: Any, *, seed: int = 0,
           repeats: int = 2) -> tuple[list[BlockProbe], tuple[Activation, ...]]:
     """Run every block alone, at full size, on a micro-batch (one block in memory at a
     time): its forward and backward seconds (fastest of `repeats`), parameters and
@@ -173,7 +229,9 @@ def probe(layers: Layers, inputs: torch.Tensor, targets: torch.Tensor, *, seed: 
         last = i == len(layers) - 1
         best_f = best_b = float("inf")
         for _ in range(repeats):
-            xin = x.detach().requires_grad_() if x.is_floating_point() else x
+            # The first block takes the inputs as the data gave them; a later one the
+            # activation, as a leaf its backward reaches.
+            xin = x if i == 0 or not x.is_floating_point() else x.detach().requires_grad_()
             t0 = time.perf_counter()
             y = block(xin)
             t1 = time.perf_counter()
@@ -189,14 +247,18 @@ def probe(layers: Layers, inputs: torch.Tensor, targets: torch.Tensor, *, seed: 
                                     f"{'' if not torch.is_tensor(y) else ' ' + str(y.dtype)}; "
                                     "blocks before the last must return one floating-point "
                                     "tensor (the activation the pipeline sends on)")
-                if y.dim() == 0 or y.shape[0] != len(inputs):
+                if y.dim() == 0 or y.shape[0] != batch_rows(inputs):
                     raise ValueError(f"block {name!r} returned shape {tuple(y.shape)} for a "
-                                     f"micro-batch of {len(inputs)}; a block's output must "
-                                     "keep the micro-batch as its first dimension")
+                                     f"micro-batch of {batch_rows(inputs)}; a block's output "
+                                     "must keep the micro-batch as its first dimension")
                 y.backward(torch.ones_like(y))
             t2 = time.perf_counter()
             best_f, best_b = min(best_f, t1 - t0), min(best_b, t2 - t1)
+        # The last block may return a structure for the loss (its shape is not sent).
+        one = torch.is_tensor(y)
         out.append(BlockProbe(name, sum(p.numel() for p in block.parameters()), best_f, best_b,
-                              tuple(y.shape), y.numel() * y.element_size(), y.dtype, sharded))
-        x = y.detach()
+                              tuple(y.shape) if one else (),
+                              sum(t.numel() * t.element_size() for t in _tensors(y)),
+                              y.dtype if one else torch.float32, sharded))
+        x = y.detach() if one else y
     return out, tuple(Activation(p.out_shape[1:], p.out_dtype) for p in out[:-1])

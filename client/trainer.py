@@ -20,7 +20,15 @@ import torch
 from stalwart.client import pipeline
 from stalwart.client.digest import tensor_sha256
 from stalwart.client.dp import GradReducer, ReduceFn
-from stalwart.client.layers import Activation, Layers, Stage, probe
+from stalwart.client.layers import (
+    Activation,
+    Layers,
+    Stage,
+    map_tensors,
+    probe,
+    sample_pair,
+    split_rows,
+)
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.pipeline import PipelineStats, StepInterrupted, run_schedule
 from stalwart.client.user_data import Data
@@ -119,7 +127,7 @@ class Trainer:
         self.micro_size = data.global_batch // per_replica
         self.device = torch.device(device)
         if activations is None:
-            inputs, targets = data.batch(data.indices(0)[:1])
+            inputs, targets = sample_pair(data.batch(data.indices(0)[:1]))
             activations = probe(layers, inputs, targets, seed=cfg.seed, repeats=1)[1]
         me = dims.my
         first, last = self.bounds[me.pp]
@@ -175,16 +183,17 @@ class Trainer:
         me, data = self.dims.my, self.data
         share = data.global_batch // self.dims.layout.dp
         mine = data.indices(self.step_count)[me.dp * share:(me.dp + 1) * share]
-        ids, targets = data.batch(mine)
-        ids, targets = ids.to(self.device), targets.to(self.device)
+        ids, targets = (map_tensors(lambda t: t.to(self.device), v)
+                        for v in sample_pair(data.batch(mine)))
         for p in self.params:
             p.grad = None
         scale = 1.0 / (self.dims.layout.dp * self.grad_accum * self.m)
         local_loss = 0.0
         for a in range(self.grad_accum):
             rows = slice(a * self.m * self.micro_size, (a + 1) * self.m * self.micro_size)
-            mb_ids = list(ids[rows].split(self.micro_size))
-            mb_targets = list(targets[rows].split(self.micro_size))
+            mb_ids = split_rows(map_tensors(lambda t, r=rows: t[r], ids), self.micro_size)
+            mb_targets = split_rows(map_tensors(lambda t, r=rows: t[r], targets),
+                                    self.micro_size)
             losses = run_schedule(
                 self.stage, self.actions, self.dims.pp_group, inputs=mb_ids,
                 loss_fn=partial(self._loss, mb_targets, scale),

@@ -17,7 +17,7 @@ import grpc
 from stalwart.client.daemon_client import DaemonUnavailable
 from stalwart.client.digest import param_digest
 from stalwart.client.generation import Generation, PlanChanged
-from stalwart.client.layers import Activation, BlockProbe, Layers, probe
+from stalwart.client.layers import Activation, BlockProbe, Layers, probe, sample_pair
 from stalwart.client.relayout import Role, captured_layout, fetch_and_assemble
 from stalwart.client.trainer import TrainConfig, Trainer, uniform_bounds
 from stalwart.client.trainer_state import adamw_hints, load_state, state_tensors
@@ -50,7 +50,7 @@ class TrainerProgram:
             lay = self.layout
             per_round = max(1, lay.dp) * max(1, lay.microbatches) * max(1, lay.grad_accum)
             micro = max(1, self.data.global_batch // per_round)
-            inputs, targets = self.data.batch(self.data.indices(0)[:micro])
+            inputs, targets = sample_pair(self.data.batch(self.data.indices(0)[:micro]))
             self._probes, self._activations = probe(self.layers, inputs, targets,
                                                   seed=self.train_cfg.seed)
         return self._probes

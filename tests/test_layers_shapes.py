@@ -1,7 +1,8 @@
 """Blocks of Stalwart's 3D loop may change the activation's shape (a convolutional
 network's downsampling stages, a projection to another width) and dtype (a bf16 head):
 each stage receives what its first block takes and sends what its last block gives,
-under any stage bounds, and trains as one process does."""
+under any stage bounds, and trains as one process does. The data's inputs and targets
+may be structures of tensors (a dict of token ids and a mask; a tuple of two targets)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,47 @@ LAYOUTS = [(2, 1, [(0, 0), (1, 5)]), (3, 1, [(0, 1), (2, 3), (4, 5)]),
            (2, 2, [(0, 2), (3, 5)]), (3, 1, [(0, 3), (4, 4), (5, 5)])]
 
 
+class Tokens(torch.utils.data.Dataset):
+    """({"ids": 6 tokens, "mask": which count}, (class, value)) pairs."""
+
+    def __len__(self) -> int:
+        return 128
+
+    def __getitem__(self, i: int) -> tuple[dict[str, torch.Tensor], tuple[int, torch.Tensor]]:
+        g = torch.Generator().manual_seed(i)
+        ids = torch.randint(0, 20, (6,), generator=g)
+        mask = torch.arange(6) < 2 + i % 5
+        return {"ids": ids, "mask": mask}, (int(ids[0]) % 3, ids.float().mean().reshape(1))
+
+
+class MaskedMean(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 12)
+
+    def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        m = x["mask"].unsqueeze(-1).float()
+        return (self.embed(x["ids"]) * m).sum(1) / m.sum(1)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls, self.reg = nn.Linear(12, 3), nn.Linear(12, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cls(x), self.reg(x)
+
+
+def _two_losses(out: tuple[torch.Tensor, torch.Tensor],
+                targets: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(out[0], targets[0]) + F.mse_loss(out[1], targets[1])
+
+
+STRUCTURED = stalwart.Layers(blocks=[("embed", MaskedMean), ("mlp", lambda: Mlp(12)),
+                                     ("heads", TwoHeads)], loss=_two_losses)
+
+
 def _job(blocks=BLOCKS) -> tuple[stalwart.Layers, stalwart.Data]:
     layers = stalwart.Layers(blocks=blocks, loss=lambda y, t: F.cross_entropy(y.float(), t),
                              tp_plan={"fc1": "column", "fc2": "row"})
@@ -78,7 +120,9 @@ def _job(blocks=BLOCKS) -> tuple[stalwart.Layers, stalwart.Data]:
 def _train(store, rank: int, generation: int, pp: int, tp: int, bounds,
            blocks=BLOCKS) -> list[float]:
     dims = ParallelDims(Layout(pp=pp, tp=tp)).build(store, rank, generation)
-    trainer = Trainer(dims, *_job(blocks), CFG, stage_bounds=bounds, microbatches=2)
+    job = (STRUCTURED, stalwart.Data(Tokens(), global_batch=8)) if blocks is None else \
+        _job(blocks)
+    trainer = Trainer(dims, *job, CFG, stage_bounds=bounds, microbatches=2)
     try:
         return [trainer.step() for _ in range(STEPS)]
     finally:
@@ -94,6 +138,9 @@ def _every_layout(ctx) -> dict[str, list[float]]:
     if ctx.rank < 3:  # stage 1 receives fp32, stage 2 bf16 (each block of its own)
         out["bf16"] = _train(ctx.store, ctx.rank, len(LAYOUTS), 3, 1,
                              [(0, 4), (5, 6), (7, 7)], BLOCKS[:-1] + BF16_TAIL)
+    if ctx.rank < 2:
+        out["structured"] = _train(ctx.store, ctx.rank, len(LAYOUTS) + 1, 2, 1, [(0, 0), (1, 2)],
+                                   None)
     return out
 
 
@@ -130,3 +177,25 @@ def test_stages_cut_where_the_shape_changes_train_as_one_process(run_ranks):
     # bf16 parameters on a stage of their own: the same arithmetic as in one process.
     bf16 = _train(dist.HashStore(), 0, 0, 1, 1, None, BLOCKS[:-1] + BF16_TAIL)
     assert [results[rank]["bf16"] for rank in range(3)] == [bf16] * 3
+    # A dict of inputs to the first stage, a tuple of outputs and targets at the last.
+    structured = _train(dist.HashStore(), 0, 0, 1, 1, None, None)
+    assert [results[rank]["structured"] for rank in range(2)] == [structured] * 2
+    assert structured[-1] < structured[0]
+
+
+def test_data_that_is_not_an_inputs_targets_pair_is_named():
+    class Flat(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"ids": torch.zeros(3), "labels": torch.zeros(3), "mask": torch.ones(3)}
+
+    layers = stalwart.Layers(blocks=[("head", lambda: nn.Linear(3, 1))], loss=F.mse_loss)
+    dims = ParallelDims().build(dist.HashStore(), 0, 0)
+    try:
+        with pytest.raises(ValueError, match=r"reads each sample as an \(inputs, targets\) "
+                                             r"pair.*gave a dict with keys \['ids', 'labels'"):
+            Trainer(dims, layers, stalwart.Data(Flat(), global_batch=4), CFG)
+    finally:
+        dims.destroy()
