@@ -53,6 +53,28 @@ def gpu_named(device: str) -> str:
     return f"cuda:{uuid if uuid.lower().startswith('gpu-') else 'GPU-' + uuid}"
 
 
+def check_device(device: str, who: str) -> None:
+    """ValueError, before anything starts, for a device this process cannot train on."""
+    import torch
+
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return
+    if kind != "cuda":
+        raise ValueError(f"{who}: device={device!r}; Stalwart trains on 'cpu' or 'cuda' "
+                         "(with NCCL between ranks)")
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+        raise ValueError(f"{who}: device={device!r}, but torch sees no CUDA device (torch "
+                         f"{torch.__version__}, {build}); run on a GPU host or use "
+                         "device='cpu'")
+    index = torch.device(device).index
+    if index is not None and index >= torch.cuda.device_count():
+        raise ValueError(f"{who}: device={device!r}, but this process sees "
+                         f"{torch.cuda.device_count()} GPU(s) (CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+
+
 def launched_agent(program: Program, *, device: str, collective_timeout_s: float,
                    who: str) -> tuple[ElasticAgent, DaemonClient]:
     """The agent of this launched rank process (RANK < 0 or unset: a spare)."""

@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from stalwart.client.launched import launched_agent, run_rank
+from stalwart.client.launched import check_device, launched_agent, run_rank
 from stalwart.client.layers import Layers
 from stalwart.client.pipeline import SCHEDULES
 from stalwart.client.trainer import TrainConfig, check_layout
@@ -41,6 +41,7 @@ def run_layers(layers: Layers, data: Data, *, steps: int, pp: int = 1, tp: int =
         raise TypeError(f"run_layers() got unknown settings {unknown}; TrainConfig has "
                         f"{sorted(fields)}")
     cfg = TrainConfig(**train)
+    check_device(device, "stalwart.run_layers()")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}; choose one of {SCHEDULES}")
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -30,7 +30,7 @@ import torch
 from stalwart.client.daemon_client import DaemonUnavailable
 from stalwart.client.digest import param_digest, tensor_sha256
 from stalwart.client.generation import Generation
-from stalwart.client.launched import launched_agent, run_rank
+from stalwart.client.launched import check_device, launched_agent, run_rank
 from stalwart.client.user_data import Data
 from stalwart.client.user_state import StateError, StateRegistry
 from stalwart.v1 import common_pb2
@@ -337,6 +337,15 @@ def run(train: Callable[[Context], None], *, model: torch.nn.Module,
         raise ValueError(f"global batch {data.global_batch} does not split over the job's "
                          f"{world} replicas; choose a global batch that divides by {world}")
     dev = torch.device(device)
+    check_device(str(dev), "stalwart.run()")
+    elsewhere = sorted({str(p.device) for _, m in registry.modules() for p in m.parameters()
+                        if p.device.type != dev.type})
+    if elsewhere:
+        # NCCL (device="cuda") reduces CUDA tensors only; gloo would move every gradient
+        # through host memory.
+        raise ValueError(f"the registered model has parameters on {', '.join(elsewhere)} "
+                         f"but run(device={str(dev)!r}); move the model to that device "
+                         "before run() (model.to(device)), or name its device")
     program = _UserLoopProgram(train, registry, world, dev)
     agent, daemon = launched_agent(program, device=str(dev),
                                    collective_timeout_s=collective_timeout_s,

@@ -50,6 +50,30 @@ def test_run_refuses_state_without_load_state_dict_before_starting():
                      state={"counter": Counter()})
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("entry", ["run", "run_layers"])
+def test_a_cuda_device_where_torch_sees_none_is_refused_before_starting(entry):
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"device='cuda', but torch sees no CUDA device .*"
+                                         r"use device='cpu'"):
+        if entry == "run":
+            stalwart.run(lambda ctx: None, model=model, device="cuda",
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        else:
+            layers = stalwart.Layers(blocks=[("head", lambda: nn.Linear(2, 2))],
+                                     loss=torch.nn.functional.mse_loss)
+            stalwart.run_layers(layers, stalwart.Data(_Items(), global_batch=4), steps=1,
+                                device="cuda")
+
+
+def test_a_model_on_another_device_than_runs_is_refused_before_starting():
+    model = nn.Linear(2, 2).to("meta")
+    with pytest.raises(ValueError, match=r"parameters on meta but run\(device='cpu'\); move "
+                                         r"the model to that device"):
+        stalwart.run(lambda ctx: None, model=model,
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
 class _Items(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return 64
