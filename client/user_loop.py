@@ -166,6 +166,13 @@ class _UserLoopProgram:
                        and m.weight.requires_grad]
         # The most gradient bytes (as fp32) averaged in one all-reduce.
         self.bucket_bytes = int(float(os.environ.get("STALWART_GRAD_BUCKET_MB", "64")) * 2**20)
+        # Which parameters' gradients a backward accumulated since the last average: a
+        # loop that runs another backward after ctx.batches (a GAN's generator step)
+        # has those averaged before the optimizer step that follows.
+        self._fresh = [False] * len(self.params)
+        self._dirty = False
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(lambda _, i=i: self._accumulated(i))
         self.ctx: Context | None = None
         self.capturer: Any = None
         self.last_loss: float | None = None
@@ -198,6 +205,7 @@ class _UserLoopProgram:
         gen.report_rebuilt(rebuild_s, time.monotonic() - t_restore)
         for p in self.params:
             p.grad = None  # an abandoned step may have left partial gradients behind
+        self._fresh, self._dirty = [False] * len(self.params), False
         ctx = self.ctx = Context(gen, self, start)
         self.capturer = gen.capturer()
         if start > 0:  # the restored state is whole: its slots can open meanwhile
@@ -236,23 +244,32 @@ class _UserLoopProgram:
             raise RuntimeError(f"restored state is of step {restored}, not {step}")
         return step
 
+    def _accumulated(self, index: int) -> None:
+        self._fresh[index] = self._dirty = True
+
     def _before_update(self, gen: Generation, ctx: Context) -> None:
-        """Before optimizer.step(): the last copy is done, gradients are averaged."""
+        """Before optimizer.step(): the last copy is done, and the gradients are averaged
+        unless ctx.batches did it and no backward ran since. Every replica runs the same
+        backward passes (as under DDP), so they agree on whether to average."""
         self.capturer.before_update()
-        self.average_gradients(gen, ctx)
+        if not ctx._averaged or self._dirty:
+            self.average_gradients(gen, ctx)
 
     def average_gradients(self, gen: Generation, ctx: Context) -> None:
-        """Average this step's gradients over its replicas and micro-batches, once."""
-        if ctx._averaged:
-            return  # at the end of ctx.batches, or for another optimizer of the step
+        """Average the gradients accumulated since the last average over the replicas
+        and the micro-batches of ctx.batches read meanwhile."""
         ctx._averaged = True
         divisor = ctx.dp_size * max(1, ctx._micro)
+        ctx._micro = 0
         device = self.params[0].device if self.params else self.device
-        # One number per parameter counts the replicas that gave it a gradient: one that
-        # no replica's backward reached keeps grad None, so the optimizer skips it (no
-        # weight decay, no moments), as it would have in one process, and its gradient
-        # is not sent (a frozen copy, such as a registered EMA model, costs nothing).
-        had = torch.tensor([float(p.grad is not None) for p in self.params], device=device)
+        # One number per parameter counts the replicas whose backward reached it since the
+        # last average: one that none reached is left as it is (a parameter no backward
+        # reached keeps grad None, so the optimizer skips it, as it would have in one
+        # process) and not sent (a frozen copy, such as a registered EMA model, costs
+        # nothing). One that some reached is averaged over all, each replica giving the
+        # gradient it holds: a part averaged before is the same on every replica.
+        had = torch.tensor([float(f) for f in self._fresh], device=device)
+        self._fresh, self._dirty = [False] * len(self.params), False
         # A sparse embedding's gradient is summed densely, with a mark per row that any
         # replica touched, and given back sparse over those rows; dense where a replica
         # had a dense one (a weight tied to a dense layer).

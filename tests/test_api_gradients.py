@@ -2,8 +2,10 @@
 gradients, as under DDP. Clipping by the global norm clips the job's gradient (not each
 replica's), a GradScaler that finds a non-finite gradient on one replica skips the step
 on every replica (a skipped step is a step), a parameter no replica's backward reached
-keeps no gradient, so the optimizer leaves it alone, and a sparse embedding's gradient
-stays sparse, over the rows any replica touched. On real daemons and rank processes."""
+keeps no gradient, so the optimizer leaves it alone, a sparse embedding's gradient
+stays sparse, over the rows any replica touched, and a second backward after the
+micro-batches (a GAN's generator step) is averaged before the optimizer step that
+follows it. On real daemons and rank processes."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from example_runs import run_example
-from programs import scaled_steps, sparse_rows
+from programs import scaled_steps, sparse_rows, two_phases
 
 pytestmark = pytest.mark.multiprocess
 
@@ -113,3 +115,26 @@ def test_a_sparse_embedding_gradient_is_averaged_over_the_rows_any_replica_touch
     for name, value in model.state_dict().items():
         for out in outs:
             assert torch.allclose(torch.tensor(out[name]), value, rtol=1e-5, atol=1e-6), name
+
+
+def test_a_backward_after_the_micro_batches_is_averaged_before_its_optimizer_step(
+        tmp_path: Path) -> None:
+    outs, run = trained(tmp_path, "phases", "tests/programs/two_phases.py")
+    assert len(outs) == 2, run.logs[-4000:]
+    gen, disc, gen_opt, disc_opt = two_phases.build()
+    samples, batch = two_phases.Real(), two_phases.GLOBAL_BATCH
+    for step in range(STEPS):  # one process; the generator's samples are each replica's last
+        real = torch.stack([samples[i] for i in range(step * batch, (step + 1) * batch)])
+        two_phases.disc_loss(gen, disc, real).backward()
+        disc_opt.step()
+        disc_opt.zero_grad()
+        halves = real.split(batch // 2)
+        sum(two_phases.gen_loss(gen, disc, half) for half in halves).div(2).backward()
+        gen_opt.step()
+        gen_opt.zero_grad()
+        disc_opt.zero_grad()
+    assert outs[0] == outs[1]  # before: each replica stepped its generator on its own
+    for key, module in (("gen", gen), ("disc", disc)):
+        for name, value in module.state_dict().items():
+            got = torch.tensor(outs[0][f"{key}.{name}"])
+            assert torch.allclose(got, value, rtol=1e-5, atol=1e-6), f"{key}.{name}"
