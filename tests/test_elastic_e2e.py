@@ -89,14 +89,13 @@ def test_a_rank_that_joins_later_is_admitted_and_the_plan_widened() -> None:
 
 
 def test_a_lost_node_with_a_whole_tp_group_and_the_coordinator_shrinks(tmp_path: Path) -> None:
-    # node-0 holds the coordinator and the (dp 0) TP pair; the spares sit on two other
-    # nodes, so no spare pair shares a node: the successor coordinator (which learns the
-    # layer profile from the re-announced ranks) keeps the surviving pair and doubles
-    # the accumulation.
+    # node-0 holds the coordinator and the (dp 0) TP pair; one spare, on node-2, cannot
+    # take a pair's place: the successor coordinator (which learns the layer profile
+    # from the re-announced ranks) keeps the surviving pair and doubles the accumulation.
     layout = ("--nodes", "3", "--ranks-per-node", "2", "--dp", "2", "--pp", "1", "--tp", "2")
     code, base = demo(tmp_path, *layout, "--spares", "0", "--no-faults", steps=10)
     assert code == 0
-    code, summary = demo(tmp_path, *layout, "--spares", "2", "--kill", "node:0@step:4",
+    code, summary = demo(tmp_path, *layout, "--spares", "1", "--kill", "node:0@step:4",
                          steps=10)
     assert code == 0 and summary["completed"] and summary["lost_steps"] == 0, summary
     (recovery,) = summary["recoveries"]
