@@ -163,7 +163,7 @@ def sample_pair(batch: Any) -> tuple[Any, Any]:
     tuple, list or dict of tensors with the batch as their first dimension."""
     if isinstance(batch, tuple | list) and len(batch) == 2:
         inputs, targets = batch
-        if any(True for _ in _tensors(inputs)) and any(True for _ in _tensors(targets)):
+        if all(next(_tensors(part), None) is not None for part in (inputs, targets)):
             return inputs, targets
     raise ValueError(f"the 3D loop reads each sample as an (inputs, targets) pair, each a "
                      f"tensor or a tuple, list or dict of tensors; the data gave "

@@ -170,7 +170,6 @@ class _UserLoopProgram:
         # loop that runs another backward after ctx.batches (a GAN's generator step)
         # has those averaged before the optimizer step that follows.
         self._fresh = [False] * len(self.params)
-        self._dirty = False
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda _, i=i: self._accumulated(i))
         self.ctx: Context | None = None
@@ -205,7 +204,7 @@ class _UserLoopProgram:
         gen.report_rebuilt(rebuild_s, time.monotonic() - t_restore)
         for p in self.params:
             p.grad = None  # an abandoned step may have left partial gradients behind
-        self._fresh, self._dirty = [False] * len(self.params), False
+        self._fresh = [False] * len(self.params)
         ctx = self.ctx = Context(gen, self, start)
         self.capturer = gen.capturer()
         if start > 0:  # the restored state is whole: its slots can open meanwhile
@@ -245,14 +244,14 @@ class _UserLoopProgram:
         return step
 
     def _accumulated(self, index: int) -> None:
-        self._fresh[index] = self._dirty = True
+        self._fresh[index] = True
 
     def _before_update(self, gen: Generation, ctx: Context) -> None:
         """Before optimizer.step(): the last copy is done, and the gradients are averaged
         unless ctx.batches did it and no backward ran since. Every replica runs the same
         backward passes (as under DDP), so they agree on whether to average."""
         self.capturer.before_update()
-        if not ctx._averaged or self._dirty:
+        if not ctx._averaged or any(self._fresh):
             self.average_gradients(gen, ctx)
 
     def average_gradients(self, gen: Generation, ctx: Context) -> None:
@@ -269,7 +268,7 @@ class _UserLoopProgram:
         # nothing). One that some reached is averaged over all, each replica giving the
         # gradient it holds: a part averaged before is the same on every replica.
         had = torch.tensor([float(f) for f in self._fresh], device=device)
-        self._fresh, self._dirty = [False] * len(self.params), False
+        self._fresh = [False] * len(self.params)
         # A sparse embedding's gradient is summed densely, with a mark per row that any
         # replica touched, and given back sparse over those rows; dense where a replica
         # had a dense one (a weight tied to a dense layer).
@@ -284,8 +283,7 @@ class _UserLoopProgram:
         given = [i for i, n in enumerate(tail[:len(had)].tolist()) if n > 0]
         touched = {id(p): mark[:-1] for p, mark in zip(self.sparse, tail[len(had):].split(
             [p.shape[0] + 1 for p in self.sparse]), strict=True) if mark[-1] == 0}
-        grads = {i: torch.zeros_like(p) if (p := self.params[i]).grad is None else
-                 p.grad.to_dense() if p.grad.is_sparse else p.grad for i in given}
+        grads = {i: _dense_grad(self.params[i]) for i in given}
         # The gradients themselves in buckets of at most bucket_bytes (as fp32): the
         # average needs that much memory beside them, not a copy of all of them.
         for bucket in _buckets([grads[i].numel() for i in given], self.bucket_bytes // 4):
@@ -376,6 +374,13 @@ def run(train: Callable[[Context], None], *, model: torch.nn.Module,
                       generations=len(agent.result.generations),
                       param_digest=modules_digest(registry))
     return run_rank(agent, daemon, result, result_json)
+
+
+def _dense_grad(p: torch.Tensor) -> torch.Tensor:
+    """What a replica adds to a parameter's average: its gradient, dense (zeros if none)."""
+    if p.grad is None:
+        return torch.zeros_like(p)
+    return p.grad.to_dense() if p.grad.is_sparse else p.grad
 
 
 def _buckets(sizes: list[int], limit: int) -> list[list[int]]:
