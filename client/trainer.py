@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from stalwart.client import pipeline
+from stalwart.client import host_rng, pipeline
 from stalwart.client.digest import tensor_sha256
 from stalwart.client.dp import GradReducer, ReduceFn
 from stalwart.client.layers import (
@@ -323,7 +323,7 @@ class Trainer:
                           "param_groups": opt["param_groups"]},
             "scaler": self.scaler.state_dict(),
             "data": self.data.state_dict(),
-            "rng": {"cpu": torch.get_rng_state(),
+            "rng": {"cpu": torch.get_rng_state(), **host_rng.states(),
                     **({"cuda": torch.cuda.get_rng_state(self.device)}
                        if self.device.type == "cuda" else {})},
             "layout": self.layout(),
@@ -341,6 +341,7 @@ class Trainer:
         torch.set_rng_state(state["rng"]["cpu"])
         if "cuda" in state["rng"]:
             torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+        host_rng.load(state["rng"])
         self.step_count = int(state["step"])
 
     def close(self, wait: bool = True) -> None:

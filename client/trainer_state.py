@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from stalwart.client import host_rng
 from stalwart.client.state_layout import StateTensor
 from stalwart.client.trainer import Trainer
 from stalwart.v1 import manifest_pb2
@@ -58,6 +59,7 @@ def state_tensors(trainer: Trainer) -> tuple[list[StateTensor], dict[str, Any]]:
     out.append(StateTensor("rng/cpu", torch.get_rng_state()))
     if trainer.device.type == "cuda":
         out.append(StateTensor("rng/cuda", torch.cuda.get_rng_state(trainer.device)))
+    out.extend(StateTensor(f"rng/{k}", t) for k, t in host_rng.states().items())
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     extra = {"format": STATE_FORMAT, "step": trainer.step_count,
              "scaler": trainer.scaler.state_dict(), "data": trainer.data.state_dict(),
@@ -115,7 +117,6 @@ def load_state(trainer: Trainer, tensors: dict[str, torch.Tensor], extra: dict[s
         "optimizer": {"state": {names[i]: s for i, s in opt_state.items()},
                       "param_groups": groups},
         "scaler": extra["scaler"], "data": extra["data"],
-        "rng": {"cpu": tensors["rng/cpu"],
-                **({"cuda": tensors["rng/cuda"]} if "rng/cuda" in tensors else {})},
+        "rng": {k.removeprefix("rng/"): t for k, t in tensors.items() if k.startswith("rng/")},
     }
     trainer.load_state_dict(state)

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from stalwart.client import host_rng
 from stalwart.client.record_json import Frozen
 from stalwart.client.state_layout import StateTensor, dtype_to_proto, same_layout
 from stalwart.v1 import manifest_pb2
@@ -90,6 +91,7 @@ class StateRegistry:
         tensors.append(StateTensor("rng/cpu", torch.get_rng_state()))
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             tensors.append(StateTensor("rng/cuda", torch.cuda.get_rng_state()))
+        tensors.extend(StateTensor(f"rng/{k}", t) for k, t in host_rng.states().items())
         self._check_layout(tensors)
         return tensors, {"format": STATE_FORMAT, "step": step, "objects": record}
 
@@ -173,6 +175,8 @@ class StateRegistry:
         torch.set_rng_state(tensors["rng/cpu"])
         if "rng/cuda" in tensors and torch.cuda.is_available():
             torch.cuda.set_rng_state(tensors["rng/cuda"])
+        host_rng.load({k.removeprefix("rng/"): t for k, t in tensors.items()
+                       if k in ("rng/python", "rng/numpy")})
         return int(extra["step"])
 
     def _optimizer_dict(self, key: str, opt: torch.optim.Optimizer, saved: dict[str, Any],

@@ -127,7 +127,7 @@ def test_pipeline_shrink_reproduces_every_layer_exactly(trained, new_pp):
         fetch = needed_ranks(old, role)
         got, _ = relayout(role, {r: states[r] for r in fetch}, old)
         want = expected(trained.full, trained.extra, role)
-        assert got.keys() - {"rng/cpu"} == want.keys()
+        assert {k for k in got if not k.startswith("rng/")} == want.keys()
         for name, t in want.items():
             assert torch.equal(got[name], t), name
 
@@ -205,7 +205,7 @@ def test_any_old_layout_relays_into_any_role_exactly(trained, dp, pp, tp, new_pp
                 dp=data.draw(st.integers(0, 2)))
     got, _ = relayout(role, {r: states[r] for r in needed_ranks(old, role)}, old)
     want = expected(trained.full, trained.extra, role)
-    assert got.keys() - {"rng/cpu"} == want.keys()
+    assert {k for k in got if not k.startswith("rng/")} == want.keys()
     for name, t in want.items():
         assert torch.equal(got[name], t), name
 

@@ -1,0 +1,54 @@
+"""A protected loop whose data set augments each sample with draws from Python's and
+numpy's global generators (a random flip, a jitter), as augmentation pipelines do.
+Every rank that finishes writes its parameter digest as JSON."""
+
+import json
+import os
+import random
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import stalwart
+
+
+class Jittered(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 300
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(6, generator=torch.Generator().manual_seed(index))
+        if random.random() < 0.5:
+            x = x.flip(0)
+        x = x + float(np.random.normal(0.0, 0.1)) + 0.05 * random.gauss(0.0, 1.0)
+        return x, x[:2].sum().reshape(1)
+
+
+def main() -> None:
+    steps = int(sys.argv[sys.argv.index("--steps") + 1])
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    data = stalwart.Data(Jittered(), global_batch=8)
+
+    def train(ctx: stalwart.Context) -> None:
+        for _ in ctx.steps(steps):
+            for x, y in ctx.batches(data):
+                loss = F.mse_loss(model(x), y)
+                loss.backward()
+                ctx.report_loss(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+
+    result = stalwart.run(train, model=model, optimizer=optimizer, data=data)
+    if result is not None:
+        with open(os.path.join(os.environ["PARAMS_DIR"], f"{os.getpid()}.json"), "w") as f:
+            json.dump({"param_digest": result.param_digest}, f)
+
+
+if __name__ == "__main__":
+    main()
