@@ -244,6 +244,13 @@ class Generation:
         if self.agent.on_step is not None:
             self.agent.on_step(step, loss if loss is not None else float("nan"))
 
+    def committed(self, step: int) -> bool:
+        """Whether `step` (or a later one) is committed, as this node's daemon knows now."""
+        reply = self.daemon.call("wait_committed", "WaitCommitted",
+                                 rank_pb2.WaitCommittedRequest(step=step, timeout_s=1e-6),
+                                 timeout=5)
+        return bool(reply.committed)
+
     def wait_committed(self, step: int, timeout_s: float = 120.0) -> None:
         """The last step is durable before this rank reports success. A newer plan ends
         the wait with PlanChanged: a peer was lost before `step` committed, and the rank

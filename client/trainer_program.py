@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from stalwart.client import host_rng
 from stalwart.client.daemon_client import DaemonUnavailable
 from stalwart.client.digest import param_digest
 from stalwart.client.generation import Generation, PlanChanged
@@ -41,6 +42,9 @@ class TrainerProgram:
     """The job's parameter digest once training ended (every stage and TP shard)."""
     _probes: list[BlockProbe] | None = None
     _activations: tuple[Activation, ...] = ()
+    _initial_rng: dict[str, Any] | None = None
+    """Python's and numpy's generators as the first generation found them: one that
+    resumes from step 0 starts from them again (the Trainer reseeds torch's)."""
 
     def start_layout(self) -> common_pb2.ParallelLayout:
         return self.layout
@@ -85,6 +89,10 @@ class TrainerProgram:
             t_restore = time.monotonic()
             if gen.plan.resume_step > 0:
                 _restore(gen, trainer, gen.plan.resume_step)
+            elif self._initial_rng is None:
+                self._initial_rng = host_rng.states()
+            else:
+                host_rng.load(self._initial_rng)
             gen.report_rebuilt(rebuild_s, time.monotonic() - t_restore)
             capturer = gen.capturer()
             if gen.plan.resume_step > 0:  # the restored state is whole: its slots can open

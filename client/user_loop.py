@@ -17,6 +17,7 @@ step) is captured when `ctx.steps()` moves to the next step.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -172,6 +173,11 @@ class _UserLoopProgram:
         self._fresh = [False] * len(self.params)
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda _, i=i: self._accumulated(i))
+        # The state the script built, kept as a host copy until a step after it commits:
+        # a generation that resumes from step 0 (a failure before the first commit)
+        # starts from it again, on survivors that have trained since too.
+        self._initial: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
+        self._past_initial = False
         self.ctx: Context | None = None
         self.capturer: Any = None
         self.last_loss: float | None = None
@@ -199,7 +205,7 @@ class _UserLoopProgram:
 
     def train(self, gen: Generation) -> None:
         t_restore = time.monotonic()
-        start = self._restore(gen) if gen.plan.resume_step > 0 else 0
+        start = self._restore(gen) if gen.plan.resume_step > 0 else self._start_over()
         rebuild_s = t_restore - gen.record["t_build"]
         gen.report_rebuilt(rebuild_s, time.monotonic() - t_restore)
         for p in self.params:
@@ -224,6 +230,19 @@ class _UserLoopProgram:
             for h in hooks:
                 h.remove()
             gen.close_capturer(self.capturer)
+
+    def _start_over(self) -> int:
+        """Step 0: the first time, record the state the script built; after a failure
+        before any step committed, put it back."""
+        if self._initial is not None:
+            self.registry.load(*self._initial)
+            return 0
+        if self._past_initial:
+            raise RuntimeError("a plan resumes from step 0 after a later step committed")
+        tensors, extra = self.registry.capture(0)
+        self._initial = ({t.name: t.tensor.detach().to("cpu", copy=True) for t in tensors},
+                         json.loads(json.dumps(extra)))
+        return 0
 
     def _restore(self, gen: Generation) -> int:
         step, coord = gen.plan.resume_step, gen.role.coord
@@ -322,6 +341,8 @@ class _UserLoopProgram:
         extra["layout"] = {"dp": gen.plan.layout.dp, "pp": 1, "tp": 1,
                            "coords": {"dp": coord.dp, "pp": 0, "tp": 0}}
         self.capturer.capture(step, tensors, extra, self.registry.adamw_hints(), final=final)
+        if self._initial is not None and step > 1 and gen.committed(1):
+            self._initial, self._past_initial = None, True
 
 
 def run(train: Callable[[Context], None], *, model: torch.nn.Module,

@@ -1,6 +1,7 @@
 """A protected loop whose data set augments each sample with draws from Python's and
 numpy's global generators (a random flip, a jitter), as augmentation pipelines do.
-Every rank that finishes writes its parameter digest as JSON."""
+Every rank that finishes writes its parameter digest as JSON. With FAIL_FIRST_STEP set,
+replica 1 raises after its first optimizer step, before that step can commit."""
 
 import json
 import os
@@ -43,6 +44,8 @@ def main() -> None:
                 ctx.report_loss(loss)
             optimizer.step()
             optimizer.zero_grad()
+            if os.environ.get("FAIL_FIRST_STEP") and ctx.generation == 1 and ctx.dp_rank == 1:
+                raise RuntimeError("replica 1 fails after its first update")
 
     result = stalwart.run(train, model=model, optimizer=optimizer, data=data)
     if result is not None:

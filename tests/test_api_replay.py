@@ -1,0 +1,102 @@
+"""What a rank redoes after a failure starts from, and draws, what the uninterrupted run
+did. Python's and numpy's global generators are part of every step's state, so a data
+set that augments with `random` or `np.random` makes a spare's run bitwise the
+uninterrupted one; a failure before the first step commits puts every rank, survivors
+that trained meanwhile included, back to the state the script built."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from example_runs import run_example
+
+from stalwart.client import host_rng
+from stalwart.client.user_state import StateRegistry
+
+
+def draws() -> list[float]:
+    # gauss() and normal() cache a second value: the state must carry it.
+    return [random.random(), random.gauss(0, 1), float(np.random.normal()),
+            float(np.random.rand()), random.getrandbits(64)]
+
+
+@pytest.mark.parametrize("cached_gauss", [False, True])
+def test_a_restored_state_draws_what_the_captured_one_drew(cached_gauss: bool) -> None:
+    random.seed(3)
+    np.random.seed(3)
+    if cached_gauss:
+        random.gauss(0, 1)
+        np.random.normal()
+    saved = {k: t.clone() for k, t in host_rng.states().items()}
+    assert set(saved) == {"python", "numpy"}
+    assert all(t.dtype == torch.int64 for t in saved.values())
+    want = draws()
+    random.seed(99)
+    np.random.seed(99)
+    host_rng.load(saved)
+    assert draws() == want
+
+
+def test_a_state_without_a_generator_leaves_it_as_it_is() -> None:
+    np.random.seed(5)
+    want = float(np.random.rand())
+    np.random.seed(5)
+    host_rng.load({"python": host_rng.states()["python"]})
+    assert float(np.random.rand()) == want
+
+
+def test_the_registry_captures_and_restores_them_with_torchs() -> None:
+    model = torch.nn.Linear(2, 2)
+    registry = StateRegistry({"model": model})
+    random.seed(1)
+    np.random.seed(1)
+    tensors, extra = registry.capture(0)
+    names = {t.name for t in tensors}
+    assert {"rng/cpu", "rng/python", "rng/numpy"} <= names
+    want = draws()
+    random.seed(2)
+    np.random.seed(2)
+    registry.load({t.name: t.tensor.clone() for t in tensors}, json.loads(json.dumps(extra)))
+    assert draws() == want
+
+
+def trained(tmp_path: Path, name: str, **kw) -> tuple[str, object]:
+    folder = tmp_path / name
+    folder.mkdir()
+    os.environ["PARAMS_DIR"] = str(folder)
+    try:
+        run = run_example(tmp_path / f"{name}-cluster", "tests/programs/augmented.py",
+                          "--steps", "12", **kw)
+    finally:
+        del os.environ["PARAMS_DIR"]
+    outs = {json.loads(p.read_text())["param_digest"] for p in folder.glob("*.json")}
+    assert len(outs) == 1, run.logs[-4000:]
+    return outs.pop(), run
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return trained(tmp_path_factory.mktemp("base"), "base")[0]
+
+
+@pytest.mark.multiprocess
+def test_a_spare_draws_the_augmentation_the_lost_rank_would_have(tmp_path: Path,
+                                                               uninterrupted: str) -> None:
+    digest, _ = trained(tmp_path, "killed", spares=1, kill_rank=1, kill_after_step=5)
+    assert digest == uninterrupted
+
+
+@pytest.mark.multiprocess
+def test_a_failure_before_the_first_commit_starts_the_survivor_over(
+        tmp_path: Path, uninterrupted: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAIL_FIRST_STEP", "1")
+    digest, run = trained(tmp_path, "failed", spares=1)
+    # Replica 0 had taken its first optimizer step too when the job resumed from step 0.
+    assert [p.resume_step for p in run.plans] == [0, 0], run.plans
+    assert digest == uninterrupted
