@@ -140,6 +140,12 @@ class Context:
         """This replica's micro-batches of the current step's global batch (collated);
         backpropagate each one's mean loss: once the last one is through, Stalwart
         averages the gradients over micro-batches and replicas."""
+        if not isinstance(data, Data):
+            raise TypeError(
+                f"ctx.batches takes a stalwart.Data, not {type(data).__name__}: wrap the "
+                "map-style dataset (stalwart.Data(dataset, global_batch=G)) so the job "
+                "deals each step's samples to the replicas; to read your own loader, "
+                "iterate it directly and register it as state={'loader': loader}")
         shares = data.shares(self._step, self.dp_size, self.dp_rank, self.accumulation)
         for indices in shares:
             self._micro += 1

@@ -144,6 +144,13 @@ def _adamw(model: nn.Module, optimizer: str) -> tuple[torch.optim.Optimizer, Any
     return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2)
 
 
+def test_batches_of_something_other_than_data_are_refused_with_the_way_to_wrap_it():
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 2)))
+    ctx = object.__new__(stalwart.Context)
+    with pytest.raises(TypeError, match=r"stalwart.Data, not DataLoader.*state=\{'loader'"):
+        next(ctx.batches(loader))
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw", "adamw-tensor-lr"])
 def test_registered_state_restores_bitwise_into_fresh_objects(optimizer):
     model, opt, sched, ema = _job()
