@@ -21,6 +21,7 @@ import grpc
 from stalwart.client.daemon_env import DaemonUnavailable, RankEnv, default_target, tls_credentials
 from stalwart.client.job_token import find_token
 from stalwart.client.shm import MappedSlot, SlotRefused
+from stalwart.core.failures import RAISED_CHARS
 from stalwart.daemon.config_schema import default
 from stalwart.v1 import (
     common_pb2,
@@ -158,15 +159,16 @@ class DaemonClient:
             for key, nbytes in sent.items():
                 self._links[key] = self._links.get(key, 0.0) + nbytes
 
-    def heartbeat(self, *, leaving: bool = False) -> rank_pb2.HeartbeatReply:
-        """Send one heartbeat now (the background thread calls this every interval)."""
+    def heartbeat(self, *, leaving: bool = False, raised: str = "") -> rank_pb2.HeartbeatReply:
+        """Send one heartbeat now (the background thread calls this every interval);
+        `raised`: the exception this rank is about to exit with."""
         if not self.rank_id:
             raise DaemonUnavailable("heartbeat before register(): call register() first")
         with self._links_lock:
             links, self._links = self._links, {}
         request = rank_pb2.HeartbeatRequest(
             rank_id=self.rank_id, generation=self.generation, step=self._step,
-            step_time_s=self._step_time_s, leaving=leaving,
+            step_time_s=self._step_time_s, leaving=leaving, raised=raised[:RAISED_CHARS],
             recovery_phase_s=getattr(self, "_phases", {}),
             link_bytes=[rank_pb2.LinkBytesSent(link=link, collective=collective, bytes=n)
                         for (link, collective), n in links.items()])
@@ -211,16 +213,18 @@ class DaemonClient:
             self._thread.join(timeout_s)
         self._thread = None
 
-    def close(self, *, leaving: bool = True) -> None:
-        """Stop heartbeats, tell the daemon this rank leaves cleanly, close the channel."""
+    def close(self, *, leaving: bool = True, raised: str = "") -> None:
+        """Stop heartbeats, tell the daemon this rank leaves cleanly (or, not leaving,
+        the exception it exits with), close the channel."""
         if self._pid != os.getpid():
             return  # nothing of this object belongs to this process
         self.stop_heartbeats()
-        if leaving and self.rank_id and not self.fenced:
+        if (leaving or raised) and self.rank_id and not self.fenced:
             try:
-                self.heartbeat(leaving=True)
+                self.heartbeat(leaving=leaving, raised="" if leaving else raised)
             except DaemonUnavailable as e:
-                log.warning("could not tell the daemon this rank leaves: %s", e)
+                log.warning("could not tell the daemon this rank %s: %s",
+                            "leaves" if leaving else "raised", e)
         with self._lock:
             if self._channel is not None:
                 self._channel.close()

@@ -254,7 +254,8 @@ def _watch(cluster: Any, args: argparse.Namespace, t0: float,
                 if key not in seen_failures:
                     seen_failures.add(key)
                     detected.append({"subject": f.subject, "kind": _kind(f.kind),
-                                     "by": st.node, "captured_step": f.captured_step})
+                                     "by": st.node, "captured_step": f.captured_step,
+                                     "evidence": f.evidence})
                     _say(t0, f"DETECTED {_kind(f.kind)} of {f.subject} by {st.node}: "
                              f"{f.evidence}")
         if coord is not None:

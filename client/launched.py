@@ -122,16 +122,19 @@ def run_rank(agent: ElasticAgent, daemon: DaemonClient, result: Callable[[], R |
     survivors re-plan. Told it left cleanly, the daemon would leave its peers waiting for
     it until their collectives time out."""
     out: R | None = None
-    returned = False
+    returned, raised = False, ""
     try:
         agent.run()
         returned = True
         out = result()
+    except BaseException as exc:
+        raised = f"{type(exc).__name__}: {exc}".splitlines()[0]  # what the exit report names
+        raise
     finally:
         try:
             write_result(agent, None if out is None else as_json(out))
         finally:
-            daemon.close(leaving=returned)
+            daemon.close(leaving=returned, raised=raised)
     return out
 
 

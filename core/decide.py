@@ -248,6 +248,14 @@ def _pick_spares(
 def _stop_message(failed: list[Member], causes: Sequence[Failure], step: int, why: str) -> str:
     lost = "; ".join(m.where for m in failed)
     seen = "; ".join(f.describe() for f in causes)
+    why = why.rstrip(" .") + "."
+    raised = sorted({f.raised for f in causes if f.raised})
+    if raised:
+        others = f" (and {len(raised) - 1} other exceptions)" if len(raised) > 1 else ""
+        why += (f" The training of {sum(bool(f.raised) for f in causes)} lost rank(s) raised "
+                f"{raised[0]!r}{others}: a spare given such a role runs the same code and "
+                "may raise it again; read the rank's log and fix the cause before adding "
+                "spares.")
     return (
         f"Lost {lost}. {why} Training stops at the last committed step {step}; nothing "
         f"committed is lost. It resumes from step {step} by itself, with nothing "

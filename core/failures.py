@@ -16,6 +16,12 @@ from stalwart.v1 import common_pb2
 __all__ = ["Failure", "FailureKind"]
 
 
+RAISED_CHARS = 300
+"""The most of a rank's exception text its process-exit failure carries."""
+AFTER_RAISING = " after raising "
+"""Between a process exit's evidence and the exception the rank exited with."""
+
+
 class FailureKind(enum.Enum):
     """The detector that fired; values match `FailureEvent.Kind`."""
 
@@ -59,6 +65,14 @@ class Failure:
     def names_node(self) -> bool:
         """True when `subject` is a node (every rank on it is affected)."""
         return self.kind is FailureKind.PEER_LOST
+
+    @property
+    def raised(self) -> str:
+        """The exception a rank's training raised before its process exited ("" if none
+        was told)."""
+        if self.kind is not FailureKind.PROCESS_EXIT or AFTER_RAISING not in self.evidence:
+            return ""
+        return self.evidence.split(AFTER_RAISING, 1)[1]
 
     def describe(self) -> str:
         """One line for logs and the demo screen."""

@@ -15,7 +15,7 @@ from stalwart.core.decide import (
     decide,
     resume,
 )
-from stalwart.core.failures import Failure, FailureKind
+from stalwart.core.failures import AFTER_RAISING, Failure, FailureKind
 from stalwart.core.layout import Coord, Layout
 
 
@@ -72,6 +72,17 @@ def test_without_spares_the_job_stops_at_the_last_committed_step_with_a_clear_me
     assert d.generation == 2 and d.last_committed_step == 17
     assert "step 17" in d.message and "r1" in d.message and "spare" in d.message
     assert "SIGKILL" in d.message
+
+
+def test_a_stop_after_a_rank_raised_names_the_exception_and_that_a_spare_may_raise_it():
+    state = grid(1, 2, 1, ranks_per_node=1)
+    raised = Failure(FailureKind.PROCESS_EXIT, "r1",
+                     f"process 7 exited{AFTER_RAISING}ValueError: bad shape", generation=1)
+    d = decide(state, [raised], committed_step=5)
+    assert isinstance(d, StopDecision)
+    assert "raised 'ValueError: bad shape'" in d.message and "fix the cause" in d.message
+    plain = decide(state, [killed("r1")], committed_step=5)
+    assert "raised" not in plain.message and ". Training stops" in plain.message
 
 
 def joined(state: PlanState, *spares: Member) -> PlanState:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from stalwart.core.failures import FailureKind
+from stalwart.core.failures import RAISED_CHARS, FailureKind
 from stalwart.core.generation import StaleGeneration
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.liveness import (
@@ -165,6 +165,18 @@ def test_registry_declares_an_exited_rank_process_dead() -> None:
     [failure] = reg.check()
     assert failure.kind is FailureKind.PROCESS_EXIT and failure.subject == rank_id
     assert failures_of(metrics, "process_exit") == 1.0
+
+
+def test_the_exit_of_a_rank_that_told_what_it_raised_names_the_exception() -> None:
+    reg = registry(Clock())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    rank_id = add_rank(reg, pid=child.pid, watch_pid=True)
+    reg.heartbeat(rank_id, reg.generation, 3, 0.1, raised="ValueError: " + "x" * 1000)
+    child.wait(10)
+    [failure] = reg.check()
+    assert failure.kind is FailureKind.PROCESS_EXIT
+    assert failure.evidence.startswith(f"process {child.pid} exited after raising ValueError")
+    assert failure.raised.startswith("ValueError: xxx") and len(failure.raised) == RAISED_CHARS
 
 
 def test_peers_move_from_up_to_suspect_to_lost_with_one_failure() -> None:

@@ -161,6 +161,9 @@ def test_a_rank_whose_training_raises_is_replaced_without_waiting_for_a_timeout(
     rank1 = f"node-{summary['rank_nodes']['rank1']}/{summary['pids']['rank1']}"
     detected = [(d["subject"], d["kind"]) for d in summary["detected"]]
     assert (rank1, "process_exit") in detected, detected
+    # It told its daemon what it raised before exiting: the exit's report names it.
+    assert any(d["subject"] == rank1 and "after raising InjectedError" in d["evidence"]
+               for d in summary["detected"]), summary["detected"]
     assert "collective_hang" not in {kind for _, kind in detected}, detected
     assert summary["exits"]["rank1"] not in (0, None, -9), summary["exits"]
 

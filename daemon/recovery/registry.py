@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from stalwart.core.failures import Failure, FailureKind
+from stalwart.core.failures import AFTER_RAISING, RAISED_CHARS, Failure, FailureKind
 from stalwart.core.generation import StaleGeneration, check_generation
 from stalwart.core.layout import Layout
 from stalwart.core.straggler import StragglerConfig, StragglerDetector
@@ -75,6 +75,7 @@ class RankRecord:
     progress_at: float = 0.0  # registry clock of its last step change (or plan change)
     state: str = ALIVE
     cause: str = ""  # evidence of the death, once dead
+    raised: str = ""  # the exception its training raised, told just before its exit
 
     @property
     def ended(self) -> bool:
@@ -140,12 +141,14 @@ class Registry:
         return record
 
     def heartbeat(self, rank_id: str, generation: int, step: int, step_time_s: float,
-                  leaving: bool = False,
+                  leaving: bool = False, raised: str = "",
                   recovery_phases: dict[str, float] | None = None) -> RankRecord:
         """Record a heartbeat; refuses unknown ranks, dead ranks and older generations
         (whose beat still counts as alive).
 
-        A `leaving` heartbeat ends the rank's watch without counting as a failure.
+        A `leaving` heartbeat ends the rank's watch without counting as a failure;
+        `raised` names the exception the rank is about to exit with, for the report of
+        its exit.
         `recovery_phases` (seconds by phase) are the rank's timings of joining
         `generation`; each is observed once per rank and generation.
         """
@@ -161,6 +164,8 @@ class Registry:
         # plan yet (busy leaving the old one) is catching up, not gone. Its step is not
         # taken: it belongs to the generation the rank is told to leave.
         record.last_heartbeat = self.clock()
+        if raised:  # whatever generation it speaks for: its exit is reported all the same
+            record.raised = raised[:RAISED_CHARS]
         check_generation(generation, self.generation, f"heartbeat of rank {rank_id}")
         if step > record.step and step_time_s > 0:  # a new step finished: one sample
             self.stragglers.observe(rank_id, step_time_s)
@@ -249,8 +254,9 @@ class Registry:
             if record.ended:
                 continue
             if record.process is not None and not process_alive(record.process):
+                raised = f"{AFTER_RAISING}{record.raised}" if record.raised else ""
                 found.append(self._declare_dead(
-                    record, FailureKind.PROCESS_EXIT, f"process {record.pid} exited"))
+                    record, FailureKind.PROCESS_EXIT, f"process {record.pid} exited{raised}"))
                 continue
             if paused:  # its heartbeats queued behind this daemon's pause, not the rank's
                 record.last_heartbeat = max(record.last_heartbeat, now - self.heartbeat_interval_s)

@@ -96,6 +96,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
         try:
             self.registry.heartbeat(request.rank_id, request.generation, request.step,
                                     request.step_time_s, leaving=request.leaving,
+                                    raised=request.raised,
                                     recovery_phases=dict(request.recovery_phase_s))
         except TYPED as exc:
             await abort(context, exc)

@@ -230,6 +230,7 @@ def _heartbeat(r: rank_pb2.HeartbeatRequest) -> None:
     in_range(r.generation, 0, MAX_GENERATION, "generation")
     in_range(r.step, 0, MAX_STEP, "step")
     in_range(r.step_time_s, 0.0, 1e9, "step_time_s")
+    text(r.raised, "raised")
     # Collective names become metric labels too.
     count(r.link_bytes, "link_bytes", MAX_COLLECTIVES)
     for sent in r.link_bytes:

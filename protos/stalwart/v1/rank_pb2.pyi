@@ -149,6 +149,7 @@ class HeartbeatRequest(_message.Message):
     LEAVING_FIELD_NUMBER: _builtins.int
     RECOVERY_PHASE_S_FIELD_NUMBER: _builtins.int
     LINK_BYTES_FIELD_NUMBER: _builtins.int
+    RAISED_FIELD_NUMBER: _builtins.int
     rank_id: _builtins.str
     generation: _builtins.int
     step: _builtins.int
@@ -156,6 +157,11 @@ class HeartbeatRequest(_message.Message):
     """wall time of the last completed step"""
     leaving: _builtins.bool
     """last heartbeat of a rank that stops cleanly: not a failure"""
+    raised: _builtins.str
+    """The exception this rank's training raised ("ValueError: ..."), in its last heartbeat
+    before its process exits with it: the daemon's report of the exit names it. At most
+    300 characters are kept.
+    """
     @_builtins.property
     def recovery_phase_s(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Seconds this rank spent joining `generation`, by phase ("rebuild": new process
@@ -179,10 +185,11 @@ class HeartbeatRequest(_message.Message):
         leaving: _builtins.bool = ...,
         recovery_phase_s: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         link_bytes: _abc.Iterable[Global___LinkBytesSent] | None = ...,
+        raised: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "leaving", b"leaving", "link_bytes", b"link_bytes", "rank_id", b"rank_id", "recovery_phase_s", b"recovery_phase_s", "step", b"step", "step_time_s", b"step_time_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "leaving", b"leaving", "link_bytes", b"link_bytes", "raised", b"raised", "rank_id", b"rank_id", "recovery_phase_s", b"recovery_phase_s", "step", b"step", "step_time_s", b"step_time_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
