@@ -85,6 +85,14 @@ def launched_agent(program: Program, *, device: str, collective_timeout_s: float
         raise RuntimeError(f"{who} needs a Stalwart launcher: start the script with "
                            "`stalwart demo`, or from stalwart.client.local_cluster in tests, "
                            "next to a `stalwart daemon`; STALWART_UNIX_SOCKET is not set")
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError(
+            f"{who}: torch.distributed's default process group is initialized; remove "
+            "init_process_group() from the script: Stalwart builds each generation's "
+            "process groups itself and rebuilds them after a failure (in run()'s loop, "
+            "read ctx.dp_rank and ctx.dp_size, and pass group=ctx.dp_group)")
     rank = int(env.get("RANK", "-1"))
     cfg = AgentConfig(spare=rank < 0, collective_timeout_s=collective_timeout_s,
                       plan_timeout_s=float(env.get("STALWART_PLAN_TIMEOUT_S", "120")),

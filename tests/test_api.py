@@ -37,6 +37,30 @@ def test_run_without_a_launcher_says_what_is_missing(monkeypatch):
                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+@pytest.mark.parametrize("entry", ["run", "run_layers"])
+def test_a_script_that_initialized_torch_distributed_itself_is_told_to_remove_it(
+        monkeypatch, tmp_path, entry):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("STALWART_UNIX_SOCKET", str(tmp_path / "no-daemon.sock"))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Linear(2, 2)
+        with pytest.raises(RuntimeError, match=r"remove init_process_group\(\)"):
+            if entry == "run":
+                stalwart.run(lambda ctx: None, model=model,
+                             optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+            else:
+                stalwart.run_layers(
+                    stalwart.Layers(blocks=[("a", lambda: nn.Linear(2, 2))],
+                                    loss=torch.nn.functional.mse_loss),
+                    stalwart.Data(torch.utils.data.TensorDataset(torch.zeros(4, 2),
+                                                                 torch.zeros(4, 2)),
+                                  global_batch=2), steps=1)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_run_refuses_state_without_load_state_dict_before_starting():
     class Counter:
         def state_dict(self):
