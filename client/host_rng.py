@@ -12,10 +12,12 @@ numpy (MT19937 only, captured once numpy is imported) `[pos, has_gauss, gauss bi
 
 from __future__ import annotations
 
+import array
 import random
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -31,19 +33,41 @@ def _float(bits: int) -> float:
 
 
 def states() -> dict[str, torch.Tensor]:
-    """`{"python": tensor, "numpy": tensor}` (numpy only when imported and MT19937)."""
-    version, internal, gauss = random.getstate()
-    out = {"python": torch.tensor([version, *internal, gauss is not None,
-                                   _bits(gauss or 0.0)], dtype=torch.int64)}
+    """`{"python": tensor, "numpy": tensor}` (numpy only when imported and MT19937).
+    A generator nobody drew from since the last call gives the same tensor again."""
+    out = {"python": _kept("python", random.getstate(), _python_words)}
     np = sys.modules.get("numpy")
     if np is not None:
         state = np.random.get_state(legacy=False)
         if state["bit_generator"] == "MT19937":
-            key = torch.from_numpy(state["state"]["key"].astype(np.int64))
-            head = torch.tensor([state["state"]["pos"], state["has_gauss"],
-                                 _bits(state["gauss"])], dtype=torch.int64)
-            out["numpy"] = torch.cat([head, key])
+            inner = state["state"]
+            key = (inner["pos"], state["has_gauss"], state["gauss"], inner["key"].tobytes())
+            out["numpy"] = _kept("numpy", key, lambda _: _numpy_words(state))
     return out
+
+
+_last: dict[str, tuple[Any, torch.Tensor]] = {}
+
+
+def _kept(name: str, state: Any, words: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+    last = _last.get(name)
+    if last is None or last[0] != state:
+        last = _last[name] = (state, words(state))
+    return last[1]
+
+
+def _python_words(state: tuple[int, tuple[int, ...], float | None]) -> torch.Tensor:
+    version, internal, gauss = state
+    words = array.array("q", (version, *internal, gauss is not None, _bits(gauss or 0.0)))
+    return torch.frombuffer(words, dtype=torch.int64)
+
+
+def _numpy_words(state: dict[str, Any]) -> torch.Tensor:
+    import numpy as np
+
+    inner = state["state"]
+    head = np.array([inner["pos"], state["has_gauss"], _bits(state["gauss"])], dtype=np.int64)
+    return torch.from_numpy(np.concatenate([head, inner["key"].astype(np.int64)]))
 
 
 def load(saved: Mapping[str, torch.Tensor]) -> None:
