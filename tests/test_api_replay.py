@@ -71,7 +71,8 @@ def trained(tmp_path: Path, name: str, **kw) -> tuple[str, object]:
     folder.mkdir()
     os.environ["PARAMS_DIR"] = str(folder)
     try:
-        run = run_example(tmp_path / f"{name}-cluster", "tests/programs/augmented.py",
+        # A short folder name: the daemons' Unix sockets live under it.
+        run = run_example(tmp_path / "c", "tests/programs/augmented.py",
                           "--steps", "12", **kw)
     finally:
         del os.environ["PARAMS_DIR"]
