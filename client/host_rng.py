@@ -35,24 +35,26 @@ def _float(bits: int) -> float:
 def states() -> dict[str, torch.Tensor]:
     """`{"python": tensor, "numpy": tensor}` (numpy only when imported and MT19937).
     A generator nobody drew from since the last call gives the same tensor again."""
-    out = {"python": _kept("python", random.getstate(), _python_words)}
+    python = random.getstate()
+    out = {"python": _kept("python", python, lambda: _python_words(python))}
     np = sys.modules.get("numpy")
     if np is not None:
         state = np.random.get_state(legacy=False)
         if state["bit_generator"] == "MT19937":
             inner = state["state"]
             key = (inner["pos"], state["has_gauss"], state["gauss"], inner["key"].tobytes())
-            out["numpy"] = _kept("numpy", key, lambda _: _numpy_words(state))
+            out["numpy"] = _kept("numpy", key, lambda: _numpy_words(state))
     return out
 
 
 _last: dict[str, tuple[Any, torch.Tensor]] = {}
 
 
-def _kept(name: str, state: Any, words: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+def _kept(name: str, key: Any, words: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The tensor made for `key` last time, or a new one from `words()`."""
     last = _last.get(name)
-    if last is None or last[0] != state:
-        last = _last[name] = (state, words(state))
+    if last is None or last[0] != key:
+        last = _last[name] = (key, words())
     return last[1]
 
 

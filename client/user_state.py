@@ -176,7 +176,7 @@ class StateRegistry:
         if "rng/cuda" in tensors and torch.cuda.is_available():
             torch.cuda.set_rng_state(tensors["rng/cuda"])
         host_rng.load({k.removeprefix("rng/"): t for k, t in tensors.items()
-                       if k in ("rng/python", "rng/numpy")})
+                       if k.startswith("rng/")})
         return int(extra["step"])
 
     def _optimizer_dict(self, key: str, opt: torch.optim.Optimizer, saved: dict[str, Any],
