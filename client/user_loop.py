@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import grpc
 import torch
+import torch.distributed as dist
 
 from stalwart.client.daemon_client import DaemonUnavailable
 from stalwart.client.digest import param_digest, tensor_sha256
@@ -211,7 +212,7 @@ class _UserLoopProgram:
 
     def train(self, gen: Generation) -> None:
         t_restore = time.monotonic()
-        start = self._restore(gen) if gen.plan.resume_step > 0 else self._start_over()
+        start = self._restore(gen) if gen.plan.resume_step > 0 else self._start_over(gen)
         rebuild_s = t_restore - gen.record["t_build"]
         gen.report_rebuilt(rebuild_s, time.monotonic() - t_restore)
         for p in self.params:
@@ -237,18 +238,54 @@ class _UserLoopProgram:
                 h.remove()
             gen.close_capturer(self.capturer)
 
-    def _start_over(self) -> int:
-        """Step 0: the first time, record the state the script built; after a failure
-        before any step committed, put it back."""
-        if self._initial is not None:
+    def _start_over(self, gen: Generation) -> int:
+        """Step 0: the replicas take one replica's modules, and the state is recorded the
+        first time; after a failure before any step committed, it is put back."""
+        held = self._initial is not None
+        if held:
             self.registry.load(*self._initial)
-            return 0
-        if self._past_initial:
+        elif self._past_initial:
             raise RuntimeError("a plan resumes from step 0 after a later step committed")
-        tensors, extra = self.registry.capture(0)
-        self._initial = ({t.name: t.tensor.detach().to("cpu", copy=True) for t in tensors},
-                         json.loads(json.dumps(extra)))
+        self._share_modules(gen, held)
+        if not held:
+            tensors, extra = self.registry.capture(0)
+            self._initial = ({t.name: t.tensor.detach().to("cpu", copy=True) for t in tensors},
+                             json.loads(json.dumps(extra)))
         return 0
+
+    def _share_modules(self, gen: Generation, held: bool) -> None:
+        """Give every replica the registered modules' parameters and buffers of one
+        replica, bit for bit, as DDP's constructor broadcasts rank 0's: a script that
+        seeds by rank, or loads weights on rank 0 alone, starts its replicas alike. The
+        source is the first replica that `held` the job's starting state (replica 0 at
+        the job's start; after a failure before the first commit, a survivor, so that a
+        spare takes the lost replica's start). Optimizer state and generators are each
+        replica's own, as under DDP."""
+        group = gen.dims.dp_group
+        if group.size == 1:
+            return
+        first = torch.tensor([group.index if held else group.size], device=self.device)
+        gen.run_or_abandon(lambda: group.all_reduce(first, dist.ReduceOp.MIN),
+                           "start-source")
+        root = int(first.item()) % group.size
+        tensors = list({id(t): t for _, m in self.registry.modules()
+                        for t in (*m.parameters(), *m.buffers())}.values())
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        for bucket in _buckets(sizes, self.bucket_bytes):
+            members = [tensors[b] for b in bucket]
+            if group.index == root:
+                flat = torch.cat([t.detach().reshape(-1).view(torch.uint8).to(self.device)
+                                  for t in members])
+            else:
+                flat = torch.empty(sum(sizes[b] for b in bucket), dtype=torch.uint8,
+                                   device=self.device)
+            gen.run_or_abandon(lambda flat=flat: group.broadcast(flat, root), "start-broadcast")
+            if group.index != root:
+                with torch.no_grad():
+                    for t, piece in zip(members, flat.split([sizes[b] for b in bucket]),
+                                        strict=True):
+                        # A fresh piece is aligned for any dtype.
+                        t.copy_(piece.clone().view(t.dtype).view(t.shape))
 
     def _restore(self, gen: Generation) -> int:
         step, coord = gen.plan.resume_step, gen.role.coord

@@ -2,7 +2,8 @@
 did. Python's and numpy's global generators are part of every step's state, so a data
 set that augments with `random` or `np.random` makes a spare's run bitwise the
 uninterrupted one; a failure before the first step commits puts every rank, survivors
-that trained meanwhile included, back to the state the script built."""
+that trained meanwhile included, back to the state the script built. The replicas start
+from one replica's weights, as under DDP, however each process built its own."""
 
 from __future__ import annotations
 
@@ -101,3 +102,23 @@ def test_a_failure_before_the_first_commit_starts_the_survivor_over(
     # Replica 0 had taken its first optimizer step too when the job resumed from step 0.
     assert [p.resume_step for p in run.plans] == [0, 0], run.plans
     assert digest == uninterrupted
+
+
+@pytest.mark.multiprocess
+def test_replicas_start_from_one_replicas_weights(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each rank seeds by its rank, so each builds other weights; trained() asserts
+    # that every rank ends with the same parameters.
+    monkeypatch.setenv("SEED_BY_RANK", "1")
+    trained(tmp_path, "by-rank")
+
+
+@pytest.mark.multiprocess
+def test_a_spare_joining_at_step_0_takes_a_survivors_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The spare built weights of its own; the survivor had trained one step past the
+    # start it goes back to. Both must take the survivor's start.
+    monkeypatch.setenv("SEED_BY_RANK", "1")
+    monkeypatch.setenv("FAIL_FIRST_STEP", "1")
+    _, run = trained(tmp_path, "by-rank-failed", spares=1)
+    assert [p.resume_step for p in run.plans] == [0, 0], run.plans

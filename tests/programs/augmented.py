@@ -1,7 +1,9 @@
 """A protected loop whose data set augments each sample with draws from Python's and
 numpy's global generators (a random flip, a jitter), as augmentation pipelines do.
 Every rank that finishes writes its parameter digest as JSON. With FAIL_FIRST_STEP set,
-replica 1 raises after its first optimizer step, before that step can commit."""
+replica 1 raises after its first optimizer step, before that step can commit. With
+SEED_BY_RANK set, each process seeds its generators with its launch rank (a spare's is
+-1), as DDP scripts do to vary their augmentation, so each builds other weights."""
 
 import json
 import os
@@ -29,9 +31,10 @@ class Jittered(torch.utils.data.Dataset):
 
 def main() -> None:
     steps = int(sys.argv[sys.argv.index("--steps") + 1])
-    random.seed(0)
-    np.random.seed(0)
-    torch.manual_seed(0)
+    seed = 1000 + int(os.environ["RANK"]) if os.environ.get("SEED_BY_RANK") else 0
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     data = stalwart.Data(Jittered(), global_batch=8)
