@@ -31,6 +31,10 @@ from stalwart.v1 import rank_pb2
 __all__ = ["gpu_named", "launched_agent", "run_rank"]
 
 log = logging.getLogger("stalwart.client.launched")
+
+# The entry (run() or run_layers()) this process has trained under, if any: a process
+# is one rank of one job.
+_entered: str | None = None
 R = TypeVar("R")
 
 
@@ -93,6 +97,15 @@ def launched_agent(program: Program, *, device: str, collective_timeout_s: float
             "init_process_group() from the script: Stalwart builds each generation's "
             "process groups itself and rebuilds them after a failure (in run()'s loop, "
             "read ctx.dp_rank and ctx.dp_size, and pass group=ctx.dp_group)")
+    global _entered
+    if _entered is not None:
+        # The job's daemons know this rank as done: a second registration would end at
+        # once, without training (the job completed) or hold a role twice.
+        raise RuntimeError(
+            f"{who}: this process already trained under {_entered}; a protected process "
+            "is one rank of one job. Train every phase inside one training function "
+            "(choose the phase by ctx.step), or run the next phase as a job of its own")
+    _entered = who
     rank = int(env.get("RANK", "-1"))
     cfg = AgentConfig(spare=rank < 0, collective_timeout_s=collective_timeout_s,
                       plan_timeout_s=float(env.get("STALWART_PLAN_TIMEOUT_S", "120")),

@@ -68,6 +68,13 @@ def test_the_registry_captures_and_restores_them_with_torchs() -> None:
 
 
 def trained(tmp_path: Path, name: str, **kw) -> tuple[str, object]:
+    outs, run = trained_outs(tmp_path, name, **kw)
+    return outs[0]["param_digest"], run
+
+
+def trained_outs(tmp_path: Path, name: str, **kw) -> tuple[list[dict], object]:
+    """What each of the two ranks that finished wrote, and the run; they must agree on
+    the parameters."""
     folder = tmp_path / name
     folder.mkdir()
     os.environ["PARAMS_DIR"] = str(folder)
@@ -77,9 +84,9 @@ def trained(tmp_path: Path, name: str, **kw) -> tuple[str, object]:
                           "--steps", "12", **kw)
     finally:
         del os.environ["PARAMS_DIR"]
-    outs = {json.loads(p.read_text())["param_digest"] for p in folder.glob("*.json")}
-    assert len(outs) == 1, run.logs[-4000:]
-    return outs.pop(), run
+    outs = [json.loads(p.read_text()) for p in folder.glob("*.json")]
+    assert len(outs) == 2 and len({o["param_digest"] for o in outs}) == 1, run.logs[-4000:]
+    return outs, run
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +129,12 @@ def test_a_spare_joining_at_step_0_takes_a_survivors_start(
     monkeypatch.setenv("FAIL_FIRST_STEP", "1")
     _, run = trained(tmp_path, "by-rank-failed", spares=1)
     assert [p.resume_step for p in run.plans] == [0, 0], run.plans
+
+
+@pytest.mark.multiprocess
+def test_a_second_run_in_the_same_process_is_refused(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # Registered again, the rank would find its job completed and return without training.
+    monkeypatch.setenv("RUN_TWICE", "1")
+    outs, _ = trained_outs(tmp_path, "twice")
+    assert all("already trained under stalwart.run()" in o["again"] for o in outs), outs

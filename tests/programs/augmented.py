@@ -3,7 +3,8 @@ numpy's global generators (a random flip, a jitter), as augmentation pipelines d
 Every rank that finishes writes its parameter digest as JSON. With FAIL_FIRST_STEP set,
 replica 1 raises after its first optimizer step, before that step can commit. With
 SEED_BY_RANK set, each process seeds its generators with its launch rank (a spare's is
--1), as DDP scripts do to vary their augmentation, so each builds other weights."""
+-1), as DDP scripts do to vary their augmentation, so each builds other weights. With
+RUN_TWICE set, a rank that finished calls run() again and records what it raised."""
 
 import json
 import os
@@ -52,8 +53,14 @@ def main() -> None:
 
     result = stalwart.run(train, model=model, optimizer=optimizer, data=data)
     if result is not None:
+        out = {"param_digest": result.param_digest}
+        if os.environ.get("RUN_TWICE"):  # a second phase, as a DDP script might run it
+            try:
+                stalwart.run(train, model=model, optimizer=optimizer, data=data)
+            except RuntimeError as exc:
+                out["again"] = str(exc)
         with open(os.path.join(os.environ["PARAMS_DIR"], f"{os.getpid()}.json"), "w") as f:
-            json.dump({"param_digest": result.param_digest}, f)
+            json.dump(out, f)
 
 
 if __name__ == "__main__":
