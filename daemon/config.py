@@ -45,6 +45,7 @@ class ElasticSettings:
     shrink: bool = default("elastic.shrink")
     mem_cap_bytes: int = default("elastic.mem_cap_bytes")
     grow_threshold: float = default("elastic.grow_threshold")
+    resume_settle_s: float = default("elastic.resume_settle_s")
 
 
 @dataclass(frozen=True)

@@ -139,6 +139,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
                              "in (bytes), 0 = not checked"),
         "grow_threshold": Key("float", 0.1, _at_least(0.0), "widen the plan for a joining "
                               "rank when the predicted speed-up is at least this fraction"),
+        "resume_settle_s": Key("float", 10.0, _at_least(0.0), "a stopped job that ranks "
+                               "registering could resume only smaller waits until none "
+                               "has registered for this long (seconds), so that a "
+                               "relaunch's ranks resume it at full size together; one "
+                               "that fills every lost role resumes at once"),
     },
     "snapshot": {
         "base_every": Key("int", 10, _at_least(1), "a full base every this many steps, "

@@ -1,6 +1,8 @@
 """The coordinator lifts a stop by itself once what the stop lacked arrives: a spare
 that registers, or the layer profile a successor coordinator decided without (it then
-shrinks). In-process coordinator; daemons stand in as a record of installed plans."""
+shrinks). Ranks that could resume the job only smaller wait for the others of their
+wave (a relaunch) to register. In-process coordinator; daemons stand in as a record of
+installed plans."""
 
 from __future__ import annotations
 
@@ -108,3 +110,50 @@ def test_a_spare_re_announced_before_the_successor_took_over_is_its_spare() -> N
     assert not replaced.stop and replaced.generation == first.generation + 1
     assert {a.rank_id: a.coord.rank for a in replaced.assignments if not a.spare} == {
         "n0/1": 0, "n1/9": 1}
+
+
+def every_rank_lost(settle_s: float, one_by_one: bool, *later: peer_pb2.RankAnnouncement
+                    ) -> tuple[list[common_pb2.Plan], float]:
+    """Both ranks of a dp=2 job die (together, or one by one: the job shrinks, then
+    stops), then `later` register. The plans, and the seconds from the last
+    registration until the coordinator's background work was done."""
+    async def main() -> tuple[list[common_pb2.Plan], float]:
+        daemons = Daemons()
+        c = Coordinator(node="n0", job_id="job", metrics=Metrics(), links=daemons,
+                        latest_committed=lambda: 7,
+                        elastic=ElasticSettings(shrink=True, resume_settle_s=settle_s))
+        await c.announce(rank("n0/1", "n0", 0, PROFILE))
+        await c.announce(rank("n1/2", "n1", 1, PROFILE))
+        if one_by_one:
+            await c.on_failures([killed("n1/2")])
+            await c.on_failures([Failure(FailureKind.PROCESS_EXIT, "n0/1", "killed",
+                                         generation=2)])
+        else:
+            await c.on_failures([killed("n0/1"), killed("n1/2")])
+        assert daemons.plans[-1].stop
+        for a in later:
+            await c.announce(a)
+        t0 = asyncio.get_running_loop().time()
+        await c._spawned.drain()
+        return daemons.plans, asyncio.get_running_loop().time() - t0
+
+    return asyncio.run(main())
+
+
+def test_a_rank_that_could_resume_the_job_only_smaller_waits_for_others_first() -> None:
+    plans, waited = every_rank_lost(0.5, False, rank("n0/5", "n0", 0, PROFILE))
+    *_, stop, resumed = plans
+    assert stop.stop and not resumed.stop and resumed.layout.dp == 1
+    assert resumed.resume_step == 7
+    assert waited >= 0.5  # none registered meanwhile: it resumed once the window passed
+
+
+def test_a_relaunch_resumes_at_once_at_the_size_it_was_launched_at() -> None:
+    # The job had shrunk to dp=1 before its last rank died; the stop's layout is dp=1.
+    # The relaunched ranks fill the job's original two roles as soon as both are here.
+    plans, _ = every_rank_lost(600.0, True, rank("n0/5", "n0", 0, PROFILE),
+                               rank("n1/6", "n1", 1, PROFILE))
+    first, shrunk, stop, resumed = plans
+    assert shrunk.layout.dp == 1 and stop.stop and stop.layout.dp == 1
+    assert not resumed.stop and resumed.layout.dp == 2 and resumed.resume_step == 7
+    assert {a.rank_id for a in resumed.assignments if not a.spare} == {"n0/5", "n1/6"}

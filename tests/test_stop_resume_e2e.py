@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from test_recovery_e2e import MICRO, STEPS, uninterrupted
 
-from stalwart.client.local_cluster import LocalCluster, Node, wait_until
+from stalwart.client.local_cluster import LocalCluster, Node, RankProc, wait_until
 
 
 def status_json(node: Node) -> dict:
@@ -45,6 +45,18 @@ def start_until_stopped(cluster: LocalCluster, spec: dict) -> tuple[Node, Any]:
     stop = wait_until(lambda: (st := coordinator.status()) is not None and st.plan.stop
                       and st.plan, 120, "the stop after rank 1 is killed")
     return coordinator, stop
+
+
+def launched_again(cluster: LocalCluster, spec: dict) -> list[RankProc]:
+    """Once every rank of `spec` has ended, its ranks started again without faults, next
+    to the same daemons; they have finished when this returns."""
+    wait_until(lambda: not cluster.running(), 60, "every rank to end")
+    first = list(cluster.ranks)
+    cluster.launch({**spec, "faults": []}, world=2, ranks_per_node=1)
+    again = [r for r in cluster.ranks if r not in first]
+    wait_until(lambda: all((res := r.result()) and res.get("result") for r in again),
+               180, "the ranks started again to finish")
+    return again
 
 
 def test_a_stopped_job_resumes_when_a_spare_registers(tmp_path: Path) -> None:
@@ -97,17 +109,35 @@ def test_a_stopped_job_whose_ranks_left_resumes_when_its_ranks_are_started_again
                            daemon_settings={"elastic": {"shrink": False}})
     try:
         _, stop = start_until_stopped(cluster, spec)
-        wait_until(lambda: not cluster.running(), 60, "every rank to leave at the stop")
-        first = list(cluster.ranks)
-        cluster.launch({**spec, "faults": []}, world=2, ranks_per_node=1)
-        again = [r for r in cluster.ranks if r not in first]
-        wait_until(lambda: all((res := r.result()) and res.get("result") for r in again),
-                   180, "the restarted ranks to finish")
+        again = launched_again(cluster, spec)
         resumed = [g for r in again for g in r.result()["generations"]]
         digests = {r.result()["result"]["param_digest"] for r in again}
     finally:
         cluster.close()
     assert {g["resume_step"] for g in resumed} == {stop.resume_step}
+    baseline = uninterrupted(tmp_path, "--nodes", "2", "--dp", "2", "--pp", "1",
+                             "--global-batch", "4")
+    assert digests == {baseline["param_digest"]}
+
+
+def test_a_job_whose_every_rank_was_killed_resumes_at_full_size_when_relaunched(
+        tmp_path: Path) -> None:
+    # Shrinking is on (the default). The deaths reach the coordinator one by one, so the
+    # job may shrink before it stops; the relaunched ranks register one by one too.
+    # Resuming on the first of them would train on a smaller layout and widen again as
+    # the other came: the job resumes once, at its size, from the stop's step.
+    spec = {**stopping_job(0.0), "faults": [{"kind": "kill", "target": "all", "index": -1,
+                                             "step": 4, "committed": True}]}
+    cluster = LocalCluster(nodes=2, workdir=tmp_path / "all")
+    try:
+        _, stop = start_until_stopped(cluster, spec)
+        again = launched_again(cluster, spec)
+        generations = [r.result()["generations"] for r in again]
+        digests = {r.result()["result"]["param_digest"] for r in again}
+    finally:
+        cluster.close()
+    assert [[(g["resume_step"], g["layout"]["dp"]) for g in gens] for gens in generations] \
+        == [[(stop.resume_step, 2)]] * 2, generations
     baseline = uninterrupted(tmp_path, "--nodes", "2", "--dp", "2", "--pp", "1",
                              "--global-batch", "4")
     assert digests == {baseline["param_digest"]}

@@ -83,6 +83,10 @@ class Coordinator:
     _in_flight: PlanDecision | None = None
     _stopped: StopDecision | None = None  # the job waits at a stop for spares to arrive
     _joined: set[str] = field(default_factory=set)  # ranks that came after the last plan
+    # A stopped job that registering ranks could resume only smaller waits for them to
+    # stop coming: until this monotonic time, which each registration moves on.
+    _settle_until: float = 0.0
+    _settling: asyncio.Task[None] | None = None  # resumes the job once that time passed
     took_over_at: float = float("-inf")  # monotonic time this daemon became coordinator
     _installed_at: float = field(default_factory=time.monotonic)  # of the newest plan
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -141,6 +145,9 @@ class Coordinator:
         async with self._lock:
             self.announced[a.rank_id] = a
             self.heard.set()
+            # The size the job was launched at (a successor coordinator learns it from
+            # the ranks that announce themselves again): plans widen back to it.
+            self.original_world = max(self.original_world, a.world_size)
             if self.profile is None and a.profile.costs:
                 self.profile = a.profile
                 if self._stopped is not None:
@@ -159,7 +166,7 @@ class Coordinator:
                         resume_step=self.plan.resume_step, reason=self.plan.reason)
                     log.info("spare registered", extra={"rank_id": a.rank_id, "node": a.node})
                     if self._stopped is not None:
-                        await self._maybe_resume()
+                        await self._maybe_resume(joined=True)
                     else:
                         await self._maybe_grow()
 
@@ -403,9 +410,13 @@ class Coordinator:
             if self.plan is plan and self._in_flight is in_flight:
                 return decision
 
-    async def _maybe_resume(self) -> None:
-        """A spare registered while the job waits at a stop: resume when the spares now
-        fill every lost role (or a smaller plan fits); otherwise keep waiting."""
+    async def _maybe_resume(self, *, joined: bool = False, settled: bool = False) -> None:
+        """A spare registered (`joined`) while the job waits at a stop: resume when the
+        spares now fill every lost role; otherwise keep waiting. A smaller plan that fits
+        waits until ranks have stopped registering for `resume_settle_s` (`settled`):
+        the ranks of a relaunched job, or a wave of spares, come one by one, and resuming
+        on the first would widen the plan again, with new groups, as each of the others
+        came (and train the steps in between on another layout)."""
         assert self.plan is not None and self._stopped is not None
         t0 = time.monotonic()
         committed = self.latest_committed() or 0
@@ -416,7 +427,47 @@ class Coordinator:
             log.info("still stopped: too few spares to resume",
                      extra={"spares": len(self.plan.spares), "why": decision.message})
             return
+        decision = self._widened(decision, committed)
+        settle_s = self.elastic.resume_settle_s if self.elastic else 0.0
+        if decision.plan.layout.world_size < self.original_world and settle_s > 0 and \
+                not settled and (joined or self._settling is not None):
+            self._settle_until = time.monotonic() + settle_s
+            if self._settling is None:
+                self._settling = self._spawned.start(self._resume_once_settled())
+            log.info("a smaller plan fits the registered ranks; resuming with it once "
+                     "none has registered for resume_settle_s",
+                     extra={"spares": len(self.plan.spares), "settle_s": settle_s})
+            return
         await self._carry_out(decision, ["spare registered"], t0, planner)
+
+    def _widened(self, decision: PlanDecision, committed: int) -> PlanDecision:
+        """`decision`, a plan that resumes a stop, widened onto the spares it leaves out
+        where that is worth it: a job stopped after it had shrunk (its ranks lost one
+        after another) resumes at the size the registered ranks allow, in one
+        generation, not in the stop's layout and then wider."""
+        config = self._elastic_config()
+        if config is None or decision.plan.layout.world_size >= self.original_world:
+            return decision
+        grown = GrowPolicy(config, self.elastic.grow_threshold if self.elastic else 0.1)(
+            decision.plan, committed)
+        if grown is None:
+            return decision
+        return dataclasses.replace(decision, kind="grow", plan=dataclasses.replace(
+            grown, generation=decision.plan.generation))
+
+    async def _resume_once_settled(self) -> None:
+        """Resume the stopped job once no rank registered for resume_settle_s."""
+        while True:
+            if (left := self._settle_until - time.monotonic()) > 0:
+                await asyncio.sleep(left)
+                continue
+            async with self._lock:
+                if self._settle_until > time.monotonic():
+                    continue  # a rank registered while this waited for the lock
+                self._settling = None
+                if self.plan is not None and self._stopped is not None:
+                    await self._maybe_resume(settled=True)
+                return
 
     async def _carry_out(self, decision: PlanDecision | StopDecision, causes: list[str],
                          t0: float, planner: ShrinkPlanner | None) -> None:
@@ -440,6 +491,9 @@ class Coordinator:
             self._in_flight, self._stopped = None, decision
         else:
             was_stopped = self._stopped is not None
+            if self._settling is not None:  # resumed by ranks that filled every role
+                self._settling.cancel()
+                self._settling = None
             self.plan = decision.plan
             self._in_flight, self._stopped = decision, None
             await self._install(decision.plan.to_proto())
