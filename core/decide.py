@@ -109,7 +109,9 @@ class PlanState:
 @dataclass(frozen=True)
 class PlanDecision:
     """A new generation: `kind` is "replace" (spares in, layout unchanged), "shrink", or
-    "rebuild" (same members, fresh groups).
+    "rebuild" (same members, fresh groups); the coordinator adds "grow" (a resume
+    widened onto the ranks that joined) and "relaunch" (every rank lost, and the job's
+    ranks started again in their launched roles).
 
     Ranks that left the plan (the keys of `replacements`) must be fenced: their daemon
     ends them if they still run, so a hung one cannot block the new generation.

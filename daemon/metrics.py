@@ -25,7 +25,8 @@ IO_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.
 SHARD_STATES = ("healthy", "missing", "repairing")
 RECOVERY_OUTCOMES = ("completed", "stopped")
 RECOVERY_PHASES = ("plan", "rebuild", "restore", "restore_read")
-PLAN_CHANGE_KINDS = ("replace", "shrink", "rebuild")  # core.decide.PlanDecision.kind
+# core.decide.PlanDecision.kind, and the coordinator's widening of a plan
+PLAN_CHANGE_KINDS = ("replace", "shrink", "rebuild", "grow", "relaunch")
 SCRUB_TIERS = ("ram", "disk", "local", "peer", "s3", "scrub")
 
 

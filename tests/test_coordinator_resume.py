@@ -148,12 +148,23 @@ def test_a_rank_that_could_resume_the_job_only_smaller_waits_for_others_first() 
     assert waited >= 0.5  # none registered meanwhile: it resumed once the window passed
 
 
-def test_a_relaunch_resumes_at_once_at_the_size_it_was_launched_at() -> None:
+def test_a_relaunch_resumes_at_once_with_each_rank_in_its_launched_role() -> None:
     # The job had shrunk to dp=1 before its last rank died; the stop's layout is dp=1.
-    # The relaunched ranks fill the job's original two roles as soon as both are here.
-    plans, _ = every_rank_lost(600.0, True, rank("n0/5", "n0", 0, PROFILE),
-                               rank("n1/6", "n1", 1, PROFILE))
+    # The job's ranks, started again, register in any order and take the roles their
+    # RANK names in the launched layout as soon as all are here.
+    plans, _ = every_rank_lost(600.0, True, rank("n1/6", "n1", 1, PROFILE),
+                               rank("n0/5", "n0", 0, PROFILE))
     first, shrunk, stop, resumed = plans
     assert shrunk.layout.dp == 1 and stop.stop and stop.layout.dp == 1
+    assert not resumed.stop and resumed.layout == first.layout and resumed.resume_step == 7
+    assert {a.rank_id: a.coord.rank for a in resumed.assignments if not a.spare} == {
+        "n0/5": 0, "n1/6": 1}
+
+
+def test_spares_that_can_fill_the_launched_size_widen_the_resume_to_it() -> None:
+    plans, _ = every_rank_lost(600.0, True, rank("n0/5", "n0", -1, PROFILE),
+                               rank("n1/6", "n1", -1, PROFILE))
+    *_, stop, resumed = plans
+    assert stop.layout.dp == 1
     assert not resumed.stop and resumed.layout.dp == 2 and resumed.resume_step == 7
     assert {a.rank_id for a in resumed.assignments if not a.spare} == {"n0/5", "n1/6"}

@@ -125,7 +125,8 @@ def test_a_job_whose_every_rank_was_killed_resumes_at_full_size_when_relaunched(
     # Shrinking is on (the default). The deaths reach the coordinator one by one, so the
     # job may shrink before it stops; the relaunched ranks register one by one too.
     # Resuming on the first of them would train on a smaller layout and widen again as
-    # the other came: the job resumes once, at its size, from the stop's step.
+    # the other came: the job resumes once, in its launched layout, from the stop's
+    # step, and ends bitwise as the uninterrupted run.
     spec = {**stopping_job(0.0), "faults": [{"kind": "kill", "target": "all", "index": -1,
                                              "step": 4, "committed": True}]}
     cluster = LocalCluster(nodes=2, workdir=tmp_path / "all")

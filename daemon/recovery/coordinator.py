@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from stalwart.core.decide import (
@@ -216,23 +216,36 @@ class Coordinator:
         log.info("plan widened", extra={"reason": grown.reason})
 
     async def _maybe_form_first_plan(self) -> None:
-        ranked = [a for a in self.announced.values() if a.rank >= 0]
-        if not ranked:
+        launched = _launched(self.announced.values())
+        if launched is None:
             return
-        world = ranked[0].world_size
-        by_rank = {a.rank: a for a in ranked}
-        if sorted(by_rank) != list(range(world)):
-            return
-        layout = Layout.from_proto(ranked[0].layout, world_size=world)
-        members = tuple(Member(by_rank[r].rank_id, by_rank[r].node, layout.coords(r))
-                        for r in range(world))
+        layout, members = launched
         spares = tuple(Member(a.rank_id, a.node) for a in self.announced.values()
-                       if a.rank < 0 or a.rank_id not in {m.rank_id for m in members})
+                       if a.rank_id not in {m.rank_id for m in members})
         self.plan = PlanState(generation=1, layout=layout, members=members, spares=spares,
                               resume_step=self.latest_committed() or 0,
-                              reason=f"first plan: {world} ranks")
-        self.original_world = world
+                              reason=f"first plan: {len(members)} ranks")
+        self.original_world = len(members)
         await self._install(self.plan.to_proto())
+
+    def _relaunched(self, committed: int) -> PlanDecision | None:
+        """The plan that resumes a job that lost every rank, when the ranks registered
+        since hold every launch rank again (the job was started again): the launched
+        layout, each rank in the role its RANK names, as the first plan had them."""
+        assert self.plan is not None and self._stopped is not None
+        if any(m.rank_id not in self._stopped.failed for m in self.plan.members):
+            return None  # survivors keep their roles: spares fill the lost ones
+        launched = _launched(self.announced[s.rank_id] for s in self.plan.spares
+                             if s.rank_id in self.announced)
+        if launched is None:
+            return None
+        layout, members = launched
+        taken = {m.rank_id for m in members}
+        plan = PlanState(generation=self.plan.generation + 1, layout=layout, members=members,
+                         spares=tuple(s for s in self.plan.spares if s.rank_id not in taken),
+                         resume_step=committed,
+                         reason=f"relaunched: {len(members)} ranks in their launched roles")
+        return PlanDecision("relaunch", self.plan, plan, {}, self._stopped.causes)
 
     async def _install(self, plan: common_pb2.Plan) -> None:
         """Send a plan to every live daemon (this one included); log who refused."""
@@ -421,8 +434,9 @@ class Coordinator:
         t0 = time.monotonic()
         committed = self.latest_committed() or 0
         planner = self._shrink_planner()
-        decision = resume(self.plan, self._stopped, [], committed,
-                          stragglers_fail=self.stragglers_fail, shrink_planner=planner)
+        decision = self._relaunched(committed) or resume(
+            self.plan, self._stopped, [], committed, stragglers_fail=self.stragglers_fail,
+            shrink_planner=planner)
         if isinstance(decision, StopDecision):
             log.info("still stopped: too few spares to resume",
                      extra={"spares": len(self.plan.spares), "why": decision.message})
@@ -571,3 +585,20 @@ async def _within(answer: asyncio.Task[set[str]], timeout_s: float) -> set[str] 
         return await asyncio.wait_for(asyncio.shield(answer), max(0.0, timeout_s))
     except TimeoutError:
         return None
+
+
+def _launched(announced: Iterable[peer_pb2.RankAnnouncement]
+              ) -> tuple[Layout, tuple[Member, ...]] | None:
+    """The layout a job was launched with and a member per launch rank in the role its
+    RANK names, when `announced` holds every rank 0..WORLD_SIZE-1 (a spare holds none;
+    of two processes with one RANK, the later counts)."""
+    ranked = [a for a in announced if a.rank >= 0]
+    if not ranked:
+        return None
+    world = ranked[0].world_size
+    by_rank = {a.rank: a for a in ranked}
+    if sorted(by_rank) != list(range(world)):
+        return None
+    layout = Layout.from_proto(ranked[0].layout, world_size=world)
+    return layout, tuple(Member(by_rank[r].rank_id, by_rank[r].node, layout.coords(r))
+                         for r in range(world))
