@@ -68,6 +68,7 @@ class Context:
         self._stepped = False
         self._averaged = False  # this step's gradients are averaged over the replicas
         self._finished: int | None = None
+        self._looped = False  # ctx.steps() was entered
         self._micro = 0
         self._losses: list[float] = []
 
@@ -116,8 +117,17 @@ class Context:
         return self._step
 
     def steps(self, total: int) -> Iterator[int]:
-        """Step indices from the resume point up to `total` (exclusive). Each iteration
-        must call `optimizer.step()` once; the state after the iteration is captured."""
+        """Step indices from the resume point up to `total` (exclusive), the job's
+        whole length: one loop per generation. Each iteration must call
+        `optimizer.step()` once; the state after the iteration is captured."""
+        if self._looped:
+            # Its last step would have ended the job: the daemons complete a job when
+            # the step that ctx.steps() names last commits.
+            raise RuntimeError("ctx.steps() was called again: a job is one loop over "
+                               "ctx.steps(total) with its total number of steps; choose "
+                               "each phase (a warm-up, then the main run) by the step index "
+                               "inside that loop")
+        self._looped = True
         if total < self._step:
             raise ValueError(f"steps({total}) but the job already took {self._step} steps")
         gen = self._gen

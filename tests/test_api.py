@@ -61,6 +61,18 @@ def test_a_script_that_initialized_torch_distributed_itself_is_told_to_remove_it
         dist.destroy_process_group()
 
 
+def test_a_second_loop_over_ctx_steps_is_refused():
+    # The end of the first loop would be the job's last step: its commit completes the
+    # job. Phases go inside one loop.
+    from stalwart.client.user_loop import Context
+
+    ctx = Context(None, program=None, start=0)  # type: ignore[arg-type]
+    assert list(ctx.steps(0)) == []
+    with pytest.raises(RuntimeError, match=r"ctx.steps\(\) was called again.*choose each "
+                                           r"phase .* by the step index"):
+        next(ctx.steps(5))
+
+
 def test_run_refuses_state_without_load_state_dict_before_starting():
     class Counter:
         def state_dict(self):
