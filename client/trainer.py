@@ -117,14 +117,19 @@ class Trainer:
                  device: str | torch.device = "cpu",
                  activations: Sequence[Activation] | None = None) -> None:
         lay = dims.layout
-        per_replica = lay.dp * grad_accum * microbatches
+        # The step's micro-batches over all replicas, and this replica's consecutive
+        # share of them (unequal shares, one micro-batch a round, after some shrinks).
+        total = lay.microbatch_total or lay.dp * grad_accum * microbatches
+        self.total = total
+        self.first, self.rounds = (lay.replica_microbatches(dims.my.dp) if lay.microbatch_total
+                                   else (dims.my.dp * grad_accum * microbatches, grad_accum))
         bounds = check_layout(len(layers), lay, global_batch=data.global_batch,
                               microbatches=microbatches, grad_accum=grad_accum,
                               bounds=stage_bounds)
         self.dims, self.cfg, self.bounds = dims, cfg, [tuple(b) for b in bounds]
         self.layers, self.data = layers, data
         self.schedule_kind, self.m, self.grad_accum = schedule, microbatches, grad_accum
-        self.micro_size = data.global_batch // per_replica
+        self.micro_size = data.global_batch // total
         self.device = torch.device(device)
         if activations is None:
             inputs, targets = sample_pair(data.batch(data.indices(0)[:1]))
@@ -180,17 +185,18 @@ class Trainer:
 
     def step(self) -> float:
         """One optimizer step; returns the global mean loss (the same value on every rank)."""
-        me, data = self.dims.my, self.data
-        share = data.global_batch // self.dims.layout.dp
-        mine = data.indices(self.step_count)[me.dp * share:(me.dp + 1) * share]
+        data = self.data
+        size = self.m * self.micro_size  # samples a round
+        start = self.first * self.micro_size
+        mine = data.indices(self.step_count)[start:start + self.rounds * size]
         ids, targets = (map_tensors(lambda t: t.to(self.device), v)
                         for v in sample_pair(data.batch(mine)))
         for p in self.params:
             p.grad = None
-        scale = 1.0 / (self.dims.layout.dp * self.grad_accum * self.m)
+        scale = 1.0 / self.total
         local_loss = 0.0
-        for a in range(self.grad_accum):
-            rows = slice(a * self.m * self.micro_size, (a + 1) * self.m * self.micro_size)
+        for a in range(self.rounds):
+            rows = slice(a * size, (a + 1) * size)
             mb_ids = split_rows(map_tensors(lambda t, r=rows: t[r], ids), self.micro_size)
             mb_targets = split_rows(map_tensors(lambda t, r=rows: t[r], targets),
                                     self.micro_size)
@@ -200,7 +206,7 @@ class Trainer:
                 in_shape=(self.micro_size, *self.inbound.shape), in_dtype=self.inbound.dtype,
                 out_shape=(self.micro_size, *self.outbound.shape),
                 device=self.device, autocast=self._autocast, stats=self.stats,
-                before_last_backward=self.reducer.arm if a == self.grad_accum - 1 else None,
+                before_last_backward=self.reducer.arm if a == self.rounds - 1 else None,
                 interrupted=self.interrupted)
             local_loss += sum(losses)
         self.reducer.finish()
@@ -383,8 +389,7 @@ def check_layout(num_layers: int, layout: Layout, *, global_batch: int, microbat
     if layout.pp > num_layers:
         raise ValueError(f"pp={layout.pp}: the model has {num_layers} blocks, so at most "
                          f"pp={num_layers} stages")
-    per_replica = layout.dp * grad_accum * microbatches
-    if global_batch % per_replica:
+    if global_batch % (layout.microbatch_total or layout.dp * grad_accum * microbatches):
         dps = [d for d in range(layout.dp, 0, -1)
                if global_batch % (d * grad_accum * microbatches) == 0]
         ms = [m for m in range(microbatches, 0, -1)

@@ -9,10 +9,13 @@ shrinking or growing data parallelism skips and repeats nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import default_collate
+
+if TYPE_CHECKING:
+    from stalwart.core.layout import Layout
 
 __all__ = ["Data"]
 
@@ -55,17 +58,19 @@ class Data:
             out.append(int(self._order(epoch)[at]))
         return out
 
-    def shares(self, step: int, dp: int, dp_rank: int, accumulation: int) -> list[list[int]]:
-        """The micro-batches (dataset indices) data-parallel rank `dp_rank` of `dp` reads
-        in step `step`, `accumulation` of them."""
-        per_rank, rest = divmod(self.global_batch, dp)
-        micro, rest2 = divmod(per_rank, accumulation)
-        if rest or rest2:
-            raise ValueError(f"global batch {self.global_batch} does not split into dp={dp} x "
-                             f"{accumulation} micro-batch(es); choose a global batch that "
-                             f"divides by {dp * accumulation}")
-        mine = self.indices(step)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-        return [mine[i * micro:(i + 1) * micro] for i in range(accumulation)]
+    def shares(self, step: int, layout: Layout, dp_rank: int) -> list[list[int]]:
+        """The micro-batches (dataset indices) data-parallel rank `dp_rank` of `layout`
+        reads in step `step`: its consecutive share of the step's batch cut into the
+        layout's micro-batches (unequal shares included)."""
+        total = layout.total_microbatches
+        micro, rest = divmod(self.global_batch, total)
+        if rest:
+            raise ValueError(f"global batch {self.global_batch} does not split into dp="
+                             f"{layout.dp} x {total // layout.dp} micro-batch(es); choose a "
+                             f"global batch that divides by {total}")
+        first, count = layout.replica_microbatches(dp_rank)
+        batch = self.indices(step)
+        return [batch[i * micro:(i + 1) * micro] for i in range(first, first + count)]
 
     def batch(self, indices: Sequence[int]) -> Any:
         return self.collate([self.dataset[i] for i in indices])

@@ -17,6 +17,7 @@ step) is captured when `ctx.steps()` moves to the next step.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from stalwart.client.generation import Generation
 from stalwart.client.launched import check_device, launched_agent, run_rank
 from stalwart.client.user_data import Data
 from stalwart.client.user_state import StateError, StateRegistry
+from stalwart.core.layout import Layout
 from stalwart.v1 import common_pb2
 
 log = logging.getLogger("stalwart.client.user_loop")
@@ -94,9 +96,14 @@ class Context:
 
     @property
     def accumulation(self) -> int:
-        """Micro-batches per step on each replica (more after a shrink: the global batch
-        stays the same)."""
-        return max(1, self._gen.plan.layout.grad_accum)
+        """Micro-batches per step on this replica (more after a shrink: the global batch
+        stays the same; where the step's micro-batches do not divide among the replicas,
+        some run one more than others)."""
+        return self._layout.replica_microbatches(self.dp_rank)[1]
+
+    @functools.cached_property
+    def _layout(self) -> Layout:
+        return Layout.from_proto(self._gen.plan.layout)
 
     @property
     def dp_group(self) -> Any:
@@ -157,7 +164,7 @@ class Context:
                 "map-style dataset (stalwart.Data(dataset, global_batch=G)) so the job "
                 "deals each step's samples to the replicas; to read your own loader, "
                 "iterate it directly and register it as state={'loader': loader}")
-        shares = data.shares(self._step, self.dp_size, self.dp_rank, self.accumulation)
+        shares = data.shares(self._step, self._layout, self.dp_rank)
         for indices in shares:
             self._micro += 1
             yield data.batch(indices)
@@ -330,7 +337,9 @@ class _UserLoopProgram:
         """Average the gradients accumulated since the last average over the replicas
         and the micro-batches of ctx.batches read meanwhile."""
         ctx._averaged = True
-        divisor = ctx.dp_size * max(1, ctx._micro)
+        # Over the step's micro-batches on every replica (their shares may differ by
+        # one), or over the replicas where the loop read no micro-batches from ctx.batches.
+        divisor = ctx._layout.total_microbatches if ctx._micro else ctx.dp_size
         ctx._micro = 0
         device = self.params[0].device if self.params else self.device
         # One number per parameter counts the replicas whose backward reached it since the

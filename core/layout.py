@@ -54,13 +54,35 @@ class Layout:
     microbatches: int = 1
     """Micro-batches per optimizer step and pipeline."""
     grad_accum: int = 1
-    """Accumulation rounds per optimizer step."""
+    """Accumulation rounds per optimizer step (the most any replica runs)."""
+    microbatch_total: int = 0
+    """Micro-batches per optimizer step over all replicas where they hold unequal shares
+    (`replica_microbatches`); 0: each runs microbatches x grad_accum."""
 
     def __post_init__(self) -> None:
         for axis in AXES:
             if getattr(self, axis) < 1:
                 raise ValueError(f"{axis}={getattr(self, axis)}: every parallel degree must "
                                  f"be >= 1 (dp={self.dp} pp={self.pp} tp={self.tp})")
+        total = self.microbatch_total
+        if total and (self.pp != 1 or self.microbatches != 1 or total < self.dp
+                      or self.grad_accum != -(-total // self.dp)):
+            raise ValueError(
+                f"microbatch_total={total} needs pp=1, microbatches=1, at least one "
+                f"micro-batch per replica and grad_accum the largest share "
+                f"(dp={self.dp} pp={self.pp} microbatches={self.microbatches} "
+                f"grad_accum={self.grad_accum})")
+
+    @property
+    def total_microbatches(self) -> int:
+        """Micro-batches per optimizer step over all replicas."""
+        return self.microbatch_total or self.dp * self.microbatches * self.grad_accum
+
+    def replica_microbatches(self, dp: int) -> tuple[int, int]:
+        """(first, count): the micro-batches of a step, in global batch order, that
+        replica `dp` runs; the replicas' shares are consecutive and differ by at most one."""
+        base, extra = divmod(self.total_microbatches, self.dp)
+        return dp * base + min(dp, extra), base + (dp < extra)
 
     @property
     def world_size(self) -> int:
@@ -112,6 +134,7 @@ class Layout:
         return common_pb2.ParallelLayout(
             dp=self.dp, pp=self.pp, tp=self.tp, schedule=self.schedule,
             microbatches=self.microbatches, grad_accum=self.grad_accum,
+            microbatch_total=self.microbatch_total,
             stages=[common_pb2.StageBounds(first_layer=a, last_layer=b) for a, b in self.stages])
 
     @classmethod
@@ -125,4 +148,4 @@ class Layout:
         return cls(dp=dp, pp=pp, tp=tp,
                    stages=tuple((s.first_layer, s.last_layer) for s in msg.stages),
                    schedule=msg.schedule or "1f1b", microbatches=msg.microbatches or 1,
-                   grad_accum=msg.grad_accum or 1)
+                   grad_accum=msg.grad_accum or 1, microbatch_total=msg.microbatch_total)

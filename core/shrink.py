@@ -184,10 +184,13 @@ def _groups(state: PlanState, pool: list[Member], speeds: Mapping[str, float],
 
 
 def _microbatches(old: Layout, dp: int, pp: int, keep: bool) -> tuple[int, int] | None:
-    """(microbatches, grad_accum) that keep dp x ga x m fixed with m >= pp, or None."""
-    total = old.dp * old.grad_accum * old.microbatches
+    """(microbatches, grad_accum) that keep the step's micro-batches with m >= pp, or
+    None. Where they do not divide among dp replicas and there is no pipeline, the
+    replicas take unequal shares, one micro-batch a round (`Layout.replica_microbatches`):
+    3 replicas that lose one go on as 2 (2 + 1 micro-batches), not as 1 running all 3."""
+    total = old.total_microbatches
     if total % dp:
-        return None
+        return (1, -(-total // dp)) if pp == 1 and total >= dp else None
     per_replica = total // dp
     if keep and old.microbatches >= pp and per_replica % old.microbatches == 0:
         return old.microbatches, per_replica // old.microbatches
@@ -289,8 +292,10 @@ def _result(state: PlanState, failed: frozenset[str], pool: list[Member], groups
     free: dict[tuple, deque[_Group]] = {}
     for g in sorted(groups, key=lambda g: g.old_dp):
         free.setdefault(g.kind, deque()).append(g)
+    total = old.total_microbatches
     layout = Layout(dp=best.dp, pp=best.pp, tp=tp, stages=best.stages, schedule=old.schedule,
-                    microbatches=m, grad_accum=ga)
+                    microbatches=m, grad_accum=ga,
+                    microbatch_total=total if total % best.dp else 0)
     members, receive = [], {}
     for s, combo in enumerate(best.assignment):
         chosen = [free[k].popleft() for k in combo]
@@ -318,7 +323,9 @@ def _result(state: PlanState, failed: frozenset[str], pool: list[Member], groups
             "widen" if len(members) > old.world_size else "re-form")  # e.g. a TP group moved
     reason = (f"{verb} dp={old.dp} pp={old.pp}"
               f" tp={tp} -> dp={best.dp} pp={best.pp} tp={tp}, stages {list(best.stages)}, "
-              f"grad_accum {old.grad_accum} -> {ga}, {best.key[1]} layers moved; the fastest "
+              f"grad_accum {old.grad_accum} -> {ga}"
+              f"{f' (unequal shares of {total} micro-batches)' if layout.microbatch_total else ''}"
+              f", {best.key[1]} layers moved; the fastest "
               f"of {len(considered)} layout(s) that fit")
     cell_nodes: dict[tuple[int, int], set[str]] = {}
     for x in members:

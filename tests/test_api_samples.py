@@ -1,6 +1,7 @@
-"""stalwart.Data's guarantee on real daemons: when a replica dies and the survivor trains
-on alone (more accumulation, same global batch), every step still reads exactly its
-global batch, and the job reads the same samples as the uninterrupted run."""
+"""stalwart.Data's guarantee on real daemons: when a replica dies and the survivors train
+on (more accumulation, same global batch; unequal shares where the step's micro-batches
+do not divide among them), every step still reads exactly its global batch, and the job
+reads the same samples as the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -19,16 +20,19 @@ pytestmark = pytest.mark.multiprocess
 SCRIPT = "tests/programs/count_samples.py"
 
 
+def reads(folder: Path) -> list[dict]:
+    return [json.loads(line) for path in folder.glob("*.jsonl")
+            for line in path.read_text().splitlines()]
+
+
 def samples_by_step(folder: Path) -> dict[int, list[int]]:
     """For each step, the samples of the newest generation that took it, over replicas."""
     newest: dict[int, int] = {}
-    reads: dict[tuple[int, int], list[int]] = {}
-    for path in folder.glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            r = json.loads(line)
-            newest[r["step"]] = max(newest.get(r["step"], 0), r["generation"])
-            reads.setdefault((r["step"], r["generation"]), []).extend(r["samples"])
-    return {step: sorted(reads[(step, gen)]) for step, gen in sorted(newest.items())}
+    samples: dict[tuple[int, int], list[int]] = {}
+    for r in reads(folder):
+        newest[r["step"]] = max(newest.get(r["step"], 0), r["generation"])
+        samples.setdefault((r["step"], r["generation"]), []).extend(r["samples"])
+    return {step: sorted(samples[(step, gen)]) for step, gen in sorted(newest.items())}
 
 
 def run(tmp_path: Path, name: str, **kw) -> tuple[dict[int, list[int]], object]:
@@ -40,6 +44,25 @@ def run(tmp_path: Path, name: str, **kw) -> tuple[dict[int, list[int]], object]:
     finally:
         del os.environ["SAMPLES_DIR"]
     return samples_by_step(folder), result
+
+
+def test_three_replicas_that_lose_one_go_on_as_two_with_unequal_shares(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 12 samples a step in 3 micro-batches of 4: the two survivors read 2 and 1 of them
+    # (not one survivor all 3, the other idle), and every step still reads its batch.
+    monkeypatch.setenv("GLOBAL_BATCH", "12")
+    shrunk, result = run(tmp_path, "uneven", nodes=3, world=3, kill_rank=2,
+                         kill_after_step=4)
+    last = result.plans[-1].layout
+    assert (last.dp, last.grad_accum, last.microbatch_total) == (2, 2, 3), result.plans
+    data = stalwart.Data(Indexed(), global_batch=12, seed=1)
+    assert sorted(shrunk) == list(range(12))
+    for step in range(12):
+        assert shrunk[step] == sorted(data.indices(step)), step
+    final = max(r["generation"] for r in reads(tmp_path / "uneven"))
+    shares = {r["dp_rank"]: len(r["samples"]) for r in reads(tmp_path / "uneven")
+              if r["generation"] == final}
+    assert shares == {0: 8, 1: 4}
 
 
 def test_a_shrink_skips_and_repeats_no_sample(tmp_path: Path) -> None:

@@ -23,6 +23,18 @@ def assert_same_trajectory(losses: list[float], baseline: list[float]) -> None:
         assert abs(a - b) <= TOLERANCE * abs(b), (step, a, b)
 
 
+def shrink_reason(tmp_path: Path, *layout: str, kill: str) -> str:
+    """The reason of the one re-plan after `kill` in a 10-step demo of `layout` without
+    spares, whose losses stay those of the run without the kill."""
+    code, base = demo(tmp_path, *layout, "--spares", "0", "--no-faults", steps=10)
+    assert code == 0
+    code, summary = demo(tmp_path, *layout, "--spares", "0", "--kill", kill, steps=10)
+    assert code == 0 and summary["completed"] and summary["lost_steps"] == 0
+    (recovery,) = summary["recoveries"]
+    assert_same_trajectory(summary["losses"], base["losses"])
+    return recovery["reason"]
+
+
 def test_losing_a_stage_of_four_continues_on_three_rebalanced(tmp_path: Path) -> None:
     layout = ("--model-overrides", FOUR_BLOCKS, "--nodes", "2", "--dp", "1", "--pp", "4")
     code, base = demo(tmp_path, *layout, "--spares", "0", "--no-faults", steps=12)
@@ -38,16 +50,19 @@ def test_losing_a_stage_of_four_continues_on_three_rebalanced(tmp_path: Path) ->
 def test_losing_a_replica_doubles_accumulation(tmp_path: Path) -> None:
     # Two stages of this model fit in 450 kB per device, one does not: the planner must
     # keep the pipeline and give up the replica (without a cap, pure DP would be faster).
-    layout = ("--nodes", "2", "--dp", "2", "--pp", "2", "--mem-cap", "450000")
-    code, base = demo(tmp_path, *layout, "--spares", "0", "--no-faults", steps=10)
-    assert code == 0
-    code, summary = demo(tmp_path, *layout, "--spares", "0", "--kill", "rank:1@step:4",
-                         steps=10)
-    assert code == 0 and summary["completed"] and summary["lost_steps"] == 0
-    (recovery,) = summary["recoveries"]
-    assert "-> dp=1 pp=2 tp=1" in recovery["reason"]
-    assert "grad_accum 1 -> 2" in recovery["reason"]
-    assert_same_trajectory(summary["losses"], base["losses"])
+    reason = shrink_reason(tmp_path, "--nodes", "2", "--dp", "2", "--pp", "2",
+                           "--mem-cap", "450000", kill="rank:1@step:4")
+    assert "-> dp=1 pp=2 tp=1" in reason and "grad_accum 1 -> 2" in reason
+
+
+def test_three_replicas_that_lose_one_go_on_as_two_with_unequal_shares(
+        tmp_path: Path) -> None:
+    # Three micro-batches a step do not divide between two replicas: they run two and
+    # one, rather than one replica running all three.
+    reason = shrink_reason(tmp_path, "--nodes", "3", "--ranks-per-node", "1", "--dp", "3",
+                           "--pp", "1", "--global-batch", "12", kill="rank:2@step:4")
+    assert "-> dp=2 pp=1 tp=1" in reason
+    assert "grad_accum 1 -> 2 (unequal shares of 3 micro-batches)" in reason
 
 
 def test_a_shrink_without_memory_for_the_model_stops_naming_the_shortfall(

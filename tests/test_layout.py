@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stalwart.core.layout import AXES, Coord, Layout
+from stalwart.daemon.rpc.validate import InvalidRequest, request
 from stalwart.v1 import common_pb2
 
 layouts = st.builds(Layout, dp=st.integers(1, 5), pp=st.integers(1, 5), tp=st.integers(1, 5))
@@ -79,6 +80,29 @@ def test_the_layout_round_trips_through_its_protocol_message() -> None:
     assert (msg.dp, msg.pp, msg.tp, msg.schedule) == (2, 3, 4, "gpipe")
     assert [(s.first_layer, s.last_layer) for s in msg.stages] == [(0, 3), (4, 7), (8, 9)]
     assert Layout.from_proto(msg) == layout
+
+
+def test_unequal_shares_split_the_steps_micro_batches_consecutively() -> None:
+    # 7 micro-batches over 3 replicas: 3 + 2 + 2, in global batch order.
+    layout = Layout(dp=3, grad_accum=3, microbatch_total=7)
+    assert [layout.replica_microbatches(d) for d in range(3)] == [(0, 3), (3, 2), (5, 2)]
+    assert layout.total_microbatches == 7
+    assert Layout.from_proto(layout.to_proto()) == layout
+    even = Layout(dp=2, microbatches=2, grad_accum=3)
+    assert [even.replica_microbatches(d) for d in range(2)] == [(0, 6), (6, 6)]
+
+
+@pytest.mark.parametrize("fields", [
+    {"dp": 2, "pp": 2, "grad_accum": 2, "microbatch_total": 3},  # a pipeline
+    {"dp": 2, "microbatches": 2, "grad_accum": 1, "microbatch_total": 3},
+    {"dp": 4, "grad_accum": 1, "microbatch_total": 3},  # a replica without a share
+    {"dp": 2, "grad_accum": 3, "microbatch_total": 3},  # grad_accum not the largest share
+])
+def test_unequal_shares_a_layout_cannot_run_are_refused(fields: dict) -> None:
+    with pytest.raises(ValueError, match="microbatch_total=3 needs pp=1"):
+        Layout(**fields)
+    with pytest.raises(InvalidRequest, match="plan.layout.microbatch_total 3 does not fit"):
+        request(common_pb2.Plan(layout=common_pb2.ParallelLayout(**fields)))
 
 
 def test_unset_fields_of_the_message_take_their_defaults() -> None:

@@ -17,6 +17,7 @@ from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.pipeline import schedule
 from stalwart.client.trainer import TrainConfig, Trainer, uniform_bounds
 from stalwart.client.user_data import Data
+from stalwart.core.layout import Layout
 from stalwart_examples.gpt import GPTConfig, job, layers
 from stalwart_examples.gpt.data import TextWindows, load_corpus
 
@@ -51,17 +52,24 @@ def test_each_epoch_visits_every_sample_once_in_a_new_order():
     assert Data(list(range(10)), global_batch=5, seed=0).indices(2) == data.indices(2)
 
 
-@pytest.mark.parametrize("dp,accum", [(1, 1), (2, 1), (1, 4), (2, 2), (4, 1)])
-def test_any_layout_reads_exactly_the_steps_global_batch(dp, accum):
-    data = Data(list(range(37)), global_batch=8, seed=4)
+@pytest.mark.parametrize("layout", [
+    Layout(dp=1), Layout(dp=2), Layout(dp=1, grad_accum=4), Layout(dp=2, grad_accum=2),
+    Layout(dp=4), Layout(dp=3, grad_accum=3, microbatch_total=8),
+    Layout(dp=2, grad_accum=2, microbatch_total=3)], ids=str)
+def test_any_layout_reads_exactly_the_steps_global_batch(layout):
+    data = Data(list(range(37)), global_batch=24, seed=4)
     for step in range(6):
-        read = [i for r in range(dp) for mb in data.shares(step, dp, r, accum) for i in mb]
-        assert read == data.indices(step)
+        shares = [data.shares(step, layout, r) for r in range(layout.dp)]
+        assert [i for share in shares for mb in share for i in mb] == data.indices(step)
+        # Every micro-batch is the same size; shares differ by at most one of them.
+        assert len({len(mb) for share in shares for mb in share}) == 1
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+        assert max(map(len, shares)) == layout.grad_accum * layout.microbatches
 
 
 def test_a_global_batch_that_does_not_split_is_refused_with_the_numbers():
     with pytest.raises(ValueError, match="does not split into dp=3"):
-        Data(list(range(10)), global_batch=8).shares(0, 3, 0, 1)
+        Data(list(range(10)), global_batch=8).shares(0, Layout(dp=3), 0)
 
 
 def test_stages_hold_the_same_weights_as_the_whole_model():

@@ -65,6 +65,22 @@ def test_losing_a_replica_halves_dp_and_doubles_accumulation_moving_nothing():
     assert result.speed_ratio == pytest.approx(0.5)
 
 
+def test_replicas_whose_micro_batches_do_not_divide_among_the_survivors_take_unequal_shares():
+    # Three replicas, a micro-batch each, lose one: two go on (2 + 1 micro-batches a
+    # step, two rounds), faster than one replica running all three.
+    before = grid(3, 1, 1, [(0, 9)])
+    result = plan_shrink(before, frozenset({"r1"}), ElasticConfig(costs=COSTS))
+    lay = result.plan.layout
+    assert (lay.dp, lay.grad_accum, lay.microbatch_total) == (2, 2, 3)
+    assert [lay.replica_microbatches(d)[1] for d in range(2)] == [2, 1]
+    assert result.speed_ratio == pytest.approx(0.5)  # two rounds a step where one was
+    assert "unequal shares of 3 micro-batches" in result.plan.reason
+    # Where they divide, the shares stay equal.
+    even = plan_shrink(grid(4, 1, 1, [(0, 9)]), frozenset({"r1", "r2"}),
+                       ElasticConfig(costs=COSTS)).plan.layout
+    assert (even.dp, even.grad_accum, even.microbatch_total) == (2, 2, 0)
+
+
 def test_tensor_parallel_groups_stay_inside_one_node():
     # (1,3,2) on three nodes, one TP group each; losing one rank on n0 and one on n1
     # leaves two lone ranks that must not form a TP group across nodes.
@@ -124,8 +140,8 @@ def test_the_planner_plugs_into_decide_as_a_shrink():
 
 def _micro(old: Layout, dp: int, pp: int) -> tuple[int, int] | None:
     total = old.dp * old.grad_accum * old.microbatches
-    if total % dp:
-        return None
+    if total % dp:  # unequal shares, one micro-batch a round, without a pipeline
+        return (1, -(-total // dp)) if pp == 1 and total >= dp else None
     per = total // dp
     if old.microbatches >= pp and per % old.microbatches == 0:
         return old.microbatches, per // old.microbatches

@@ -92,6 +92,12 @@ def _layout(layout: common_pb2.ParallelLayout, what: str = "layout") -> None:
             in_range(value, 0, MAX_WORLD, f"{what}.{name}")
     if dp * pp * tp > MAX_WORLD:
         _fail(f"{what} {dp}x{pp}x{tp} has more than {MAX_WORLD} ranks")
+    if total := layout.microbatch_total:
+        # Unequal shares: what core.layout.Layout checks, before any rank builds on it.
+        if pp > 1 or layout.microbatches > 1 or total < dp or \
+                layout.grad_accum != -(-total // max(dp, 1)):
+            _fail(f"{what}.microbatch_total {total} does not fit dp={dp} pp={pp} "
+                  f"microbatches={layout.microbatches} grad_accum={layout.grad_accum}")
     if len(layout.stages) > MAX_LIST or len(layout.schedule) > MAX_NAME:
         count(layout.stages, f"{what}.stages")
         text(layout.schedule, f"{what}.schedule", MAX_NAME)

@@ -1,5 +1,6 @@
 """A protected loop that records which samples each replica read in each step (for the
-no-sample-skipped-or-repeated test): every item of its dataset carries its own index."""
+no-sample-skipped-or-repeated test): every item of its dataset carries its own index.
+GLOBAL_BATCH sets the global batch (default 8)."""
 
 import json
 import os
@@ -25,7 +26,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    data = stalwart.Data(Indexed(), global_batch=8, seed=1)
+    data = stalwart.Data(Indexed(), global_batch=int(os.environ.get("GLOBAL_BATCH", "8")),
+                         seed=1)
     log = open(os.path.join(os.environ["SAMPLES_DIR"], f"{os.getpid()}.jsonl"), "a")
 
     def train(ctx: stalwart.Context) -> None:

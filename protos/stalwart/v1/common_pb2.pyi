@@ -90,6 +90,7 @@ class ParallelLayout(_message.Message):
     SCHEDULE_FIELD_NUMBER: _builtins.int
     MICROBATCHES_FIELD_NUMBER: _builtins.int
     GRAD_ACCUM_FIELD_NUMBER: _builtins.int
+    MICROBATCH_TOTAL_FIELD_NUMBER: _builtins.int
     dp: _builtins.int
     pp: _builtins.int
     tp: _builtins.int
@@ -99,6 +100,13 @@ class ParallelLayout(_message.Message):
     """per optimizer step and pipeline"""
     grad_accum: _builtins.int
     """accumulation rounds per optimizer step"""
+    microbatch_total: _builtins.int
+    """Micro-batches per optimizer step over all replicas, set where the replicas hold
+    unequal shares (pp 1, one micro-batch a round, after a shrink the count does not
+    divide among): replica i runs microbatch_total / dp of them, one more where
+    i < microbatch_total % dp, and grad_accum is the most any runs. 0: every replica
+    runs microbatches x grad_accum.
+    """
     @_builtins.property
     def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___StageBounds]: ...
     def __init__(
@@ -111,10 +119,11 @@ class ParallelLayout(_message.Message):
         schedule: _builtins.str = ...,
         microbatches: _builtins.int = ...,
         grad_accum: _builtins.int = ...,
+        microbatch_total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp", b"dp", "grad_accum", b"grad_accum", "microbatches", b"microbatches", "pp", b"pp", "schedule", b"schedule", "stages", b"stages", "tp", b"tp"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp", b"dp", "grad_accum", b"grad_accum", "microbatch_total", b"microbatch_total", "microbatches", b"microbatches", "pp", b"pp", "schedule", b"schedule", "stages", b"stages", "tp", b"tp"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
