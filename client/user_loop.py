@@ -281,13 +281,24 @@ class _UserLoopProgram:
         group = gen.dims.dp_group
         if group.size == 1:
             return
-        first = torch.tensor([group.index if held else group.size], device=self.device)
-        gen.run_or_abandon(lambda: group.all_reduce(first, dist.ReduceOp.MIN),
-                           "start-source")
-        root = int(first.item()) % group.size
         tensors = list({id(t): t for _, m in self.registry.modules()
                         for t in (*m.parameters(), *m.buffers())}.values())
         sizes = [t.numel() * t.element_size() for t in tensors]
+        # One MIN gives the source and the smallest and largest shape of the modules:
+        # replicas that built different models are told so, not left to a broadcast of
+        # mismatched sizes.
+        shape = [len(tensors), sum(sizes)]
+        agreed = torch.tensor([group.index if held else group.size, *shape,
+                               *(-v for v in shape)], device=self.device)
+        gen.run_or_abandon(lambda: group.all_reduce(agreed, dist.ReduceOp.MIN),
+                           "start-source")
+        source, fewest, least, most_neg, largest_neg = agreed.tolist()
+        if (fewest, least) != (-most_neg, -largest_neg):
+            raise StateError(
+                f"the replicas registered different models: {fewest} to {-most_neg} "
+                f"parameters and buffers, {least} to {-largest_neg} bytes; every replica "
+                "must build the same modules (seeding by rank changes values, not shapes)")
+        root = source % group.size
         for bucket in _buckets(sizes, self.bucket_bytes):
             members = [tensors[b] for b in bucket]
             if group.index == root:

@@ -138,3 +138,13 @@ def test_a_second_run_in_the_same_process_is_refused(tmp_path: Path,
     monkeypatch.setenv("RUN_TWICE", "1")
     outs, _ = trained_outs(tmp_path, "twice")
     assert all("already trained under stalwart.run()" in o["again"] for o in outs), outs
+
+
+@pytest.mark.multiprocess
+def test_replicas_that_built_different_models_are_told_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WIDTH_BY_RANK", "1")
+    monkeypatch.setenv("PARAMS_DIR", str(tmp_path))
+    run = run_example(tmp_path / "c", "tests/programs/augmented.py", "--steps", "4")
+    assert "StateError: the replicas registered different models" in run.logs, run.logs
+    assert all(code not in (0, None) for code in run.exit_codes), run.exit_codes

@@ -4,7 +4,8 @@ Every rank that finishes writes its parameter digest as JSON. With FAIL_FIRST_ST
 replica 1 raises after its first optimizer step, before that step can commit. With
 SEED_BY_RANK set, each process seeds its generators with its launch rank (a spare's is
 -1), as DDP scripts do to vary their augmentation, so each builds other weights. With
-RUN_TWICE set, a rank that finished calls run() again and records what it raised."""
+RUN_TWICE set, a rank that finished calls run() again and records what it raised. With
+WIDTH_BY_RANK set, each rank builds a model of another width (a script's bug)."""
 
 import json
 import os
@@ -36,7 +37,9 @@ def main() -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    width = 16 + (max(0, int(os.environ["RANK"])) if os.environ.get("WIDTH_BY_RANK") else 0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, width), torch.nn.Tanh(),
+                                torch.nn.Linear(width, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     data = stalwart.Data(Jittered(), global_batch=8)
 
