@@ -346,7 +346,8 @@ class ElasticAgent:
                              "pp": role.coord.pp, "tp": role.coord.tp}
         record = {"generation": plan.generation, "resume_step": plan.resume_step,
                   "layout": {"dp": lay.dp, "pp": lay.pp, "tp": lay.tp,
-                             "grad_accum": lay.grad_accum},
+                             "grad_accum": lay.grad_accum,
+                             "microbatch_total": lay.microbatch_total},
                   "rebuild_s": None, "restore_s": None, "restored_ahead": False,
                   "first_step_s": None,
                   "reason": plan.reason, "plan_received_unix": received_unix,
