@@ -190,6 +190,9 @@ class Coordinator:
         config = self._elastic_config()
         return ElasticPlanner(config) if config is not None else None
 
+    def _grow_policy(self, config: ElasticConfig) -> GrowPolicy:
+        return GrowPolicy(config, self.elastic.grow_threshold if self.elastic else 0.1)
+
     async def _maybe_grow(self) -> None:
         """A rank joined: widen a shrunk plan when the predicted gain is worth the pause."""
         assert self.plan is not None
@@ -198,9 +201,8 @@ class Coordinator:
         if (config is None or self._in_flight is not None or not self._joined
                 or self.plan.layout.world_size >= self.original_world):
             return
-        threshold = self.elastic.grow_threshold if self.elastic else 0.1
         committed = self.latest_committed() or 0
-        grown = GrowPolicy(config, threshold)(self.plan, committed)
+        grown = self._grow_policy(config)(self.plan, committed)
         self._joined.clear()  # weighed now; the next joiner triggers another look
         if grown is None:
             return
@@ -225,7 +227,6 @@ class Coordinator:
         self.plan = PlanState(generation=1, layout=layout, members=members, spares=spares,
                               resume_step=self.latest_committed() or 0,
                               reason=f"first plan: {len(members)} ranks")
-        self.original_world = len(members)
         await self._install(self.plan.to_proto())
 
     def _relaunched(self, committed: int) -> PlanDecision | None:
@@ -462,8 +463,7 @@ class Coordinator:
         config = self._elastic_config()
         if config is None or decision.plan.layout.world_size >= self.original_world:
             return decision
-        grown = GrowPolicy(config, self.elastic.grow_threshold if self.elastic else 0.1)(
-            decision.plan, committed)
+        grown = self._grow_policy(config)(decision.plan, committed)
         if grown is None:
             return decision
         return dataclasses.replace(decision, kind="grow", plan=dataclasses.replace(
