@@ -33,6 +33,9 @@ def run(quick: bool) -> dict:
     sync_bytes = (1 if quick else 4) << 20
     say(f"gradient sync of {sync_bytes >> 20} MiB over 8 ranks")
     out.update(measured_sync(8, sync_bytes, repeats=3 if quick else 5))
+    shape = (512, 4, 512) if quick else (512, 8, 1024)
+    say("run()'s gradient average during vs after backward, 2 ranks on 2 nodes")
+    out.update(measured_overlap(shape, repeats=3 if quick else 7))
     return out
 
 
@@ -132,6 +135,37 @@ def measured_sync(world: int, nbytes: int, repeats: int) -> dict:
     }
 
 
+def measured_overlap(shape: tuple[int, int, int], repeats: int) -> dict:
+    """Step seconds of `run()`'s gradient average with its buckets summed while backward
+    runs against summed after it (STALWART_GRAD_OVERLAP=0), alternating in one run on
+    one model (`shape`: width, layers of Linear+Tanh, batch); two ranks, each on its own
+    emulated node. A step can take no less than the longer of backward and the
+    all-reduce, nor more than their sum."""
+    width, layers, batch = shape
+    ranks, link_text = _launch("overlap", [0, 1], 0, repeats, 2,
+                               extra=["--shape", f"{width},{layers},{batch}"])
+
+    def slowest(key: str) -> float:  # a step ends when its slowest member's does
+        return max(r[key] for r in ranks)
+
+    overlap, after = slowest("overlap"), slowest("after")
+    backward, allreduce = slowest("backward"), slowest("allreduce")
+    return {
+        "grad_overlap_link_emulation": link_text,
+        "grad_overlap_model": {"width": width, "layers": layers, "batch": batch,
+                               "grad_bytes": ranks[0]["grad_bytes"],
+                               "buckets": ranks[0]["buckets"]},
+        "grad_overlap_step_s": overlap,
+        "grad_after_backward_step_s": after,
+        "grad_overlap_speedup": after / overlap,
+        "grad_overlap_backward_s": backward,
+        "grad_overlap_allreduce_s": allreduce,
+        "grad_overlap_bound_s": max(backward, allreduce),
+        "grad_overlap_buckets_during_backward": ranks[0]["overlapped_buckets"],
+        "grad_overlap_bitwise_equal": all(r["same_result"] for r in ranks),
+    }
+
+
 def _sum_link_bytes(ranks: list[dict]) -> dict[str, dict[str, float]]:
     """Bytes all ranks sent per collective and link kind, for one call of each algorithm."""
     total: dict[str, dict[str, float]] = {}
@@ -156,13 +190,13 @@ def _link(fig: dict) -> Link:
 
 
 def _launch(mode: str, node_of_rank: list[int], nbytes: int, repeats: int,
-            nodes: int) -> tuple[list[dict], str]:
+            nodes: int, extra: list[str] | None = None) -> tuple[list[dict], str]:
     """Run the worker for every rank: in emulated nodes where possible, else on loopback."""
     why_not = netns_unavailable()
     if why_not is None:
         args = ["--mode", mode, "--world", str(len(node_of_rank)),
                 "--nodes", ",".join(map(str, node_of_rank)),
-                "--nbytes", str(nbytes), "--repeats", str(repeats)]
+                "--nbytes", str(nbytes), "--repeats", str(repeats), *(extra or [])]
         with emulated_cluster(nodes, INTER_RATE_MBIT) as cluster:
             ranks = run_workers(cluster, node_of_rank, "stalwart.bench.comm_worker", args,
                                 timeout_s=240.0)
@@ -175,7 +209,11 @@ def _launch(mode: str, node_of_rank: list[int], nbytes: int, repeats: int,
     if mode == "allreduce":
         ranks = run_local(comm_worker.allreduce_rank, len(node_of_rank), node_of_rank, nbytes,
                           repeats, timeout=180.0, env={"OMP_NUM_THREADS": "1"})
-    else:
+    elif mode == "sync":
         ranks = run_local(comm_worker.sync_rank, len(node_of_rank), nbytes, repeats,
                           timeout=180.0, env={"OMP_NUM_THREADS": "1"})
+    else:
+        width, layers, batch = (int(v) for v in (extra or [])[1].split(","))
+        ranks = run_local(comm_worker.overlap_rank, len(node_of_rank), width, layers, batch,
+                          repeats, timeout=180.0, env={"OMP_NUM_THREADS": "1"})
     return ranks, f"loopback fallback, links NOT rate-limited ({why_not})"

@@ -116,6 +116,66 @@ def sync_body(rank: int, world: int, store: Any, nbytes: int, repeats: int) -> d
     return out
 
 
+def overlap_body(rank: int, world: int, store: Any, width: int, layers: int, batch: int,
+                 repeats: int) -> dict:
+    """A step of `run()`'s gradient average (client/grad_average.py, the code the user
+    loop runs) over every rank, with its buckets summed during backward and after it,
+    alternating, on the same model and batch; backward alone and one all-reduce of the
+    gradients beside them. Seconds are medians over `repeats` steps of each."""
+    import torch
+
+    from stalwart.client.grad_average import GradAverage
+    from stalwart.client.parallel_dims import Group
+
+    torch.set_num_threads(1)
+    ranks = list(range(world))
+    pg = _pg(store, "overlap", ranks, rank)
+    group = Group("dp", tuple(ranks), rank, pg)
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(rank))
+
+    def build(overlap: bool) -> tuple[torch.nn.Module, GradAverage]:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(*(m for _ in range(layers)
+                                    for m in (torch.nn.Linear(width, width), torch.nn.Tanh())))
+        average = GradAverage(list(net.parameters()), [], torch.device("cpu"),
+                              bucket_bytes=64 << 20, overlap=overlap)
+        average.start(group)
+        return net, average
+
+    def step(net: torch.nn.Module, average: GradAverage) -> None:
+        for p in net.parameters():
+            p.grad = None
+        average.arm()
+        net(x).square().mean().backward()
+        average.average(lambda fn, _what: fn(), world)
+
+    nets = {"overlap": build(True), "after": build(False)}
+    alone = build(False)[0]
+    barrier = lambda: pg.barrier().wait()  # noqa: E731
+    times: dict[str, list[float]] = {"overlap": [], "after": [], "backward": []}
+    for i in range(repeats + 1):  # the first round warms up
+        for name, (net, average) in nets.items():
+            barrier()
+            t0 = time.perf_counter()
+            step(net, average)
+            if i:
+                times[name].append(time.perf_counter() - t0)
+        barrier()
+        t0 = time.perf_counter()
+        alone(x).square().mean().backward()
+        if i:
+            times["backward"].append(time.perf_counter() - t0)
+    grads = torch.cat([p.grad.reshape(-1) for p in nets["after"][0].parameters()])
+    return {**{k: statistics.median(v) for k, v in times.items()},
+            "allreduce": _median_s(lambda: pg.allreduce([grads.clone()]).wait(), barrier,
+                                   repeats),
+            "overlapped_buckets": nets["overlap"][1].overlapped,
+            "buckets": len(nets["overlap"][1].buckets),
+            "grad_bytes": grads.numel() * 4,
+            "same_result": all(torch.equal(a.grad, b.grad) for a, b in zip(
+                nets["overlap"][0].parameters(), nets["after"][0].parameters(), strict=True))}
+
+
 def _ps_sync(pg: Any, rank: int, n: int, tensor: Any) -> None:
     """Every worker sends its tensor to rank 0, which sums and sends the result back."""
     if rank == 0:
@@ -140,17 +200,23 @@ def sync_rank(ctx: Any, nbytes: int, repeats: int) -> dict:
     return sync_body(ctx.rank, ctx.world_size, ctx.store, nbytes, repeats)
 
 
+def overlap_rank(ctx: Any, width: int, layers: int, batch: int, repeats: int) -> dict:
+    """`run_local` entry point (loopback)."""
+    return overlap_body(ctx.rank, ctx.world_size, ctx.store, width, layers, batch, repeats)
+
+
 def main() -> int:
     """Entry point inside a network namespace: host or join the store, run, write JSON."""
     import torch.distributed as dist
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["allreduce", "sync"], required=True)
+    parser.add_argument("--mode", choices=["allreduce", "sync", "overlap"], required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--nodes", default="", help="allreduce: node of each rank, a,b,c")
     parser.add_argument("--store", required=True, help="HOST:PORT; rank 0 hosts it")
-    parser.add_argument("--nbytes", type=int, required=True)
+    parser.add_argument("--nbytes", type=int, default=0)
+    parser.add_argument("--shape", default="", help="overlap: WIDTH,LAYERS,BATCH")
     parser.add_argument("--repeats", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -160,8 +226,11 @@ def main() -> int:
     if args.mode == "allreduce":
         nodes = [int(n) for n in args.nodes.split(",")]
         result = allreduce_body(args.rank, args.world, store, nodes, args.nbytes, args.repeats)
-    else:
+    elif args.mode == "sync":
         result = sync_body(args.rank, args.world, store, args.nbytes, args.repeats)
+    else:
+        width, layers, batch = (int(v) for v in args.shape.split(","))
+        result = overlap_body(args.rank, args.world, store, width, layers, batch, args.repeats)
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(args.out)

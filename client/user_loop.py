@@ -7,7 +7,7 @@ committed step, and `train` is entered again with `ctx.steps()` starting there.
 
 The gradients are averaged over the generation's data-parallel group when the step's
 `ctx.batches()` ends, after the last micro-batch's backward, where DDP would have
-averaged them: code between it and `optimizer.step()` (clipping by the global norm,
+averaged them (overlapped with that backward: client/grad_average.py): code between it and `optimizer.step()` (clipping by the global norm,
 GradScaler's inf check) sees the job's gradients, the same on every replica. The
 commit point is `optimizer.step()`: its pre-hook waits for the previous snapshot copy
 (and averages the gradients of a loop that reads its data without `ctx.batches`). The
@@ -33,6 +33,7 @@ import torch.distributed as dist
 from stalwart.client.daemon_client import DaemonUnavailable
 from stalwart.client.digest import param_digest, tensor_sha256
 from stalwart.client.generation import Generation
+from stalwart.client.grad_average import GradAverage, consecutive_buckets
 from stalwart.client.launched import check_device, launched_agent, run_rank
 from stalwart.client.user_data import Data
 from stalwart.client.user_state import StateError, StateRegistry
@@ -116,6 +117,7 @@ class Context:
         """`fn()`, the loop's own collective on `dp_group`, under the job's collective
         deadline: a replica lost or hung in it starts the next generation, as in
         Stalwart's own collectives. Outside it, a failed collective ends this process."""
+        self._program.grads.before_collective()
         return self._gen.dims.dp_group.run(fn, "collective of the training function")
 
     @property
@@ -165,8 +167,10 @@ class Context:
                 "deals each step's samples to the replicas; to read your own loader, "
                 "iterate it directly and register it as state={'loader': loader}")
         shares = data.shares(self._step, self._layout, self.dp_rank)
-        for indices in shares:
+        for k, indices in enumerate(shares):
             self._micro += 1
+            if k == len(shares) - 1:
+                self._program.grads.arm()  # its backward starts the average
             yield data.batch(indices)
         self._program.average_gradients(self._gen, self)
 
@@ -189,14 +193,11 @@ class _UserLoopProgram:
         self.sparse = [m.weight for _, module in registry.modules() for m in module.modules()
                        if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag) and m.sparse
                        and m.weight.requires_grad]
-        # The most gradient bytes (as fp32) averaged in one all-reduce.
+        # The most bytes broadcast (and gradient bytes, as fp32, averaged) in one call.
         self.bucket_bytes = int(float(os.environ.get("STALWART_GRAD_BUCKET_MB", "64")) * 2**20)
-        # Which parameters' gradients a backward accumulated since the last average: a
-        # loop that runs another backward after ctx.batches (a GAN's generator step)
-        # has those averaged before the optimizer step that follows.
-        self._fresh = [False] * len(self.params)
-        for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(lambda _, i=i: self._accumulated(i))
+        self.grads = GradAverage(self.params, self.sparse, device,
+                                 bucket_bytes=self.bucket_bytes,
+                                 overlap=os.environ.get("STALWART_GRAD_OVERLAP", "1") != "0")
         # The state the script built, kept as a host copy until a step after it commits:
         # a generation that resumes from step 0 (a failure before the first commit)
         # starts from it again, on survivors that have trained since too.
@@ -234,7 +235,7 @@ class _UserLoopProgram:
         gen.report_rebuilt(rebuild_s, time.monotonic() - t_restore)
         for p in self.params:
             p.grad = None  # an abandoned step may have left partial gradients behind
-        self._fresh = [False] * len(self.params)
+        self.grads.start(gen.dims.dp_group)
         ctx = self.ctx = Context(gen, self, start)
         self.capturer = gen.capturer()
         if start > 0:  # the restored state is whole: its slots can open meanwhile
@@ -299,7 +300,7 @@ class _UserLoopProgram:
                 f"parameters and buffers, {least} to {-largest_neg} bytes; every replica "
                 "must build the same modules (seeding by rank changes values, not shapes)")
         root = source % group.size
-        for bucket in _buckets(sizes, self.bucket_bytes):
+        for bucket in consecutive_buckets(sizes, self.bucket_bytes):
             members = [tensors[b] for b in bucket]
             if group.index == root:
                 flat = torch.cat([t.detach().reshape(-1).view(torch.uint8).to(self.device)
@@ -333,15 +334,12 @@ class _UserLoopProgram:
             raise RuntimeError(f"restored state is of step {restored}, not {step}")
         return step
 
-    def _accumulated(self, index: int) -> None:
-        self._fresh[index] = True
-
     def _before_update(self, gen: Generation, ctx: Context) -> None:
         """Before optimizer.step(): the last copy is done, and the gradients are averaged
         unless ctx.batches did it and no backward ran since. Every replica runs the same
         backward passes (as under DDP), so they agree on whether to average."""
         self.capturer.before_update()
-        if not ctx._averaged or any(self._fresh):
+        if not ctx._averaged or self.grads.pending:
             self.average_gradients(gen, ctx)
 
     def average_gradients(self, gen: Generation, ctx: Context) -> None:
@@ -352,49 +350,7 @@ class _UserLoopProgram:
         # one), or over the replicas where the loop read no micro-batches from ctx.batches.
         divisor = ctx._layout.total_microbatches if ctx._micro else ctx.dp_size
         ctx._micro = 0
-        device = self.params[0].device if self.params else self.device
-        # One number per parameter counts the replicas whose backward reached it since the
-        # last average: one that none reached is left as it is (a parameter no backward
-        # reached keeps grad None, so the optimizer skips it, as it would have in one
-        # process) and not sent (a frozen copy, such as a registered EMA model, costs
-        # nothing). One that some reached is averaged over all, each replica giving the
-        # gradient it holds: a part averaged before is the same on every replica.
-        had = torch.tensor([float(f) for f in self._fresh], device=device)
-        self._fresh = [False] * len(self.params)
-        # A sparse embedding's gradient is summed densely, with a mark per row that any
-        # replica touched, and given back sparse over those rows; dense where a replica
-        # had a dense one (a weight tied to a dense layer).
-        marks = [torch.zeros(p.shape[0] + 1, device=device) for p in self.sparse]
-        for p, mark in zip(self.sparse, marks, strict=True):
-            if p.grad is not None and p.grad.is_sparse:
-                mark[p.grad.coalesce().indices()[0]] = 1.0
-            elif p.grad is not None:
-                mark[-1] = 1.0
-        tail = torch.cat([had, *marks])
-        gen.run_or_abandon(lambda: gen.dims.dp_group.all_reduce(tail), "grad-reduce")
-        given = [i for i, n in enumerate(tail[:len(had)].tolist()) if n > 0]
-        touched = {id(p): mark[:-1] for p, mark in zip(self.sparse, tail[len(had):].split(
-            [p.shape[0] + 1 for p in self.sparse]), strict=True) if mark[-1] == 0}
-        grads = {i: _dense_grad(self.params[i]) for i in given}
-        # The gradients themselves in buckets of at most bucket_bytes (as fp32): the
-        # average needs that much memory beside them, not a copy of all of them.
-        for bucket in _buckets([grads[i].numel() for i in given], self.bucket_bytes // 4):
-            members = [given[b] for b in bucket]
-            flat = torch.cat([grads[i].reshape(-1).float() for i in members])
-            gen.run_or_abandon(lambda flat=flat: gen.dims.dp_group.all_reduce(flat),
-                               "grad-reduce")
-            flat.div_(divisor)
-            for i, piece in zip(members, flat.split([grads[i].numel() for i in members]),
-                                strict=True):
-                p, g = self.params[i], grads[i]
-                piece = piece.view_as(g).to(g.dtype)
-                if id(p) in touched:
-                    rows = touched[id(p)].nonzero().reshape(1, -1)
-                    p.grad = torch.sparse_coo_tensor(rows, piece[rows[0]], p.shape).coalesce()
-                elif p.grad is None or p.grad.is_sparse:
-                    p.grad = piece.clone()
-                else:
-                    p.grad.copy_(piece)
+        self.grads.average(gen.run_or_abandon, divisor)
 
     def reduce_losses(self, gen: Generation, ctx: Context) -> None:
         """The step's job-wide mean of the reported losses, at the step's end (a loop may
@@ -468,28 +424,6 @@ def run(train: Callable[[Context], None], *, model: torch.nn.Module,
                       generations=len(agent.result.generations),
                       param_digest=modules_digest(registry))
     return run_rank(agent, daemon, result, result_json)
-
-
-def _dense_grad(p: torch.Tensor) -> torch.Tensor:
-    """What a replica adds to a parameter's average: its gradient, dense (zeros if none)."""
-    if p.grad is None:
-        return torch.zeros_like(p)
-    return p.grad.to_dense() if p.grad.is_sparse else p.grad
-
-
-def _buckets(sizes: list[int], limit: int) -> list[list[int]]:
-    """Consecutive indices of `sizes`, grouped so that each group's sum stays within
-    `limit` (a single size above it is a group of its own)."""
-    out: list[list[int]] = []
-    total = 0
-    for i, n in enumerate(sizes):
-        if out and total + n <= limit:
-            out[-1].append(i)
-            total += n
-        else:
-            out.append([i])
-            total = n
-    return out
 
 
 def result_json(result: Result) -> dict[str, Any]:

@@ -219,11 +219,11 @@ def test_registered_state_restores_bitwise_into_fresh_objects(optimizer):
 
 
 def test_gradients_are_averaged_in_buckets_of_consecutive_tensors_within_the_limit():
-    from stalwart.client.user_loop import _buckets
+    from stalwart.client.grad_average import consecutive_buckets
 
-    assert _buckets([4, 4, 4, 10, 1, 1], limit=8) == [[0, 1], [2], [3], [4, 5]]
-    assert _buckets([3, 3], limit=100) == [[0, 1]]
-    assert _buckets([], limit=8) == []
+    assert consecutive_buckets([4, 4, 4, 10, 1, 1], limit=8) == [[0, 1], [2], [3], [4, 5]]
+    assert consecutive_buckets([3, 3], limit=100) == [[0, 1]]
+    assert consecutive_buckets([], limit=8) == []
 
 
 def test_a_grad_scaler_restored_in_its_process_forgets_the_step_a_failure_cut_short():
