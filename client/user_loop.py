@@ -7,12 +7,13 @@ committed step, and `train` is entered again with `ctx.steps()` starting there.
 
 The gradients are averaged over the generation's data-parallel group when the step's
 `ctx.batches()` ends, after the last micro-batch's backward, where DDP would have
-averaged them (overlapped with that backward: client/grad_average.py): code between it and `optimizer.step()` (clipping by the global norm,
-GradScaler's inf check) sees the job's gradients, the same on every replica. The
-commit point is `optimizer.step()`: its pre-hook waits for the previous snapshot copy
-(and averages the gradients of a loop that reads its data without `ctx.batches`). The
-state after the step (and whatever the loop body did after it, such as the scheduler
-step) is captured when `ctx.steps()` moves to the next step.
+averaged them (overlapped with that backward: client/grad_average.py): code between
+it and `optimizer.step()` (clipping by the global norm, GradScaler's inf check) sees
+the job's gradients, the same on every replica. The commit point is
+`optimizer.step()`: its pre-hook waits for the previous snapshot copy (and averages
+the gradients of a loop that reads its data without `ctx.batches`). The state after
+the step (and whatever the loop body did after it, such as the scheduler step) is
+captured when `ctx.steps()` moves to the next step.
 """
 
 from __future__ import annotations
