@@ -97,14 +97,16 @@ class GradReducer:
         flat = torch.cat([p.grad.reshape(-1) for p in bucket.params])
         if self.wire_dtype is not None:
             flat = flat.to(self.wire_dtype)
-        if flat.is_cuda:
-            # The comm thread must see the finished gradients of the compute stream.
-            torch.cuda.current_stream().synchronize()
+        # The comm thread's collective must start after the bucket is filled on this
+        # (the backward's) stream: an event it waits on, not a host synchronisation,
+        # which would drain the GPU's queue of backward work at every bucket.
+        ready = _recorded(flat)
         bucket.buffer = flat
         if self.reduce_fn is None:
-            bucket.future = self._pool.submit(self.group.all_reduce, flat)
+            bucket.future = self._pool.submit(_after(ready, self.group.all_reduce), flat)
         else:
-            bucket.future = self._pool.submit(self.reduce_fn, flat, self.group.pg)
+            bucket.future = self._pool.submit(_after(ready, self.reduce_fn), flat,
+                                              self.group.pg)
 
     def finish(self) -> None:
         """Wait for every bucket and write the summed gradients back (fp32)."""
@@ -133,3 +135,22 @@ class GradReducer:
         if self._pool is not None:
             self._pool.shutdown(wait=wait, cancel_futures=True)
             self._pool = None
+
+
+def _recorded(tensor: torch.Tensor) -> Any:
+    """An event recorded on the current stream after `tensor`'s pending work (None on
+    the CPU, where that work is done)."""
+    if not tensor.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensor.device))
+    return event
+
+
+def _after(event: Any, fn: Callable[..., None]) -> Callable[..., None]:
+    """`fn`, run once the calling thread's stream has waited for `event`."""
+    def run(*args: Any) -> None:
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+        fn(*args)
+    return run
