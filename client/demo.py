@@ -347,7 +347,8 @@ def _finished(cluster: Any, steps: int) -> int:
     for r in cluster.ranks:
         if r.proc.poll() == 0:
             res = r.result() or {}
-            done += str(steps) in res.get("losses", {})
+            done += (str(steps) in res.get("losses", {})
+                     or (res.get("result") or {}).get("steps") == steps)
     return done
 
 
@@ -370,7 +371,8 @@ def _summarise(cluster: Any, args: argparse.Namespace, faults: list[dict[str, An
                committed_at: list[tuple[float, int]], detected: list[dict[str, Any]],
                elapsed: float, completed_step: int | None) -> dict[str, Any]:
     results = [(r, r.result()) for r in cluster.ranks]
-    finished = [res for _, res in results if res and res.get("losses")]
+    # Ranks that trained to the end (a script need not report losses).
+    finished = [res for _, res in results if res and (res.get("losses") or res.get("result"))]
     # Killed ranks leave no result file, but their printed losses count for their steps.
     losses: dict[int, float] = dict(follow.losses)
     for res in finished:
@@ -410,7 +412,9 @@ def _summarise(cluster: Any, args: argparse.Namespace, faults: list[dict[str, An
     # A script decides its own number of steps (it is passed --steps, and may not read
     # it): the job's own completion says how many it took.
     last = completed_step if args.script is not None and completed_step else args.steps
-    completed = bool(losses) and max(losses) == last and len(losses) == last
+    # A script that reports no losses has the job's own completion alone to go by.
+    completed = (completed_step == last and not losses) or (
+        bool(losses) and max(losses) == last and len(losses) == last)
     return {"completed": completed, "elapsed_s": round(elapsed, 2),
             "losses": [losses[s] for s in sorted(losses)],
             "param_digest": digests.pop() if completed and len(digests) == 1 else None,

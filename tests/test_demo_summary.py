@@ -55,6 +55,16 @@ def test_a_script_that_trains_its_own_number_of_steps_completes_at_the_jobs_last
                               last)["completed"]
 
 
+def test_a_script_that_reports_no_losses_completes_with_its_digest(tmp_path: Path) -> None:
+    result = {"losses": {}, "result": {"steps": 8, "param_digest": "d"}, "generations": []}
+    cluster = SimpleNamespace(workdir=tmp_path, ranks=[SimpleNamespace(result=lambda: result)])
+    args = argparse.Namespace(steps=10, dp=1, pp=1, tp=1, script=Path("mine.py"))
+    summary = _summarise(cluster, args, [], SimpleNamespace(losses={}), [], [], [], 2.0, 8)
+    assert summary["completed"] and summary["param_digest"] == "d"
+    assert not _summarise(cluster, args, [], SimpleNamespace(losses={}), [], [], [], 2.0,
+                          None)["completed"]
+
+
 def test_a_rank_that_raised_is_summarised_by_its_last_exception(tmp_path: Path) -> None:
     log = tmp_path / "rank0.log"
     log.write_text("[step] 1 loss 0.5\n"
