@@ -234,12 +234,14 @@ def test_gloo_hangs_are_reported_and_lost_peers_are_not(run_ranks):
 
 
 def test_the_training_functions_own_collective_runs_under_the_watchdog():
+    from stalwart.client.grad_average import GradAverage
     from stalwart.client.user_loop import Context
 
     reports: list[Failure] = []
     dp = Group("dp", (0, 1), 0, pg=None, watchdog=Watchdog(reports.append, deadline_s=60.0))
     gen = SimpleNamespace(dims=SimpleNamespace(dp_group=dp))
-    ctx = Context(gen, program=None, start=0)  # type: ignore[arg-type]
+    grads = GradAverage([], [], torch.device("cpu"), bucket_bytes=1 << 20, overlap=True)
+    ctx = Context(gen, program=SimpleNamespace(grads=grads), start=0)  # type: ignore[arg-type]
     assert ctx.collective(lambda: "summed") == "summed"
     with pytest.raises(GroupFailure, match="dp collective of the training function failed"):
         ctx.collective(fail(RuntimeError("Connection reset by peer")))
