@@ -155,8 +155,7 @@ class GradAverage:
         while len(armed.started) < len(self.buckets) and (
                 every or armed.pending[len(armed.started)] == 0):
             members = self.buckets[len(armed.started)]
-            armed.started.append(self._start(armed, torch.cat(
-                [_dense_grad(self.params[i]).reshape(-1).float() for i in members])))
+            armed.started.append(self._start(armed, self._flat(members)))
             if not every:
                 self.overlapped += 1
 
@@ -219,8 +218,7 @@ class GradAverage:
         # was reached: the same sums, so the same bits.
         for members in self.buckets:
             if reached.intersection(members):
-                flat = torch.cat([_dense_grad(self.params[i]).reshape(-1).float()
-                                  for i in members])
+                flat = self._flat(members)
                 run(lambda flat=flat: group.all_reduce(flat), "grad-reduce")
                 self._write_bucket(members, flat.div_(divisor), reached, touched)
         self._reduce(run, [i for i in given if i not in self.bucket_of], divisor, touched)
@@ -269,16 +267,16 @@ class GradAverage:
         not a copy of all."""
         assert self.group is not None
         group = self.group
-        grads = {i: _dense_grad(self.params[i]) for i in given}
-        sizes = [grads[i].numel() for i in given]
+        sizes = [self.params[i].numel() for i in given]
         for bucket in consecutive_buckets(sizes, self.bucket_bytes // 4):
             members = [given[b] for b in bucket]
-            flat = torch.cat([grads[i].reshape(-1).float() for i in members])
+            flat = self._flat(members)
             run(lambda flat=flat: group.all_reduce(flat), "grad-reduce")
-            flat.div_(divisor)
-            for i, piece in zip(members, flat.split([grads[i].numel() for i in members]),
-                                strict=True):
-                self._write(i, piece, touched)
+            self._write_bucket(members, flat.div_(divisor), set(members), touched)
+
+    def _flat(self, members: list[int]) -> torch.Tensor:
+        """The gradients of `members` as one fp32 tensor: what this replica adds."""
+        return torch.cat([_dense_grad(self.params[i]).reshape(-1).float() for i in members])
 
     def _write(self, index: int, piece: torch.Tensor, touched: dict[int, torch.Tensor]) -> None:
         p = self.params[index]

@@ -65,8 +65,8 @@ class Layout:
                 raise ValueError(f"{axis}={getattr(self, axis)}: every parallel degree must "
                                  f"be >= 1 (dp={self.dp} pp={self.pp} tp={self.tp})")
         total = self.microbatch_total
-        if total and (self.pp != 1 or self.microbatches != 1 or total < self.dp
-                      or self.grad_accum != -(-total // self.dp)):
+        if total and not unequal_shares_fit(self.dp, self.pp, self.microbatches,
+                                            self.grad_accum, total):
             raise ValueError(
                 f"microbatch_total={total} needs pp=1, microbatches=1, at least one "
                 f"micro-batch per replica and grad_accum the largest share "
@@ -149,3 +149,12 @@ class Layout:
                    stages=tuple((s.first_layer, s.last_layer) for s in msg.stages),
                    schedule=msg.schedule or "1f1b", microbatches=msg.microbatches or 1,
                    grad_accum=msg.grad_accum or 1, microbatch_total=msg.microbatch_total)
+
+
+def unequal_shares_fit(dp: int, pp: int, microbatches: int, grad_accum: int,
+                       total: int) -> bool:
+    """Whether `total` micro-batches a step can be dealt to `dp` replicas in unequal
+    shares: no pipeline, one micro-batch a round, at least one per replica, and
+    `grad_accum` rounds, the largest share."""
+    return (pp == 1 and microbatches == 1 and total >= dp >= 1
+            and grad_accum == -(-total // dp))

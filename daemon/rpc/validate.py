@@ -15,7 +15,7 @@ import grpc
 
 from stalwart.core import manifest as mf
 from stalwart.core import step_record as sr
-from stalwart.core.layout import Layout
+from stalwart.core.layout import Layout, unequal_shares_fit
 from stalwart.daemon.snapshot import commit_tree
 from stalwart.daemon.snapshot.shard_store import validate_id
 from stalwart.v1 import common_pb2, manifest_pb2, peer_pb2, rank_pb2
@@ -92,12 +92,12 @@ def _layout(layout: common_pb2.ParallelLayout, what: str = "layout") -> None:
             in_range(value, 0, MAX_WORLD, f"{what}.{name}")
     if dp * pp * tp > MAX_WORLD:
         _fail(f"{what} {dp}x{pp}x{tp} has more than {MAX_WORLD} ranks")
-    if total := layout.microbatch_total:
-        # Unequal shares: what core.layout.Layout checks, before any rank builds on it.
-        if pp > 1 or layout.microbatches > 1 or total < dp or \
-                layout.grad_accum != -(-total // max(dp, 1)):
-            _fail(f"{what}.microbatch_total {total} does not fit dp={dp} pp={pp} "
-                  f"microbatches={layout.microbatches} grad_accum={layout.grad_accum}")
+    # Unequal shares: what core.layout.Layout checks, before any rank builds on it (0
+    # in a degree or micro-batches field reads as 1 there).
+    if (total := layout.microbatch_total) and not unequal_shares_fit(
+            max(dp, 1), max(pp, 1), layout.microbatches or 1, layout.grad_accum, total):
+        _fail(f"{what}.microbatch_total {total} does not fit dp={dp} pp={pp} "
+              f"microbatches={layout.microbatches} grad_accum={layout.grad_accum}")
     if len(layout.stages) > MAX_LIST or len(layout.schedule) > MAX_NAME:
         count(layout.stages, f"{what}.stages")
         text(layout.schedule, f"{what}.schedule", MAX_NAME)
