@@ -159,9 +159,11 @@ class DaemonClient:
             for key, nbytes in sent.items():
                 self._links[key] = self._links.get(key, 0.0) + nbytes
 
-    def heartbeat(self, *, leaving: bool = False, raised: str = "") -> rank_pb2.HeartbeatReply:
+    def heartbeat(self, *, leaving: bool = False, raised: str = "",
+                  finished_at: int = 0) -> rank_pb2.HeartbeatReply:
         """Send one heartbeat now (the background thread calls this every interval);
-        `raised`: the exception this rank is about to exit with."""
+        `raised`: the exception this rank is about to exit with; `finished_at`: see
+        `close`."""
         if not self.rank_id:
             raise DaemonUnavailable("heartbeat before register(): call register() first")
         with self._links_lock:
@@ -169,6 +171,7 @@ class DaemonClient:
         request = rank_pb2.HeartbeatRequest(
             rank_id=self.rank_id, generation=self.generation, step=self._step,
             step_time_s=self._step_time_s, leaving=leaving, raised=raised[:RAISED_CHARS],
+            finished_at=finished_at,
             recovery_phase_s=getattr(self, "_phases", {}),
             link_bytes=[rank_pb2.LinkBytesSent(link=link, collective=collective, bytes=n)
                         for (link, collective), n in links.items()])
@@ -213,15 +216,17 @@ class DaemonClient:
             self._thread.join(timeout_s)
         self._thread = None
 
-    def close(self, *, leaving: bool = True, raised: str = "") -> None:
+    def close(self, *, leaving: bool = True, raised: str = "", finished_at: int = 0) -> None:
         """Stop heartbeats, tell the daemon this rank leaves cleanly (or, not leaving,
-        the exception it exits with), close the channel."""
+        the exception it exits with), close the channel. `finished_at`: the step its
+        training loop ended at having trained the job's whole length (0: it did not)."""
         if self._pid != os.getpid():
             return  # nothing of this object belongs to this process
         self.stop_heartbeats()
         if (leaving or raised) and self.rank_id and not self.fenced:
             try:
-                self.heartbeat(leaving=leaving, raised="" if leaving else raised)
+                self.heartbeat(leaving=leaving, raised="" if leaving else raised,
+                               finished_at=finished_at if leaving else 0)
             except DaemonUnavailable as e:
                 log.warning("could not tell the daemon this rank %s: %s",
                             "leaves" if leaving else "raised", e)

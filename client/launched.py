@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from stalwart.client.agent import AgentConfig, ElasticAgent, Program
 from stalwart.client.daemon_client import DaemonClient
@@ -35,7 +35,13 @@ log = logging.getLogger("stalwart.client.launched")
 # The entry (run() or run_layers()) this process has trained under, if any: a process
 # is one rank of one job.
 _entered: str | None = None
-R = TypeVar("R")
+
+
+class Finished(Protocol):
+    steps: int  # the step the rank's training loop ended at, the job's length
+
+
+R = TypeVar("R", bound=Finished)
 
 
 def gpu_named(device: str) -> str:
@@ -141,7 +147,9 @@ def run_rank(agent: ElasticAgent, daemon: DaemonClient, result: Callable[[], R |
     tells its daemon it leaves cleanly: one that raised is a failed rank, and its daemon
     sees it so when the process exits, at once, so its role goes to a spare or the
     survivors re-plan. Told it left cleanly, the daemon would leave its peers waiting for
-    it until their collectives time out."""
+    it until their collectives time out. A rank with a result also says the step its
+    loop ended at: a job launched again after its last step committed trains nothing, so
+    no commit ends it, and the coordinator ends it when every rank said so."""
     out: R | None = None
     returned, raised = False, ""
     try:
@@ -155,7 +163,8 @@ def run_rank(agent: ElasticAgent, daemon: DaemonClient, result: Callable[[], R |
         try:
             write_result(agent, None if out is None else as_json(out))
         finally:
-            daemon.close(leaving=returned, raised=raised)
+            daemon.close(leaving=returned, raised=raised,
+                         finished_at=0 if out is None else out.steps)
     return out
 
 

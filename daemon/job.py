@@ -102,6 +102,8 @@ class Job:
         # A rank that left cleanly has its capture slots freed too, as a dead one has.
         registry.on_leave(lambda rank_id: self._spawned.start(
             self.snapshots.intake.forget_rank(rank_id)))
+        registry.on_leave(lambda rank_id: self._spawned.start(
+            self.announcer.finished(rank_id)))
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:

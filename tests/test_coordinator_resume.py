@@ -168,3 +168,29 @@ def test_spares_that_can_fill_the_launched_size_widen_the_resume_to_it() -> None
     assert stop.layout.dp == 1
     assert not resumed.stop and resumed.layout.dp == 2 and resumed.resume_step == 7
     assert {a.rank_id for a in resumed.assignments if not a.spare} == {"n0/5", "n1/6"}
+
+
+def finished(rank_id: str, node: str, step: int) -> peer_pb2.RankAnnouncement:
+    return peer_pb2.RankAnnouncement(node=node, rank_id=rank_id, rank=-1, finished_at=step)
+
+
+def test_ranks_that_leave_at_a_committed_last_step_end_the_job_once_every_one_has() -> None:
+    # Launched again after the job's last step (7) committed, the ranks restore it, train
+    # nothing and leave: no commit ends the job, their leaving does, once all of them left.
+    async def main(committed: int) -> list[common_pb2.Plan]:
+        daemons = Daemons()
+        c = Coordinator(node="n0", job_id="job", metrics=Metrics(), links=daemons,
+                        latest_committed=lambda: committed)
+        await c.announce(rank("n0/1", "n0", 0, PROFILE))
+        await c.announce(rank("n1/2", "n1", 1, PROFILE))
+        await c.announce(finished("n0/1", "n0", 7))
+        assert len(daemons.plans) == 1  # one rank is still in its loop
+        await c.announce(finished("n1/2", "n1", 7))
+        return daemons.plans
+
+    first, done = asyncio.run(main(committed=7))
+    assert not first.stop and first.resume_step == 7
+    assert done.stop and done.completed and done.resume_step == 7
+    assert done.generation == first.generation + 1
+    # Ranks that left at their last step before it committed leave it to that commit.
+    assert len(asyncio.run(main(committed=6))) == 1

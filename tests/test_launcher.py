@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = str(REPO / "examples/classifier/train.py")
 
 
-def launch(cluster: LocalCluster, tmp_path: Path, spares_on_last: int = 0
+def launch(cluster: LocalCluster, tmp_path: Path, spares_on_last: int = 0, steps: int = 24
            ) -> list[tuple[subprocess.Popen, Path]]:
     """One `stalwart run` per daemon (host), each with one rank."""
     out = []
@@ -34,7 +35,7 @@ def launch(cluster: LocalCluster, tmp_path: Path, spares_on_last: int = 0
                  # the capture threads on a CPU of their own, as a host that gives
                  # its daemon cores would run them
                  "--capture-cpus", str(max(os.sched_getaffinity(0))), SCRIPT,
-                 "--steps", "24", "--global-batch", "16"],
+                 "--steps", str(steps), "--global-batch", "16"],
                 stdout=f, stderr=subprocess.STDOUT,
                 env={**os.environ, "STALWART_STEP_LOG": "1", "OMP_NUM_THREADS": "1"})
         out.append((proc, log))
@@ -46,11 +47,16 @@ def digests(runs: list[tuple[subprocess.Popen, Path]]) -> set[str]:
             for m in re.findall(r"param_digest ([0-9a-f]{64})", log.read_text())}
 
 
-def run_job(tmp_path: Path, *, kill_rank0_after: int | None = None) -> tuple[list, list]:
-    cluster = LocalCluster(nodes=2, workdir=tmp_path / "cluster")
+def run_job(tmp_path: Path, *, kill_rank0_after: int | None = None, spares: int = 0,
+            steps: int = 24, cluster_dir: Path | None = None,
+            token: str | None = None) -> tuple[list, list]:
+    cluster = LocalCluster(nodes=2, workdir=cluster_dir or tmp_path / "cluster",
+                           env={"STALWART_TOKEN": token} if token else {})
+    tmp_path.mkdir(parents=True, exist_ok=True)  # the launchers' logs
     try:
         cluster.start_daemons()
-        runs = launch(cluster, tmp_path, spares_on_last=1 if kill_rank0_after else 0)
+        runs = launch(cluster, tmp_path, spares_on_last=1 if kill_rank0_after else spares,
+                      steps=steps)
         if kill_rank0_after is not None:
             def rank0_pid() -> int:
                 st = cluster.daemons[0].status()
@@ -82,6 +88,26 @@ def test_two_hosts_survive_the_loss_of_the_rank_0_host_process_bitwise(tmp_path:
     assert all("stalwart run: the job completed: its last step 24 is committed" in text
                for text in logs)
     assert len(digests(runs)) == 1 and digests(runs) == digests(base)
+
+
+@pytest.mark.multiprocess
+def test_a_job_launched_again_after_its_last_step_returns_that_state_and_its_spare_leaves(
+        tmp_path: Path) -> None:
+    # The daemons start again on the same data dirs (the hosts rebooted, say), and the
+    # same job is launched again: its last step is committed, so every rank restores it
+    # and trains nothing. No step commits to end the job; without the ranks telling the
+    # coordinator where their loops ended, the spare would wait for a role forever and
+    # its host's launcher with it.
+    job = {"cluster_dir": tmp_path / "cluster", "token": secrets.token_urlsafe(24),
+           "spares": 1, "steps": 6}
+    codes, first = run_job(tmp_path / "first", **job)
+    assert codes == [0, 0], [log.read_text()[-2000:] for _, log in first]
+    codes, again = run_job(tmp_path / "again", **job)
+    logs = [log.read_text() for _, log in again]
+    assert codes == [0, 0], [text[-2000:] for text in logs]
+    assert all("stalwart run: the job completed: its last step 6 is committed" in text
+               for text in logs)
+    assert len(digests(again)) == 1 and digests(again) == digests(first)
 
 
 @pytest.mark.parametrize("flags,message", [

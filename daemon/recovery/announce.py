@@ -106,6 +106,22 @@ class Announcer:
             self._keep(record.rank_id, str(exc))
         return False
 
+    async def finished(self, rank_id: str) -> None:
+        """A local rank left after training the job's whole length: tell the coordinator
+        (one try; it ends a job whose ranks were launched again after its last step
+        committed, where no commit does)."""
+        record = self.registry.get(rank_id)
+        if record is None or not record.finished_at:
+            return
+        try:
+            await self.announce(peer_pb2.RankAnnouncement(
+                node=self.node, rank_id=rank_id, rank=-1 if record.spare else record.rank,
+                world_size=record.world_size, generation=self.registry.generation,
+                finished_at=record.finished_at))
+        except (TimeoutError, LookupError, grpc.aio.AioRpcError) as exc:
+            log.warning("could not tell the coordinator a rank finished",
+                        extra={"rank_id": rank_id, "error": str(exc)})
+
     def _keep(self, rank_id: str, error: str) -> None:
         if rank_id not in self._undelivered:
             log.warning("rank registered here but not yet announced to the coordinator; "

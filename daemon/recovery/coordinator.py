@@ -79,6 +79,8 @@ class Coordinator:
     plan: PlanState | None = None
     announced: dict[str, peer_pb2.RankAnnouncement] = field(default_factory=dict)
     completed: bool = False  # every rank trained its last step: nothing is re-planned
+    # rank -> the step its loop ended at having trained the job's length, as it left
+    _finished_at: dict[str, int] = field(default_factory=dict)
     recoveries: list[RecoveryRecord] = field(default_factory=list)
     _in_flight: PlanDecision | None = None
     _stopped: StopDecision | None = None  # the job waits at a stop for spares to arrive
@@ -141,8 +143,12 @@ class Coordinator:
         return False
 
     async def announce(self, a: peer_pb2.RankAnnouncement) -> None:
-        """A rank registered with some daemon: form the first plan once the world is here."""
+        """A rank registered with some daemon: form the first plan once the world is here.
+        (An announcement with `finished_at` is not a registration: see `_finished`.)"""
         async with self._lock:
+            if a.finished_at:
+                await self._finished(a.rank_id, a.finished_at)
+                return
             self.announced[a.rank_id] = a
             self.heard.set()
             # The size the job was launched at (a successor coordinator learns it from
@@ -562,10 +568,32 @@ class Coordinator:
             async with self._lock:
                 await self._maybe_grow()
 
+    async def _finished(self, rank_id: str, step: int) -> None:
+        """A rank left after its loop trained the job's length, ending at `step`. When
+        every member of the plan has, and that step is committed, the job is done. Its
+        last step's commit says so first, except where the ranks were launched again
+        after that commit: they restore the step, train nothing, and leave, and without
+        this the spares would wait for a role forever."""
+        self._finished_at[rank_id] = step
+        if self.plan is None or self.completed or self._stopped is not None \
+                or self._in_flight is not None:
+            return
+        ends = [self._finished_at.get(m.rank_id) for m in self.plan.members]
+        if None in ends:
+            return
+        last = min(e for e in ends if e is not None)
+        if (self.latest_committed() or 0) >= last:
+            log.info("every rank left at the job's last step, committed before",
+                     extra={"step": last})
+            await self._complete(last)
+
     async def _complete(self, step: int) -> None:
         """Every rank committed its last step: tell every daemon (and through them the
         spares, which then leave) that the job is done."""
         assert self.plan is not None
+        if self.completed:
+            return  # both the last commit and the ranks' leaving said so
+        self.completed = True
         generation = self.plan.generation + 1
         done = self.plan.to_proto()  # who held which role, for status after the end
         done.MergeFrom(common_pb2.Plan(
@@ -575,7 +603,6 @@ class Coordinator:
         await self._install(done)
         self.plan = dataclasses.replace(self.plan, generation=generation, resume_step=step,
                                         reason="completed")
-        self.completed = True
         log.info("job completed", extra={"step": step})
 
 

@@ -76,6 +76,7 @@ class RankRecord:
     state: str = ALIVE
     cause: str = ""  # evidence of the death, once dead
     raised: str = ""  # the exception its training raised, told just before its exit
+    finished_at: int = 0  # left after its loop trained the job's length, ending at this step
 
     @property
     def ended(self) -> bool:
@@ -142,7 +143,8 @@ class Registry:
 
     def heartbeat(self, rank_id: str, generation: int, step: int, step_time_s: float,
                   leaving: bool = False, raised: str = "",
-                  recovery_phases: dict[str, float] | None = None) -> RankRecord:
+                  recovery_phases: dict[str, float] | None = None,
+                  finished_at: int = 0) -> RankRecord:
         """Record a heartbeat; refuses unknown ranks, dead ranks and older generations
         (whose beat still counts as alive).
 
@@ -150,7 +152,8 @@ class Registry:
         `raised` names the exception the rank is about to exit with, for the report of
         its exit.
         `recovery_phases` (seconds by phase) are the rank's timings of joining
-        `generation`; each is observed once per rank and generation.
+        `generation`; each is observed once per rank and generation. `finished_at`, with
+        `leaving`: the step its loop ended at having trained the job's length.
         """
         record = self._ranks.get(rank_id)
         if record is None:
@@ -175,6 +178,7 @@ class Registry:
         self._observe_phases(rank_id, generation, recovery_phases or {})
         if leaving:
             record.state, record.cause = LEFT, "left cleanly"
+            record.finished_at = finished_at
             self._forget_series(record.rank_id)
             self._update_gauges()
             log.info("rank left", extra={"rank_id": rank_id, "step": step})

@@ -97,7 +97,8 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             self.registry.heartbeat(request.rank_id, request.generation, request.step,
                                     request.step_time_s, leaving=request.leaving,
                                     raised=request.raised,
-                                    recovery_phases=dict(request.recovery_phase_s))
+                                    recovery_phases=dict(request.recovery_phase_s),
+                                    finished_at=request.finished_at)
         except TYPED as exc:
             await abort(context, exc)
         self._count_link_bytes(request.link_bytes)

@@ -236,6 +236,7 @@ def _heartbeat(r: rank_pb2.HeartbeatRequest) -> None:
     in_range(r.generation, 0, MAX_GENERATION, "generation")
     in_range(r.step, 0, MAX_STEP, "step")
     in_range(r.step_time_s, 0.0, 1e9, "step_time_s")
+    in_range(r.finished_at, 0, MAX_STEP, "finished_at")
     text(r.raised, "raised")
     # Collective names become metric labels too.
     count(r.link_bytes, "link_bytes", MAX_COLLECTIVES)
@@ -332,6 +333,7 @@ def _announce(r: peer_pb2.RankAnnouncement) -> None:
     _layout(r.layout)
     _layout_of_world(r.layout, r.world_size, r.rank)
     in_range(r.generation, 0, MAX_GENERATION, "generation")
+    in_range(r.finished_at, 0, MAX_STEP, "finished_at")
 
 
 def _prepare(r: peer_pb2.PrepareStepRequest) -> None:

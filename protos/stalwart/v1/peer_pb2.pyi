@@ -32,6 +32,7 @@ class RankAnnouncement(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     PROFILE_FIELD_NUMBER: _builtins.int
     STORE_FIELD_NUMBER: _builtins.int
+    FINISHED_AT_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     rank_id: _builtins.str
     rank: _builtins.int
@@ -40,6 +41,10 @@ class RankAnnouncement(_message.Message):
     generation: _builtins.int
     store: _builtins.str
     """HOST:PORT of the store the rank serves ("" if none)"""
+    finished_at: _builtins.int
+    """Not a registration: the rank left after its training loop ended at this step, the
+    job's last (its heartbeat's finished_at).
+    """
     @_builtins.property
     def layout(self) -> _common_pb2.ParallelLayout: ...
     @_builtins.property
@@ -55,10 +60,11 @@ class RankAnnouncement(_message.Message):
         generation: _builtins.int = ...,
         profile: _common_pb2.LayerProfile | None = ...,
         store: _builtins.str = ...,
+        finished_at: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "profile", b"profile"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "layout", b"layout", "node", b"node", "profile", b"profile", "rank", b"rank", "rank_id", b"rank_id", "store", b"store", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finished_at", b"finished_at", "generation", b"generation", "layout", b"layout", "node", b"node", "profile", b"profile", "rank", b"rank", "rank_id", b"rank_id", "store", b"store", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

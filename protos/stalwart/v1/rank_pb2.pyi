@@ -150,6 +150,7 @@ class HeartbeatRequest(_message.Message):
     RECOVERY_PHASE_S_FIELD_NUMBER: _builtins.int
     LINK_BYTES_FIELD_NUMBER: _builtins.int
     RAISED_FIELD_NUMBER: _builtins.int
+    FINISHED_AT_FIELD_NUMBER: _builtins.int
     rank_id: _builtins.str
     generation: _builtins.int
     step: _builtins.int
@@ -161,6 +162,11 @@ class HeartbeatRequest(_message.Message):
     """The exception this rank's training raised ("ValueError: ..."), in its last heartbeat
     before its process exits with it: the daemon's report of the exit names it. At most
     300 characters are kept.
+    """
+    finished_at: _builtins.int
+    """With leaving: the step its training loop ended at, having trained up to the job's
+    length (0: it left before that). Ranks launched again after the job's last step
+    committed restore it and train nothing: these tell the coordinator the job is done.
     """
     @_builtins.property
     def recovery_phase_s(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
@@ -186,10 +192,11 @@ class HeartbeatRequest(_message.Message):
         recovery_phase_s: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         link_bytes: _abc.Iterable[Global___LinkBytesSent] | None = ...,
         raised: _builtins.str = ...,
+        finished_at: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "leaving", b"leaving", "link_bytes", b"link_bytes", "raised", b"raised", "rank_id", b"rank_id", "recovery_phase_s", b"recovery_phase_s", "step", b"step", "step_time_s", b"step_time_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finished_at", b"finished_at", "generation", b"generation", "leaving", b"leaving", "link_bytes", b"link_bytes", "raised", b"raised", "rank_id", b"rank_id", "recovery_phase_s", b"recovery_phase_s", "step", b"step", "step_time_s", b"step_time_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
