@@ -210,6 +210,21 @@ class ElasticAgent:
                         plan.generation)
         return plan
 
+    def _relaunched_after(self, done: common_pb2.Plan) -> common_pb2.Plan:
+        """This rank registered with daemons whose job had completed: it was started
+        again with the job's other ranks (to train it longer, or to have its state back),
+        and once all of them registered the coordinator places them in a plan that
+        resumes from the last step. Waits up to plan_timeout_s for that plan; `done`
+        after that (this rank then returns without a role)."""
+        log.warning("the job completed before this rank registered (%s); waiting up to "
+                    "%g s for the job's other ranks to register again and resume it",
+                    done.stop_message, self.cfg.plan_timeout_s)
+        try:
+            return self._next_plan(after=done.generation, timeout_s=self.cfg.plan_timeout_s)
+        except TimeoutError:
+            log.warning("no plan resumed the completed job: this rank leaves without a role")
+            return done
+
     def _role(self, plan: common_pb2.Plan) -> common_pb2.RankAssignment | None:
         return next((a for a in plan.assignments
                      if a.rank_id == self.daemon.rank_id and not a.spare), None)
@@ -243,6 +258,8 @@ class ElasticAgent:
 
         self.program.warm_up()
         plan = self._next_plan(after=0, timeout_s=self.cfg.plan_timeout_s)
+        if plan.stop and plan.completed:
+            plan = self._relaunched_after(plan)
         while True:
             if plan.stop and plan.completed:
                 return self.result  # the job trained its last step without this rank

@@ -110,6 +110,36 @@ def test_a_job_launched_again_after_its_last_step_returns_that_state_and_its_spa
     assert len(digests(again)) == 1 and digests(again) == digests(first)
 
 
+@pytest.mark.multiprocess
+def test_a_completed_job_launched_again_next_to_the_same_daemons_resumes_from_its_last_step(
+        tmp_path: Path) -> None:
+    # Daemons that outlive jobs (systemd, a DaemonSet) still hold the completed job: its
+    # ranks started again wait for each other, restore its last step, and train on to a
+    # longer length, or, at the same length, return that state.
+    cluster = LocalCluster(nodes=2, workdir=tmp_path / "cluster")
+    runs: list[tuple[subprocess.Popen, Path]] = []
+    try:
+        cluster.start_daemons()
+        finals = {}
+        for name, steps in (("first", 6), ("same", 6), ("longer", 9)):
+            (tmp_path / name).mkdir()
+            runs = launch(cluster, tmp_path / name, spares_on_last=1, steps=steps)
+            for proc, _ in runs:
+                proc.wait(timeout=240)
+            logs = [log.read_text() for _, log in runs]
+            assert [proc.returncode for proc, _ in runs] == [0, 0], [t[-2000:] for t in logs]
+            assert all(f"the job completed: its last step {steps} is committed" in text
+                       for text in logs), [t[-2000:] for t in logs]
+            finals[name] = digests(runs)
+            assert len(finals[name]) == 1
+        assert finals["same"] == finals["first"] != finals["longer"]
+    finally:
+        for proc, _ in runs:
+            if proc.poll() is None:
+                proc.kill()
+        cluster.close()
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--master-addr", "h"], "--master-addr is not taken: hosts find the job through"),
     (["--rdzv-backend", "c10d"], "--rdzv-backend is not taken"),

@@ -81,6 +81,7 @@ class Coordinator:
     completed: bool = False  # every rank trained its last step: nothing is re-planned
     # rank -> the step its loop ended at having trained the job's length, as it left
     _finished_at: dict[str, int] = field(default_factory=dict)
+    _since_completed: set[str] = field(default_factory=set)  # ranks registered after it
     recoveries: list[RecoveryRecord] = field(default_factory=list)
     _in_flight: PlanDecision | None = None
     _stopped: StopDecision | None = None  # the job waits at a stop for spares to arrive
@@ -149,6 +150,7 @@ class Coordinator:
             if a.finished_at:
                 await self._finished(a.rank_id, a.finished_at)
                 return
+            known = a.rank_id in self.announced  # announced again (a new coordinator)
             self.announced[a.rank_id] = a
             self.heard.set()
             # The size the job was launched at (a successor coordinator learns it from
@@ -162,6 +164,10 @@ class Coordinator:
                     await self._maybe_resume()
             if self.plan is None:
                 await self._maybe_form_first_plan()
+            elif self.completed:
+                if not known:
+                    self._since_completed.add(a.rank_id)
+                    await self._maybe_relaunch_completed()
             elif a.rank_id not in {m.rank_id for m in self.plan.members}:
                 spare = Member(a.rank_id, a.node)
                 if a.rank_id not in {s.rank_id for s in self.plan.spares}:
@@ -222,6 +228,33 @@ class Coordinator:
             new_generation=grown.generation, resume_step=committed, detected_unix=time.time(),
             decided_s=0.0, message=grown.reason))
         log.info("plan widened", extra={"reason": grown.reason})
+
+    async def _maybe_relaunch_completed(self) -> None:
+        """The job completed, and its ranks were started again next to the same daemons
+        (to train it longer, or to have its final state back): once every launch rank
+        registered again, each takes the role its RANK names in the launched layout and
+        resumes from the last step, as at a first plan. Ranks and spares registered
+        since the completion are the new plan's; those of the completed run are gone."""
+        assert self.plan is not None
+        fresh = [self.announced[r] for r in self._since_completed if r in self.announced]
+        launched = _launched(fresh)
+        if launched is None:
+            return
+        layout, members = launched
+        taken = {m.rank_id for m in members}
+        step = self.plan.resume_step
+        self.plan = PlanState(
+            generation=self.plan.generation + 1, layout=layout, members=members,
+            spares=tuple(Member(a.rank_id, a.node) for a in fresh if a.rank_id not in taken),
+            resume_step=step,
+            reason=f"launched again after it completed: {len(members)} ranks")
+        self.completed = False
+        self._since_completed.clear()
+        self._finished_at.clear()
+        self._joined.clear()
+        await self._install(self.plan.to_proto())
+        self.metrics.plan_changes.labels("relaunch").inc()
+        log.info("the completed job was launched again", extra={"step": step})
 
     async def _maybe_form_first_plan(self) -> None:
         launched = _launched(self.announced.values())
