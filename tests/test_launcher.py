@@ -47,16 +47,11 @@ def digests(runs: list[tuple[subprocess.Popen, Path]]) -> set[str]:
             for m in re.findall(r"param_digest ([0-9a-f]{64})", log.read_text())}
 
 
-def run_job(tmp_path: Path, *, kill_rank0_after: int | None = None, spares: int = 0,
-            steps: int = 24, cluster_dir: Path | None = None,
-            token: str | None = None) -> tuple[list, list]:
-    cluster = LocalCluster(nodes=2, workdir=cluster_dir or tmp_path / "cluster",
-                           env={"STALWART_TOKEN": token} if token else {})
-    tmp_path.mkdir(parents=True, exist_ok=True)  # the launchers' logs
+def run_job(tmp_path: Path, *, kill_rank0_after: int | None = None) -> tuple[list, list]:
+    cluster = LocalCluster(nodes=2, workdir=tmp_path / "cluster")
     try:
         cluster.start_daemons()
-        runs = launch(cluster, tmp_path, spares_on_last=1 if kill_rank0_after else spares,
-                      steps=steps)
+        runs = launch(cluster, tmp_path, spares_on_last=1 if kill_rank0_after else 0)
         if kill_rank0_after is not None:
             def rank0_pid() -> int:
                 st = cluster.daemons[0].status()
@@ -91,53 +86,48 @@ def test_two_hosts_survive_the_loss_of_the_rank_0_host_process_bitwise(tmp_path:
 
 
 @pytest.mark.multiprocess
-def test_a_job_launched_again_after_its_last_step_returns_that_state_and_its_spare_leaves(
-        tmp_path: Path) -> None:
-    # The daemons start again on the same data dirs (the hosts rebooted, say), and the
-    # same job is launched again: its last step is committed, so every rank restores it
-    # and trains nothing. No step commits to end the job; without the ranks telling the
-    # coordinator where their loops ended, the spare would wait for a role forever and
-    # its host's launcher with it.
-    job = {"cluster_dir": tmp_path / "cluster", "token": secrets.token_urlsafe(24),
-           "spares": 1, "steps": 6}
-    codes, first = run_job(tmp_path / "first", **job)
-    assert codes == [0, 0], [log.read_text()[-2000:] for _, log in first]
-    codes, again = run_job(tmp_path / "again", **job)
-    logs = [log.read_text() for _, log in again]
-    assert codes == [0, 0], [text[-2000:] for text in logs]
-    assert all("stalwart run: the job completed: its last step 6 is committed" in text
-               for text in logs)
-    assert len(digests(again)) == 1 and digests(again) == digests(first)
-
-
-@pytest.mark.multiprocess
-def test_a_completed_job_launched_again_next_to_the_same_daemons_resumes_from_its_last_step(
+def test_a_completed_job_launched_again_resumes_from_its_last_step_and_its_spare_leaves(
         tmp_path: Path) -> None:
     # Daemons that outlive jobs (systemd, a DaemonSet) still hold the completed job: its
     # ranks started again wait for each other, restore its last step, and train on to a
-    # longer length, or, at the same length, return that state.
-    cluster = LocalCluster(nodes=2, workdir=tmp_path / "cluster")
+    # longer length or, at the same length, return that state. Daemons started again on
+    # the same data dirs (the hosts rebooted) resume it the same way, although no step
+    # commits to end it: the ranks' leaving at their last step does, or the spare would
+    # wait for a role forever, and its host's launcher with it.
+    token = secrets.token_urlsafe(24)
     runs: list[tuple[subprocess.Popen, Path]] = []
-    try:
-        cluster.start_daemons()
-        finals = {}
-        for name, steps in (("first", 6), ("same", 6), ("longer", 9)):
-            (tmp_path / name).mkdir()
-            runs = launch(cluster, tmp_path / name, spares_on_last=1, steps=steps)
-            for proc, _ in runs:
-                proc.wait(timeout=240)
-            logs = [log.read_text() for _, log in runs]
-            assert [proc.returncode for proc, _ in runs] == [0, 0], [t[-2000:] for t in logs]
-            assert all(f"the job completed: its last step {steps} is committed" in text
-                       for text in logs), [t[-2000:] for t in logs]
-            finals[name] = digests(runs)
-            assert len(finals[name]) == 1
-        assert finals["same"] == finals["first"] != finals["longer"]
-    finally:
+    finals = {}
+
+    def job(cluster: LocalCluster, name: str, steps: int) -> None:
+        nonlocal runs
+        (tmp_path / name).mkdir()
+        runs = launch(cluster, tmp_path / name, spares_on_last=1, steps=steps)
         for proc, _ in runs:
-            if proc.poll() is None:
-                proc.kill()
-        cluster.close()
+            proc.wait(timeout=240)
+        logs = [log.read_text() for _, log in runs]
+        assert [proc.returncode for proc, _ in runs] == [0, 0], [t[-2000:] for t in logs]
+        assert all(f"the job completed: its last step {steps} is committed" in text
+                   for text in logs), [t[-2000:] for t in logs]
+        finals[name] = digests(runs)
+        assert len(finals[name]) == 1
+
+    for daemons in ("kept", "restarted"):
+        cluster = LocalCluster(nodes=2, workdir=tmp_path / "cluster",
+                               env={"STALWART_TOKEN": token})
+        try:
+            cluster.start_daemons()
+            if daemons == "kept":
+                job(cluster, "first", 6)
+                job(cluster, "same", 6)
+                job(cluster, "longer", 9)
+            else:
+                job(cluster, "restarted", 9)
+        finally:
+            for proc, _ in runs:
+                if proc.poll() is None:
+                    proc.kill()
+            cluster.close()
+    assert finals["same"] == finals["first"] != finals["longer"] == finals["restarted"]
 
 
 @pytest.mark.parametrize("flags,message", [
