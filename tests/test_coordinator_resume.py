@@ -194,3 +194,27 @@ def test_ranks_that_leave_at_a_committed_last_step_end_the_job_once_every_one_ha
     assert done.generation == first.generation + 1
     # Ranks that left at their last step before it committed leave it to that commit.
     assert len(asyncio.run(main(committed=6))) == 1
+
+
+def test_a_successor_resumes_a_stopped_job_with_a_spare_announced_before_it_took_over() -> None:
+    # The spare registered while the seat moved: the successor heard of it before it
+    # knew it coordinates, and its daemon's announcements again bring nothing new.
+    _, stop, _ = scenario(False, PROFILE, rank("n1/9", "n1", -1, PROFILE))
+    spare = rank("n1/9", "n1", -1, PROFILE)
+    spare.generation = stop.generation  # registered under the stop
+
+    async def main() -> list[common_pb2.Plan]:
+        daemons = Daemons()
+        successor = Coordinator(node="n0", job_id="job", metrics=Metrics(), links=daemons,
+                                latest_committed=lambda: 7,
+                                elastic=ElasticSettings(shrink=False))
+        await successor.announce(spare)
+        assert successor.take_over(stop)
+        await successor._spawned.drain()
+        await successor.announce(spare)  # announced again
+        return daemons.plans
+
+    [resumed] = asyncio.run(main())
+    assert not resumed.stop and resumed.generation == stop.generation + 1
+    assert {a.rank_id: a.coord.rank for a in resumed.assignments if not a.spare} == {
+        "n0/1": 0, "n1/9": 1}

@@ -138,6 +138,8 @@ class Coordinator:
                 self._stopped = StopDecision(installed.generation, installed.resume_step,
                                              installed.stop_message, (),
                                              frozenset(installed.lost))
+                if early:  # they came already: their announcements again change nothing
+                    self._spawned.start(self._resume_with_early())
             log.warning("took over as coordinator", extra={"generation": installed.generation})
             self.took_over_at = time.monotonic()
             return True
@@ -507,6 +509,12 @@ class Coordinator:
             return decision
         return dataclasses.replace(decision, kind="grow", plan=dataclasses.replace(
             grown, generation=decision.plan.generation))
+
+    async def _resume_with_early(self) -> None:
+        """Resume the stopped job taken over if the spares that came before may."""
+        async with self._lock:
+            if self.plan is not None and self._stopped is not None:
+                await self._maybe_resume(joined=True)
 
     async def _resume_once_settled(self) -> None:
         """Resume the stopped job once no rank registered for resume_settle_s."""
