@@ -28,6 +28,13 @@ def rank(rank_id: str, node: str, r: int, profile: common_pb2.LayerProfile | Non
                                      layout=LAYOUT, generation=1, profile=profile)
 
 
+def coordinator(daemons: Daemons, elastic: ElasticSettings | None = None, committed: int = 7
+                ) -> Coordinator:
+    """The coordinator on node n0, its job's last committed step `committed`."""
+    return Coordinator(node="n0", job_id="job", metrics=Metrics(), links=daemons,
+                       latest_committed=lambda: committed, elastic=elastic)
+
+
 def killed(rank_id: str) -> Failure:
     return Failure(FailureKind.PROCESS_EXIT, rank_id, "killed by SIGKILL", generation=1)
 
@@ -36,8 +43,7 @@ def scenario(shrink: bool, first_profile: common_pb2.LayerProfile | None,
              later: peer_pb2.RankAnnouncement) -> list[common_pb2.Plan]:
     async def main() -> list[common_pb2.Plan]:
         daemons = Daemons()
-        c = Coordinator(node="n0", job_id="job", metrics=Metrics(), links=daemons,
-                        latest_committed=lambda: 7, elastic=ElasticSettings(shrink=shrink))
+        c = coordinator(daemons, ElasticSettings(shrink=shrink))
         await c.announce(rank("n0/1", "n0", 0, first_profile))
         await c.announce(rank("n1/2", "n1", 1, first_profile))
         await c.on_failures([killed("n1/2")])
@@ -73,9 +79,7 @@ def test_a_successor_coordinator_resumes_a_job_its_predecessor_stopped() -> None
 
     async def main() -> list[common_pb2.Plan]:
         daemons = Daemons()
-        successor = Coordinator(node="n0", job_id="job", metrics=Metrics(), links=daemons,
-                                latest_committed=lambda: 7,
-                                elastic=ElasticSettings(shrink=False))
+        successor = coordinator(daemons, ElasticSettings(shrink=False))
         assert successor.take_over(stop)
         # A failure it already knows of (redelivered) changes nothing.
         await successor.on_failures([killed("n1/2")])
@@ -97,9 +101,7 @@ def test_a_spare_re_announced_before_the_successor_took_over_is_its_spare() -> N
 
     async def main() -> list[common_pb2.Plan]:
         daemons = Daemons()
-        successor = Coordinator(node="n0", job_id="job", metrics=Metrics(), links=daemons,
-                                latest_committed=lambda: 7,
-                                elastic=ElasticSettings(shrink=False))
+        successor = coordinator(daemons, ElasticSettings(shrink=False))
         await successor.announce(rank("n1/9", "n1", -1, PROFILE))
         assert daemons.plans == []  # not a first plan: a spare alone forms none
         assert successor.take_over(first)
@@ -119,9 +121,7 @@ def every_rank_lost(settle_s: float, one_by_one: bool, *later: peer_pb2.RankAnno
     registration until the coordinator's background work was done."""
     async def main() -> tuple[list[common_pb2.Plan], float]:
         daemons = Daemons()
-        c = Coordinator(node="n0", job_id="job", metrics=Metrics(), links=daemons,
-                        latest_committed=lambda: 7,
-                        elastic=ElasticSettings(shrink=True, resume_settle_s=settle_s))
+        c = coordinator(daemons, ElasticSettings(shrink=True, resume_settle_s=settle_s))
         await c.announce(rank("n0/1", "n0", 0, PROFILE))
         await c.announce(rank("n1/2", "n1", 1, PROFILE))
         if one_by_one:
@@ -179,8 +179,7 @@ def test_ranks_that_leave_at_a_committed_last_step_end_the_job_once_every_one_ha
     # nothing and leave: no commit ends the job, their leaving does, once all of them left.
     async def main(committed: int) -> list[common_pb2.Plan]:
         daemons = Daemons()
-        c = Coordinator(node="n0", job_id="job", metrics=Metrics(), links=daemons,
-                        latest_committed=lambda: committed)
+        c = coordinator(daemons, committed=committed)
         await c.announce(rank("n0/1", "n0", 0, PROFILE))
         await c.announce(rank("n1/2", "n1", 1, PROFILE))
         await c.announce(finished("n0/1", "n0", 7))
@@ -205,9 +204,7 @@ def test_a_successor_resumes_a_stopped_job_with_a_spare_announced_before_it_took
 
     async def main() -> list[common_pb2.Plan]:
         daemons = Daemons()
-        successor = Coordinator(node="n0", job_id="job", metrics=Metrics(), links=daemons,
-                                latest_committed=lambda: 7,
-                                elastic=ElasticSettings(shrink=False))
+        successor = coordinator(daemons, ElasticSettings(shrink=False))
         await successor.announce(spare)
         assert successor.take_over(stop)
         await successor._spawned.drain()
