@@ -44,6 +44,15 @@ class StateRegistry:
                                      f"{method}(); register objects with state_dict() and "
                                      "load_state_dict(), or wrap the value in one")
         self.objects = dict(objects)
+        for key, module in self.modules():
+            lazy = [name for name, t in (*module.named_parameters(), *module.named_buffers())
+                    if torch.nn.parameter.is_lazy(t)]
+            if lazy:
+                raise StateError(
+                    f"registered module {key!r} has {len(lazy)} uninitialized tensors "
+                    f"({', '.join(lazy[:3])}{', ...' if len(lazy) > 3 else ''}: a lazy "
+                    "module's); run one forward with a batch of the real shape before "
+                    "handing it over, and create the optimizer after that forward")
         self._names = self._param_names()
         # A registered module's parameters change only in optimizer.step(): their copy
         # runs beside the next step. Every other tensor (a module's buffers, which the

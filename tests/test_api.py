@@ -86,6 +86,15 @@ def test_run_refuses_state_without_load_state_dict_before_starting():
                      state={"counter": Counter()})
 
 
+def test_run_refuses_a_lazy_module_not_yet_run_before_starting():
+    model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.LazyLinear(2))
+    with pytest.raises(stalwart.StateError, match=r"'model' has 4 uninitialized tensors "
+                                                  r"\(0.weight, 0.bias, 2.weight, \.\.\.: "
+                                                  r"a lazy module's\); run one forward"):
+        stalwart.run(lambda ctx: None, model=model,
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize("entry", ["run", "run_layers"])
 def test_a_cuda_device_where_torch_sees_none_is_refused_before_starting(entry):
