@@ -73,8 +73,10 @@ class _Armed:
 class GradAverage:
     """Averages the gradients of `params` over a generation's data-parallel group.
 
-    `sparse` are the parameters whose gradients are sparse (nn.Embedding(sparse=True)):
-    they are summed densely with a mark per row, after the overlapped buckets.
+    The buckets summed while backward runs hold the dense parameters that require grad
+    when this is made; any other parameter with a gradient (one a loop unfroze since,
+    or a sparse one) is summed after them. `sparse` are the parameters whose gradients
+    are sparse (nn.Embedding(sparse=True)): they are summed densely with a mark per row.
     `bucket_bytes` bounds the all-reduces of the slow path (the memory it needs beside
     the gradients); the overlapped path holds every bucket until the step's end, one
     fp32 copy of the gradients. `overlap=False` averages every step the slow way.
@@ -87,7 +89,8 @@ class GradAverage:
         self.fresh = [False] * len(params)
         """Which parameters' gradients a backward accumulated since the last average."""
         sparse_ids = {id(p) for p in sparse}
-        order = [i for i in reversed(range(len(params))) if id(params[i]) not in sparse_ids]
+        order = [i for i in reversed(range(len(params)))
+                 if id(params[i]) not in sparse_ids and params[i].requires_grad]
         sizes = [params[i].numel() * 4 for i in order]
         least, most = OVERLAP_BUCKET_BYTES
         limit = min(bucket_bytes, max(least, min(most, sum(sizes) // 8)))
@@ -99,8 +102,18 @@ class GradAverage:
         self._reached: set[int] | None = None
         self.overlapped = 0
         """Buckets of the last average that started while its backward ran."""
-        for i, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(lambda _, i=i: self._accumulated(i))
+        self._hooked = [False] * len(params)
+        self._hook_new()
+
+    def _hook_new(self) -> None:
+        """Hook every parameter that requires grad and has no hook yet: all at the start,
+        later one that a loop unfroze. A gradient it holds by then accumulated before
+        its hook could say so."""
+        for i, p in enumerate(self.params):
+            if not self._hooked[i] and p.requires_grad:
+                self._hooked[i] = True
+                self.fresh[i] = p.grad is not None
+                p.register_post_accumulate_grad_hook(lambda _, i=i: self._accumulated(i))
 
     @property
     def pending(self) -> bool:
@@ -116,6 +129,7 @@ class GradAverage:
     def arm(self) -> None:
         """The next backward is the last micro-batch's: its hooks start the buckets."""
         self.overlapped = 0
+        self._hook_new()
         if self.overlap and self.group is not None and self.group.size > 1 and self.buckets:
             awaited = [self._reached is None or i in self._reached
                        for i in range(len(self.params))]
@@ -175,6 +189,7 @@ class GradAverage:
     def average(self, run: Callable[[Callable[[], Any], str], Any], divisor: int) -> None:
         """Average what was accumulated since the last average: the sums over the group
         divided by `divisor`. `run(fn, what)` runs a wait (Generation.run_or_abandon)."""
+        self._hook_new()
         armed, self._armed = self._armed, None
         if armed is None:
             self._average_slowly(run, divisor)

@@ -187,13 +187,14 @@ class _UserLoopProgram:
                  world: int, device: torch.device) -> None:
         self.fn, self.registry, self.world, self.device = train, registry, world, device
         self.optimizers = [opt for _, opt in registry.optimizers()]
-        self.params = [p for _, m in registry.modules() for p in m.parameters()
-                       if p.requires_grad]
+        # Every parameter, frozen ones too: a loop may unfreeze one later (fine-tuning
+        # a backbone after its head), and its gradient is averaged from then on.
+        self.params = list({id(p): p for _, m in registry.modules()
+                            for p in m.parameters()}.values())
         # Parameters whose gradients are sparse (nn.Embedding(sparse=True)) on every
         # replica that computes one.
         self.sparse = [m.weight for _, module in registry.modules() for m in module.modules()
-                       if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag) and m.sparse
-                       and m.weight.requires_grad]
+                       if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag) and m.sparse]
         # The most bytes broadcast (and gradient bytes, as fp32, averaged) in one call.
         self.bucket_bytes = int(float(os.environ.get("STALWART_GRAD_BUCKET_MB", "64")) * 2**20)
         self.grads = GradAverage(self.params, self.sparse, device,

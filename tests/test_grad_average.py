@@ -43,11 +43,17 @@ def _loss(net: Net, rank: int, step: int, micro: int, expert: bool, part: int = 
 
 
 def _train(group: Group | None, rank: int, *, overlap: bool, steps: int = 3,
-           late: bool = False, experts: bool = False, collective: bool = False) -> dict:
+           late: bool = False, experts: bool = False, collective: bool = False,
+           unfreeze: bool = False, arm: bool = True) -> dict:
     """`steps` steps of MICRO micro-batches; the averaged gradients of each step (or this
-    replica's own with group None) and what the average saw."""
+    replica's own with group None) and what the average saw. `unfreeze`: the first layer
+    is frozen when the average is made and unfrozen from step 1; without `arm`, the loop
+    reads no micro-batches from ctx.batches (nothing tells the average the last one)."""
     net = Net()
     params = list(net.parameters())
+    first = list(net.body[0].parameters())
+    for p in first if unfreeze else ():
+        p.requires_grad_(False)
     avg = GradAverage(params, [], torch.device("cpu"), bucket_bytes=2048, overlap=overlap)
     if group is not None:
         avg.start(group)
@@ -55,9 +61,11 @@ def _train(group: Group | None, rank: int, *, overlap: bool, steps: int = 3,
     for step in range(steps):
         for p in params:
             p.grad = None
+        for p in first if unfreeze and step == 1 else ():
+            p.requires_grad_(True)
         for micro in range(MICRO):
             expert = experts and rank == 0
-            if micro == MICRO - 1 and group is not None:
+            if micro == MICRO - 1 and group is not None and arm:
                 avg.arm()
             _loss(net, rank, step, micro, expert).backward()
             if late and micro == MICRO - 1:
@@ -82,7 +90,9 @@ def _ranks(ctx) -> dict:  # noqa: ANN001 - launch's rank context
     cases = {"overlap": dict(overlap=True), "slow": dict(overlap=False),
              "late": dict(overlap=True, late=True), "late-slow": dict(overlap=False, late=True),
              "experts": dict(overlap=True, experts=True),
-             "collective": dict(overlap=True, collective=True)}
+             "collective": dict(overlap=True, collective=True),
+             "unfrozen": dict(overlap=True, unfreeze=True),
+             "unfrozen-unarmed": dict(overlap=True, unfreeze=True, arm=False)}
     out = {name: _train(group, ctx.rank, **kw) for name, kw in cases.items()}
     out["own"] = {name: _train(None, ctx.rank, **kw)["grads"] for name, kw in cases.items()}
     return out
@@ -146,3 +156,12 @@ def test_the_loops_own_collective_after_backward_starts_behind_the_buckets(ranks
     _check_mean(ranks, "collective")
     for r in ranks:
         assert r["collective"]["summed"] == [6.0, 6.0, 6.0]
+
+
+@pytest.mark.parametrize("case", ["unfrozen", "unfrozen-unarmed"])
+def test_a_parameter_unfrozen_after_the_start_is_averaged_from_then_on(ranks, case):
+    # Frozen when the average was made, so in no bucket: from the step that unfroze it,
+    # with or without ctx.batches telling the average the last micro-batch.
+    _check_mean(ranks, case)
+    assert ranks[0][case]["grads"][0][0] is None  # frozen in step 0
+    assert ranks[0][case]["grads"][1][0] is not None
