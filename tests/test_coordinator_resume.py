@@ -174,25 +174,53 @@ def finished(rank_id: str, node: str, step: int) -> peer_pb2.RankAnnouncement:
     return peer_pb2.RankAnnouncement(node=node, rank_id=rank_id, rank=-1, finished_at=step)
 
 
-def test_ranks_that_leave_at_a_committed_last_step_end_the_job_once_every_one_has() -> None:
+def test_a_rank_that_leaves_at_a_committed_last_step_ends_the_job() -> None:
     # Launched again after the job's last step (7) committed, the ranks restore it, train
-    # nothing and leave: no commit ends the job, their leaving does, once all of them left.
-    async def main(committed: int) -> list[common_pb2.Plan]:
+    # nothing and leave: no commit ends the job, their leaving does. Every rank trains to
+    # the same length, so the first one's does (another may have failed in its restore).
+    async def main(committed: int, who: str = "n0/1") -> list[common_pb2.Plan]:
         daemons = Daemons()
         c = coordinator(daemons, committed=committed)
         await c.announce(rank("n0/1", "n0", 0, PROFILE))
         await c.announce(rank("n1/2", "n1", 1, PROFILE))
-        await c.announce(finished("n0/1", "n0", 7))
-        assert len(daemons.plans) == 1  # one rank is still in its loop
-        await c.announce(finished("n1/2", "n1", 7))
+        await c.announce(finished(who, who.split("/")[0], 7))
         return daemons.plans
 
     first, done = asyncio.run(main(committed=7))
     assert not first.stop and first.resume_step == 7
     assert done.stop and done.completed and done.resume_step == 7
     assert done.generation == first.generation + 1
-    # Ranks that left at their last step before it committed leave it to that commit.
+    # A rank that left at its last step before it committed leaves it to that commit;
+    # one the plan does not name (of an earlier run) ends nothing.
     assert len(asyncio.run(main(committed=6))) == 1
+    assert len(asyncio.run(main(committed=7, who="n1/5"))) == 1
+
+
+def test_a_completed_job_started_again_resumes_once_every_launch_rank_registered() -> None:
+    # Daemons that kept the completed job; a successor coordinator took it over.
+    async def main() -> tuple[list[common_pb2.Plan], list[common_pb2.Plan]]:
+        daemons = Daemons()
+        c = coordinator(daemons)
+        await c.announce(rank("n0/1", "n0", 0, PROFILE))
+        await c.announce(rank("n1/2", "n1", 1, PROFILE))
+        await c.announce(finished("n0/1", "n0", 7))
+        done = daemons.plans[-1]
+        successor, later = coordinator(Daemons()), []
+        assert successor.take_over(done)
+        await successor.announce(rank("n1/2", "n1", 1, PROFILE))  # announced again
+        await successor.announce(rank("n0/8", "n0", 0, PROFILE))
+        later.append(len(successor.links.plans))  # one launch rank is not back yet
+        await successor.announce(rank("n1/9", "n1", 1, PROFILE))
+        await successor.announce(finished("n1/9", "n1", 7))
+        return daemons.plans, [*successor.links.plans, later]
+
+    (_, done), (again, ended, [waiting]) = asyncio.run(main())
+    assert waiting == 0
+    assert not again.stop and again.generation == done.generation + 1
+    assert again.resume_step == 7
+    assert {a.rank_id: a.coord.rank for a in again.assignments if not a.spare} == {
+        "n0/8": 0, "n1/9": 1}
+    assert ended.completed and ended.generation == again.generation + 1
 
 
 def test_a_successor_resumes_a_stopped_job_with_a_spare_announced_before_it_took_over() -> None:

@@ -66,6 +66,10 @@ class Announcer:
         self._retry_gap_s = interval_s
         self._retry_at = 0.0  # monotonic time of the next retry
         self._decisions = Background()  # this daemon's own coordinator deciding
+        # Local ranks that left having trained the job's length (see `finished`), and
+        # those of them no coordinator has taken yet.
+        self._finished: dict[str, peer_pb2.RankAnnouncement] = {}
+        self._unsent: set[str] = set()
 
     async def on_register(self, record: RankRecord, layout: common_pb2.ParallelLayout,
                           profile: common_pb2.LayerProfile | None = None,
@@ -108,19 +112,28 @@ class Announcer:
 
     async def finished(self, rank_id: str) -> None:
         """A local rank left after training the job's whole length: tell the coordinator
-        (one try; it ends a job whose ranks were launched again after its last step
-        committed, where no commit does)."""
+        (it ends a job whose ranks were launched again after its last step committed,
+        where no commit does). Sent again while it is not taken, and to each new
+        coordinator: one that took the seat as the ranks left would not know."""
         record = self.registry.get(rank_id)
         if record is None or not record.finished_at:
             return
+        self._finished[rank_id] = peer_pb2.RankAnnouncement(
+            node=self.node, rank_id=rank_id, rank=-1 if record.spare else record.rank,
+            world_size=record.world_size, finished_at=record.finished_at)
+        await self._send_finished(rank_id)
+
+    async def _send_finished(self, rank_id: str) -> None:
+        a = self._finished[rank_id]
+        a.generation = self.registry.generation
         try:
-            await self.announce(peer_pb2.RankAnnouncement(
-                node=self.node, rank_id=rank_id, rank=-1 if record.spare else record.rank,
-                world_size=record.world_size, generation=self.registry.generation,
-                finished_at=record.finished_at))
+            await self.announce(a)
+            self._unsent.discard(rank_id)
         except (TimeoutError, LookupError, grpc.aio.AioRpcError) as exc:
-            log.warning("could not tell the coordinator a rank finished",
-                        extra={"rank_id": rank_id, "error": str(exc)})
+            if rank_id not in self._unsent:
+                log.warning("could not tell the coordinator a rank finished; sending it "
+                            "again", extra={"rank_id": rank_id, "error": str(exc)})
+            self._unsent.add(rank_id)
 
     def _keep(self, rank_id: str, error: str) -> None:
         if rank_id not in self._undelivered:
@@ -169,6 +182,8 @@ class Announcer:
             current = self.leadership.leader()
             if current == self._seen:
                 await self._retry_undelivered()
+                for rank_id in sorted(self._unsent):
+                    await self._send_finished(rank_id)
                 continue
             self._seen = current
             if not current:
@@ -189,6 +204,10 @@ class Announcer:
                         (p for _, p, _ in self._registered.values() if p is not None
                          and p.costs), None)
             await self.redeliver()
+            # The new coordinator has not heard them (those the registry still holds).
+            self._finished = {r: a for r, a in self._finished.items()
+                              if self.registry.get(r) is not None}
+            self._unsent.update(self._finished)
             self._retry_gap_s, self._retry_at = self.interval_s, 0.0
             live = self._live()
             for i, record in enumerate(live):

@@ -79,8 +79,6 @@ class Coordinator:
     plan: PlanState | None = None
     announced: dict[str, peer_pb2.RankAnnouncement] = field(default_factory=dict)
     completed: bool = False  # every rank trained its last step: nothing is re-planned
-    # rank -> the step its loop ended at having trained the job's length, as it left
-    _finished_at: dict[str, int] = field(default_factory=dict)
     _since_completed: set[str] = field(default_factory=set)  # ranks registered after it
     recoveries: list[RecoveryRecord] = field(default_factory=list)
     _in_flight: PlanDecision | None = None
@@ -117,6 +115,15 @@ class Coordinator:
         are lost, so those steps are skipped rather than waited for. True when this call
         took over.
         """
+        if self.plan is None and installed.assignments and installed.completed:
+            try:  # kept, so that its ranks started again resume it (a newer generation)
+                self.plan = PlanState.from_proto(installed)
+            except ValueError as exc:
+                log.error("the completed job's installed plan is inconsistent (%s)", exc)
+                return False
+            self.completed = True
+            self.took_over_at = time.monotonic()
+            return True
         if self.plan is None and installed.assignments and not installed.completed:
             try:
                 self.plan = PlanState.from_proto(installed)
@@ -167,7 +174,9 @@ class Coordinator:
             if self.plan is None:
                 await self._maybe_form_first_plan()
             elif self.completed:
-                if not known:
+                # Not a rank of the completed run (announced again to a new coordinator).
+                if not known and a.rank_id not in {
+                        m.rank_id for m in (*self.plan.members, *self.plan.spares)}:
                     self._since_completed.add(a.rank_id)
                     await self._maybe_relaunch_completed()
             elif a.rank_id not in {m.rank_id for m in self.plan.members}:
@@ -238,7 +247,7 @@ class Coordinator:
         resumes from the last step, as at a first plan. Ranks and spares registered
         since the completion are the new plan's; those of the completed run are gone."""
         assert self.plan is not None
-        fresh = [self.announced[r] for r in self._since_completed if r in self.announced]
+        fresh = [a for r, a in self.announced.items() if r in self._since_completed]
         launched = _launched(fresh)
         if launched is None:
             return
@@ -252,7 +261,6 @@ class Coordinator:
             reason=f"launched again after it completed: {len(members)} ranks")
         self.completed = False
         self._since_completed.clear()
-        self._finished_at.clear()
         self._joined.clear()
         await self._install(self.plan.to_proto())
         self.metrics.plan_changes.labels("relaunch").inc()
@@ -610,40 +618,38 @@ class Coordinator:
                 await self._maybe_grow()
 
     async def _finished(self, rank_id: str, step: int) -> None:
-        """A rank left after its loop trained the job's length, ending at `step`. When
-        every member of the plan has, and that step is committed, the job is done. Its
-        last step's commit says so first, except where the ranks were launched again
-        after that commit: they restore the step, train nothing, and leave, and without
-        this the spares would wait for a role forever."""
-        self._finished_at[rank_id] = step
-        if self.plan is None or self.completed or self._stopped is not None \
-                or self._in_flight is not None:
+        """A member left after its loop trained the job's whole length, ending at `step`,
+        which it saw committed first. The last step's commit ends a job before this comes,
+        except where the ranks were launched again after that commit: they restore the
+        step, train nothing and leave, and without this the spares would wait for a role
+        forever. Every rank trains to the same length, so one member that finished ends
+        the job, whatever the others do (one may fail while it restores)."""
+        if self.plan is None or self.completed:
             return
-        ends = [self._finished_at.get(m.rank_id) for m in self.plan.members]
-        if None in ends:
-            return
-        last = min(e for e in ends if e is not None)
-        if (self.latest_committed() or 0) >= last:
-            log.info("every rank left at the job's last step, committed before",
-                     extra={"step": last})
-            await self._complete(last)
+        if rank_id not in {m.rank_id for m in self.plan.members}:
+            return  # a rank of an earlier plan: its news is old
+        if (self.latest_committed() or 0) >= step:
+            log.info("a rank left at the job's last step, committed before",
+                     extra={"step": step, "rank_id": rank_id})
+            await self._complete(step)
 
     async def _complete(self, step: int) -> None:
         """Every rank committed its last step: tell every daemon (and through them the
         spares, which then leave) that the job is done."""
         assert self.plan is not None
         if self.completed:
-            return  # both the last commit and the ranks' leaving said so
-        self.completed = True
+            return  # both the last commit and a rank's leaving said so
         generation = self.plan.generation + 1
         done = self.plan.to_proto()  # who held which role, for status after the end
         done.MergeFrom(common_pb2.Plan(
             generation=generation, stop=True, completed=True, resume_step=step,
             reason="completed",
             stop_message=f"the job completed: its last step {step} is committed"))
-        await self._install(done)
+        # Before the install's await: what runs meanwhile sees the job complete.
         self.plan = dataclasses.replace(self.plan, generation=generation, resume_step=step,
                                         reason="completed")
+        self.completed, self._stopped = True, None
+        await self._install(done)
         log.info("job completed", extra={"step": step})
 
 
