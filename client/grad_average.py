@@ -24,7 +24,9 @@ What DDP assumes and a user's loop may not do is caught:
 A bucket's sum is written into `.grad` only after that last all-reduce, and only for
 parameters that some replica's backward reached (the others keep `grad` None). Every
 sum, overlapped or not, is over the same fixed buckets, so a step's average is bitwise
-the same whichever way it went, in a run and in its rerun from a snapshot.
+the same whichever way it went, in a run and in its rerun from a snapshot. A parameter
+in no bucket (frozen when `run()` started and unfrozen since, or sparse) is summed
+after them, in groups fixed by which parameters the replicas reached.
 """
 
 from __future__ import annotations
@@ -102,18 +104,25 @@ class GradAverage:
         self._reached: set[int] | None = None
         self.overlapped = 0
         """Buckets of the last average that started while its backward ran."""
-        self._hooked = [False] * len(params)
+        self._marked: list[torch.nn.Parameter] = []  # the sparse ones the last tail marked
+        self._unhooked = list(range(len(params)))
         self._hook_new()
 
     def _hook_new(self) -> None:
         """Hook every parameter that requires grad and has no hook yet: all at the start,
         later one that a loop unfroze. A gradient it holds by then accumulated before
         its hook could say so."""
-        for i, p in enumerate(self.params):
-            if not self._hooked[i] and p.requires_grad:
-                self._hooked[i] = True
-                self.fresh[i] = p.grad is not None
-                p.register_post_accumulate_grad_hook(lambda _, i=i: self._accumulated(i))
+        if not self._unhooked:
+            return
+        frozen = []
+        for i in self._unhooked:
+            p = self.params[i]
+            if not p.requires_grad:
+                frozen.append(i)
+                continue
+            self.fresh[i] = p.grad is not None
+            p.register_post_accumulate_grad_hook(lambda _, i=i: self._accumulated(i))
+        self._unhooked = frozen
 
     @property
     def pending(self) -> bool:
@@ -257,8 +266,11 @@ class GradAverage:
         weight tied to a dense layer)."""
         device = self.params[0].device if self.params else self.device
         had = torch.tensor([float(f) for f in self.fresh] + [float(late)], device=device)
-        marks = [torch.zeros(p.shape[0] + 1, device=device) for p in self.sparse]
-        for p, mark in zip(self.sparse, marks, strict=True):
+        # Only those that require grad (the same on every replica): a frozen embedding's
+        # rows cost nothing.
+        self._marked = [p for p in self.sparse if p.requires_grad]
+        marks = [torch.zeros(p.shape[0] + 1, device=device) for p in self._marked]
+        for p, mark in zip(self._marked, marks, strict=True):
             if p.grad is not None and p.grad.is_sparse:
                 mark[p.grad.coalesce().indices()[0]] = 1.0
             elif p.grad is not None:
@@ -271,8 +283,8 @@ class GradAverage:
         n = len(self.params)
         counts = tail[:n + 1].tolist()
         given = [i for i, c in enumerate(counts[:n]) if c > 0]
-        touched = {id(p): mark[:-1] for p, mark in zip(self.sparse, tail[n + 1:].split(
-            [p.shape[0] + 1 for p in self.sparse]), strict=True) if mark[-1] == 0}
+        touched = {id(p): mark[:-1] for p, mark in zip(self._marked, tail[n + 1:].split(
+            [p.shape[0] + 1 for p in self._marked]), strict=True) if mark[-1] == 0}
         return given, counts[n] > 0, touched
 
     def _reduce(self, run: Callable[[Callable[[], Any], str], Any], given: list[int],
