@@ -40,6 +40,9 @@ STORE_ATTEMPT_S = 1.0
 # The longest `run` waits, before returning, for a broken generation's groups to finish
 # shutting down on their thread (seconds; they take tens of milliseconds).
 ENDING_WAIT_S = 30.0
+# How long a spare that finds its job completed waits for the job's ranks, started with
+# it, to resume the job (see ElasticAgent._relaunched_after).
+RELAUNCH_SPARE_WAIT_S = 10.0
 
 
 class JobStopped(RuntimeError):
@@ -214,13 +217,18 @@ class ElasticAgent:
         """This rank registered with daemons whose job had completed: it was started
         again with the job's other ranks (to train it longer, or to have its state back),
         and once all of them registered the coordinator places them in a plan that
-        resumes from the last step. Waits up to plan_timeout_s for that plan; `done`
-        after that (this rank then returns without a role)."""
+        resumes from the last step. Waits up to plan_timeout_s for that plan (a spare,
+        started with them, at most RELAUNCH_SPARE_WAIT_S: one that comes after a relaunch
+        that had nothing to train is too late for it); `done` after that (this rank then
+        returns without a role)."""
+        wait = self.cfg.plan_timeout_s
+        if self.cfg.spare:
+            wait = min(wait, RELAUNCH_SPARE_WAIT_S)
         log.warning("the job completed before this rank registered (%s); waiting up to "
                     "%g s for the job's other ranks to register again and resume it",
-                    done.stop_message, self.cfg.plan_timeout_s)
+                    done.stop_message, wait)
         try:
-            return self._next_plan(after=done.generation, timeout_s=self.cfg.plan_timeout_s)
+            return self._next_plan(after=done.generation, timeout_s=wait)
         except TimeoutError:
             log.warning("no plan resumed the completed job: this rank leaves without a role")
             return done

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from coordinator_links import Daemons
 
 from stalwart.core.failures import Failure, FailureKind
 from stalwart.daemon.config import ElasticSettings
 from stalwart.daemon.metrics import Metrics
 from stalwart.daemon.recovery.coordinator import Coordinator
+from stalwart.daemon.rpc.validate import InvalidRequest, request
 from stalwart.v1 import common_pb2, peer_pb2
 
 LAYOUT = common_pb2.ParallelLayout(dp=2, pp=1, tp=1, schedule="1f1b", microbatches=1,
@@ -243,3 +245,14 @@ def test_a_successor_resumes_a_stopped_job_with_a_spare_announced_before_it_took
     assert not resumed.stop and resumed.generation == stop.generation + 1
     assert {a.rank_id: a.coord.rank for a in resumed.assignments if not a.spare} == {
         "n0/1": 0, "n1/9": 1}
+
+
+@pytest.mark.parametrize(("rank_id", "valid"), [
+    ("n0/7", True), ("n0/7.2", True), ("n0/7.", False), ("n0/x", False), ("n1/7", False)])
+def test_a_rank_id_names_its_node_and_its_pid_or_that_pids_nth_process(rank_id, valid):
+    announcement = peer_pb2.RankAnnouncement(node="n0", rank_id=rank_id, rank=-1)
+    if valid:
+        request(announcement)
+    else:
+        with pytest.raises(InvalidRequest, match="must be '<node>/<pid>'"):
+            request(announcement)

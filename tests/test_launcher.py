@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,16 +21,20 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = str(REPO / "examples/classifier/train.py")
 
 
-def launch(cluster: LocalCluster, tmp_path: Path, spares_on_last: int = 0, steps: int = 24
-           ) -> list[tuple[subprocess.Popen, Path]]:
-    """One `stalwart run` per daemon (host), each with one rank."""
+def launch(cluster: LocalCluster, tmp_path: Path, spares_on_last: int = 0, steps: int = 24,
+           own_pids: bool = False) -> list[tuple[subprocess.Popen, Path]]:
+    """One `stalwart run` per daemon (host), each with one rank; with `own_pids`, each in
+    a pid namespace of its own, as in a container: its processes get the same pids
+    every time it starts."""
     out = []
+    inside = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"] if own_pids else []
     for node in cluster.daemons:
         log = tmp_path / f"run-{node.name}.log"
         spares = spares_on_last if node is cluster.daemons[-1] else 0
         with open(log, "wb") as f:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "stalwart.cli", "run", "--nnodes", str(cluster.nodes),
+                [*inside, sys.executable, "-m", "stalwart.cli", "run",
+                 "--nnodes", str(cluster.nodes),
                  "--node-rank", str(node.index), "--nproc-per-node", "1",
                  "--spares", str(spares), "--socket", str(node.socket),
                  # the capture threads on a CPU of their own, as a host that gives
@@ -93,7 +98,10 @@ def test_a_completed_job_launched_again_resumes_from_its_last_step_and_its_spare
     # longer length or, at the same length, return that state. Daemons started again on
     # the same data dirs (the hosts rebooted) resume it the same way, although no step
     # commits to end it: the ranks' leaving at their last step does, or the spare would
-    # wait for a role forever, and its host's launcher with it.
+    # wait for a role forever, and its host's launcher with it. Each launcher runs in a
+    # pid namespace of its own (as in a pod), so a relaunch's processes have the pids the
+    # ended ones had: the daemon tells them apart.
+    own_pids = os.geteuid() == 0 and shutil.which("unshare") is not None
     token = secrets.token_urlsafe(24)
     runs: list[tuple[subprocess.Popen, Path]] = []
     finals = {}
@@ -101,7 +109,8 @@ def test_a_completed_job_launched_again_resumes_from_its_last_step_and_its_spare
     def job(cluster: LocalCluster, name: str, steps: int) -> None:
         nonlocal runs
         (tmp_path / name).mkdir()
-        runs = launch(cluster, tmp_path / name, spares_on_last=1, steps=steps)
+        runs = launch(cluster, tmp_path / name, spares_on_last=1, steps=steps,
+                      own_pids=own_pids)
         for proc, _ in runs:
             proc.wait(timeout=240)
         logs = [log.read_text() for _, log in runs]
@@ -120,6 +129,8 @@ def test_a_completed_job_launched_again_resumes_from_its_last_step_and_its_spare
                 job(cluster, "first", 6)
                 job(cluster, "same", 6)
                 job(cluster, "longer", 9)
+                ids = [r.rank_id for node in cluster.daemons for r in node.status().ranks]
+                assert not own_pids or any("." in i.rpartition("/")[2] for i in ids), ids
             else:
                 job(cluster, "restarted", 9)
         finally:

@@ -362,3 +362,17 @@ def test_a_rank_that_leaves_a_stopped_job_is_reported_gone_but_not_after_complet
     reg.install_plan(common_pb2.Plan(generation=3, stop=True, completed=True))
     reg.heartbeat(done, generation=3, step=9, step_time_s=0.1, leaving=True)
     assert len(seen) == 1  # leaving a completed job is the normal end
+
+
+def test_a_process_with_the_pid_of_an_ended_rank_gets_an_id_of_its_own() -> None:
+    # In a pid namespace of its own (a container started again), a new process has the
+    # pid an ended one had; plans may still name the ended one by its id.
+    reg = registry(Clock())
+    first = add_rank(reg, pid=7)
+    assert add_rank(reg, pid=7) == first  # the same process registering again
+    reg.heartbeat(first, generation=1, step=3, step_time_s=0.1, leaving=True)
+    second = add_rank(reg, pid=7)
+    assert (first, second) == ("n0/7", "n0/7.2")
+    reg.heartbeat(second, generation=1, step=3, step_time_s=0.1, leaving=True)
+    assert add_rank(reg, pid=7) == "n0/7.3"
+    assert reg.get(first) is not None and reg.get(first).ended

@@ -15,7 +15,7 @@ import signal
 
 from stalwart.daemon.recovery.liveness import process_alive, process_identity
 from stalwart.daemon.recovery.registry import RankRecord, Registry
-from stalwart.daemon.security.peercred import cred_of, refusal
+from stalwart.daemon.security.peercred import cred_of, inner_pid, refusal
 
 log = logging.getLogger("stalwart.daemon.recovery.fencing")
 
@@ -38,13 +38,16 @@ class RankProcesses:
     def slot_caller(self, rank_id: str, pid: int) -> str:
         """Why process `pid` (by SO_PEERCRED, on the fd server's thread) may not have a
         slot of `rank_id`, or "". A matching pid proves the rank. A caller in a pid
-        namespace this daemon cannot see (pid 0) is held to the token and uid only."""
+        namespace this daemon cannot see (pid 0), or in a child namespace where it has
+        the rank's pid (a container's), is held to the token and uid only."""
         record = self.registry.get(rank_id)
         if record is None:
             return "that rank is not registered here"
         if pid == 0:
             return ""
         if pid != record.pid:
+            if record.process is None and inner_pid(pid) == record.pid:
+                return ""  # registered with its pid inside its namespace: unwatched
             return f"process {pid} is not that rank"
         if record.process is None and self.loop is not None:
             self.loop.call_soon_threadsafe(self._prove, rank_id, pid)

@@ -34,6 +34,7 @@ log = logging.getLogger("stalwart.daemon.recovery.registry")
 
 SPARE = "spare"
 LEFT = "left"  # stopped cleanly (final heartbeat with leaving=True)
+KEEP_ISSUED = 1 << 16  # rank ids remembered so that no later process gets one again
 KEEP_DEAD = 256  # dead or departed ranks kept for `stalwart status` before the oldest is dropped
 KEEP_FAILURES = 100
 # A rank with a role that heartbeats but makes no step for this long is stalled: alone
@@ -103,6 +104,7 @@ class Registry:
     plan: common_pb2.Plan | None = None
     previous_plan: common_pb2.Plan | None = None
     _ranks: dict[str, RankRecord] = field(default_factory=dict)
+    _issued: dict[str, None] = field(default_factory=dict)  # rank ids given, oldest first
     failures: deque[Failure] = field(default_factory=lambda: deque(maxlen=KEEP_FAILURES))
     _listeners: list[Callable[[Failure], None]] = field(default_factory=list)
     _leave_listeners: list[Callable[[str], None]] = field(default_factory=list)
@@ -126,8 +128,18 @@ class Registry:
 
     def register(self, *, pid: int, rank: int, world_size: int, local_rank: int,
                  hostname: str, spare: bool, device: str, watch_pid: bool) -> RankRecord:
-        """Add a rank (or refresh it when the same process registers again)."""
-        rank_id = f"{self.node}/{pid}"
+        """Add a rank (or refresh it when the same process registers again). Its id is
+        "<node>/<pid>"; a process whose pid an ended rank had (one in a pid namespace of
+        its own, as a container's processes are, started again) is "<node>/<pid>.<n>",
+        its n-th, since plans and the coordinator may still name the ended one."""
+        rank_id, n = f"{self.node}/{pid}", 1
+        while rank_id in self._issued and not (
+                (held := self._ranks.get(rank_id)) is not None and not held.ended):
+            n += 1
+            rank_id = f"{self.node}/{pid}.{n}"
+        self._issued[rank_id] = None
+        if len(self._issued) > KEEP_ISSUED:
+            del self._issued[next(iter(self._issued))]
         record = RankRecord(
             rank_id=rank_id, pid=pid, rank=rank, world_size=world_size, local_rank=local_rank,
             hostname=hostname, spare=spare, device=device, generation=self.generation,

@@ -75,8 +75,14 @@ def identifier(value: str, what: str, *, optional: bool = False) -> None:
 
 
 def rank_id(value: str, what: str = "rank_id") -> None:
-    """Rank ids are "<node>/<pid>": a name, a slash, digits."""
+    """Rank ids are "<node>/<pid>" or "<node>/<pid>.<n>" (see Registry.register)."""
     text(value, what, MAX_NAME)
+
+
+def process_part(text: str) -> bool:
+    """Whether `text`, after a rank id's last slash, is "<pid>" or "<pid>.<n>"."""
+    pid, dot, n = text.partition(".")
+    return pid.isdigit() and (not dot or n.isdigit())
 
 
 _LAYOUT_SIZES = ("dp", "pp", "tp", "microbatches", "grad_accum")
@@ -325,9 +331,9 @@ def _announce(r: peer_pb2.RankAnnouncement) -> None:
     rank_id(r.rank_id)
     # The coordinator keys ranks by id: an id must name its daemon, "<node>/<pid>".
     node, _, pid = r.rank_id.rpartition("/")
-    if not r.node or node != r.node or not pid.isdigit():
-        _fail(f"rank_id {r.rank_id!r} must be '<node>/<pid>' of the announcing node "
-              f"{r.node!r}")
+    if not r.node or node != r.node or not process_part(pid):
+        _fail(f"rank_id {r.rank_id!r} must be '<node>/<pid>' (or '<node>/<pid>.<n>') of the "
+              f"announcing node {r.node!r}")
     in_range(r.rank, -1, MAX_WORLD, "rank")
     in_range(r.world_size, 0, MAX_WORLD, "world_size")
     _layout(r.layout)

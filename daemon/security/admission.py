@@ -66,7 +66,7 @@ class RankAdmission:
                               + (f" ({why})" if why else "")
                               + "; a rank registers its own pid (os.getpid())")
         existing = self.registry.get(f"{self.node}/{pid}")
-        if existing is not None and existing.process is not None:
+        if existing is not None and existing.process is not None and not existing.ended:
             self.metrics.auth_refused.labels("pid").inc()
             raise Refused(f"pid {pid} is a watched local rank of {self.node}; another caller "
                           "cannot register as it")

@@ -23,7 +23,7 @@ from stalwart.daemon.recovery.coordinator import Coordinator
 from stalwart.daemon.recovery.election import Leadership
 from stalwart.daemon.recovery.membership import LOST, Membership
 from stalwart.daemon.recovery.registry import Registry
-from stalwart.daemon.rpc.validate import MAX_LIVE_RANKS_PER_NODE
+from stalwart.daemon.rpc.validate import MAX_LIVE_RANKS_PER_NODE, process_part
 from stalwart.daemon.security.auth import Forbidden
 from stalwart.daemon.security.prepare_rule import (
     MAX_STEPS_AHEAD,
@@ -46,9 +46,9 @@ _CONFIRMED_BY_LIVENESS = (FailureKind.PROCESS_EXIT, FailureKind.HEARTBEAT_MISSED
 
 
 def node_of(name: str) -> str:
-    """The node of a rank id "<node>/<pid>", or the name itself (a node)."""
+    """The node of a rank id "<node>/<pid>[.<n>]", or the name itself (a node)."""
     node, sep, pid = name.rpartition("/")
-    return node if sep and pid.isdigit() else name
+    return node if sep and process_part(pid) else name
 
 
 class JobGate:
