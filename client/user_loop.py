@@ -217,8 +217,10 @@ class _UserLoopProgram:
                                                                         last_layer=0)])
 
     def profile(self) -> common_pb2.LayerProfile:
-        nbytes = sum(p.numel() * p.element_size() for p in self.params)
-        return common_pb2.LayerProfile(costs=[1.0], state_bytes=[3.0 * nbytes])
+        # A trained parameter, and (as for Adam) two moments; a frozen one alone.
+        nbytes = sum(p.numel() * p.element_size() * (3.0 if p.requires_grad else 1.0)
+                     for p in self.params)
+        return common_pb2.LayerProfile(costs=[1.0], state_bytes=[nbytes])
 
     def warm_up(self) -> None:
         pass
