@@ -382,7 +382,8 @@ def _summarise(cluster: Any, args: argparse.Namespace, faults: list[dict[str, An
     fired = sorted((json.loads(p.read_text()) for p in cluster.workdir.glob("fault-*.json")),
                    key=lambda f: f["time_unix"])
     # A rank's newest step its daemon took a capture of, from its failure (by pid)
-    captured = {d["subject"].rpartition("/")[2]: d["captured_step"] for d in detected
+    captured = {d["subject"].rpartition("/")[2].partition(".")[0]: d["captured_step"]
+                for d in detected
                 if d["kind"] != "peer_lost"}
     recoveries = []
     for fault, plan in zip(fired, [p for p in plans if not p["stop"]], strict=False):

@@ -373,6 +373,16 @@ def test_a_process_with_the_pid_of_an_ended_rank_gets_an_id_of_its_own() -> None
     reg.heartbeat(first, generation=1, step=3, step_time_s=0.1, leaving=True)
     second = add_rank(reg, pid=7)
     assert (first, second) == ("n0/7", "n0/7.2")
+    assert reg.live_with_pid(7).rank_id == second  # what admission guards, not the first
     reg.heartbeat(second, generation=1, step=3, step_time_s=0.1, leaving=True)
     assert add_rank(reg, pid=7) == "n0/7.3"
     assert reg.get(first) is not None and reg.get(first).ended
+
+
+def test_the_ids_a_plan_gives_this_nodes_ranks_are_not_given_again() -> None:
+    # A daemon started again has not given them, but the coordinator's plan names them.
+    reg = registry(Clock())
+    reg.install_plan(common_pb2.Plan(generation=1, assignments=[
+        common_pb2.RankAssignment(rank_id="n0/7", node="n0"),
+        common_pb2.RankAssignment(rank_id="n1/8", node="n1")]))
+    assert (add_rank(reg, pid=7), add_rank(reg, pid=8)) == ("n0/7.2", "n0/8")

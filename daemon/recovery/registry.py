@@ -222,6 +222,10 @@ class Registry:
             if phase in RANK_PHASES and seconds >= 0:
                 self.metrics.recovery_phase.labels(phase).observe(seconds)
 
+    def live_with_pid(self, pid: int) -> RankRecord | None:
+        """The rank of this node that registered `pid` and has not ended, if any."""
+        return next((r for r in self._ranks.values() if r.pid == pid and not r.ended), None)
+
     def ranks(self) -> list[RankRecord]:
         return sorted(self._ranks.values(), key=lambda r: (r.spare, r.rank, r.rank_id))
 
@@ -372,7 +376,12 @@ class Registry:
     # plan ----------------------------------------------------------------
 
     def install_plan(self, plan: common_pb2.Plan) -> None:
-        """Adopt a plan of a newer generation and wake every WatchPlan stream."""
+        """Adopt a plan of a newer generation and wake every WatchPlan stream. The ids
+        it gives this node's ranks are never given to another process (a daemon started
+        again does not remember the ids it gave, but the coordinator hands it the plan)."""
+        for a in plan.assignments:
+            if a.node == self.node:
+                self._issued[a.rank_id] = None
         if plan.generation < self.generation or (
                 plan.generation == self.generation and self.plan is not None):
             raise StaleGeneration(

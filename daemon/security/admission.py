@@ -65,8 +65,8 @@ class RankAdmission:
                 raise Refused(f"pid {pid} is not a process connected to {self.unix_socket}"
                               + (f" ({why})" if why else "")
                               + "; a rank registers its own pid (os.getpid())")
-        existing = self.registry.get(f"{self.node}/{pid}")
-        if existing is not None and existing.process is not None and not existing.ended:
+        existing = self.registry.live_with_pid(pid)
+        if existing is not None and existing.process is not None:
             self.metrics.auth_refused.labels("pid").inc()
             raise Refused(f"pid {pid} is a watched local rank of {self.node}; another caller "
                           "cannot register as it")
