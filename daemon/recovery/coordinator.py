@@ -247,19 +247,12 @@ class Coordinator:
         resumes from the last step, as at a first plan. Ranks and spares registered
         since the completion are the new plan's; those of the completed run are gone."""
         assert self.plan is not None
-        fresh = [a for r, a in self.announced.items() if r in self._since_completed]
-        launched = _launched(fresh)
-        if launched is None:
-            return
-        layout, members = launched
-        taken = {m.rank_id for m in members}
         step = self.plan.resume_step
-        self.plan = PlanState(
-            generation=self.plan.generation + 1, layout=layout, members=members,
-            spares=tuple(Member(a.rank_id, a.node) for a in fresh if a.rank_id not in taken),
-            resume_step=step,
-            reason=f"launched again after it completed: {len(members)} ranks")
-        self.completed = False
+        plan = _launch_plan([a for r, a in self.announced.items() if r in self._since_completed],
+                            self.plan.generation + 1, step, "launched again after it completed")
+        if plan is None:
+            return
+        self.plan, self.completed = plan, False
         self._since_completed.clear()
         self._joined.clear()
         await self._install(self.plan.to_proto())
@@ -267,16 +260,11 @@ class Coordinator:
         log.info("the completed job was launched again", extra={"step": step})
 
     async def _maybe_form_first_plan(self) -> None:
-        launched = _launched(self.announced.values())
-        if launched is None:
-            return
-        layout, members = launched
-        spares = tuple(Member(a.rank_id, a.node) for a in self.announced.values()
-                       if a.rank_id not in {m.rank_id for m in members})
-        self.plan = PlanState(generation=1, layout=layout, members=members, spares=spares,
-                              resume_step=self.latest_committed() or 0,
-                              reason=f"first plan: {len(members)} ranks")
-        await self._install(self.plan.to_proto())
+        plan = _launch_plan(list(self.announced.values()), 1, self.latest_committed() or 0,
+                            "first plan")
+        if plan is not None:
+            self.plan = plan
+            await self._install(self.plan.to_proto())
 
     def _relaunched(self, committed: int) -> PlanDecision | None:
         """The plan that resumes a job that lost every rank, when the ranks registered
@@ -659,6 +647,21 @@ async def _within(answer: asyncio.Task[set[str]], timeout_s: float) -> set[str] 
         return await asyncio.wait_for(asyncio.shield(answer), max(0.0, timeout_s))
     except TimeoutError:
         return None
+
+
+def _launch_plan(announced: list[peer_pb2.RankAnnouncement], generation: int, step: int,
+                 why: str) -> PlanState | None:
+    """The plan of launch ranks that `announced` holds every one of, each in the role its
+    RANK names and the others its spares, resuming from `step`; None until all came."""
+    launched = _launched(announced)
+    if launched is None:
+        return None
+    layout, members = launched
+    taken = {m.rank_id for m in members}
+    return PlanState(generation=generation, layout=layout, members=members,
+                     spares=tuple(Member(a.rank_id, a.node) for a in announced
+                                  if a.rank_id not in taken),
+                     resume_step=step, reason=f"{why}: {len(members)} ranks")
 
 
 def _launched(announced: Iterable[peer_pb2.RankAnnouncement]
