@@ -149,7 +149,7 @@ def run_rank(agent: ElasticAgent, daemon: DaemonClient, result: Callable[[], R |
     survivors re-plan. Told it left cleanly, the daemon would leave its peers waiting for
     it until their collectives time out. A rank with a result also says the step its
     loop ended at: a job launched again after its last step committed trains nothing, so
-    no commit ends it, and the coordinator ends it when every rank said so."""
+    no commit ends it, and the coordinator ends it when a rank of its plan says so."""
     out: R | None = None
     returned, raised = False, ""
     try:
