@@ -214,9 +214,18 @@ def _failed_ids(state: PlanState, failures: Iterable[Failure]) -> tuple[set[str]
 def _pick_spares(
     state: PlanState, failed: list[Member], pool: list[Member], tp_within_node: bool
 ) -> dict[str, Member] | None:
-    """Spare for each failed member, or None when some role cannot be filled."""
+    """Spare for each member that changes place, or None when some role cannot be filled.
+
+    A tensor-parallel group stays on one node: its lost members are replaced by spares
+    beside its survivors, or, with too few spares there, the whole group moves to a node
+    whose spares can hold all of it (its survivors are then replaced too, and become
+    spares). The layout and its stage bounds hold either way."""
     chosen: dict[str, Member] = {}
     free = sorted(pool, key=lambda s: (s.node, s.rank_id))
+
+    def spares_on(node: str) -> int:
+        return sum(s.node == node for s in free)
+
     groups: dict[tuple[int, int], list[Member]] = {}
     for m in sorted(failed, key=lambda m: m.coord.rank if m.coord else -1):
         assert m.coord is not None
@@ -224,15 +233,20 @@ def _pick_spares(
     failed_ids = {m.rank_id for m in failed}
     for (dp, pp), lost in sorted(groups.items()):
         if state.layout.tp > 1 and tp_within_node:
-            alive = {m.node for m in state.members if m.coord and m.rank_id not in failed_ids
-                     and (m.coord.dp, m.coord.pp) == (dp, pp)}
-            nodes = sorted(alive) if alive else sorted(
-                {s.node for s in free},
-                key=lambda n: (n != lost[0].node, -sum(s.node == n for s in free), n))
-            node = next((n for n in nodes if sum(s.node == n for s in free) >= len(lost)), None)
+            cell = sorted((m for m in state.members
+                           if m.coord and (m.coord.dp, m.coord.pp) == (dp, pp)),
+                          key=lambda m: m.coord.rank)
+            alive = sorted({m.node for m in cell if m.rank_id not in failed_ids})
+            moving = lost
+            node = next((n for n in alive if spares_on(n) >= len(lost)), None)
+            if node is None:
+                moving = cell
+                nodes = sorted({s.node for s in free},
+                               key=lambda n: (n != lost[0].node, -spares_on(n), n))
+                node = next((n for n in nodes if spares_on(n) >= len(cell)), None)
             if node is None:
                 return None
-            for m in lost:
+            for m in moving:
                 spare = next(s for s in free if s.node == node)
                 free.remove(spare)
                 chosen[m.rank_id] = spare
@@ -381,7 +395,9 @@ def _replan(
         why = (f"{len(pool)} spare(s) registered, {len(failed)} needed"
                + (f" ({unusable} of them on a node whose disk is full: "
                   f"{', '.join(sorted(full_nodes))})" if unusable else "")
-               + (" on the failed tensor-parallel group's node" if state.layout.tp > 1 else "")
+               + (" (a tensor-parallel group takes its spares from one node: beside its "
+                  f"survivors, or {state.layout.tp} for the whole group)"
+                  if state.layout.tp > 1 else "")
                + (", and no smaller plan fits the survivors." if shrink_planner else "."))
         return StopDecision(generation, committed_step,
                             _stop_message(failed, causes, committed_step, why), all_causes,
@@ -393,11 +409,18 @@ def _replan(
         for m in state.members
     )
     used = {s.rank_id for s in chosen.values()}
+    # Survivors whose tensor-parallel group moved to another node wait as spares.
+    moved = [Member(m.rank_id, m.node) for m in state.members
+             if m.rank_id in chosen and m.rank_id not in failed_ids]
+    reason = "replace " + ", ".join(
+        f"{old} with spare {new.rank_id}" for old, new in chosen.items())
+    if moved:
+        reason += "".join(f"; {m.rank_id} became a spare" for m in moved) + (
+            ": its tensor-parallel group moved whole to a node with spares for all of it")
     plan = PlanState(
         generation=generation, layout=state.layout, members=members,
-        spares=tuple(s for s in pool if s.rank_id not in used), resume_step=committed_step,
-        reason="replace " + ", ".join(
-            f"{old} with spare {new.rank_id}" for old, new in chosen.items()),
+        spares=(*(s for s in pool if s.rank_id not in used), *moved),
+        resume_step=committed_step, reason=reason,
     )
     replacements = {old: new.rank_id for old, new in chosen.items()}
     return PlanDecision("replace", previous, plan, replacements, all_causes)

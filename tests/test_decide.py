@@ -200,6 +200,23 @@ def test_tensor_parallel_replacements_stay_inside_one_node():
     assert set(whole.replacements.values()) == {"sn20", "sn21"}
 
 
+def test_a_tensor_parallel_group_without_spares_beside_its_survivors_moves_whole():
+    # dp=2, tp=2: r3 of the group on n1 dies; the two spares are on n2. The group moves
+    # there whole (r2 becomes a spare): same layout and stage bounds, so the spares
+    # restore their roles' own snapshots, not a re-partition of the model.
+    state = grid(2, 2, 2, ranks_per_node=2, spares={"n4": 2})
+    d = decide(state, [killed("r3")], committed_step=5)
+    assert isinstance(d, PlanDecision) and d.kind == "replace"
+    assert d.replacements == {"r2": "sn40", "r3": "sn41"}
+    assert d.plan.layout == state.layout
+    assert coords(d.plan)["sn40"] == coords(state)["r2"]
+    assert coords(d.plan)["sn41"] == coords(state)["r3"]
+    assert [s.rank_id for s in d.plan.spares] == ["r2"] and "r2 became a spare" in d.plan.reason
+    # One spare beside the survivor is preferred to moving the group.
+    near = grid(2, 2, 2, ranks_per_node=2, spares={"n1": 1, "n4": 2})
+    assert decide(near, [killed("r3")], 5).replacements == {"r3": "sn10"}
+
+
 def test_tensor_parallel_group_without_a_spare_on_its_node_stops():
     state = grid(1, 1, 2, ranks_per_node=2, spares={"n1": 1})
     d = decide(state, [killed("r1")], committed_step=4)

@@ -93,13 +93,17 @@ def land_waits(workdir: Path) -> dict[int, dict]:
 
 def test_a_tp_group_that_lost_a_rank_is_replaced_by_spares_on_one_node(tmp_path: Path) -> None:
     # The demo starts --tp spares to a node: the two spares (both on node-2) take the
-    # place of the TP group on node-0 together. Spares on two nodes would make a TP
-    # group across nodes, which the planner ranks below one pipeline stage fewer.
+    # place of the TP group on node-0 together, its survivor becoming a spare. A spare
+    # beside the survivor would keep the group on one node too; one on another node
+    # would stretch the group across nodes. The layout and its stage bounds hold: the
+    # spares restore their roles' own snapshots, not a re-partitioned model.
     layout = ("--nodes", "3", "--ranks-per-node", "2", "--dp", "1", "--pp", "2", "--tp", "2")
     code, summary = demo(tmp_path, *layout, "--spares", "2", "--kill", "rank:1@step:4")
     assert code == 0
     assert summary["layout"] == {"dp": 1, "pp": 2, "tp": 2}
     assert_recovered(summary, uninterrupted(tmp_path, *layout), 1)
+    reason = summary["recoveries"][0]["reason"]
+    assert reason.startswith("replace") and "became a spare" in reason, reason
 
 
 def test_a_killed_node_is_replaced_from_its_peers_shards(tmp_path: Path) -> None:
