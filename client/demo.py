@@ -386,22 +386,31 @@ def _summarise(cluster: Any, args: argparse.Namespace, faults: list[dict[str, An
                 for d in detected
                 if d["kind"] != "peer_lost"}
     recoveries = []
-    for fault, plan in zip(fired, [p for p in plans if not p["stop"]], strict=False):
+    waiting = list(fired)
+    for plan in (p for p in plans if not p["stop"]):
+        if not waiting:
+            break
         gens = [g for res in finished for g in res.get("generations", [])
                 if g["generation"] == plan["generation"]]
-        before = [c for t, c in committed_at if t <= fault["time_unix"]]
-        committed_before = before[-1] if before else 0
         first = max((g["first_step_unix"] or 0 for g in gens), default=0)
         # When the last role received the plan, as the roles recorded it; the demo's own
         # look (every 0.25 s) only when no role's record says.
         received = [g["plan_received_unix"] for g in gens if g.get("plan_received_unix")]
         planned = max(received, default=plan["time_unix"])
+        # The faults fired before this plan came: one plan may answer several (two kills
+        # at once); the earliest sets the times.
+        handled = [f for f in waiting if f["time_unix"] <= planned] or waiting[:1]
+        waiting = waiting[len(handled):]
+        fault = handled[0]
+        before = [c for t, c in committed_at if t <= fault["time_unix"]]
+        committed_before = before[-1] if before else 0
         recoveries.append({
-            "kind": f"{fault['kind']} {fault['target']}:{fault['index']}",
+            "kind": " + ".join(f"{f['kind']} {f['target']}:{f['index']}" for f in handled),
             "fault_step": fault["step"], "resume_step": plan["resume_step"],
             "lost_steps": max(0, committed_before - plan["resume_step"]),
             "redone_steps": max(0, fault["step"] - plan["resume_step"]),
-            "captured_step": captured.get(str(fault["pid"])),
+            "captured_step": next((captured[str(f["pid"])] for f in handled
+                                   if str(f["pid"]) in captured), None),
             "detect_plan_s": round(planned - fault["time_unix"], 3),
             "rebuild_s": max((g["rebuild_s"] for g in gens), default=None),
             "restore_s": max((g["restore_s"] for g in gens), default=None),

@@ -40,6 +40,29 @@ def test_detect_plus_plan_ends_when_the_last_role_received_the_plan(tmp_path: Pa
     assert recovery["detect_plan_s"] <= recovery["mttr_s"]
 
 
+def test_faults_that_one_plan_answers_are_one_recovery_naming_them_all(tmp_path: Path) -> None:
+    # Ranks 0 and 1 killed at once, both replaced by generation 2; rank 1's spare killed
+    # later, replaced by generation 3.
+    for pid, index, t, step in ((11, 0, 100.0, 4), (12, 1, 100.01, 4), (13, 1, 105.0, 9)):
+        (tmp_path / f"fault-{pid}.json").write_text(json.dumps(
+            {"kind": "kill", "target": "rank", "index": index, "step": step, "time_unix": t,
+             "pid": pid}))
+    result = {"losses": {str(s): 1.0 for s in range(1, 13)}, "result": {"param_digest": "d"},
+              "generations": [
+                  {"generation": g, "plan_received_unix": t, "first_step_unix": t + 0.1,
+                   "rebuild_s": 0.01, "restore_s": 0.02} for g, t in ((2, 100.2), (3, 105.3))]}
+    cluster = SimpleNamespace(workdir=tmp_path, ranks=[SimpleNamespace(result=lambda: result)])
+    plans = [{"generation": g, "reason": "spare in", "resume_step": r, "time_unix": t,
+              "stop": False, "stop_message": ""} for g, r, t in ((2, 3, 100.5), (3, 8, 105.5))]
+    detected = [{"subject": "node-0/12", "kind": "process_exit", "captured_step": 4}]
+    summary = _summarise(cluster, argparse.Namespace(steps=12, dp=2, pp=1, tp=1, script=None),
+                         [], SimpleNamespace(losses={}), plans, [(99.0, 3)], detected, 9.0, None)
+    assert [(r["kind"], r["fault_step"], r["resume_step"]) for r in summary["recoveries"]] == [
+        ("kill rank:0 + kill rank:1", 4, 3), ("kill rank:1", 9, 8)]
+    assert summary["recoveries"][0]["captured_step"] == 4
+    assert summary["recoveries"][0]["detect_plan_s"] == 0.2
+
+
 def test_a_script_that_trains_its_own_number_of_steps_completes_at_the_jobs_last(
         tmp_path: Path) -> None:
     result = {"losses": {str(s): 1.0 for s in range(1, 9)}, "result": {"param_digest": "d"},
