@@ -388,8 +388,6 @@ def _summarise(cluster: Any, args: argparse.Namespace, faults: list[dict[str, An
     recoveries = []
     waiting = list(fired)
     for plan in (p for p in plans if not p["stop"]):
-        if not waiting:
-            break
         gens = [g for res in finished for g in res.get("generations", [])
                 if g["generation"] == plan["generation"]]
         first = max((g["first_step_unix"] or 0 for g in gens), default=0)
@@ -397,9 +395,12 @@ def _summarise(cluster: Any, args: argparse.Namespace, faults: list[dict[str, An
         # look (every 0.25 s) only when no role's record says.
         received = [g["plan_received_unix"] for g in gens if g.get("plan_received_unix")]
         planned = max(received, default=plan["time_unix"])
-        # The faults fired before this plan came: one plan may answer several (two kills
-        # at once); the earliest sets the times.
-        handled = [f for f in waiting if f["time_unix"] <= planned] or waiting[:1]
+        # The faults fired before the plan first reached a role: one plan may answer
+        # several (two kills at once), the earliest setting the times; a plan after none
+        # (a widening once a spare came) is no recovery.
+        handled = [f for f in waiting if f["time_unix"] <= min(received, default=planned)]
+        if not handled:
+            continue
         waiting = waiting[len(handled):]
         fault = handled[0]
         before = [c for t, c in committed_at if t <= fault["time_unix"]]

@@ -113,8 +113,9 @@ class PlanDecision:
     widened onto the ranks that joined) and "relaunch" (every rank lost, and the job's
     ranks started again in their launched roles).
 
-    Ranks that left the plan (the keys of `replacements`) must be fenced: their daemon
-    ends them if they still run, so a hung one cannot block the new generation.
+    `replacements` maps each rank that gave up its role to the spare that took it. A lost
+    one that still runs (hung) is fenced by its daemon, which ends every rank the new plan
+    left out; a survivor whose tensor-parallel group moved whole stays, as a spare.
     """
 
     kind: str
@@ -222,35 +223,12 @@ def _pick_spares(
     spares). The layout and its stage bounds hold either way."""
     chosen: dict[str, Member] = {}
     free = sorted(pool, key=lambda s: (s.node, s.rank_id))
-
-    def spares_on(node: str) -> int:
-        return sum(s.node == node for s in free)
-
     groups: dict[tuple[int, int], list[Member]] = {}
     for m in sorted(failed, key=lambda m: m.coord.rank if m.coord else -1):
         assert m.coord is not None
         groups.setdefault((m.coord.dp, m.coord.pp), []).append(m)
-    failed_ids = {m.rank_id for m in failed}
-    for (dp, pp), lost in sorted(groups.items()):
-        if state.layout.tp > 1 and tp_within_node:
-            cell = sorted((m for m in state.members
-                           if m.coord and (m.coord.dp, m.coord.pp) == (dp, pp)),
-                          key=lambda m: m.coord.rank)
-            alive = sorted({m.node for m in cell if m.rank_id not in failed_ids})
-            moving = lost
-            node = next((n for n in alive if spares_on(n) >= len(lost)), None)
-            if node is None:
-                moving = cell
-                nodes = sorted({s.node for s in free},
-                               key=lambda n: (n != lost[0].node, -spares_on(n), n))
-                node = next((n for n in nodes if spares_on(n) >= len(cell)), None)
-            if node is None:
-                return None
-            for m in moving:
-                spare = next(s for s in free if s.node == node)
-                free.remove(spare)
-                chosen[m.rank_id] = spare
-        else:
+    if state.layout.tp == 1 or not tp_within_node:
+        for _, lost in sorted(groups.items()):
             for m in lost:
                 if not free:
                     return None
@@ -258,6 +236,38 @@ def _pick_spares(
                 spare = min(free, key=lambda s: (s.node != m.node, s.node, s.rank_id))
                 free.remove(spare)
                 chosen[m.rank_id] = spare
+        return chosen
+
+    def spares_on(node: str) -> int:
+        return sum(s.node == node for s in free)
+
+    def take(members: list[Member], node: str) -> None:
+        for m in members:
+            spare = next(s for s in free if s.node == node)
+            free.remove(spare)
+            chosen[m.rank_id] = spare
+
+    failed_ids = {m.rank_id for m in failed}
+    cells = {key: sorted((m for m in state.members
+                          if m.coord and (m.coord.dp, m.coord.pp) == key),
+                         key=lambda m: m.coord.rank) for key in groups}
+    # First the groups whose lost members fit beside their survivors; only then do the
+    # others, which move whole, take what spares are left.
+    whole = []
+    for key, lost in sorted(groups.items()):
+        alive = sorted({m.node for m in cells[key] if m.rank_id not in failed_ids})
+        node = next((n for n in alive if spares_on(n) >= len(lost)), None)
+        if node is None:
+            whole.append((key, lost))
+        else:
+            take(lost, node)
+    for key, lost in whole:
+        fits = [n for n in sorted({s.node for s in free}) if spares_on(n) >= len(cells[key])]
+        if not fits:
+            return None
+        # The spares of the node it was on first (their daemon holds its captures), then
+        # the smallest pool that holds it: larger ones stay for other groups.
+        take(cells[key], min(fits, key=lambda n: (n != lost[0].node, spares_on(n), n)))
     return chosen
 
 

@@ -217,6 +217,17 @@ def test_a_tensor_parallel_group_without_spares_beside_its_survivors_moves_whole
     assert decide(near, [killed("r3")], 5).replacements == {"r3": "sn10"}
 
 
+def test_groups_filled_beside_their_survivors_come_before_a_group_that_moves_whole():
+    # Groups (r0 r1) on n0, (r4 r5) and (r6 r7) on n1. The spares beside r4 and r6 take
+    # r5's and r7's roles; r1's group, with no spare on n0, moves whole to n4 (n3's one
+    # spare cannot hold it), although n1 was the largest pool when it was looked at.
+    state = grid(2, 2, 2, ranks_per_node=4, spares={"n1": 2, "n3": 1, "n4": 2})
+    d = decide(state, [killed("r1"), killed("r5"), killed("r7")], committed_step=5)
+    assert isinstance(d, PlanDecision) and d.kind == "replace"
+    assert d.replacements == {"r5": "sn10", "r7": "sn11", "r0": "sn40", "r1": "sn41"}
+    assert sorted(s.rank_id for s in d.plan.spares) == ["r0", "sn30"]
+
+
 def test_tensor_parallel_group_without_a_spare_on_its_node_stops():
     state = grid(1, 1, 2, ranks_per_node=2, spares={"n1": 1})
     d = decide(state, [killed("r1")], committed_step=4)

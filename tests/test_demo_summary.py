@@ -41,8 +41,8 @@ def test_detect_plus_plan_ends_when_the_last_role_received_the_plan(tmp_path: Pa
 
 
 def test_faults_that_one_plan_answers_are_one_recovery_naming_them_all(tmp_path: Path) -> None:
-    # Ranks 0 and 1 killed at once, both replaced by generation 2; rank 1's spare killed
-    # later, replaced by generation 3.
+    # Ranks 0 and 1 killed at once, both replaced by generation 3; rank 1's spare killed
+    # later, replaced by generation 4.
     for pid, index, t, step in ((11, 0, 100.0, 4), (12, 1, 100.01, 4), (13, 1, 105.0, 9)):
         (tmp_path / f"fault-{pid}.json").write_text(json.dumps(
             {"kind": "kill", "target": "rank", "index": index, "step": step, "time_unix": t,
@@ -50,10 +50,12 @@ def test_faults_that_one_plan_answers_are_one_recovery_naming_them_all(tmp_path:
     result = {"losses": {str(s): 1.0 for s in range(1, 13)}, "result": {"param_digest": "d"},
               "generations": [
                   {"generation": g, "plan_received_unix": t, "first_step_unix": t + 0.1,
-                   "rebuild_s": 0.01, "restore_s": 0.02} for g, t in ((2, 100.2), (3, 105.3))]}
+                   "rebuild_s": 0.01, "restore_s": 0.02} for g, t in ((3, 100.2), (4, 105.3))]}
     cluster = SimpleNamespace(workdir=tmp_path, ranks=[SimpleNamespace(result=lambda: result)])
+    # Generation 2 widened the job before any fault: no recovery.
     plans = [{"generation": g, "reason": "spare in", "resume_step": r, "time_unix": t,
-              "stop": False, "stop_message": ""} for g, r, t in ((2, 3, 100.5), (3, 8, 105.5))]
+              "stop": False, "stop_message": ""}
+             for g, r, t in ((2, 1, 50.0), (3, 3, 100.5), (4, 8, 105.5))]
     detected = [{"subject": "node-0/12", "kind": "process_exit", "captured_step": 4}]
     summary = _summarise(cluster, argparse.Namespace(steps=12, dp=2, pp=1, tp=1, script=None),
                          [], SimpleNamespace(losses={}), plans, [(99.0, 3)], detected, 9.0, None)
