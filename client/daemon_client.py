@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import secrets
 import socket
 import threading
 import weakref
@@ -39,6 +40,18 @@ RestoredBytes = bytearray | mmap.mmap  # a restore's buffer, the caller's own
 # A heartbeat refused with these codes will never be accepted: the rank must rejoin.
 _FENCED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
 FORK_PAUSE_S = 1.0  # longest a fork waits for an in-flight heartbeat (seconds)
+
+
+_instance: tuple[int, str] = (0, "")
+
+
+def process_instance() -> str:
+    """This process's random name for the daemon (RegisterRequest.instance): drawn once
+    per process, again in a fork, which inherits the parent's."""
+    global _instance
+    if _instance[0] != os.getpid():
+        _instance = (os.getpid(), secrets.token_hex(8))
+    return _instance[1]
 
 
 # Every live client, so fork hooks can pause their heartbeats (see _before_fork).
@@ -136,7 +149,8 @@ class DaemonClient:
             job_id=self.job_id, pid=os.getpid(), rank=-1 if spare else rank_env.rank,
             world_size=rank_env.world_size, local_rank=rank_env.local_rank,
             hostname=socket.gethostname(), token=self.token, spare=spare, device=device,
-            layout=layout, profile=profile, store_port=store_port, store_host=store_host)
+            layout=layout, profile=profile, store_port=store_port, store_host=store_host,
+            instance=process_instance())
         reply = self._call("register", self._rank_stub().Register, request)
         self.rank_id, self.generation = reply.rank_id, reply.generation
         self.heartbeat_interval_s = reply.heartbeat_interval_s or self.heartbeat_interval_s

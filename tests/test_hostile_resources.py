@@ -102,6 +102,44 @@ def test_a_rank_in_a_child_pid_namespace_registers_but_is_never_watched(
     assert (inner, unwatched) == ("1", True)
 
 
+WAITING_SPARE = """
+import sys
+from stalwart.client.daemon_client import DaemonClient
+client = DaemonClient("unix:" + sys.argv[1], token=sys.argv[2], job_id="")
+print(client.register(spare=True, env={"RANK": "-1", "WORLD_SIZE": "1"}).rank_id, flush=True)
+sys.stdin.readline()  # registered and alive until the test lets it go
+"""
+
+
+@pytest.mark.skipif(not is_root, reason="a child pid namespace needs root (unshare)")
+def test_two_live_ranks_with_one_pid_in_two_pid_namespaces_are_two_ranks(
+        tmp_path: Path) -> None:
+    import shutil
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed")
+
+    async def body(daemon: Daemon) -> list[tuple[str, bool]]:
+        procs = []
+        try:
+            for _ in range(2):  # two pods' processes, each pid 1 where it runs
+                procs.append(subprocess.Popen(
+                    ["unshare", "--pid", "--fork", sys.executable, "-c", WAITING_SPARE,
+                     str(daemon.unix_socket), TOKEN],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+                line = await asyncio.to_thread(procs[-1].stdout.readline)
+                assert line, "the process ended before it registered"
+            ids = [r.rank_id for r in daemon.registry.ranks()]
+            return [(i, not daemon.registry.get(i).ended) for i in sorted(ids)]
+        finally:
+            for p in procs:
+                p.communicate("\n", timeout=60)
+
+    node = config(tmp_path).node
+    assert run(config(tmp_path), body) == [(f"{node}/1", True), (f"{node}/1.2", True)]
+
+
 def test_fencing_never_ends_a_process_that_did_not_register_itself(tmp_path: Path) -> None:
     sleeper = subprocess.Popen(["sleep", "60"])
 

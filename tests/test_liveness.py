@@ -45,9 +45,11 @@ def registry(clock: Clock, metrics: Metrics | None = None) -> Registry:
     return Registry("n0", 1.0, 5.0, metrics or Metrics(), clock=clock)
 
 
-def add_rank(reg: Registry, pid: int = 4242, watch_pid: bool = False) -> str:
+def add_rank(reg: Registry, pid: int = 4242, watch_pid: bool = False,
+             instance: str = "") -> str:
     return reg.register(pid=pid, rank=0, world_size=1, local_rank=0, hostname="h",
-                        spare=False, device="cpu", watch_pid=watch_pid).rank_id
+                        spare=False, device="cpu", watch_pid=watch_pid,
+                        instance=instance).rank_id
 
 
 def failures_of(metrics: Metrics, kind: str) -> float:
@@ -377,6 +379,19 @@ def test_a_process_with_the_pid_of_an_ended_rank_gets_an_id_of_its_own() -> None
     reg.heartbeat(second, generation=1, step=3, step_time_s=0.1, leaving=True)
     assert add_rank(reg, pid=7) == "n0/7.3"
     assert reg.get(first) is not None and reg.get(first).ended
+
+
+def test_two_live_processes_with_one_pid_are_two_ranks() -> None:
+    # Two pods on one node, each in a pid namespace of its own: their ranks can have the
+    # same pid at once. Each process names itself (a random instance); only a process
+    # registering again with its own name keeps its id.
+    reg = registry(Clock())
+    first = add_rank(reg, pid=15, instance="a1")
+    second = add_rank(reg, pid=15, instance="b2")
+    assert (first, second) == ("n0/15", "n0/15.2")
+    assert add_rank(reg, pid=15, instance="b2") == second
+    assert add_rank(reg, pid=15, instance="a1") == first
+    assert not reg.get(first).ended and not reg.get(second).ended
 
 
 def test_the_ids_a_plan_gives_this_nodes_ranks_are_not_given_again() -> None:

@@ -78,6 +78,7 @@ class RankRecord:
     cause: str = ""  # evidence of the death, once dead
     raised: str = ""  # the exception its training raised, told just before its exit
     finished_at: int = 0  # left after its loop trained the job's length, ending at this step
+    instance: str = ""  # the random name the process registered with (RegisterRequest)
 
     @property
     def ended(self) -> bool:
@@ -127,14 +128,17 @@ class Registry:
     # ranks ---------------------------------------------------------------
 
     def register(self, *, pid: int, rank: int, world_size: int, local_rank: int,
-                 hostname: str, spare: bool, device: str, watch_pid: bool) -> RankRecord:
-        """Add a rank (or refresh it when the same process registers again). Its id is
-        "<node>/<pid>"; a process whose pid an ended rank had (one in a pid namespace of
-        its own, as a container's processes are, started again) is "<node>/<pid>.<n>",
-        its n-th, since plans and the coordinator may still name the ended one."""
+                 hostname: str, spare: bool, device: str, watch_pid: bool,
+                 instance: str = "") -> RankRecord:
+        """Add a rank (or refresh it when the same process, by `instance`, registers
+        again). Its id is "<node>/<pid>"; a process whose pid another rank has or had (one
+        in a pid namespace of its own, as a container's processes are: started again, or
+        beside another pod's) is "<node>/<pid>.<n>", its n-th, since plans and the
+        coordinator may still name the other one."""
         rank_id, n = f"{self.node}/{pid}", 1
         while rank_id in self._issued and not (
-                (held := self._ranks.get(rank_id)) is not None and not held.ended):
+                (held := self._ranks.get(rank_id)) is not None and not held.ended
+                and held.instance == instance):
             n += 1
             rank_id = f"{self.node}/{pid}.{n}"
         self._issued[rank_id] = None
@@ -144,7 +148,7 @@ class Registry:
             rank_id=rank_id, pid=pid, rank=rank, world_size=world_size, local_rank=local_rank,
             hostname=hostname, spare=spare, device=device, generation=self.generation,
             registered_unix=self.wall(), last_heartbeat=self.clock(),
-            process=process_identity(pid) if watch_pid else None)
+            process=process_identity(pid) if watch_pid else None, instance=instance)
         self._ranks[rank_id] = record
         self._prune_dead()
         self._update_gauges()

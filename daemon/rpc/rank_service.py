@@ -68,7 +68,7 @@ class RankServicer(rank_pb2_grpc.RankServiceServicer):
             local_rank=request.local_rank, hostname=request.hostname,
             spare=request.spare or request.rank < 0, device=request.device,
             # Only a pid proven to be the caller's is watched (exit detection, fencing).
-            watch_pid=watch)
+            watch_pid=watch, instance=request.instance)
         if self.on_register is not None:
             # Announced to the coordinator now, or, while a coordinator does not answer,
             # again later; only a job with no coordinator at all, or a refusal for good,

@@ -210,6 +210,7 @@ def _register(r: rank_pb2.RegisterRequest) -> None:
     in_range(r.local_rank, 0, MAX_WORLD, "local_rank")
     text(r.hostname, "hostname", MAX_NAME)
     text(r.device, "device", MAX_NAME)
+    text(r.instance, "instance", MAX_NAME)
     _layout(r.layout)
     _layout_of_world(r.layout, r.world_size, r.rank)
 

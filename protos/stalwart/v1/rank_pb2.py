@@ -26,7 +26,7 @@ from stalwart.v1 import common_pb2 as stalwart_dot_v1_dot_common__pb2
 from stalwart.v1 import manifest_pb2 as stalwart_dot_v1_dot_manifest__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16stalwart/v1/rank.proto\x12\x0bstalwart.v1\x1a\x18stalwart/v1/common.proto\x1a\x1astalwart/v1/manifest.proto\"\xa5\x02\n\x0fRegisterRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x12\n\nlocal_rank\x18\x05 \x01(\x05\x12\x10\n\x08hostname\x18\x06 \x01(\t\x12\r\n\x05token\x18\x07 \x01(\t\x12\r\n\x05spare\x18\x08 \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12+\n\x06layout\x18\n \x01(\x0b\x32\x1b.stalwart.v1.ParallelLayout\x12*\n\x07profile\x18\x0b \x01(\x0b\x32\x19.stalwart.v1.LayerProfile\x12\x12\n\nstore_port\x18\x0c \x01(\r\x12\x12\n\nstore_host\x18\r \x01(\t\"\x81\x01\n\rRegisterReply\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x04 \x01(\x01\x12\x1f\n\x04plan\x18\x05 \x01(\x0b\x32\x11.stalwart.v1.Plan\"\xc4\x02\n\x10HeartbeatRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x13\n\x0bstep_time_s\x18\x04 \x01(\x01\x12\x0f\n\x07leaving\x18\x05 \x01(\x08\x12K\n\x10recovery_phase_s\x18\x06 \x03(\x0b\x32\x31.stalwart.v1.HeartbeatRequest.RecoveryPhaseSEntry\x12.\n\nlink_bytes\x18\x07 \x03(\x0b\x32\x1a.stalwart.v1.LinkBytesSent\x12\x0e\n\x06raised\x18\x08 \x01(\t\x12\x13\n\x0b\x66inished_at\x18\t \x01(\x04\x1a\x35\n\x13RecoveryPhaseSEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"@\n\rLinkBytesSent\x12\x0c\n\x04link\x18\x01 \x01(\t\x12\x12\n\ncollective\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x01\":\n\x0eHeartbeatReply\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x14\n\x0cplan_changed\x18\x02 \x01(\x08\"2\n\x0fOpenSlotRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\"S\n\rOpenSlotReply\x12\x0f\n\x07slot_id\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x11\n\tfd_socket\x18\x03 \x01(\t\x12\x10\n\x08slot_ids\x18\x04 \x03(\t\"\xbe\x02\n\x0e\x43\x61ptureRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0f\n\x07slot_id\x18\x04 \x01(\t\x12(\n\x07tensors\x18\x05 \x03(\x0b\x32\x17.stalwart.v1.TensorMeta\x12\r\n\x05\x65xtra\x18\x06 \x01(\x0c\x12%\n\x05\x63oord\x18\x07 \x01(\x0b\x32\x16.stalwart.v1.RankCoord\x12+\n\x06layout\x18\x08 \x01(\x0b\x32\x1b.stalwart.v1.ParallelLayout\x12%\n\x05\x61\x64\x61mw\x18\t \x03(\x0b\x32\x16.stalwart.v1.AdamWHint\x12\x0f\n\x07stall_s\x18\n \x01(\x01\x12\r\n\x05\x66inal\x18\x0b \x01(\x08\x12\x14\n\x0csame_tensors\x18\x0c \x01(\x08\"1\n\x0c\x43\x61ptureReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"7\n\x14WaitCommittedRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"R\n\x12WaitCommittedReply\x12\x11\n\tcommitted\x18\x01 \x01(\x08\x12\x18\n\x10latest_committed\x18\x02 \x01(\x04\x12\x0f\n\x07message\x18\x03 \x01(\t\"y\n\x0eRestoreRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x11\n\tinto_slot\x18\x04 \x01(\x08\x12\'\n\x06layers\x18\x05 \x01(\x0b\x32\x17.stalwart.v1.LayerRange\")\n\nLayerRange\x12\r\n\x05\x66irst\x18\x01 \x01(\r\x12\x0c\n\x04last\x18\x02 \x01(\r\"\x85\x01\n\x0cRestorePiece\x12%\n\x05state\x18\x01 \x01(\x0b\x32\x16.stalwart.v1.RankState\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0f\n\x07slot_id\x18\x05 \x01(\t\x12\x11\n\tfd_socket\x18\x06 \x01(\t\"=\n\x10WatchPlanRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x18\n\x10known_generation\x18\x02 \x01(\x04\"\x92\x01\n\tPlanEvent\x12\x1f\n\x04plan\x18\x01 \x01(\x0b\x32\x11.stalwart.v1.Plan\x12#\n\x08previous\x18\x02 \x01(\x0b\x32\x11.stalwart.v1.Plan\x12)\n\x06\x63\x61uses\x18\x03 \x03(\x0b\x32\x19.stalwart.v1.FailureEvent\x12\x14\n\x0clayers_moved\x18\x04 \x01(\r2\xc3\x04\n\x0bRankService\x12\x44\n\x08Register\x12\x1c.stalwart.v1.RegisterRequest\x1a\x1a.stalwart.v1.RegisterReply\x12G\n\tHeartbeat\x12\x1d.stalwart.v1.HeartbeatRequest\x1a\x1b.stalwart.v1.HeartbeatReply\x12\x44\n\x08OpenSlot\x12\x1c.stalwart.v1.OpenSlotRequest\x1a\x1a.stalwart.v1.OpenSlotReply\x12\x41\n\x07\x43\x61pture\x12\x1b.stalwart.v1.CaptureRequest\x1a\x19.stalwart.v1.CaptureReply\x12S\n\rWaitCommitted\x12!.stalwart.v1.WaitCommittedRequest\x1a\x1f.stalwart.v1.WaitCommittedReply\x12\x43\n\x07Restore\x12\x1b.stalwart.v1.RestoreRequest\x1a\x19.stalwart.v1.RestorePiece0\x01\x12\x44\n\tWatchPlan\x12\x1d.stalwart.v1.WatchPlanRequest\x1a\x16.stalwart.v1.PlanEvent0\x01\x12<\n\rReportFailure\x12\x19.stalwart.v1.FailureEvent\x1a\x10.stalwart.v1.Ackb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16stalwart/v1/rank.proto\x12\x0bstalwart.v1\x1a\x18stalwart/v1/common.proto\x1a\x1astalwart/v1/manifest.proto\"\xb7\x02\n\x0fRegisterRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x12\n\nlocal_rank\x18\x05 \x01(\x05\x12\x10\n\x08hostname\x18\x06 \x01(\t\x12\r\n\x05token\x18\x07 \x01(\t\x12\r\n\x05spare\x18\x08 \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12+\n\x06layout\x18\n \x01(\x0b\x32\x1b.stalwart.v1.ParallelLayout\x12*\n\x07profile\x18\x0b \x01(\x0b\x32\x19.stalwart.v1.LayerProfile\x12\x12\n\nstore_port\x18\x0c \x01(\r\x12\x12\n\nstore_host\x18\r \x01(\t\x12\x10\n\x08instance\x18\x0e \x01(\t\"\x81\x01\n\rRegisterReply\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x04 \x01(\x01\x12\x1f\n\x04plan\x18\x05 \x01(\x0b\x32\x11.stalwart.v1.Plan\"\xc4\x02\n\x10HeartbeatRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x13\n\x0bstep_time_s\x18\x04 \x01(\x01\x12\x0f\n\x07leaving\x18\x05 \x01(\x08\x12K\n\x10recovery_phase_s\x18\x06 \x03(\x0b\x32\x31.stalwart.v1.HeartbeatRequest.RecoveryPhaseSEntry\x12.\n\nlink_bytes\x18\x07 \x03(\x0b\x32\x1a.stalwart.v1.LinkBytesSent\x12\x0e\n\x06raised\x18\x08 \x01(\t\x12\x13\n\x0b\x66inished_at\x18\t \x01(\x04\x1a\x35\n\x13RecoveryPhaseSEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"@\n\rLinkBytesSent\x12\x0c\n\x04link\x18\x01 \x01(\t\x12\x12\n\ncollective\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x01\":\n\x0eHeartbeatReply\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x14\n\x0cplan_changed\x18\x02 \x01(\x08\"2\n\x0fOpenSlotRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\"S\n\rOpenSlotReply\x12\x0f\n\x07slot_id\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x11\n\tfd_socket\x18\x03 \x01(\t\x12\x10\n\x08slot_ids\x18\x04 \x03(\t\"\xbe\x02\n\x0e\x43\x61ptureRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0f\n\x07slot_id\x18\x04 \x01(\t\x12(\n\x07tensors\x18\x05 \x03(\x0b\x32\x17.stalwart.v1.TensorMeta\x12\r\n\x05\x65xtra\x18\x06 \x01(\x0c\x12%\n\x05\x63oord\x18\x07 \x01(\x0b\x32\x16.stalwart.v1.RankCoord\x12+\n\x06layout\x18\x08 \x01(\x0b\x32\x1b.stalwart.v1.ParallelLayout\x12%\n\x05\x61\x64\x61mw\x18\t \x03(\x0b\x32\x16.stalwart.v1.AdamWHint\x12\x0f\n\x07stall_s\x18\n \x01(\x01\x12\r\n\x05\x66inal\x18\x0b \x01(\x08\x12\x14\n\x0csame_tensors\x18\x0c \x01(\x08\"1\n\x0c\x43\x61ptureReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"7\n\x14WaitCommittedRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"R\n\x12WaitCommittedReply\x12\x11\n\tcommitted\x18\x01 \x01(\x08\x12\x18\n\x10latest_committed\x18\x02 \x01(\x04\x12\x0f\n\x07message\x18\x03 \x01(\t\"y\n\x0eRestoreRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x11\n\tinto_slot\x18\x04 \x01(\x08\x12\'\n\x06layers\x18\x05 \x01(\x0b\x32\x17.stalwart.v1.LayerRange\")\n\nLayerRange\x12\r\n\x05\x66irst\x18\x01 \x01(\r\x12\x0c\n\x04last\x18\x02 \x01(\r\"\x85\x01\n\x0cRestorePiece\x12%\n\x05state\x18\x01 \x01(\x0b\x32\x16.stalwart.v1.RankState\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0f\n\x07slot_id\x18\x05 \x01(\t\x12\x11\n\tfd_socket\x18\x06 \x01(\t\"=\n\x10WatchPlanRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x18\n\x10known_generation\x18\x02 \x01(\x04\"\x92\x01\n\tPlanEvent\x12\x1f\n\x04plan\x18\x01 \x01(\x0b\x32\x11.stalwart.v1.Plan\x12#\n\x08previous\x18\x02 \x01(\x0b\x32\x11.stalwart.v1.Plan\x12)\n\x06\x63\x61uses\x18\x03 \x03(\x0b\x32\x19.stalwart.v1.FailureEvent\x12\x14\n\x0clayers_moved\x18\x04 \x01(\r2\xc3\x04\n\x0bRankService\x12\x44\n\x08Register\x12\x1c.stalwart.v1.RegisterRequest\x1a\x1a.stalwart.v1.RegisterReply\x12G\n\tHeartbeat\x12\x1d.stalwart.v1.HeartbeatRequest\x1a\x1b.stalwart.v1.HeartbeatReply\x12\x44\n\x08OpenSlot\x12\x1c.stalwart.v1.OpenSlotRequest\x1a\x1a.stalwart.v1.OpenSlotReply\x12\x41\n\x07\x43\x61pture\x12\x1b.stalwart.v1.CaptureRequest\x1a\x19.stalwart.v1.CaptureReply\x12S\n\rWaitCommitted\x12!.stalwart.v1.WaitCommittedRequest\x1a\x1f.stalwart.v1.WaitCommittedReply\x12\x43\n\x07Restore\x12\x1b.stalwart.v1.RestoreRequest\x1a\x19.stalwart.v1.RestorePiece0\x01\x12\x44\n\tWatchPlan\x12\x1d.stalwart.v1.WatchPlanRequest\x1a\x16.stalwart.v1.PlanEvent0\x01\x12<\n\rReportFailure\x12\x19.stalwart.v1.FailureEvent\x1a\x10.stalwart.v1.Ackb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,39 +36,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATREQUEST_RECOVERYPHASESENTRY']._loaded_options = None
   _globals['_HEARTBEATREQUEST_RECOVERYPHASESENTRY']._serialized_options = b'8\001'
   _globals['_REGISTERREQUEST']._serialized_start=94
-  _globals['_REGISTERREQUEST']._serialized_end=387
-  _globals['_REGISTERREPLY']._serialized_start=390
-  _globals['_REGISTERREPLY']._serialized_end=519
-  _globals['_HEARTBEATREQUEST']._serialized_start=522
-  _globals['_HEARTBEATREQUEST']._serialized_end=846
-  _globals['_HEARTBEATREQUEST_RECOVERYPHASESENTRY']._serialized_start=793
-  _globals['_HEARTBEATREQUEST_RECOVERYPHASESENTRY']._serialized_end=846
-  _globals['_LINKBYTESSENT']._serialized_start=848
-  _globals['_LINKBYTESSENT']._serialized_end=912
-  _globals['_HEARTBEATREPLY']._serialized_start=914
-  _globals['_HEARTBEATREPLY']._serialized_end=972
-  _globals['_OPENSLOTREQUEST']._serialized_start=974
-  _globals['_OPENSLOTREQUEST']._serialized_end=1024
-  _globals['_OPENSLOTREPLY']._serialized_start=1026
-  _globals['_OPENSLOTREPLY']._serialized_end=1109
-  _globals['_CAPTUREREQUEST']._serialized_start=1112
-  _globals['_CAPTUREREQUEST']._serialized_end=1430
-  _globals['_CAPTUREREPLY']._serialized_start=1432
-  _globals['_CAPTUREREPLY']._serialized_end=1481
-  _globals['_WAITCOMMITTEDREQUEST']._serialized_start=1483
-  _globals['_WAITCOMMITTEDREQUEST']._serialized_end=1538
-  _globals['_WAITCOMMITTEDREPLY']._serialized_start=1540
-  _globals['_WAITCOMMITTEDREPLY']._serialized_end=1622
-  _globals['_RESTOREREQUEST']._serialized_start=1624
-  _globals['_RESTOREREQUEST']._serialized_end=1745
-  _globals['_LAYERRANGE']._serialized_start=1747
-  _globals['_LAYERRANGE']._serialized_end=1788
-  _globals['_RESTOREPIECE']._serialized_start=1791
-  _globals['_RESTOREPIECE']._serialized_end=1924
-  _globals['_WATCHPLANREQUEST']._serialized_start=1926
-  _globals['_WATCHPLANREQUEST']._serialized_end=1987
-  _globals['_PLANEVENT']._serialized_start=1990
-  _globals['_PLANEVENT']._serialized_end=2136
-  _globals['_RANKSERVICE']._serialized_start=2139
-  _globals['_RANKSERVICE']._serialized_end=2718
+  _globals['_REGISTERREQUEST']._serialized_end=405
+  _globals['_REGISTERREPLY']._serialized_start=408
+  _globals['_REGISTERREPLY']._serialized_end=537
+  _globals['_HEARTBEATREQUEST']._serialized_start=540
+  _globals['_HEARTBEATREQUEST']._serialized_end=864
+  _globals['_HEARTBEATREQUEST_RECOVERYPHASESENTRY']._serialized_start=811
+  _globals['_HEARTBEATREQUEST_RECOVERYPHASESENTRY']._serialized_end=864
+  _globals['_LINKBYTESSENT']._serialized_start=866
+  _globals['_LINKBYTESSENT']._serialized_end=930
+  _globals['_HEARTBEATREPLY']._serialized_start=932
+  _globals['_HEARTBEATREPLY']._serialized_end=990
+  _globals['_OPENSLOTREQUEST']._serialized_start=992
+  _globals['_OPENSLOTREQUEST']._serialized_end=1042
+  _globals['_OPENSLOTREPLY']._serialized_start=1044
+  _globals['_OPENSLOTREPLY']._serialized_end=1127
+  _globals['_CAPTUREREQUEST']._serialized_start=1130
+  _globals['_CAPTUREREQUEST']._serialized_end=1448
+  _globals['_CAPTUREREPLY']._serialized_start=1450
+  _globals['_CAPTUREREPLY']._serialized_end=1499
+  _globals['_WAITCOMMITTEDREQUEST']._serialized_start=1501
+  _globals['_WAITCOMMITTEDREQUEST']._serialized_end=1556
+  _globals['_WAITCOMMITTEDREPLY']._serialized_start=1558
+  _globals['_WAITCOMMITTEDREPLY']._serialized_end=1640
+  _globals['_RESTOREREQUEST']._serialized_start=1642
+  _globals['_RESTOREREQUEST']._serialized_end=1763
+  _globals['_LAYERRANGE']._serialized_start=1765
+  _globals['_LAYERRANGE']._serialized_end=1806
+  _globals['_RESTOREPIECE']._serialized_start=1809
+  _globals['_RESTOREPIECE']._serialized_end=1942
+  _globals['_WATCHPLANREQUEST']._serialized_start=1944
+  _globals['_WATCHPLANREQUEST']._serialized_end=2005
+  _globals['_PLANEVENT']._serialized_start=2008
+  _globals['_PLANEVENT']._serialized_end=2154
+  _globals['_RANKSERVICE']._serialized_start=2157
+  _globals['_RANKSERVICE']._serialized_end=2736
 # @@protoc_insertion_point(module_scope)

@@ -37,6 +37,7 @@ class RegisterRequest(_message.Message):
     PROFILE_FIELD_NUMBER: _builtins.int
     STORE_PORT_FIELD_NUMBER: _builtins.int
     STORE_HOST_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     pid: _builtins.int
     rank: _builtins.int
@@ -53,6 +54,11 @@ class RegisterRequest(_message.Message):
     """TCP port of the store this rank serves (0: none)"""
     store_host: _builtins.str
     """where other hosts reach it ("": the daemon's host)"""
+    instance: _builtins.str
+    """A random name this process chose for itself: a second process with the same pid (in
+    another pid namespace, as another pod's) registers as another rank, while a retry of
+    this process's own registration keeps its id.
+    """
     @_builtins.property
     def layout(self) -> _common_pb2.ParallelLayout:
         """the layout the job starts with (coordinator forms plan 1 from it)"""
@@ -77,10 +83,11 @@ class RegisterRequest(_message.Message):
         profile: _common_pb2.LayerProfile | None = ...,
         store_port: _builtins.int = ...,
         store_host: _builtins.str = ...,
+        instance: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "profile", b"profile"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "hostname", b"hostname", "job_id", b"job_id", "layout", b"layout", "local_rank", b"local_rank", "pid", b"pid", "profile", b"profile", "rank", b"rank", "spare", b"spare", "store_host", b"store_host", "store_port", b"store_port", "token", b"token", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "hostname", b"hostname", "instance", b"instance", "job_id", b"job_id", "layout", b"layout", "local_rank", b"local_rank", "pid", b"pid", "profile", b"profile", "rank", b"rank", "spare", b"spare", "store_host", b"store_host", "store_port", b"store_port", "token", b"token", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
