@@ -12,6 +12,7 @@ import pytest
 from stalwart.core.failures import RAISED_CHARS, FailureKind
 from stalwart.core.generation import StaleGeneration
 from stalwart.daemon.metrics import Metrics
+from stalwart.daemon.recovery import registry as registry_module
 from stalwart.daemon.recovery.liveness import (
     ALIVE,
     DEAD,
@@ -392,6 +393,17 @@ def test_two_live_processes_with_one_pid_are_two_ranks() -> None:
     assert add_rank(reg, pid=15, instance="b2") == second
     assert add_rank(reg, pid=15, instance="a1") == first
     assert not reg.get(first).ended and not reg.get(second).ended
+
+
+def test_a_live_rank_keeps_its_id_after_the_remembered_ids_move_past_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(registry_module, "KEEP_ISSUED", 2)
+    reg = registry(Clock())
+    live = add_rank(reg, pid=15, instance="a")
+    for pid in (16, 17, 18):  # the oldest remembered ids are forgotten
+        add_rank(reg, pid=pid)
+    assert add_rank(reg, pid=15, instance="b") == "n0/15.2"
+    assert add_rank(reg, pid=15, instance="a") == live
 
 
 def test_the_ids_a_plan_gives_this_nodes_ranks_are_not_given_again() -> None:

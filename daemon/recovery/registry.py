@@ -136,7 +136,8 @@ class Registry:
         beside another pod's) is "<node>/<pid>.<n>", its n-th, since plans and the
         coordinator may still name the other one."""
         rank_id, n = f"{self.node}/{pid}", 1
-        while rank_id in self._issued and not (
+        # A held record counts even when its id has left the remembered ones.
+        while (rank_id in self._issued or rank_id in self._ranks) and not (
                 (held := self._ranks.get(rank_id)) is not None and not held.ended
                 and held.instance == instance):
             n += 1
