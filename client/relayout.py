@@ -103,8 +103,10 @@ def relayout(role: Role, states: Mapping[int, tuple[Sequence[common_pb2.TensorMe
             metas.setdefault(m.name, m)
             pieces.setdefault(m.name, []).append(Piece(
                 m.name, tensors[m.name], tuple(m.global_shape), tuple(m.offsets)))
-    present = {m.layer for m in metas.values()}
-    missing = sorted(set(range(role.first, role.last + 1)) - present)
+    # What the given ranks' stages held (a block without parameters or buffers, an
+    # activation, has no tensors to show it).
+    held = {i for r in states for i in range(*_span(old.stages[old.coords(r).pp]))}
+    missing = sorted(set(range(role.first, role.last + 1)) - held)
     if missing:
         raise ValueError(f"the given old ranks {sorted(states)} hold no state of layers "
                          f"{missing}; fetch needed_ranks(...) for the role")
@@ -128,6 +130,10 @@ def relayout(role: Role, states: Mapping[int, tuple[Sequence[common_pb2.TensorMe
     extra = copy.deepcopy(src_extra)
     extra.pop("layout", None)  # it described the old rank; the new Trainer reports its own
     return out, extra
+
+
+def _span(bounds: tuple[int, int]) -> tuple[int, int]:
+    return bounds[0], bounds[1] + 1
 
 
 def _rng_source(role: Role, states: Mapping[int, Any], old: Layout) -> int:

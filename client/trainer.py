@@ -150,8 +150,10 @@ class Trainer:
         self.buffer_names = [n for n, _ in self.stage.named_buffers() if n in kept]
         self.reducer = GradReducer(self.params, dims.dp_group, bucket_bytes=cfg.bucket_bytes,
                                    compress=cfg.compress, reduce_fn=reduce_fn)
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr_at(0), betas=(0.9, 0.95),
-                                           weight_decay=cfg.weight_decay)
+        # One group, even empty: a stage of parameter-free blocks (an activation, a
+        # reshape) has nothing to update, and AdamW refuses a bare empty list.
+        self.optimizer = torch.optim.AdamW([{"params": self.params}], lr=cfg.lr_at(0),
+                                           betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.precision = precision = resolve_precision(cfg.precision, self.device)[0]
         self.scaler = LossScaler(enabled=precision == "fp16")
         self.actions = pipeline.schedule(schedule, dims.layout.pp, me.pp, microbatches)
