@@ -413,8 +413,11 @@ def _summarise(cluster: Any, args: argparse.Namespace, faults: list[dict[str, An
             "captured_step": next((captured[str(f["pid"])] for f in handled
                                    if str(f["pid"]) in captured), None),
             "detect_plan_s": round(planned - fault["time_unix"], 3),
-            "rebuild_s": max((g["rebuild_s"] for g in gens), default=None),
-            "restore_s": max((g["restore_s"] for g in gens), default=None),
+            # A role that failed in the middle recorded no figure for its phase.
+            "rebuild_s": max((g["rebuild_s"] for g in gens if g.get("rebuild_s") is not None),
+                             default=None),
+            "restore_s": max((g["restore_s"] for g in gens if g.get("restore_s") is not None),
+                             default=None),
             # Roles whose state was fetched while their groups were built.
             "restored_ahead": sum(bool(g.get("restored_ahead")) for g in gens),
             "roles": len(gens),

@@ -51,7 +51,12 @@ def test_faults_that_one_plan_answers_are_one_recovery_naming_them_all(tmp_path:
               "generations": [
                   {"generation": g, "plan_received_unix": t, "first_step_unix": t + 0.1,
                    "rebuild_s": 0.01, "restore_s": 0.02} for g, t in ((3, 100.2), (4, 105.3))]}
-    cluster = SimpleNamespace(workdir=tmp_path, ranks=[SimpleNamespace(result=lambda: result)])
+    # A role that raised while it rebuilt its groups recorded no phase figures.
+    failed = {"generations": [{"generation": 3, "plan_received_unix": 100.1,
+                               "first_step_unix": None, "rebuild_s": None,
+                               "restore_s": None}], **{k: result[k] for k in ("losses",)}}
+    cluster = SimpleNamespace(workdir=tmp_path, ranks=[SimpleNamespace(result=lambda: result),
+                                                       SimpleNamespace(result=lambda: failed)])
     # Generation 2 widened the job before any fault: no recovery.
     plans = [{"generation": g, "reason": "spare in", "resume_step": r, "time_unix": t,
               "stop": False, "stop_message": ""}
@@ -63,6 +68,7 @@ def test_faults_that_one_plan_answers_are_one_recovery_naming_them_all(tmp_path:
         ("kill rank:0 + kill rank:1", 4, 3), ("kill rank:1", 9, 8)]
     assert summary["recoveries"][0]["captured_step"] == 4
     assert summary["recoveries"][0]["detect_plan_s"] == 0.2
+    assert summary["recoveries"][0]["rebuild_s"] == 0.01
 
 
 def test_a_script_that_trains_its_own_number_of_steps_completes_at_the_jobs_last(
