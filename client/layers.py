@@ -240,7 +240,8 @@ def probe(layers: Layers, inputs: Any, targets: Any, *, seed: int = 0,
                 if loss.dim() != 0:
                     raise ValueError(f"loss returned shape {tuple(loss.shape)}; return the "
                                      "mean loss of the micro-batch (a scalar)")
-                loss.backward()
+                if loss.requires_grad:  # a model frozen whole has no backward
+                    loss.backward()
             else:
                 if not torch.is_tensor(y) or not y.is_floating_point():
                     raise TypeError(f"block {name!r} returned {type(y).__name__}"
@@ -251,7 +252,8 @@ def probe(layers: Layers, inputs: Any, targets: Any, *, seed: int = 0,
                     raise ValueError(f"block {name!r} returned shape {tuple(y.shape)} for a "
                                      f"micro-batch of {batch_rows(inputs)}; a block's output "
                                      "must keep the micro-batch as its first dimension")
-                y.backward(torch.ones_like(y))
+                if y.requires_grad:  # frozen blocks on the data have none
+                    y.backward(torch.ones_like(y))
             t2 = time.perf_counter()
             best_f, best_b = min(best_f, t1 - t0), min(best_b, t2 - t1)
         # The last block may return a structure for the loss (its shape is not sent).

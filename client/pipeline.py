@@ -122,13 +122,15 @@ def run_schedule(stage: torch.nn.Module, actions: list[tuple[str, int]], pp: Any
             if i == last_b and before_last_backward is not None:
                 before_last_backward()
             t0 = time.perf_counter()
-            torch.autograd.backward(y, grad)
+            if y.requires_grad:  # else nothing before it trains (frozen blocks on the data)
+                torch.autograd.backward(y, grad)
             if stats is not None:
                 stats.busy_s += time.perf_counter() - t0
                 stats._live -= stats._per_mb.pop(i, 0)
             if not first:
                 # Send d(loss)/d(our input) for micro-batch i back to the previous stage.
-                sends.append(pp.isend(x.grad.float(), pp.index - 1, _tag(i, True)))
+                dx = x.grad if x.grad is not None else torch.zeros_like(x)
+                sends.append(pp.isend(dx.float(), pp.index - 1, _tag(i, True)))
     for work in sends:
         work.wait()
     if stats is not None:

@@ -143,7 +143,10 @@ class Trainer:
         self.outbound = activations[last] if last < len(layers) - 1 else none
         self.stage = Stage(layers, first, last, seed=cfg.seed, tp=dims.tp_group,
                            recompute=cfg.recompute).to(self.device)
-        self.params = list(self.stage.parameters())
+        # What trains: a parameter its block froze (requires_grad False) is neither summed,
+        # clipped nor updated, only captured and restored with the rest.
+        self.param_names = [n for n, p in self.stage.named_parameters() if p.requires_grad]
+        self.params = [p for p in self.stage.parameters() if p.requires_grad]
         # The blocks' persistent buffers (BatchNorm's running statistics, ...), which the
         # stage's state holds beside its parameters: snapshotted and restored with them.
         kept = set(self.stage.state_dict(keep_vars=True))  # persistent ones only
@@ -298,7 +301,7 @@ class Trainer:
                     raise KeyError(f"{name} is missing from the full state; this stage holds "
                                    f"blocks {self.stage.first}..{self.stage.last}")
                 p.copy_(self._my_slice(name, params[name]))
-                if optimizer is not None:
+                if optimizer is not None and p.requires_grad:
                     self.optimizer.state[p] = {
                         k: (self._my_slice(name, t) if t.dim() else t.clone()).to(p.device)
                         for k, t in optimizer[name].items()}
@@ -322,7 +325,7 @@ class Trainer:
         """Everything this rank needs to continue exactly: tensors are this rank's shards,
         keyed by canonical parameter name. Tensors are live references (no copy is made):
         copy them before the next step() changes them."""
-        names = [n for n, _ in self.stage.named_parameters()]
+        names = self.param_names  # the optimizer's order
         opt = self.optimizer.state_dict()
         return {
             "step": self.step_count,
@@ -339,7 +342,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state saved by a Trainer with the same layout."""
-        names = [n for n, _ in self.stage.named_parameters()]
+        names = self.param_names
         self.stage.load_state_dict(state["model"])
         self.optimizer.load_state_dict({
             "state": {names.index(n): s for n, s in state["optimizer"]["state"].items()},

@@ -102,7 +102,8 @@ def load_state(trainer: Trainer, tensors: dict[str, torch.Tensor], extra: dict[s
                          "partition or another model?")
     model = {n: tensors[f"model/{n}"] for n in wanted}
     opt_state: dict[int, dict[str, Any]] = {}
-    for i, n in enumerate(names):
+    trained = trainer.param_names  # the optimizer's parameters, in its order
+    for i, n in enumerate(trained):
         prefix = f"optim/{n}/"
         entry = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
         if entry:
@@ -114,7 +115,7 @@ def load_state(trainer: Trainer, tensors: dict[str, torch.Tensor], extra: dict[s
         start += count
     state = {
         "step": extra["step"], "model": model,
-        "optimizer": {"state": {names[i]: s for i, s in opt_state.items()},
+        "optimizer": {"state": {trained[i]: s for i, s in opt_state.items()},
                       "param_groups": groups},
         "scaler": extra["scaler"], "data": extra["data"],
         "rng": {k.removeprefix("rng/"): t for k, t in tensors.items() if k.startswith("rng/")},

@@ -16,6 +16,7 @@ import stalwart
 from stalwart.client.layers import Activation, probe
 from stalwart.client.parallel_dims import ParallelDims
 from stalwart.client.trainer import TrainConfig, Trainer
+from stalwart.client.trainer_state import load_state, state_tensors
 from stalwart.core.layout import Layout
 
 CFG = TrainConfig(seed=5, lr=3e-3, warmup_steps=1)
@@ -198,4 +199,44 @@ def test_data_that_is_not_an_inputs_targets_pair_is_named():
                                              r"pair.*gave a dict with keys \['ids', 'labels'"):
             Trainer(dims, layers, stalwart.Data(Flat(), global_batch=4), CFG)
     finally:
+        dims.destroy()
+
+
+def test_a_frozen_block_is_captured_and_restored_but_never_updated():
+    # A pretrained first block frozen in its factory: no backward reaches it (the data
+    # requires no grad), AdamW (with weight decay) leaves it as built, and the captured
+    # state, which holds it, restores bitwise.
+    def frozen() -> nn.Module:
+        block = nn.Linear(12, 12)
+        block.requires_grad_(False)
+        return block
+
+    blocks = [("frozen", frozen), ("mlp", lambda: Mlp(12)), ("head", lambda: nn.Linear(12, 4))]
+    layers = stalwart.Layers(blocks=blocks, loss=F.cross_entropy)
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+            return torch.randn(12, generator=torch.Generator().manual_seed(i)), i % 4
+
+    dims = ParallelDims().build(dist.HashStore(), 0, 0)
+    trainer = Trainer(dims, layers, stalwart.Data(Rows(), global_batch=8), CFG)
+    try:
+        built = {k: v.clone() for k, v in trainer.stage.state_dict().items()}
+        losses = [trainer.step() for _ in range(2)]
+        tensors, extra = state_tensors(trainer)
+        saved = {t.name: t.tensor.clone() for t in tensors}
+        assert "model/layers.0.weight" in saved
+        assert not any(n.startswith("optim/layers.0.") for n in saved)
+        later = [trainer.step() for _ in range(2)]
+        now = trainer.stage.state_dict()
+        assert torch.equal(now["layers.0.weight"], built["layers.0.weight"])
+        assert not torch.equal(now["layers.2.weight"], built["layers.2.weight"])
+        load_state(trainer, saved, extra)
+        assert [trainer.step() for _ in range(2)] == later
+        assert losses[-1] != later[-1]
+    finally:
+        trainer.close()
         dims.destroy()
