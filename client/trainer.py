@@ -81,11 +81,14 @@ class LossScaler:
         self.enabled, self.scale, self.growth_interval = enabled, scale, growth_interval
         self.good_steps = 0
 
-    def unscale_and_check(self, params: list[torch.nn.Parameter], world: Any) -> bool:
-        """Divide gradients by the scale; True when every rank's gradients are finite."""
+    def unscale_and_check(self, params: list[torch.nn.Parameter], world: Any,
+                          device: torch.device | str) -> bool:
+        """Divide gradients by the scale; True when every rank's gradients are finite.
+        The flag lives on the rank's `device` (the group's), also where a stage has
+        nothing to train."""
         if not self.enabled:
             return True
-        bad = torch.zeros(1, device=params[0].device if params else "cpu")
+        bad = torch.zeros(1, device=device)
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(1.0 / self.scale)
@@ -218,7 +221,7 @@ class Trainer:
         if self.interrupted is not None and self.interrupted():
             raise StepInterrupted("left before the optimizer step")
         cfg = self.cfg
-        if self.scaler.unscale_and_check(self.params, self.dims.world):
+        if self.scaler.unscale_and_check(self.params, self.dims.world, self.device):
             if cfg.grad_clip > 0:
                 self.last_grad_norm = self._clip_gradients(cfg.grad_clip)
             for group in self.optimizer.param_groups:
