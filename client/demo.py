@@ -182,6 +182,10 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         cluster.close(keep_workdir=args.workdir is not None)
         return 130
+    except BaseException:
+        # A fault of the demo itself: end the processes it started, keep their logs.
+        cluster.close(keep_workdir=True)
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
