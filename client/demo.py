@@ -399,10 +399,11 @@ def _summarise(cluster: Any, args: argparse.Namespace, faults: list[dict[str, An
         # look (every 0.25 s) only when no role's record says.
         received = [g["plan_received_unix"] for g in gens if g.get("plan_received_unix")]
         planned = max(received, default=plan["time_unix"])
+        reached = min(received, default=plan["time_unix"])
         # The faults fired before the plan first reached a role: one plan may answer
         # several (two kills at once), the earliest setting the times; a plan after none
         # (a widening once a spare came) is no recovery.
-        handled = [f for f in waiting if f["time_unix"] <= min(received, default=planned)]
+        handled = [f for f in waiting if f["time_unix"] <= reached]
         if not handled:
             continue
         waiting = waiting[len(handled):]

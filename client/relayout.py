@@ -105,7 +105,10 @@ def relayout(role: Role, states: Mapping[int, tuple[Sequence[common_pb2.TensorMe
                 m.name, tensors[m.name], tuple(m.global_shape), tuple(m.offsets)))
     # What the given ranks' stages held (a block without parameters or buffers, an
     # activation, has no tensors to show it).
-    held = {i for r in states for i in range(*_span(old.stages[old.coords(r).pp]))}
+    held: set[int] = set()
+    for r in states:
+        first, last = old.stages[old.coords(r).pp]
+        held.update(range(first, last + 1))
     missing = sorted(set(range(role.first, role.last + 1)) - held)
     if missing:
         raise ValueError(f"the given old ranks {sorted(states)} hold no state of layers "
@@ -130,10 +133,6 @@ def relayout(role: Role, states: Mapping[int, tuple[Sequence[common_pb2.TensorMe
     extra = copy.deepcopy(src_extra)
     extra.pop("layout", None)  # it described the old rank; the new Trainer reports its own
     return out, extra
-
-
-def _span(bounds: tuple[int, int]) -> tuple[int, int]:
-    return bounds[0], bounds[1] + 1
 
 
 def _rng_source(role: Role, states: Mapping[int, Any], old: Layout) -> int:

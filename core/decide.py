@@ -9,6 +9,7 @@ everything (`core/generation.py` refuses messages from an older one).
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -238,13 +239,13 @@ def _pick_spares(
                 chosen[m.rank_id] = spare
         return chosen
 
-    def spares_on(node: str) -> int:
-        return sum(s.node == node for s in free)
+    spares_on = Counter(s.node for s in free)
 
     def take(members: list[Member], node: str) -> None:
         for m in members:
             spare = next(s for s in free if s.node == node)
             free.remove(spare)
+            spares_on[node] -= 1
             chosen[m.rank_id] = spare
 
     failed_ids = {m.rank_id for m in failed}
@@ -256,18 +257,18 @@ def _pick_spares(
     whole = []
     for key, lost in sorted(groups.items()):
         alive = sorted({m.node for m in cells[key] if m.rank_id not in failed_ids})
-        node = next((n for n in alive if spares_on(n) >= len(lost)), None)
+        node = next((n for n in alive if spares_on[n] >= len(lost)), None)
         if node is None:
             whole.append((key, lost))
         else:
             take(lost, node)
     for key, lost in whole:
-        fits = [n for n in sorted({s.node for s in free}) if spares_on(n) >= len(cells[key])]
+        fits = [n for n, count in spares_on.items() if count >= len(cells[key])]
         if not fits:
             return None
         # The spares of the node it was on first (their daemon holds its captures), then
         # the smallest pool that holds it: larger ones stay for other groups.
-        take(cells[key], min(fits, key=lambda n: (n != lost[0].node, spares_on(n), n)))
+        take(cells[key], min(fits, key=lambda n: (n != lost[0].node, spares_on[n], n)))
     return chosen
 
 
