@@ -91,15 +91,15 @@ def torch_native(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
             else:
                 state[key] = value
     else:  # the 3D loop: canonical names, one AdamW
-        params = [n.removeprefix("model/") for n in tensors if n.startswith("model/")]
-        state.update({n: tensors[f"model/{n}"] for n in params})
+        names = [n.removeprefix("model/") for n in tensors if n.startswith("model/")]
+        state.update({n: tensors[f"model/{n}"] for n in names})
         moments: dict[str, dict[str, torch.Tensor]] = {}
         for name, t in tensors.items():
             if name.startswith("optim/"):
                 fqn, _, key = name.removeprefix("optim/").rpartition("/")
                 moments.setdefault(fqn, {})[key] = t
         groups = [dict(g) for g in extra.get("param_groups") or [{}]]
-        groups[0]["params"] = params
+        groups[0]["params"] = _trained(names, moments, extra)
         for g in groups[1:]:
             g["params"] = []
         state["optimizer"] = {"state": moments, "param_groups": groups}
@@ -110,6 +110,15 @@ def torch_native(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
                            if id(t) in by_id}
     state["stalwart"]["extra"] = json_tensor(extra)
     return state
+
+
+def _trained(names: list[str], moments: Mapping[str, Any], extra: Mapping[str, Any]) -> list[str]:
+    """What the 3D loop's AdamW holds: parameters (the layout's shard_dims names them;
+    buffers are not), less the frozen ones, which never step and so have no moments (a
+    step with no moments at all is one no parameter has taken yet: every one is kept)."""
+    parameters = extra.get("layout", {}).get("shard_dims") or {}
+    params = [n for n in names if n in parameters] if parameters else names
+    return [n for n in params if n in moments] if moments else params
 
 
 def _is_optimizer_record(record: Any) -> bool:

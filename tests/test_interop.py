@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from stalwart.cli import main
 from stalwart.client import interop
+from stalwart.client.checkpoint_files import torch_native
 from stalwart.client.digest import tensor_sha256
 from stalwart.client.local_cluster import LocalCluster
 from stalwart.client.parallel_dims import ParallelDims
@@ -273,3 +274,17 @@ def test_a_dcp_export_refuses_tensors_inside_a_tuple(tmp_path: Path) -> None:
         interop.save(tensors, tmp_path / "dcp", "dcp")
     interop.save(tensors, tmp_path / "ckpt.pt", "state_dict")  # the flat format keeps them
     assert torch.equal(torch.load(tmp_path / "ckpt.pt", weights_only=True)["custom/pair/1"], b)
+
+
+def test_the_3d_loops_exported_optimizer_lists_only_what_adamw_trained() -> None:
+    # A block's buffer and a frozen block's weight are model state, not AdamW's.
+    extra = {"format": 1, "step": 2, "param_groups": [{"lr": 0.1}],
+             "layout": {"shard_dims": {"layers.0.weight": None, "layers.1.weight": 0}}}
+    tensors = {"model/layers.0.weight": torch.ones(2), "model/layers.1.weight": torch.ones(2),
+               "model/layers.1.running_mean": torch.zeros(2),
+               "optim/layers.1.weight/exp_avg": torch.ones(2),
+               interop.EXTRA_KEY: interop.json_tensor(extra)}
+    native = torch_native(tensors)
+    assert native["optimizer"]["param_groups"] == [{"lr": 0.1, "params": ["layers.1.weight"]}]
+    assert set(native["optimizer"]["state"]) == {"layers.1.weight"}
+    assert torch.equal(native["layers.1.running_mean"], torch.zeros(2))
