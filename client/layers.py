@@ -150,12 +150,28 @@ class BlockProbe:
 
     name: str
     params: int
+    mem_bytes: int  # what training it holds on a rank: see block_bytes
+    state_bytes: int  # what a snapshot of it holds
     fwd_s: float
     bwd_s: float
     out_shape: tuple[int, ...]
     out_bytes: int
     out_dtype: torch.dtype
     sharded: bool
+
+
+def block_bytes(block: torch.nn.Module) -> tuple[int, int]:
+    """(memory, snapshot) bytes of a block trained with AdamW: a parameter it trains holds
+    itself, its gradient and two moments in memory, itself and the moments in a snapshot;
+    a frozen parameter and a persistent buffer hold themselves in both."""
+    params = dict(block.named_parameters())
+    mem = state = 0
+    for name, t in block.state_dict().items():
+        size = t.numel() * t.element_size()
+        trained = name in params and params[name].requires_grad
+        mem += 4 * size if trained else size
+        state += 3 * size if trained else size
+    return mem, state
 
 
 def sample_pair(batch: Any) -> tuple[Any, Any]:
@@ -258,7 +274,8 @@ def probe(layers: Layers, inputs: Any, targets: Any, *, seed: int = 0,
             best_f, best_b = min(best_f, t1 - t0), min(best_b, t2 - t1)
         # The last block may return a structure for the loss (its shape is not sent).
         one = torch.is_tensor(y)
-        out.append(BlockProbe(name, sum(p.numel() for p in block.parameters()), best_f, best_b,
+        out.append(BlockProbe(name, sum(p.numel() for p in block.parameters()),
+                              *block_bytes(block), best_f, best_b,
                               tuple(y.shape) if one else (),
                               sum(t.numel() * t.element_size() for t in _tensors(y)),
                               y.dtype if one else torch.float32, sharded))

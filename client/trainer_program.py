@@ -186,9 +186,9 @@ def layer_profile(probes: list[BlockProbe], tp: int,
     measured = [p.fwd_s + p.bwd_s for p in probes]
     return common_pb2.LayerProfile(
         costs=[c / k for c, k in zip(costs or measured, split, strict=True)],
-        mem_bytes=[16.0 * p.params / k for p, k in zip(probes, split, strict=True)],
+        mem_bytes=[p.mem_bytes / k for p, k in zip(probes, split, strict=True)],
         act_bytes=[p.out_bytes / k for p, k in zip(probes, split, strict=True)],
-        state_bytes=[12.0 * p.params / k for p, k in zip(probes, split, strict=True)])
+        state_bytes=[p.state_bytes / k for p, k in zip(probes, split, strict=True)])
 
 
 __all__ = ["PlanChanged", "TrainerProgram", "layer_profile"]

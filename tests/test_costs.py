@@ -71,3 +71,15 @@ def test_the_measured_probe_of_the_gpt_example_has_times_params_and_the_activati
     assert sum(p.params for p in probes) == GPTShape(
         vocab=cfg.vocab, d_model=cfg.d_model, n_layers=cfg.n_layer, n_heads=cfg.n_head,
         seq=cfg.seq_len, d_ff=cfg.d_ff).params()
+
+
+def test_a_blocks_bytes_count_what_adamw_trains_four_times_and_frozen_state_once():
+    torch = pytest.importorskip("torch", reason="measuring blocks needs torch")
+    from stalwart.client.layers import block_bytes
+
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4),
+                                torch.nn.Linear(4, 2, bias=False).to(torch.bfloat16))
+    block[2].requires_grad_(False)
+    trained = (16 + 4 + 4 + 4) * 4  # fp32: the first linear and BatchNorm's affine
+    kept = 4 * 4 + 4 * 4 + 8 + 8 * 2  # running mean and var, the batch count, bf16 weight
+    assert block_bytes(block) == (4 * trained + kept, 3 * trained + kept)
