@@ -11,7 +11,8 @@ averaged them (overlapped with that backward: client/grad_average.py): code betw
 it and `optimizer.step()` (clipping by the global norm, GradScaler's inf check) sees
 the job's gradients, the same on every replica. The commit point is
 `optimizer.step()`: its pre-hook waits for the previous snapshot copy (and averages
-the gradients of a loop that reads its data without `ctx.batches`). The state after
+the gradients of a loop that reads its data without `ctx.batches`, and wraps a closure
+given to the step so that each call's gradients and loss are averaged). The state after
 the step (and whatever the loop body did after it, such as the scheduler step) is
 captured when `ctx.steps()` moves to the next step.
 """
@@ -208,6 +209,7 @@ class _UserLoopProgram:
         self.ctx: Context | None = None
         self.capturer: Any = None
         self.last_loss: float | None = None
+        self._divisor: int | None = None  # of the last gradient average
         self.finished: Context | None = None
 
     def start_layout(self) -> common_pb2.ParallelLayout:
@@ -245,7 +247,8 @@ class _UserLoopProgram:
         if start > 0:  # the restored state is whole: its slots can open meanwhile
             self.capturer.open_ahead(self.registry.capture(start)[0])
         hooks = [h for opt in self.optimizers for h in (
-            opt.register_step_pre_hook(lambda *_: self._before_update(gen, ctx)),
+            opt.register_step_pre_hook(
+                lambda _, args, kwargs: self._before_update(gen, ctx, args, kwargs)),
             opt.register_step_post_hook(lambda *_: self._after_update(ctx)))]
         try:
             self.fn(ctx)
@@ -338,13 +341,46 @@ class _UserLoopProgram:
             raise RuntimeError(f"restored state is of step {restored}, not {step}")
         return step
 
-    def _before_update(self, gen: Generation, ctx: Context) -> None:
+    def _before_update(self, gen: Generation, ctx: Context, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """Before optimizer.step(): the last copy is done, and the gradients are averaged
         unless ctx.batches did it and no backward ran since. Every replica runs the same
-        backward passes (as under DDP), so they agree on whether to average."""
+        backward passes (as under DDP), so they agree on whether to average. A closure
+        given to the step (LBFGS's) is replaced by one that averages what it returns."""
         self.capturer.before_update()
         if not ctx._averaged or self.grads.pending:
             self.average_gradients(gen, ctx)
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        if closure is None:
+            return None
+
+        def averaged() -> Any:
+            return self._averaged_closure(gen, ctx, closure)
+
+        if len(args) > 1:
+            return (args[0], averaged, *args[2:]), kwargs
+        return args, {**kwargs, "closure": averaged}
+
+    def _averaged_closure(self, gen: Generation, ctx: Context, closure: Callable[[], Any]
+                          ) -> Any:
+        """Run the step's closure, then average the gradients its backward accumulated and
+        the loss it returned, each as the step's gradients are averaged: an optimizer that
+        calls it (LBFGS, several times a step, deciding by the loss when to stop) sees the
+        job's gradients and loss, the same on every replica, so replicas take the same
+        steps and the same number of evaluations."""
+        self._divisor = None
+        loss = closure()
+        if self.grads.pending:
+            self.average_gradients(gen, ctx)
+        if loss is None:
+            return None
+        value = loss.detach() if torch.is_tensor(loss) else torch.tensor(float(loss))
+        total = value.to(dtype=torch.float64, device=self._loss_device()).reshape(1)
+        gen.run_or_abandon(lambda: gen.dims.dp_group.all_reduce(total), "closure-loss")
+        mean = total / (self._divisor or ctx.dp_size)
+        if torch.is_tensor(loss):
+            return mean.reshape(loss.shape).to(dtype=loss.dtype, device=loss.device)
+        return float(mean)
 
     def average_gradients(self, gen: Generation, ctx: Context) -> None:
         """Average the gradients accumulated since the last average over the replicas
@@ -352,16 +388,18 @@ class _UserLoopProgram:
         ctx._averaged = True
         # Over the step's micro-batches on every replica (their shares may differ by
         # one), or over the replicas where the loop read no micro-batches from ctx.batches.
-        divisor = ctx._layout.total_microbatches if ctx._micro else ctx.dp_size
+        divisor = self._divisor = ctx._layout.total_microbatches if ctx._micro else ctx.dp_size
         ctx._micro = 0
         self.grads.average(gen.run_or_abandon, divisor)
+
+    def _loss_device(self) -> torch.device:
+        return self.params[0].device if self.params else self.device
 
     def reduce_losses(self, gen: Generation, ctx: Context) -> None:
         """The step's job-wide mean of the reported losses, at the step's end (a loop may
         report a loss after its micro-batches)."""
-        device = self.params[0].device if self.params else self.device
         losses = torch.tensor([sum(ctx._losses), len(ctx._losses)], dtype=torch.float64,
-                              device=device)  # NCCL reduces CUDA tensors only
+                              device=self._loss_device())  # NCCL reduces CUDA tensors only
         gen.run_or_abandon(lambda: gen.dims.dp_group.all_reduce(losses), "loss-reduce")
         self.last_loss = float(losses[0] / losses[1]) if losses[1] > 0 else None
 
