@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["load", "states"]
+__all__ = ["GeneratorState", "load", "states"]
 
 
 def _bits(x: float) -> int:
@@ -72,13 +72,53 @@ def _numpy_words(state: dict[str, Any]) -> torch.Tensor:
     return torch.from_numpy(np.concatenate([head, inner["key"].astype(np.int64)]))
 
 
+def _python_state(words: list[int]) -> tuple[int, tuple[int, ...], float | None]:
+    return words[0], tuple(words[1:-2]), _float(words[-1]) if words[-2] else None
+
+
+class GeneratorState:
+    """A generator of the script's own registered as state (`state={"rng": g}`): a
+    `torch.Generator`, a `random.Random` or a numpy `Generator`, whose state is captured
+    and set back like the global ones."""
+
+    KINDS = "a torch.Generator, a random.Random or a numpy.random.Generator"
+
+    def __init__(self, generator: Any) -> None:
+        self.generator = generator
+
+    @staticmethod
+    def takes(obj: Any) -> bool:
+        numpy_generator = (type(obj).__module__.startswith("numpy.random")
+                           and hasattr(obj, "bit_generator"))
+        return isinstance(obj, torch.Generator | random.Random) or numpy_generator
+
+    def state_dict(self) -> dict[str, Any]:
+        g = self.generator
+        if isinstance(g, torch.Generator):
+            return {"state": g.get_state()}
+        if isinstance(g, random.Random):
+            return {"state": _python_words(g.getstate()).clone()}
+        # A numpy bit generator's state: plain values, but for MT19937's key array.
+        state = g.bit_generator.state
+        return {"numpy": {k: (v if not isinstance(v, dict) else
+                              {ik: iv.tolist() if hasattr(iv, "tolist") else iv
+                               for ik, iv in v.items()}) for k, v in state.items()}}
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        g = self.generator
+        if isinstance(g, torch.Generator):
+            g.set_state(saved["state"])
+        elif isinstance(g, random.Random):
+            g.setstate(_python_state(saved["state"].tolist()))
+        else:
+            g.bit_generator.state = dict(saved["numpy"])
+
+
 def load(saved: Mapping[str, torch.Tensor]) -> None:
     """Set the generators `states()` captured; one absent from `saved` is left as is
     (a step captured before it was imported, or imported from a checkpoint)."""
     if "python" in saved:
-        words = saved["python"].tolist()
-        gauss = _float(words[-1]) if words[-2] else None
-        random.setstate((words[0], tuple(words[1:-2]), gauss))
+        random.setstate(_python_state(saved["python"].tolist()))
     if "numpy" in saved:
         import numpy as np
 

@@ -35,6 +35,8 @@ class StateRegistry:
     """The named objects a job snapshots every step (model, optimizer, scheduler, ...)."""
 
     def __init__(self, objects: Mapping[str, Any]) -> None:
+        objects = {key: host_rng.GeneratorState(obj) if host_rng.GeneratorState.takes(obj)
+                   else obj for key, obj in objects.items()}
         for key, obj in objects.items():
             if not key or "/" in key:
                 raise StateError(f"state name {key!r} must be non-empty and contain no '/'")
@@ -42,7 +44,9 @@ class StateRegistry:
                 if not callable(getattr(obj, method, None)):
                     raise StateError(f"registered state {key!r} ({type(obj).__name__}) has no "
                                      f"{method}(); register objects with state_dict() and "
-                                     "load_state_dict(), or wrap the value in one")
+                                     "load_state_dict() (or a random generator: "
+                                     f"{host_rng.GeneratorState.KINDS}), or wrap the "
+                                     "value in one")
         self.objects = dict(objects)
         for key, module in self.modules():
             lazy = [name for name, t in (*module.named_parameters(), *module.named_buffers())

@@ -4,6 +4,7 @@ across real failures is in test_example_classifier.py and test_api_samples.py.)"
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -84,6 +85,27 @@ def test_run_refuses_state_without_load_state_dict_before_starting():
         stalwart.run(lambda ctx: None, model=model,
                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                      state={"counter": Counter()})
+
+
+def test_a_random_generator_of_the_scripts_own_is_state_and_restores_its_draws():
+    import random
+
+    import numpy as np
+
+    gens = {"torch": torch.Generator().manual_seed(3), "python": random.Random(5),
+            "pcg": np.random.default_rng(7), "mt": np.random.Generator(np.random.MT19937(9))}
+
+    def draws() -> list[Any]:
+        return [torch.rand(3, generator=gens["torch"]).tolist(), gens["python"].gauss(0, 1),
+                gens["pcg"].random(), gens["mt"].integers(1 << 30)]
+
+    draws()
+    registry = StateRegistry(gens)
+    tensors, extra = registry.capture(1)
+    saved = {t.name: t.tensor.clone() for t in tensors}
+    want = draws()
+    registry.load(saved, json.loads(json.dumps(extra)))  # the record travels as JSON
+    assert draws() == want
 
 
 def test_run_refuses_a_lazy_module_not_yet_run_before_starting():
