@@ -428,6 +428,13 @@ def run(train: Callable[[Context], None], *, model: torch.nn.Module,
     Returns the Result on a rank that finished, None on a spare that never got a role;
     raises JobStopped when the job stopped at its last committed step.
     """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        # Its step() is the commit point: Stalwart hooks it to average the gradients and
+        # to finish the previous capture's copy before the parameters change.
+        raise TypeError(f"optimizer is a {type(optimizer).__name__}, not a "
+                        "torch.optim.Optimizer: Stalwart hooks the optimizer's step(); make "
+                        "a wrapper subclass torch.optim.Optimizer (as torch's own and most "
+                        "libraries' optimizers do), or pass the optimizer it wraps")
     objects: dict[str, Any] = {"model": model, "optimizer": optimizer}
     if scheduler is not None:
         objects["scheduler"] = scheduler

@@ -108,6 +108,26 @@ def test_a_random_generator_of_the_scripts_own_is_state_and_restores_its_draws()
     assert draws() == want
 
 
+def test_run_refuses_an_optimizer_that_is_not_a_torch_optimizer_before_starting():
+    class Wrapper:  # a wrapper that only looks like one: its step() could not be hooked
+        def __init__(self, inner: torch.optim.Optimizer) -> None:
+            self.inner = inner
+
+        def step(self) -> None:
+            self.inner.step()
+
+        def state_dict(self) -> dict[str, Any]:
+            return self.inner.state_dict()
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            self.inner.load_state_dict(sd)
+
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"optimizer is a Wrapper, not a torch.optim.Optimizer"):
+        stalwart.run(lambda ctx: None, model=model,
+                     optimizer=Wrapper(torch.optim.SGD(model.parameters(), lr=0.1)))
+
+
 def test_run_refuses_a_lazy_module_not_yet_run_before_starting():
     model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.LazyLinear(2))
     with pytest.raises(stalwart.StateError, match=r"'model' has 4 uninitialized tensors "
