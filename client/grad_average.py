@@ -231,9 +231,12 @@ class GradAverage:
 
     def _average_slowly(self, run: Callable[[Callable[[], Any], str], Any],
                         divisor: int) -> None:
-        tail = self._tail(False)
         assert self.group is not None
         group = self.group
+        if group.size == 1 and not self.sparse:
+            self._average_alone(divisor)
+            return
+        tail = self._tail(False)
         run(lambda: group.all_reduce(tail), "grad-reduce")
         given, _, touched = self._read_tail(tail)
         self.fresh = [False] * len(self.params)
@@ -247,12 +250,42 @@ class GradAverage:
                 self._write_bucket(members, flat.div_(divisor), reached, touched)
         self._reduce(run, [i for i in given if i not in self.bucket_of], divisor, touched)
 
+    def _average_alone(self, divisor: int) -> None:
+        """A group of one replica: its sum is this replica's own gradient, so only the
+        division is left, done as the group's average does it (in fp32, then back to the
+        gradient's dtype): the same bits, without a copy of every gradient."""
+        reached = [i for i, fresh in enumerate(self.fresh) if fresh]
+        self.fresh = [False] * len(self.params)
+        self._reached = set(reached)
+        grads: list[torch.Tensor] = []
+        for i in reached:
+            p = self.params[i]
+            if p.grad is None:  # cleared after its backward: it adds zeros, as a replica's
+                p.grad = torch.zeros_like(p)
+            elif divisor != 1:
+                grads.append(p.grad)
+        fp32 = [g for g in grads if g.dtype == torch.float32]
+        if fp32:
+            torch._foreach_div_(fp32, divisor)
+        for g in grads:
+            if g.dtype != torch.float32:
+                g.copy_(g.float().div_(divisor))
+
     def _write_bucket(self, members: list[int], flat: torch.Tensor, reached: set[int],
                       touched: dict[int, torch.Tensor]) -> None:
+        grads, pieces = [], []
         for i, piece in zip(members, flat.split([self.params[i].numel() for i in members]),
                             strict=True):
-            if i in reached:
+            if i not in reached:
+                continue
+            grad = self.params[i].grad
+            if grad is not None and not grad.is_sparse and id(self.params[i]) not in touched:
+                grads.append(grad)  # the common case, copied all at once below
+                pieces.append(piece.view(grad.shape))
+            else:
                 self._write(i, piece, touched)
+        if grads:
+            torch._foreach_copy_(grads, pieces)  # casts each piece to its gradient's dtype
 
     def _tail(self, late: bool) -> torch.Tensor:
         """One number per parameter counts the replicas whose backward reached it since
