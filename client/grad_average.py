@@ -223,7 +223,7 @@ class GradAverage:
             self._average_slowly(run, divisor)
             return
         self.fresh = [False] * len(self.params)
-        self._reached = reached = set(given)
+        reached = self._note_reached(given)
         for members, s in zip(self.buckets, armed.started, strict=True):
             if reached.intersection(members):
                 self._write_bucket(members, s.flat.div_(divisor), reached, touched)
@@ -233,14 +233,13 @@ class GradAverage:
                         divisor: int) -> None:
         assert self.group is not None
         group = self.group
-        if group.size == 1 and not self.sparse:
-            self._average_alone(divisor)
+        if group.size == 1 and not self.sparse and self._average_alone(divisor):
             return
         tail = self._tail(False)
         run(lambda: group.all_reduce(tail), "grad-reduce")
         given, _, touched = self._read_tail(tail)
         self.fresh = [False] * len(self.params)
-        self._reached = reached = set(given)
+        reached = self._note_reached(given)
         # The buckets the overlapped sums use, one at a time, where a parameter of theirs
         # was reached: the same sums, so the same bits.
         for members in self.buckets:
@@ -250,26 +249,35 @@ class GradAverage:
                 self._write_bucket(members, flat.div_(divisor), reached, touched)
         self._reduce(run, [i for i in given if i not in self.bucket_of], divisor, touched)
 
-    def _average_alone(self, divisor: int) -> None:
+    def _note_reached(self, given: list[int]) -> set[int]:
+        """Remember what the replicas' backward reached, for the next step's buckets to
+        wait for; an average of nothing (a step's closure not yet run) leaves it."""
+        reached = set(given)
+        if reached:
+            self._reached = reached
+        return reached
+
+    def _average_alone(self, divisor: int) -> bool:
         """A group of one replica: its sum is this replica's own gradient, so only the
-        division is left, done as the group's average does it (in fp32, then back to the
-        gradient's dtype): the same bits, without a copy of every gradient."""
+        division is left, done as the group's average does it (in the bucket's precision,
+        then back to the gradient's dtype): the same bits, without a copy of every
+        gradient. False, with nothing done, where a gradient is sparse (the average
+        makes it dense)."""
         reached = [i for i, fresh in enumerate(self.fresh) if fresh]
+        grads = [self.params[i].grad for i in reached]
+        if any(g is not None and g.is_sparse for g in grads):
+            return False
         self.fresh = [False] * len(self.params)
-        self._reached = set(reached)
-        grads: list[torch.Tensor] = []
-        for i in reached:
+        self._note_reached(reached)
+        for i, g in zip(reached, grads, strict=True):
             p = self.params[i]
-            if p.grad is None:  # cleared after its backward: it adds zeros, as a replica's
-                p.grad = torch.zeros_like(p)
+            if g is None:  # cleared after its backward: it adds zeros, as a replica's
+                p.grad = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+            elif divisor != 1 and g.dtype in (torch.float32, torch.float64):
+                g.div_(divisor)
             elif divisor != 1:
-                grads.append(p.grad)
-        fp32 = [g for g in grads if g.dtype == torch.float32]
-        if fp32:
-            torch._foreach_div_(fp32, divisor)
-        for g in grads:
-            if g.dtype != torch.float32:
                 g.copy_(g.float().div_(divisor))
+        return True
 
     def _write_bucket(self, members: list[int], flat: torch.Tensor, reached: set[int],
                       touched: dict[int, torch.Tensor]) -> None:
@@ -284,8 +292,9 @@ class GradAverage:
                 pieces.append(piece.view(grad.shape))
             else:
                 self._write(i, piece, touched)
-        if grads:
-            torch._foreach_copy_(grads, pieces)  # casts each piece to its gradient's dtype
+        for dtype in {g.dtype for g in grads}:  # one dtype per call: CUDA kernels assume it
+            same = [k for k, g in enumerate(grads) if g.dtype == dtype]
+            torch._foreach_copy_([grads[k] for k in same], [pieces[k] for k in same])
 
     def _tail(self, late: bool) -> torch.Tensor:
         """One number per parameter counts the replicas whose backward reached it since
@@ -335,8 +344,11 @@ class GradAverage:
             self._write_bucket(members, flat.div_(divisor), set(members), touched)
 
     def _flat(self, members: list[int]) -> torch.Tensor:
-        """The gradients of `members` as one fp32 tensor: what this replica adds."""
-        return torch.cat([_dense_grad(self.params[i]).reshape(-1).float() for i in members])
+        """The gradients of `members` as one tensor, what this replica adds: fp32, or
+        fp64 where a member is fp64 (its gradient is not rounded)."""
+        wide = any(self.params[i].dtype == torch.float64 for i in members)
+        dtype = torch.float64 if wide else torch.float32
+        return torch.cat([_dense_grad(self.params[i]).reshape(-1).to(dtype) for i in members])
 
     def _write(self, index: int, piece: torch.Tensor, touched: dict[int, torch.Tensor]) -> None:
         p = self.params[index]

@@ -1,4 +1,5 @@
-"""Python's and numpy's global random generators as snapshot tensors, and back.
+"""Python's and numpy's global random generators as snapshot tensors, and back; and a
+generator of the script's own registered as state (`GeneratorState`).
 
 torch's generators are captured beside these. A data set's augmentation often draws
 from the other two (`random.random()`, `np.random.normal()`): without them a spare, or a
@@ -88,9 +89,12 @@ class GeneratorState:
 
     @staticmethod
     def takes(obj: Any) -> bool:
+        """Whether `obj` is such a generator (random.SystemRandom, which draws from the
+        operating system and has no state, is not)."""
         numpy_generator = (type(obj).__module__.startswith("numpy.random")
                            and hasattr(obj, "bit_generator"))
-        return isinstance(obj, torch.Generator | random.Random) or numpy_generator
+        python = isinstance(obj, random.Random) and not isinstance(obj, random.SystemRandom)
+        return isinstance(obj, torch.Generator) or python or numpy_generator
 
     def state_dict(self) -> dict[str, Any]:
         g = self.generator
@@ -98,11 +102,9 @@ class GeneratorState:
             return {"state": g.get_state()}
         if isinstance(g, random.Random):
             return {"state": _python_words(g.getstate()).clone()}
-        # A numpy bit generator's state: plain values, but for MT19937's key array.
-        state = g.bit_generator.state
-        return {"numpy": {k: (v if not isinstance(v, dict) else
-                              {ik: iv.tolist() if hasattr(iv, "tolist") else iv
-                               for ik, iv in v.items()}) for k, v in state.items()}}
+        # A numpy bit generator's state: plain values and arrays (MT19937's key,
+        # Philox's buffer), which travel as lists.
+        return {"numpy": _plain(g.bit_generator.state)}
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         g = self.generator
@@ -112,6 +114,12 @@ class GeneratorState:
             g.setstate(_python_state(saved["state"].tolist()))
         else:
             g.bit_generator.state = dict(saved["numpy"])
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value.tolist() if hasattr(value, "tolist") else value
 
 
 def load(saved: Mapping[str, torch.Tensor]) -> None:

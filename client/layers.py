@@ -163,14 +163,22 @@ class BlockProbe:
 def block_bytes(block: torch.nn.Module) -> tuple[int, int]:
     """(memory, snapshot) bytes of a block trained with AdamW: a parameter it trains holds
     itself, its gradient and two moments in memory, itself and the moments in a snapshot;
-    a frozen parameter and a persistent buffer hold themselves in both."""
-    params = dict(block.named_parameters())
+    a frozen parameter holds itself in both, a buffer itself in memory and, if it is
+    persistent, in a snapshot. A tensor held twice (a tied weight) counts once."""
     mem = state = 0
-    for name, t in block.state_dict().items():
-        size = t.numel() * t.element_size()
-        trained = name in params and params[name].requires_grad
-        mem += 4 * size if trained else size
-        state += 3 * size if trained else size
+    for p in block.parameters():
+        size = p.numel() * p.element_size()
+        mem += 4 * size if p.requires_grad else size
+        state += 3 * size if p.requires_grad else size
+    seen: set[int] = set()
+    for module in block.modules():
+        for name, b in module._buffers.items():
+            if b is None or id(b) in seen:
+                continue
+            seen.add(id(b))
+            size = b.numel() * b.element_size()
+            mem += size
+            state += 0 if name in module._non_persistent_buffers_set else size
     return mem, state
 
 

@@ -351,7 +351,7 @@ class _UserLoopProgram:
         if not ctx._averaged or self.grads.pending:
             self.average_gradients(gen, ctx)
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
-        if closure is None:
+        if not callable(closure):
             return None
 
         def averaged() -> Any:
@@ -374,8 +374,10 @@ class _UserLoopProgram:
             self.average_gradients(gen, ctx)
         if loss is None:
             return None
-        value = loss.detach() if torch.is_tensor(loss) else torch.tensor(float(loss))
-        total = value.to(dtype=torch.float64, device=self._loss_device()).reshape(1)
+        value = (loss.detach() if torch.is_tensor(loss)
+                 else torch.tensor(float(loss), dtype=torch.float64))
+        # A copy: the all-reduce must not write into the closure's own loss tensor.
+        total = value.to(dtype=torch.float64, device=self._loss_device(), copy=True).reshape(1)
         gen.run_or_abandon(lambda: gen.dims.dp_group.all_reduce(total), "closure-loss")
         mean = total / (self._divisor or ctx.dp_size)
         if torch.is_tensor(loss):
@@ -428,13 +430,15 @@ def run(train: Callable[[Context], None], *, model: torch.nn.Module,
     Returns the Result on a rank that finished, None on a spare that never got a role;
     raises JobStopped when the job stopped at its last committed step.
     """
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    if not (isinstance(optimizer, torch.optim.Optimizer)
+            and hasattr(optimizer, "_optimizer_step_pre_hooks")):
         # Its step() is the commit point: Stalwart hooks it to average the gradients and
         # to finish the previous capture's copy before the parameters change.
         raise TypeError(f"optimizer is a {type(optimizer).__name__}, not a "
-                        "torch.optim.Optimizer: Stalwart hooks the optimizer's step(); make "
-                        "a wrapper subclass torch.optim.Optimizer (as torch's own and most "
-                        "libraries' optimizers do), or pass the optimizer it wraps")
+                        "torch.optim.Optimizer that called Optimizer.__init__: Stalwart hooks "
+                        "the optimizer's step(); make a wrapper such an optimizer (as torch's "
+                        "own and most libraries' optimizers are), or pass the optimizer it "
+                        "wraps")
     objects: dict[str, Any] = {"model": model, "optimizer": optimizer}
     if scheduler is not None:
         objects["scheduler"] = scheduler

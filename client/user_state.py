@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
+import random
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -40,6 +41,10 @@ class StateRegistry:
         for key, obj in objects.items():
             if not key or "/" in key:
                 raise StateError(f"state name {key!r} must be non-empty and contain no '/'")
+            if isinstance(obj, random.SystemRandom):
+                raise StateError(f"registered state {key!r} is a random.SystemRandom: it draws "
+                                 "from the operating system and has no state to restore; use "
+                                 "random.Random(seed)")
             for method in ("state_dict", "load_state_dict"):
                 if not callable(getattr(obj, method, None)):
                     raise StateError(f"registered state {key!r} ({type(obj).__name__}) has no "

@@ -78,8 +78,11 @@ def test_a_blocks_bytes_count_what_adamw_trains_four_times_and_frozen_state_once
     from stalwart.client.layers import block_bytes
 
     block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4),
-                                torch.nn.Linear(4, 2, bias=False).to(torch.bfloat16))
+                                torch.nn.Linear(4, 2, bias=False).to(torch.bfloat16),
+                                torch.nn.Linear(4, 4, bias=False))
     block[2].requires_grad_(False)
+    block[3].weight = block[0].weight  # tied: held once
+    block[1].register_buffer("cache", torch.zeros(3), persistent=False)
     trained = (16 + 4 + 4 + 4) * 4  # fp32: the first linear and BatchNorm's affine
     kept = 4 * 4 + 4 * 4 + 8 + 8 * 2  # running mean and var, the batch count, bf16 weight
-    assert block_bytes(block) == (4 * trained + kept, 3 * trained + kept)
+    assert block_bytes(block) == (4 * trained + kept + 3 * 4, 3 * trained + kept)

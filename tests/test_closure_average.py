@@ -1,0 +1,96 @@
+"""A closure given to `optimizer.step` (LBFGS calls it several times a step) is replaced
+by the step's pre-hook with one that averages, after each call, the gradients its
+backward left and the loss it returned, over the replicas. Here two replicas are a stub
+group whose sum doubles (two replicas holding the same values), so the average of each
+is the value itself: what the test checks is that every call is averaged, whatever the
+closure returns, and that the closure's own tensors are left alone."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from stalwart.client.user_loop import Context, _UserLoopProgram
+from stalwart.client.user_state import StateRegistry
+from stalwart.v1 import common_pb2
+
+
+class _TwoAlike:
+    """The sums of two replicas that hold the same tensors."""
+
+    size = 2
+
+    def __init__(self) -> None:
+        self.reduced = 0
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = None) -> None:
+        self.reduced += 1
+        tensor.mul_(2)
+
+
+def _program() -> tuple[Any, torch.nn.Linear, torch.optim.Optimizer, Any, Context]:
+    model = torch.nn.Linear(3, 1).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    program = _UserLoopProgram(lambda ctx: None,
+                               StateRegistry({"model": model, "optimizer": optimizer}),
+                               2, torch.device("cpu"))
+    group = _TwoAlike()
+    gen = SimpleNamespace(run_or_abandon=lambda fn, what: fn(),
+                          dims=SimpleNamespace(dp_group=group),
+                          plan=SimpleNamespace(layout=common_pb2.ParallelLayout(dp=2)),
+                          role=SimpleNamespace(coord=SimpleNamespace(dp=0)))
+    program.capturer = SimpleNamespace(before_update=lambda: None)
+    program.grads.start(group)  # type: ignore[arg-type]
+    return program, model, optimizer, gen, Context(gen, program, 0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("by_keyword", [False, True])
+@pytest.mark.parametrize("returns", ["tensor", "float", "none"])
+def test_each_call_of_a_steps_closure_averages_its_gradients_and_its_loss(
+        by_keyword: bool, returns: str) -> None:
+    program, model, optimizer, gen, ctx = _program()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    kept: list[torch.Tensor] = []
+
+    def closure() -> Any:
+        optimizer.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        kept.append(loss)
+        if returns == "float":
+            return float(loss.detach())
+        return loss if returns == "tensor" else None
+
+    args, kwargs = (optimizer,), {"closure": closure}
+    if not by_keyword:
+        args, kwargs = (optimizer, closure), {}
+    new_args, new_kwargs = program._before_update(gen, ctx, args, kwargs)
+    wrapped = new_kwargs["closure"] if by_keyword else new_args[1]
+    assert wrapped is not closure
+    for _ in range(2):  # as LBFGS calls it, more than once
+        before = gen.dims.dp_group.reduced
+        got = wrapped()
+        own = kept[-1].detach().clone()
+        grads = [p.grad.clone() for p in model.parameters()]
+        # The gradients went through the group; so did the loss, unless there was none.
+        assert gen.dims.dp_group.reduced - before == (2 if returns == "none" else 3)
+        assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(),
+                                                         strict=True))
+        if returns == "none":
+            assert got is None
+        elif returns == "float":
+            assert isinstance(got, float) and got == float(own)
+        else:
+            assert torch.is_tensor(got) and got.dtype == torch.float64 and torch.equal(got, own)
+        # The closure's own loss is never written into (an fp64 loss on the parameters'
+        # device is one the average could alias).
+        assert torch.equal(kept[-1].detach(), own)
+
+
+def test_a_step_without_a_closure_is_left_as_it_was_called() -> None:
+    program, _, optimizer, gen, ctx = _program()
+    assert program._before_update(gen, ctx, (optimizer,), {}) is None
+    assert program._before_update(gen, ctx, (optimizer,), {"closure": None}) is None
