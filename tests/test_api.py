@@ -93,11 +93,12 @@ def test_a_random_generator_of_the_scripts_own_is_state_and_restores_its_draws()
     import numpy as np
 
     gens = {"torch": torch.Generator().manual_seed(3), "python": random.Random(5),
-            "pcg": np.random.default_rng(7), "mt": np.random.Generator(np.random.MT19937(9))}
+            "pcg": np.random.default_rng(7), "mt": np.random.Generator(np.random.MT19937(9)),
+            "philox": np.random.Generator(np.random.Philox(11))}
 
     def draws() -> list[Any]:
         return [torch.rand(3, generator=gens["torch"]).tolist(), gens["python"].gauss(0, 1),
-                gens["pcg"].random(), gens["mt"].integers(1 << 30)]
+                gens["pcg"].random(), gens["mt"].integers(1 << 30), gens["philox"].random()]
 
     draws()
     registry = StateRegistry(gens)
@@ -106,6 +107,9 @@ def test_a_random_generator_of_the_scripts_own_is_state_and_restores_its_draws()
     want = draws()
     registry.load(saved, json.loads(json.dumps(extra)))  # the record travels as JSON
     assert draws() == want
+    with pytest.raises(stalwart.StateError, match=r"'os' is a random.SystemRandom: it draws "
+                                                  r"from the operating system"):
+        StateRegistry({"os": random.SystemRandom()})
 
 
 def test_run_refuses_an_optimizer_that_is_not_a_torch_optimizer_before_starting():
