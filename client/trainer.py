@@ -38,6 +38,9 @@ __all__ = ["LossScaler", "TrainConfig", "Trainer", "check_layout", "full_params"
            "resolve_precision", "uniform_bounds"]
 
 
+PRECISIONS = ("fp32", "bf16", "fp16", "auto")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """What stays fixed for a job whatever its layout (the global batch is the Data's)."""
@@ -65,6 +68,25 @@ class TrainConfig:
     grad_clip: float = 0.0
     """Largest global L2 norm of the gradients (over every stage and TP shard); larger
     gradients are scaled down to it before the optimizer step. 0 = no clipping."""
+
+    def __post_init__(self) -> None:
+        """Checked where the job is declared: a bad setting found inside every rank would
+        fail them all after they registered (and each spare given the role after them)."""
+        from stalwart.client.dp import COMPRESSION
+        from stalwart.client.recompute import POLICIES
+
+        choices = {"precision": PRECISIONS, "recompute": POLICIES,
+                   "compress": tuple(COMPRESSION)}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}; choose one of "
+                                 f"{list(allowed)}")
+        least = {"lr": 0, "min_lr": 0, "warmup_steps": 0, "decay_steps": 1,
+                 "weight_decay": 0, "bucket_bytes": 1, "grad_clip": 0}
+        for name, bound in least.items():
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and value >= bound):  # NaN too
+                raise ValueError(f"{name}={value!r}; give a number of at least {bound}")
 
     def lr_at(self, step: int) -> float:
         """Learning rate for optimizer step `step` (0-based): warm-up, then cosine."""

@@ -193,6 +193,14 @@ def test_a_layout_the_data_cannot_take_fails_on_every_rank_before_anything_start
         stalwart.run_layers(layers, data, steps=2, pp=3, tp=2)
     with pytest.raises(ValueError, match="at most pp=4 stages"):
         stalwart.run_layers(layers, data, steps=2, pp=6, microbatches=2)
+    # So does a training setting the ranks could not take.
+    for setting, message in [({"precision": "fp8"}, r"precision='fp8'; choose one of \["),
+                             ({"recompute": "all"}, r"recompute='all'; choose one of \["),
+                             ({"compress": "int8"}, r"compress='int8'; choose one of \["),
+                             ({"lr": float("nan")}, r"lr=nan; give a number of at least 0"),
+                             ({"decay_steps": 0}, r"decay_steps=0; give a number of at least")]:
+        with pytest.raises(ValueError, match=message):
+            stalwart.run_layers(layers, data, steps=2, **setting)
 
 
 class Ema:
