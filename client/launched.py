@@ -67,7 +67,11 @@ def check_device(device: str, who: str) -> None:
     """ValueError, before anything starts, for a device this process cannot train on."""
     import torch
 
-    kind = torch.device(device).type
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{who}: device={device!r} is not a torch device ({exc}); use "
+                         "'cpu' or 'cuda'") from None
     if kind == "cpu":
         return
     if kind != "cuda":
@@ -83,6 +87,13 @@ def check_device(device: str, who: str) -> None:
         raise ValueError(f"{who}: device={device!r}, but this process sees "
                          f"{torch.cuda.device_count()} GPU(s) (CUDA_VISIBLE_DEVICES="
                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+
+
+def check_collective_timeout(seconds: float, who: str) -> None:
+    """ValueError, before anything starts, for a collective deadline that is no deadline."""
+    if not (isinstance(seconds, int | float) and 0 < seconds < float("inf")):
+        raise ValueError(f"{who}: collective_timeout_s={seconds!r}; give the seconds a "
+                         "collective may wait before it counts as a hang (more than 0)")
 
 
 def launched_agent(program: Program, *, device: str, collective_timeout_s: float,

@@ -8,7 +8,12 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from stalwart.client.launched import check_device, launched_agent, run_rank
+from stalwart.client.launched import (
+    check_collective_timeout,
+    check_device,
+    launched_agent,
+    run_rank,
+)
 from stalwart.client.layers import Layers
 from stalwart.client.pipeline import SCHEDULES
 from stalwart.client.trainer import TrainConfig, check_layout
@@ -41,7 +46,11 @@ def run_layers(layers: Layers, data: Data, *, steps: int, pp: int = 1, tp: int =
         raise TypeError(f"run_layers() got unknown settings {unknown}; TrainConfig has "
                         f"{sorted(fields)}")
     cfg = TrainConfig(**train)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps={steps!r}; give the job's length in optimizer steps (at "
+                         "least 1)")
     check_device(device, "stalwart.run_layers()")
+    check_collective_timeout(collective_timeout_s, "stalwart.run_layers()")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}; choose one of {SCHEDULES}")
     world = int(os.environ.get("WORLD_SIZE", "1"))

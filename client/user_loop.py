@@ -36,7 +36,12 @@ from stalwart.client.daemon_client import DaemonUnavailable
 from stalwart.client.digest import param_digest, tensor_sha256
 from stalwart.client.generation import Generation
 from stalwart.client.grad_average import GradAverage, consecutive_buckets
-from stalwart.client.launched import check_device, launched_agent, run_rank
+from stalwart.client.launched import (
+    check_collective_timeout,
+    check_device,
+    launched_agent,
+    run_rank,
+)
 from stalwart.client.user_data import Data
 from stalwart.client.user_state import StateError, StateRegistry
 from stalwart.core.layout import Layout
@@ -454,8 +459,9 @@ def run(train: Callable[[Context], None], *, model: torch.nn.Module,
         # Here, on every rank alike, not as ranks that die after the first plan.
         raise ValueError(f"global batch {data.global_batch} does not split over the job's "
                          f"{world} replicas; choose a global batch that divides by {world}")
+    check_device(str(device), "stalwart.run()")
+    check_collective_timeout(collective_timeout_s, "stalwart.run()")
     dev = torch.device(device)
-    check_device(str(dev), "stalwart.run()")
     elsewhere = sorted({str(p.device) for _, m in registry.modules() for p in m.parameters()
                         if p.device.type != dev.type})
     if elsewhere:

@@ -157,6 +157,24 @@ def test_a_cuda_device_where_torch_sees_none_is_refused_before_starting(entry):
                                 device="cuda")
 
 
+def test_a_device_or_deadline_that_is_none_is_refused_before_starting():
+    model = nn.Linear(2, 2)
+    layers = stalwart.Layers(blocks=[("head", lambda: nn.Linear(2, 2))],
+                             loss=torch.nn.functional.mse_loss)
+    data = stalwart.Data(_Items(), global_batch=4)
+    for kw, message in [({"device": "tpu"}, r"device='tpu' is not a torch device"),
+                        ({"collective_timeout_s": 0}, r"collective_timeout_s=0; give the "),
+                        ({"collective_timeout_s": float("inf")}, r"collective_timeout_s=inf")]:
+        with pytest.raises(ValueError, match=message):
+            stalwart.run(lambda ctx: None, model=model,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1), **kw)
+        with pytest.raises(ValueError, match=message):
+            stalwart.run_layers(layers, data, steps=1, **kw)
+    for steps in (0, -3, 2.5):
+        with pytest.raises(ValueError, match=rf"steps={steps}; give the job's length"):
+            stalwart.run_layers(layers, data, steps=steps)
+
+
 def test_a_model_on_another_device_than_runs_is_refused_before_starting():
     model = nn.Linear(2, 2).to("meta")
     with pytest.raises(ValueError, match=r"parameters on meta but run\(device='cpu'\); move "
