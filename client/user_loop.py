@@ -80,6 +80,7 @@ class Context:
         self._finished: int | None = None
         self._looped = False  # ctx.steps() was entered
         self._micro = 0
+        self._batched = False  # this step read micro-batches from ctx.batches
         self._losses: list[float] = []
 
     @property
@@ -151,6 +152,7 @@ class Context:
             gen.check_plan()
             t0 = time.perf_counter()
             self._stepped, self._averaged, self._micro, self._losses = False, False, 0, []
+            self._batched = False
             yield self._step
             if not (self._stepped or self._averaged):
                 raise RuntimeError(f"step {self._step} ended without optimizer.step(); "
@@ -176,6 +178,7 @@ class Context:
         shares = data.shares(self._step, self._layout, self.dp_rank)
         for k, indices in enumerate(shares):
             self._micro += 1
+            self._batched = True
             if k == len(shares) - 1:
                 self._program.grads.arm()  # its backward starts the average
             yield data.batch(indices)
@@ -375,8 +378,11 @@ class _UserLoopProgram:
         steps and the same number of evaluations."""
         self._divisor = None
         loss = closure()
+        # A closure evaluates the step's loss: over the step's micro-batches wherever the
+        # step read them from ctx.batches (inside the closure, or before it).
+        divisor = ctx._layout.total_microbatches if ctx._batched else ctx.dp_size
         if self.grads.pending:
-            self.average_gradients(gen, ctx)
+            self.average_gradients(gen, ctx, divisor)
         if loss is None:
             return None
         value = (loss.detach() if torch.is_tensor(loss)
@@ -384,18 +390,21 @@ class _UserLoopProgram:
         # A copy: the all-reduce must not write into the closure's own loss tensor.
         total = value.to(dtype=torch.float64, device=self._loss_device(), copy=True).reshape(1)
         gen.run_or_abandon(lambda: gen.dims.dp_group.all_reduce(total), "closure-loss")
-        mean = total / (self._divisor or ctx.dp_size)
+        mean = total / (self._divisor or divisor)
         if torch.is_tensor(loss):
             return mean.reshape(loss.shape).to(dtype=loss.dtype, device=loss.device)
         return float(mean)
 
-    def average_gradients(self, gen: Generation, ctx: Context) -> None:
+    def average_gradients(self, gen: Generation, ctx: Context,
+                          divisor: int | None = None) -> None:
         """Average the gradients accumulated since the last average over the replicas
-        and the micro-batches of ctx.batches read meanwhile."""
+        and the micro-batches of ctx.batches read meanwhile (or over `divisor`)."""
         ctx._averaged = True
         # Over the step's micro-batches on every replica (their shares may differ by
         # one), or over the replicas where the loop read no micro-batches from ctx.batches.
-        divisor = self._divisor = ctx._layout.total_microbatches if ctx._micro else ctx.dp_size
+        if divisor is None:
+            divisor = ctx._layout.total_microbatches if ctx._micro else ctx.dp_size
+        self._divisor = divisor
         ctx._micro = 0
         self.grads.average(gen.run_or_abandon, divisor)
 

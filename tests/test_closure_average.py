@@ -31,7 +31,8 @@ class _TwoAlike:
         tensor.mul_(2)
 
 
-def _program() -> tuple[Any, torch.nn.Linear, torch.optim.Optimizer, Any, Context]:
+def _program(grad_accum: int = 1
+             ) -> tuple[Any, torch.nn.Linear, torch.optim.Optimizer, Any, Context]:
     model = torch.nn.Linear(3, 1).double()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     program = _UserLoopProgram(lambda ctx: None,
@@ -40,7 +41,8 @@ def _program() -> tuple[Any, torch.nn.Linear, torch.optim.Optimizer, Any, Contex
     group = _TwoAlike()
     gen = SimpleNamespace(run_or_abandon=lambda fn, what: fn(),
                           dims=SimpleNamespace(dp_group=group),
-                          plan=SimpleNamespace(layout=common_pb2.ParallelLayout(dp=2)),
+                          plan=SimpleNamespace(layout=common_pb2.ParallelLayout(
+                              dp=2, grad_accum=grad_accum)),
                           role=SimpleNamespace(coord=SimpleNamespace(dp=0)))
     program.capturer = SimpleNamespace(before_update=lambda: None)
     program.grads.start(group)  # type: ignore[arg-type]
@@ -94,3 +96,30 @@ def test_a_step_without_a_closure_is_left_as_it_was_called() -> None:
     program, _, optimizer, gen, ctx = _program()
     assert program._before_update(gen, ctx, (optimizer,), {}) is None
     assert program._before_update(gen, ctx, (optimizer,), {"closure": None}) is None
+
+
+def test_a_closure_over_micro_batches_read_before_the_step_is_averaged_over_them() -> None:
+    # Two replicas of two micro-batches each (after a shrink, say), read from ctx.batches
+    # before the step; the closure backpropagates each one's mean loss and returns the
+    # sum: the job's loss and gradient are the sums over the four micro-batches / 4.
+    program, model, optimizer, gen, ctx = _program(grad_accum=2)
+    ctx._batched = True
+    x = [torch.randn(4, 3, dtype=torch.float64) for _ in range(2)]
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        total = torch.zeros((), dtype=torch.float64)
+        for batch in x:
+            loss = model(batch).square().mean()
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    own = closure()
+    grads = [p.grad.clone() for p in model.parameters()]
+    args, _ = program._before_update(gen, ctx, (optimizer, closure), {})
+    got = args[1]()
+    # Both replicas hold this one's values: (2 x own) / 4 micro-batches.
+    assert torch.equal(got, own * 2 / 4)
+    assert all(torch.equal(p.grad, (g * 2) / 4) for p, g in zip(model.parameters(), grads,
+                                                              strict=True))
