@@ -182,7 +182,12 @@ class Context:
             if k == len(shares) - 1:
                 self._program.grads.arm()  # its backward starts the average
             yield data.batch(indices)
-        self._program.average_gradients(self._gen, self)
+        if self._program.grads.pending:
+            self._program.average_gradients(self._gen, self)
+        else:
+            # Read ahead (into a list) with no backward yet: their backward comes after,
+            # and its gradients are averaged over these micro-batches at the step.
+            self._program.grads.disarm()
 
     def report_loss(self, loss: torch.Tensor | float) -> None:
         """Count `loss` (a micro-batch's mean) into the step's job-wide mean loss."""

@@ -1,9 +1,12 @@
-"""A closure given to `optimizer.step` (LBFGS calls it several times a step) is replaced
-by the step's pre-hook with one that averages, after each call, the gradients its
-backward left and the loss it returned, over the replicas. Here two replicas are a stub
-group whose sum doubles (two replicas holding the same values), so the average of each
-is the value itself: what the test checks is that every call is averaged, whatever the
-closure returns, and that the closure's own tensors are left alone."""
+"""What the user loop divides a step's gradients by, where its backward passes do not
+run inside the `ctx.batches` loop. A closure given to `optimizer.step` (LBFGS calls it
+several times a step) is replaced by the step's pre-hook with one that averages, after
+each call, the gradients its backward left and the loss it returned, over the replicas;
+micro-batches read ahead of their backward are averaged over, as if the backward had run
+inside the loop. Here two replicas are a stub group whose sum doubles (two replicas
+holding the same values), so an average over the replicas is the value itself: the tests
+check that every call is averaged, whatever the closure returns, that the closure's own
+tensors are left alone, and what the sums are divided by."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from stalwart.client.user_data import Data
 from stalwart.client.user_loop import Context, _UserLoopProgram
 from stalwart.client.user_state import StateRegistry
 from stalwart.v1 import common_pb2
@@ -122,4 +126,29 @@ def test_a_closure_over_micro_batches_read_before_the_step_is_averaged_over_them
     # Both replicas hold this one's values: (2 x own) / 4 micro-batches.
     assert torch.equal(got, own * 2 / 4)
     assert all(torch.equal(p.grad, (g * 2) / 4) for p, g in zip(model.parameters(), grads,
+                                                              strict=True))
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.randn(3, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+
+
+def test_micro_batches_read_ahead_of_their_backward_are_averaged_over_at_the_step() -> None:
+    # `batches = list(ctx.batches(data))`, then a backward per item: after a shrink gave
+    # this replica two micro-batches, the step's gradient is still their mean, not the sum
+    # (the ctx.batches loop ended before any backward, so it cannot have averaged them).
+    program, model, optimizer, gen, ctx = _program(grad_accum=2)
+    data = Data(_Rows(), global_batch=8)
+    batches = list(ctx.batches(data))
+    assert len(batches) == 2 and not ctx._averaged
+    for x in batches:
+        model(x).square().mean().backward()
+    own = [p.grad.clone() for p in model.parameters()]
+    assert program._before_update(gen, ctx, (optimizer,), {}) is None
+    # Both replicas hold this one's values: (2 x own) / 4 micro-batches.
+    assert all(torch.equal(p.grad, (g * 2) / 4) for p, g in zip(model.parameters(), own,
                                                               strict=True))
