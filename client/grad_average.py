@@ -145,12 +145,6 @@ class GradAverage:
             self._armed = _Armed(pending=[sum(awaited[i] for i in b) for b in self.buckets],
                                  awaited=awaited, fired=[False] * len(self.params))
 
-    def disarm(self) -> None:
-        """The armed micro-batch ran no backward (the loop read its micro-batches ahead):
-        their backward passes come later and are averaged after them, one bucket at a
-        time."""
-        self._armed = None
-
     def before_collective(self) -> None:
         """The loop's own collective is about to start: after a backward of the last
         micro-batch, every bucket starts first, so the replicas start the same sequence

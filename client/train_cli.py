@@ -71,7 +71,7 @@ def preflight(args: argparse.Namespace, layers: Any = None) -> list[str]:
     import torch
 
     from stalwart.client.tensor_parallel import plan_errors
-    from stalwart.client.trainer import check_layout, resolve_precision
+    from stalwart.client.trainer import TrainConfig, check_layout, resolve_precision
     from stalwart.core.layout import Layout
     from stalwart_examples.gpt import config
     from stalwart_examples.gpt.model import layers as gpt_layers
@@ -108,6 +108,12 @@ def preflight(args: argparse.Namespace, layers: Any = None) -> list[str]:
         if have < layout.world_size:
             raise UsageError(f"--device cuda: {layout.world_size} ranks need one GPU each, this "
                              f"machine has {have}; lower --dp/--pp/--tp")
+    try:  # what every rank builds, refused here rather than in each of them
+        TrainConfig(seed=args.seed, lr=args.lr, min_lr=args.lr / 10, decay_steps=args.steps,
+                    precision=args.precision, recompute=args.recompute,
+                    compress=args.compress, grad_clip=args.grad_clip)
+    except ValueError as exc:
+        raise UsageError(f"--{str(exc).replace('_', '-')}") from None
     warning = resolve_precision(args.precision, args.device)[1]
     return [warning] if warning else []
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -81,12 +82,14 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}; choose one of "
                                  f"{list(allowed)}")
-        least = {"lr": 0, "min_lr": 0, "warmup_steps": 0, "decay_steps": 1,
-                 "weight_decay": 0, "bucket_bytes": 1, "grad_clip": 0}
+        least = {"lr": 0, "min_lr": 0, "warmup_steps": 0, "decay_steps": 0,
+                 "weight_decay": 0, "bucket_bytes": 1, "grad_clip": -math.inf}
         for name, bound in least.items():
             value = getattr(self, name)
-            if not (isinstance(value, int | float) and value >= bound):  # NaN too
-                raise ValueError(f"{name}={value!r}; give a number of at least {bound}")
+            if not (isinstance(value, numbers.Real) and math.isfinite(value)
+                    and value >= bound):
+                raise ValueError(f"{name}={value!r}; give a finite number"
+                                 + (f" of at least {bound}" if bound > -math.inf else ""))
 
     def lr_at(self, step: int) -> float:
         """Learning rate for optimizer step `step` (0-based): warm-up, then cosine."""

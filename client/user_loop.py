@@ -80,7 +80,6 @@ class Context:
         self._finished: int | None = None
         self._looped = False  # ctx.steps() was entered
         self._micro = 0
-        self._batched = False  # this step read micro-batches from ctx.batches
         self._losses: list[float] = []
 
     @property
@@ -152,7 +151,6 @@ class Context:
             gen.check_plan()
             t0 = time.perf_counter()
             self._stepped, self._averaged, self._micro, self._losses = False, False, 0, []
-            self._batched = False
             yield self._step
             if not (self._stepped or self._averaged):
                 raise RuntimeError(f"step {self._step} ended without optimizer.step(); "
@@ -178,16 +176,10 @@ class Context:
         shares = data.shares(self._step, self._layout, self.dp_rank)
         for k, indices in enumerate(shares):
             self._micro += 1
-            self._batched = True
             if k == len(shares) - 1:
                 self._program.grads.arm()  # its backward starts the average
             yield data.batch(indices)
-        if self._program.grads.pending:
-            self._program.average_gradients(self._gen, self)
-        else:
-            # Read ahead (into a list) with no backward yet: their backward comes after,
-            # and its gradients are averaged over these micro-batches at the step.
-            self._program.grads.disarm()
+        self._program.average_gradients(self._gen, self)
 
     def report_loss(self, loss: torch.Tensor | float) -> None:
         """Count `loss` (a micro-batch's mean) into the step's job-wide mean loss."""
@@ -367,25 +359,26 @@ class _UserLoopProgram:
         if not callable(closure):
             return None
 
+        # Fixed for the step's every call: over the micro-batches the step read ahead
+        # from ctx.batches (their backward runs in the closure), else over the replicas.
+        divisor = ctx._layout.total_microbatches if ctx._micro else ctx.dp_size
+
         def averaged() -> Any:
-            return self._averaged_closure(gen, ctx, closure)
+            return self._averaged_closure(gen, ctx, closure, divisor)
 
         if len(args) > 1:
             return (args[0], averaged, *args[2:]), kwargs
         return args, {**kwargs, "closure": averaged}
 
-    def _averaged_closure(self, gen: Generation, ctx: Context, closure: Callable[[], Any]
-                          ) -> Any:
+    def _averaged_closure(self, gen: Generation, ctx: Context, closure: Callable[[], Any],
+                          divisor: int) -> Any:
         """Run the step's closure, then average the gradients its backward accumulated and
         the loss it returned, each as the step's gradients are averaged: an optimizer that
         calls it (LBFGS, several times a step, deciding by the loss when to stop) sees the
         job's gradients and loss, the same on every replica, so replicas take the same
         steps and the same number of evaluations."""
         self._divisor = None
-        loss = closure()
-        # A closure evaluates the step's loss: over the step's micro-batches wherever the
-        # step read them from ctx.batches (inside the closure, or before it).
-        divisor = ctx._layout.total_microbatches if ctx._batched else ctx.dp_size
+        loss = closure()  # a closure that reads ctx.batches averages there
         if self.grads.pending:
             self.average_gradients(gen, ctx, divisor)
         if loss is None:
@@ -410,7 +403,10 @@ class _UserLoopProgram:
         if divisor is None:
             divisor = ctx._layout.total_microbatches if ctx._micro else ctx.dp_size
         self._divisor = divisor
-        ctx._micro = 0
+        if self.grads.pending:
+            ctx._micro = 0
+        # else the loop read its micro-batches ahead (a list) and runs their backward
+        # after: the count stays, for the average at the step to divide by them.
         self.grads.average(gen.run_or_abandon, divisor)
 
     def _loss_device(self) -> torch.device:

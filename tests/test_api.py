@@ -215,8 +215,8 @@ def test_a_layout_the_data_cannot_take_fails_on_every_rank_before_anything_start
     for setting, message in [({"precision": "fp8"}, r"precision='fp8'; choose one of \["),
                              ({"recompute": "all"}, r"recompute='all'; choose one of \["),
                              ({"compress": "int8"}, r"compress='int8'; choose one of \["),
-                             ({"lr": float("nan")}, r"lr=nan; give a number of at least 0"),
-                             ({"decay_steps": 0}, r"decay_steps=0; give a number of at least")]:
+                             ({"lr": float("nan")}, r"lr=nan; give a finite number of at least 0"),
+                             ({"decay_steps": -1}, r"decay_steps=-1; give a finite number")]:
         with pytest.raises(ValueError, match=message):
             stalwart.run_layers(layers, data, steps=2, **setting)
 

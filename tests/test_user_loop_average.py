@@ -10,6 +10,7 @@ tensors are left alone, and what the sums are divided by."""
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 from typing import Any
 
@@ -49,8 +50,17 @@ def _program(grad_accum: int = 1
                               dp=2, grad_accum=grad_accum)),
                           role=SimpleNamespace(coord=SimpleNamespace(dp=0)))
     program.capturer = SimpleNamespace(before_update=lambda: None)
+    program.grads.overlap = False  # the stub group sums one tensor at a time
     program.grads.start(group)  # type: ignore[arg-type]
     return program, model, optimizer, gen, Context(gen, program, 0)  # type: ignore[arg-type]
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.randn(3, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
 
 
 @pytest.mark.parametrize("by_keyword", [False, True])
@@ -107,34 +117,27 @@ def test_a_closure_over_micro_batches_read_before_the_step_is_averaged_over_them
     # before the step; the closure backpropagates each one's mean loss and returns the
     # sum: the job's loss and gradient are the sums over the four micro-batches / 4.
     program, model, optimizer, gen, ctx = _program(grad_accum=2)
-    ctx._batched = True
-    x = [torch.randn(4, 3, dtype=torch.float64) for _ in range(2)]
+    x = list(ctx.batches(Data(_Rows(), global_batch=8)))
 
-    def closure() -> torch.Tensor:
-        optimizer.zero_grad()
+    def closure(net: torch.nn.Module = model) -> torch.Tensor:
+        net.zero_grad()
         total = torch.zeros((), dtype=torch.float64)
         for batch in x:
-            loss = model(batch).square().mean()
+            loss = net(batch).square().mean()
             loss.backward()
             total += loss.detach()
         return total
 
-    own = closure()
-    grads = [p.grad.clone() for p in model.parameters()]
+    alone = copy.deepcopy(model)  # this replica's own values, outside the job
+    own = closure(alone)
+    grads = [p.grad.clone() for p in alone.parameters()]
     args, _ = program._before_update(gen, ctx, (optimizer, closure), {})
-    got = args[1]()
-    # Both replicas hold this one's values: (2 x own) / 4 micro-batches.
-    assert torch.equal(got, own * 2 / 4)
-    assert all(torch.equal(p.grad, (g * 2) / 4) for p, g in zip(model.parameters(), grads,
-                                                              strict=True))
-
-
-class _Rows(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.randn(3, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+    for _ in range(2):  # every call of the step alike
+        got = args[1]()
+        # Both replicas hold this one's values: (2 x own) / 4 micro-batches.
+        assert torch.equal(got, own * 2 / 4)
+        assert all(torch.equal(p.grad, (g * 2) / 4) for p, g in zip(model.parameters(), grads,
+                                                                  strict=True))
 
 
 def test_micro_batches_read_ahead_of_their_backward_are_averaged_over_at_the_step() -> None:
@@ -144,7 +147,7 @@ def test_micro_batches_read_ahead_of_their_backward_are_averaged_over_at_the_ste
     program, model, optimizer, gen, ctx = _program(grad_accum=2)
     data = Data(_Rows(), global_batch=8)
     batches = list(ctx.batches(data))
-    assert len(batches) == 2 and not ctx._averaged
+    assert len(batches) == 2
     for x in batches:
         model(x).square().mean().backward()
     own = [p.grad.clone() for p in model.parameters()]
@@ -152,3 +155,20 @@ def test_micro_batches_read_ahead_of_their_backward_are_averaged_over_at_the_ste
     # Both replicas hold this one's values: (2 x own) / 4 micro-batches.
     assert all(torch.equal(p.grad, (g * 2) / 4) for p, g in zip(model.parameters(), own,
                                                               strict=True))
+
+
+def test_a_step_that_reads_its_micro_batches_but_runs_no_backward_nor_step_is_a_step() -> None:
+    # A forward-only step (BatchNorm statistics warming up), and a read-ahead step that
+    # GradScaler skips: each read its micro-batches from ctx.batches.
+    program, model, optimizer, gen, ctx = _program(grad_accum=2)
+    program.capture = lambda *a, **k: None
+    program.reduce_losses = lambda *a: None
+    gen.check_plan = lambda: None
+    gen.step_done = lambda *a: None
+    data = Data(_Rows(), global_batch=8)
+    for step in ctx.steps(2):
+        batches = list(ctx.batches(data))
+        if step == 1:
+            for x in batches:
+                model(x).square().mean().backward()
+    assert ctx._finished == 2
