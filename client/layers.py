@@ -170,15 +170,11 @@ def block_bytes(block: torch.nn.Module) -> tuple[int, int]:
         size = p.numel() * p.element_size()
         mem += 4 * size if p.requires_grad else size
         state += 3 * size if p.requires_grad else size
-    seen: set[int] = set()
-    for module in block.modules():
-        for name, b in module._buffers.items():
-            if b is None or id(b) in seen:
-                continue
-            seen.add(id(b))
-            size = b.numel() * b.element_size()
-            mem += size
-            state += 0 if name in module._non_persistent_buffers_set else size
+    persistent = {id(t) for t in block.state_dict(keep_vars=True).values() if torch.is_tensor(t)}
+    for b in block.buffers():
+        size = b.numel() * b.element_size()
+        mem += size
+        state += size if id(b) in persistent else 0
     return mem, state
 
 
